@@ -1,0 +1,64 @@
+"""Architecture support, declared in one small place per family.
+
+A family says where a layer's query/key projections live and what enters them
+(x of METHODS.md: the layer input for post-LN BERT, the normalised input for
+pre-LN models), whether attention is causal, and how positions enter q and k.
+Attention itself is read through the transformers attention interface (see
+``actlake.analysis.capture``), so q and k are always the tensors the model uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actlake.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    """``config.model_type`` values this family covers."""
+    layers: str
+    """Dotted path from the base model to the list of transformer blocks."""
+    attention: str
+    """Dotted path from a block to the module that calls the attention interface."""
+    qk_projections: tuple[str, ...]
+    """Dotted paths from a block to the Q and K projections (one path when fused with V)."""
+    causal: bool
+    rotary: bool
+    """Positions enter q and k by rotation (RoPE; partial for GPT-NeoX)."""
+
+
+FAMILIES = (
+    Family("bert", ("bert", "roberta", "xlm-roberta"), "encoder.layer", "attention.self",
+           ("attention.self.query", "attention.self.key"), causal=False, rotary=False),
+    Family("gpt2", ("gpt2",), "h", "attn", ("attn.c_attn",), causal=True, rotary=False),
+    Family("gpt_neox", ("gpt_neox",), "layers", "attention", ("attention.query_key_value",), causal=True, rotary=True),
+    Family("llama", ("llama", "mistral", "qwen2"), "layers", "self_attn",
+           ("self_attn.q_proj", "self_attn.k_proj"), causal=True, rotary=True),
+)
+
+
+def family_for(model_type: str) -> Family:
+    for fam in FAMILIES:
+        if model_type in fam.model_types:
+            return fam
+    known = ", ".join(t for f in FAMILIES for t in f.model_types)
+    raise ModelLoadError(f"model_type {model_type!r} is not supported yet (supported: {known})")
+
+
+def get_path(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def blocks(base_model, family: Family):
+    """The transformer blocks of a base model (``AutoModel``) or a model with a head."""
+    for candidate in (base_model, getattr(base_model, "base_model", None)):
+        try:
+            return list(get_path(candidate, family.layers))
+        except AttributeError:
+            continue
+    raise ModelLoadError(f"{family.name}: cannot find layers at '{family.layers}' in {type(base_model).__name__}")

@@ -1,0 +1,162 @@
+"""The ``actlake`` command line. ``main(argv)`` is callable in-process (tests do)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from actlake.errors import ActlakeError
+
+EXAMPLE_SQL = "SELECT layer, round(avg(norm), 2) AS mean_norm FROM residual_norms GROUP BY layer ORDER BY layer"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="actlake", description="Distributed batch analysis of transformer internals on Ray.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a job (embedded local Ray, or a cluster with --address / RAY_ADDRESS)")
+    r.add_argument("config", nargs="?", help="job YAML (default: the embedded quick-start config)")
+    r.add_argument("--address", help="Ray cluster address (ray://HOST:10001 or HOST:6379); default RAY_ADDRESS")
+    r.add_argument("--run-id", help="override output.run_id")
+    r.add_argument("--no-report", action="store_true", help="skip the report at the end")
+
+    s = sub.add_parser("submit", help="submit a job through the Ray Jobs API")
+    s.add_argument("config")
+    s.add_argument("--address", default=os.environ.get("RAY_JOB_ADDRESS", "http://127.0.0.1:8265"),
+                   help="Ray dashboard / Jobs API address (default http://127.0.0.1:8265)")
+    s.add_argument("--run-id")
+    s.add_argument("--submission-id")
+    for name, helptext in (("status", "status of a submitted job"), ("logs", "logs of a submitted job")):
+        q = sub.add_parser(name, help=helptext)
+        q.add_argument("submission_id")
+        q.add_argument("--address", default=os.environ.get("RAY_JOB_ADDRESS", "http://127.0.0.1:8265"))
+
+    q = sub.add_parser("sql", help="one read-only SQL statement over a run's tables")
+    q.add_argument("run_dir")
+    q.add_argument("sql", nargs="?", help="the statement; omit to list tables")
+    q.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
+    q.add_argument("--output", "-o", help="file for --format parquet (default: stdout is refused)")
+    q.add_argument("--timeout", type=float, default=60.0, help="seconds before the query is stopped")
+
+    rp = sub.add_parser("report", help="(re)build report/report.html and PNGs of a run")
+    rp.add_argument("run_dir")
+
+    c = sub.add_parser("corpus", help="corpus tools")
+    csub = c.add_subparsers(dest="corpus_command", required=True)
+    cs = csub.add_parser("sample", help="write a deterministic Pile-format sample corpus")
+    cs.add_argument("out_dir")
+    cs.add_argument("--docs", type=int, default=400, help="number of documents (default 400)")
+    cs.add_argument("--files", type=int, default=2, help="number of files (default 2)")
+
+    qs = sub.add_parser("quickstart", help="build the sample corpus if needed, then run the embedded default job")
+    qs.add_argument("--docs", type=int, default=400)
+    return p
+
+
+def _print_table(table, fmt: str, output: str | None) -> None:
+    import pyarrow.csv as pacsv
+
+    if fmt == "parquet":
+        if not output:
+            raise ActlakeError("--format parquet needs --output FILE")
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, output)
+        print(f"wrote {table.num_rows} rows to {output}")
+    elif fmt == "csv":
+        pacsv.write_csv(table, sys.stdout.buffer)
+    elif fmt == "json":
+        import json
+
+        for row in table.to_pylist():
+            print(json.dumps(row, default=str))
+    else:
+        import duckdb
+
+        duckdb.from_arrow(table).show(max_rows=200, max_width=200)
+
+
+def _cmd_run(args) -> int:
+    from actlake.config import load_config
+    from actlake.jobs.run import run_job
+
+    overrides = {"output.run_id": args.run_id} if args.run_id else None
+    cfg = load_config(args.config, overrides=overrides)
+    res = run_job(cfg, address=args.address, report=False if args.no_report else None)
+    t = res.totals
+    print(f"run:     {res.run_dir}  ({res.shards_run} of {res.shards_total} shards ran)")
+    print(f"tokens:  {t['tokens']:,} in {t['windows']:,} windows of {t['docs']:,} documents; "
+          f"padded/real {t['padded_fraction']:.3f}; {t['tokens'] / max(res.wall_seconds, 1e-9):,.0f} tokens/s, {res.wall_seconds:.1f}s")
+    if t["rejects"]:
+        print("rejects: " + ", ".join(f"{k}={v}" for k, v in sorted(t["rejects"].items())))
+    if res.report:
+        print(f"report:  {res.report}")
+    from actlake.storage.sql import query
+
+    print(f"\nexample: actlake sql {res.run_dir} \"{EXAMPLE_SQL}\"")
+    _print_table(query(res.run_dir, EXAMPLE_SQL), "table", None)
+    return 0
+
+
+def _cmd_sql(args) -> int:
+    from actlake.storage.sql import query
+
+    sql = args.sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
+    _print_table(query(args.run_dir, sql, timeout_s=args.timeout), args.format, args.output)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        if args.command == "run":
+            return _cmd_run(args)
+        if args.command == "quickstart":
+            from actlake.corpus.sample import write_sample
+
+            if not os.path.isdir("data/sample"):
+                write_sample("data/sample", args.docs)
+            args.config, args.address, args.run_id, args.no_report = None, None, None, False
+            return _cmd_run(args)
+        if args.command == "submit":
+            from actlake.config import load_config
+            from actlake.jobs.submit import submit
+
+            cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None)
+            sid = submit(cfg, args.address, args.submission_id)
+            print(sid)
+            print(f"follow it with: actlake status {sid} --address {args.address}", file=sys.stderr)
+            return 0
+        if args.command in ("status", "logs"):
+            from actlake.jobs import submit as js
+
+            print(getattr(js, args.command)(args.address, args.submission_id))
+            return 0
+        if args.command == "sql":
+            return _cmd_sql(args)
+        if args.command == "report":
+            from actlake.report import build_report
+
+            print(build_report(args.run_dir))
+            return 0
+        if args.command == "corpus":
+            from actlake.corpus.sample import write_sample
+
+            for p in write_sample(args.out_dir, args.docs, args.files):
+                print(p)
+            return 0
+    except ActlakeError as e:
+        print(f"actlake: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

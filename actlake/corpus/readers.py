@@ -1,0 +1,185 @@
+"""Streaming readers: each yields the records of one file in order, by index.
+
+A record that cannot be used (malformed JSON, invalid UTF-8, no text) is yielded
+as a :class:`Reject` with its index, so one bad line never drops a whole file. A
+file that cannot be read at all (truncated ``.zst``, corrupt Parquet) raises
+:class:`CorpusError` naming it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from typing import Iterator, Union
+
+from actlake.errors import CorpusError
+
+
+@dataclass(frozen=True)
+class Record:
+    index: int
+    """Record number within its file (line number - 1 for jsonl, row for Parquet)."""
+    text: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Reject:
+    index: int
+    reason: str
+    """One of: malformed_json, invalid_utf8, not_an_object, missing_text, empty_text."""
+    detail: str
+
+
+Item = Union[Record, Reject]
+
+
+def file_format(path: str, declared: str = "auto") -> str:
+    if declared != "auto":
+        return declared
+    if path.endswith((".jsonl", ".json", ".jsonl.zst")):
+        return "jsonl"
+    if path.endswith(".parquet"):
+        return "parquet"
+    raise CorpusError(f"{path}: unknown corpus format (expected .jsonl, .jsonl.zst or .parquet)")
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(obj, dict) or part not in obj:
+            return None
+        obj = obj[part]
+    return obj
+
+
+def _open_bytes(path: str):
+    f = open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(f, closefd=True, read_across_frames=True)
+    return f
+
+
+def _lines(path: str) -> Iterator[bytes]:
+    try:
+        with _open_bytes(path) as raw:
+            buf = io.BufferedReader(raw, buffer_size=1 << 20)
+            for line in buf:
+                yield line
+    except CorpusError:
+        raise
+    except Exception as e:  # zstd errors, OS errors
+        raise CorpusError(f"{path}: cannot read corpus file ({type(e).__name__}: {e}); the file may be truncated or corrupt") from None
+
+
+def _parse_json_line(index: int, line: bytes, text_field: str, source_field: str) -> Item:
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Reject(index, "invalid_utf8", f"byte {e.start}: {e.reason}")
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        return Reject(index, "malformed_json", str(e))
+    if not isinstance(obj, dict):
+        return Reject(index, "not_an_object", f"got {type(obj).__name__}")
+    text = _get(obj, text_field)
+    if not isinstance(text, str):
+        return Reject(index, "missing_text", f"field {text_field!r} missing or not a string")
+    if not text.strip():
+        return Reject(index, "empty_text", "")
+    source = _get(obj, source_field)
+    return Record(index, text, str(source) if source is not None else "unknown")
+
+
+def iter_jsonl(path: str, start: int, end: int, text_field: str, source_field: str) -> Iterator[Item]:
+    """Records ``start <= index < end`` of a jsonl or jsonl.zst file (blank lines count as empty_text)."""
+    for index, line in enumerate(_lines(path)):
+        if index < start:
+            continue
+        if index >= end:
+            break
+        yield _parse_json_line(index, line.rstrip(b"\r\n"), text_field, source_field)
+
+
+def iter_parquet(path: str, start: int, end: int, text_field: str, source_field: str) -> Iterator[Item]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        top = text_field.split(".")[0]
+        src_top = source_field.split(".")[0]
+        cols = [c for c in dict.fromkeys([top, src_top]) if c in pf.schema_arrow.names]
+        index = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=cols):
+            for row in batch.to_pylist():
+                if start <= index < end:
+                    text = _get(row, text_field)
+                    if not isinstance(text, str):
+                        yield Reject(index, "missing_text", f"column {text_field!r} missing or not a string")
+                    elif not text.strip():
+                        yield Reject(index, "empty_text", "")
+                    else:
+                        src = _get(row, source_field)
+                        yield Record(index, text, str(src) if src is not None else "unknown")
+                index += 1
+                if index >= end:
+                    return
+    except CorpusError:
+        raise
+    except Exception as e:
+        raise CorpusError(f"{path}: cannot read Parquet corpus file ({type(e).__name__}: {e})") from None
+
+
+def iter_hf(name: str, split: str, start: int, end: int, text_field: str, source_field: str) -> Iterator[Item]:
+    ds = load_hf(name, split)
+    for index in range(start, min(end, len(ds))):
+        row = ds[index]
+        text = _get(row, text_field)
+        if not isinstance(text, str):
+            yield Reject(index, "missing_text", f"field {text_field!r} missing or not a string")
+        elif not text.strip():
+            yield Reject(index, "empty_text", "")
+        else:
+            src = _get(row, source_field)
+            yield Record(index, text, str(src) if src is not None else "unknown")
+
+
+def load_hf(name: str, split: str):
+    try:
+        import datasets
+    except ImportError:
+        raise CorpusError("corpus.format 'hf' needs the datasets library: pip install 'actlake[hf]'") from None
+    import os
+
+    try:
+        if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
+            ds = datasets.load_from_disk(name)
+            return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        return datasets.load_dataset(name, split=split)
+    except Exception as e:
+        raise CorpusError(f"hf dataset {name!r} (split {split!r}): cannot load ({type(e).__name__}: {e})") from None
+
+
+def count_records(path: str, fmt: str) -> int:
+    """Number of records in a file (one pass; Parquet reads only the footer)."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception as e:
+            raise CorpusError(f"{path}: cannot read Parquet corpus file ({type(e).__name__}: {e})") from None
+    return sum(1 for _ in _lines(path))
+
+
+def iter_items(path: str, fmt: str, start: int, end: int, text_field: str, source_field: str, hf_split: str = "train") -> Iterator[Item]:
+    if fmt == "jsonl":
+        return iter_jsonl(path, start, end, text_field, source_field)
+    if fmt == "parquet":
+        return iter_parquet(path, start, end, text_field, source_field)
+    if fmt == "hf":
+        return iter_hf(path, hf_split, start, end, text_field, source_field)
+    raise CorpusError(f"{path}: unknown corpus format {fmt!r}")

@@ -1,0 +1,29 @@
+"""One exception hierarchy for the package.
+
+Every class keeps its constructor arguments in ``args`` so instances pickle and
+unpickle unchanged: Ray moves exceptions between processes.
+"""
+
+
+class ActlakeError(Exception):
+    """Base class of every error actlake raises on purpose."""
+
+
+class ConfigError(ActlakeError):
+    """The job config is invalid: the message names the file, key and line."""
+
+
+class CorpusError(ActlakeError):
+    """A corpus file is missing, unreadable or corrupt: the message names it."""
+
+
+class ModelLoadError(ActlakeError):
+    """The model could not be loaded (missing folder, unsupported family, unsafe weights)."""
+
+
+class StorageError(ActlakeError):
+    """A run directory is inconsistent: missing shards, damaged files, a conflicting plan."""
+
+
+class QueryError(ActlakeError):
+    """A SQL query was refused or failed."""

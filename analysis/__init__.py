@@ -1,0 +1,1 @@
+"""Analyses: pure functions from captured tensors to mergeable sufficient statistics."""

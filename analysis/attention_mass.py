@@ -1,0 +1,88 @@
+"""Attention mass by query and key category per layer and head (METHODS.md §2).
+
+mass(l, h, cq, ck) = sum over valid queries m of category cq of sum over valid
+keys n of category ck of alpha_mn. The weights alpha are never materialised: the
+mass each query gives each key category is the attention output for V = the
+one-hot key-category matrix, one extra fused kernel call on a (T, C) value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+
+from actlake.categories import ROLE
+
+
+def allowed_pairs(valid: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, T) validity -> (B, 1, T, T) bool mask of pairs (m, n) a query may attend to."""
+    T = valid.shape[1]
+    mask = valid.bool()[:, None, None, :].expand(-1, 1, T, T)
+    if causal:
+        mask = mask & torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
+    return mask
+
+
+def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, H_kv, T, d) -> (B, H, T, d): query head h reads key head h // (H / H_kv)."""
+    rep = n_heads // key.shape[1]
+    return key if rep == 1 else key.repeat_interleave(rep, dim=1)
+
+
+def per_query_category_mass(query, key, scaling, pair_mask, key_onehot) -> torch.Tensor:
+    """(B, H, T, C): for each query, the attention it gives to each key category."""
+    q = query.float()
+    k = expand_kv(key, q.shape[1]).float()
+    v = key_onehot.float()[:, None].expand(-1, q.shape[1], -1, -1)  # (B, H, T, C)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=pair_mask, scale=float(scaling))
+    return torch.nan_to_num(out, nan=0.0)
+
+
+@dataclass
+class AttentionMass:
+    mass: np.ndarray
+    """(L, H, Cq, Ck) summed attention weight from queries of category cq to keys of category ck."""
+    n_queries: np.ndarray
+    """(L, Cq) valid queries of each category (the same for every head)."""
+
+    @classmethod
+    def zeros(cls, n_layers: int, n_heads: int, n_cat: int = len(ROLE)) -> "AttentionMass":
+        return cls(np.zeros((n_layers, n_heads, n_cat, n_cat)), np.zeros((n_layers, n_cat)))
+
+    def add_layer(self, layer: int, query, key, scaling, valid, causal, cat_onehot) -> None:
+        """Accumulate one layer of one batch. cat_onehot: (B, T, C), zero on padding."""
+        pair_mask = allowed_pairs(valid, causal)
+        per_q = per_query_category_mass(query, key, scaling, pair_mask, cat_onehot)  # (B, H, T, C)
+        m = torch.einsum("bhtk,btq->hqk", per_q.double(), cat_onehot.double())
+        self.mass[layer] += m.cpu().numpy()
+        self.n_queries[layer] += cat_onehot.double().sum((0, 1)).cpu().numpy()
+
+    def merge(self, other: "AttentionMass") -> "AttentionMass":
+        return AttentionMass(self.mass + other.mass, self.n_queries + other.n_queries)
+
+    def to_arrow(self) -> pa.Table:
+        L, H, Cq, Ck = self.mass.shape
+        layer, head, cq, ck = np.meshgrid(np.arange(L), np.arange(H), np.arange(Cq), np.arange(Ck), indexing="ij")
+        return pa.table({
+            "layer": pa.array(layer.ravel(), pa.int16()),
+            "head": pa.array(head.ravel(), pa.int16()),
+            "query_category": pa.array([ROLE[i] for i in cq.ravel()]),
+            "key_category": pa.array([ROLE[i] for i in ck.ravel()]),
+            "mass": pa.array(self.mass.ravel(), pa.float64()),
+            "n_queries": pa.array(self.n_queries[layer.ravel(), cq.ravel()], pa.float64()),
+        })
+
+    @classmethod
+    def from_arrow(cls, t: pa.Table) -> "AttentionMass":
+        c = t.to_pydict()
+        L, H = max(c["layer"]) + 1, max(c["head"]) + 1
+        out = cls.zeros(L, H)
+        for lay, h, q, k, m, n in zip(c["layer"], c["head"], c["query_category"], c["key_category"], c["mass"], c["n_queries"]):
+            qi, ki = ROLE.index(q), ROLE.index(k)
+            out.mass[lay, h, qi, ki] = m
+            out.n_queries[lay, qi] = n
+        return out

@@ -1,0 +1,85 @@
+"""Read q and k as the model uses them, with any attention kernel.
+
+transformers routes every supported architecture's attention through
+``ALL_ATTENTION_FUNCTIONS``. We register ``actlake_sdpa`` and ``actlake_eager``:
+each calls the real kernel unchanged and, while a :class:`Recorder` is active,
+first hands the recorder that layer's post-rotary ``q`` (B, H, T, d_h), ``k``
+(B, H_kv, T, d_h) and the softmax scale. Nothing is stored between layers unless
+the recorder keeps it. Outside ``recording()`` the wrapper is a pass-through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from contextvars import ContextVar
+from typing import Callable, Protocol
+
+import torch
+
+_ACTIVE: ContextVar["Recorder | None"] = ContextVar("actlake_recorder", default=None)
+PREFIX = "actlake_"
+
+
+class Recorder(Protocol):
+    def on_attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None: ...
+
+
+def _base_kernel(name: str, module) -> Callable:
+    if name == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _make_wrapper(base: str) -> Callable:
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        rec = _ACTIVE.get()
+        if rec is not None:
+            scaling = kwargs.get("scaling")
+            if scaling is None:
+                scaling = query.shape[-1] ** -0.5
+            rec.on_attention(module, query, key, scaling)
+        return _base_kernel(base, module)(module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = f"{PREFIX}{base}"
+    return attention
+
+
+def register() -> None:
+    """Register the wrapping attention implementations (idempotent)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    for base in ("sdpa", "eager"):
+        name = PREFIX + base
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, _make_wrapper(base))
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+
+
+def install(model: torch.nn.Module) -> None:
+    """Switch a loaded model to the wrapping implementation of its current kernel."""
+    register()
+    current = model.config._attn_implementation or "eager"
+    if current.startswith(PREFIX):
+        return
+    model.set_attn_implementation(PREFIX + current)
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder):
+    """Route every attention call of models run inside the block to ``recorder``."""
+    token = _ACTIVE.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE.reset(token)
+
+
+def attention_modules(model, family) -> dict[int, int]:
+    """``id(attention module) -> layer index`` for a loaded model."""
+    from actlake.architectures import blocks, get_path
+
+    return {id(get_path(block, family.attention)): i for i, block in enumerate(blocks(model, family))}

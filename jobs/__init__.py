@@ -1,0 +1,1 @@
+"""Job entrypoints: parse config, plan shards, dispatch to Ray actors, reduce."""

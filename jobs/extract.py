@@ -1,0 +1,178 @@
+"""One shard's work on a loaded model: read, tokenize, batch, forward, analyse, commit."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from actlake.analysis import capture
+from actlake.analysis.attention_mass import AttentionMass
+from actlake.analysis.dim_moments import DimMoments
+from actlake.analysis.residual_norms import residual_norms
+from actlake.batching import Window, collate, document_windows, make_batches
+from actlake.categories import ROLE, TYPE8, Categorizer, one_hot
+from actlake.config import JobConfig
+from actlake.corpus.readers import Reject, iter_items
+from actlake.jobs.plan import Shard
+from actlake.model import LoadedModel
+from actlake.storage.layout import RunLayout
+from actlake.storage.shards import ShardWriter
+
+
+class _MassRecorder:
+    """Receives each layer's q and k during one forward pass and accumulates attention mass."""
+
+    def __init__(self, stats: AttentionMass, layer_of: dict[int, int], valid, causal, role_onehot):
+        self.stats, self.layer_of, self.valid, self.causal, self.onehot = stats, layer_of, valid, causal, role_onehot
+
+    def on_attention(self, module, query, key, scaling):
+        self.stats.add_layer(self.layer_of[id(module)], query, key, scaling, self.valid, self.causal, self.onehot)
+
+
+class Extractor:
+    """Holds the model (loaded once per worker) and turns shards into committed tables."""
+
+    def __init__(self, cfg: JobConfig, lm: LoadedModel):
+        self.cfg, self.lm = cfg, lm
+        self.cats = Categorizer(lm.tokenizer)
+        capture.install(lm.model)
+        self.layer_of = capture.attention_modules(lm.model, lm.family)
+        mc = lm.model.config
+        self.n_layers = len(self.layer_of)
+        self.n_heads = mc.num_attention_heads
+
+    # ------------------------------------------------------------------ reading
+    def read_shard(self, shard: Shard):
+        c = self.cfg.corpus
+        windows: list[Window] = []
+        docs, rejects = [], []
+        for item in iter_items(shard.path, shard.fmt, shard.start, shard.end, c.text_field, c.source_field, c.hf_split):
+            if isinstance(item, Reject):
+                rejects.append({"file": shard.path, "record": item.index, "reason": item.reason, "detail": item.detail})
+                continue
+            doc_id = shard.doc_offset + item.index
+            ws = document_windows(self.lm.tokenizer, item.text, self.cfg.tokenization)
+            if not ws:
+                rejects.append({"file": shard.path, "record": item.index, "reason": "too_few_tokens", "detail": ""})
+                continue
+            windows += [Window(doc_id, w, ids, item.source) for w, ids in enumerate(ws)]
+            docs.append({"doc_id": doc_id, "file": shard.path, "record": item.index, "source": item.source,
+                         "n_chars": len(item.text), "n_windows": len(ws), "n_tokens": sum(len(x) for x in ws)})
+        return windows, docs, rejects
+
+    # ------------------------------------------------------------------ one batch
+    @torch.inference_mode()
+    def run_batch(self, batch: list[Window], mass: AttentionMass | None):
+        """Forward one batch; returns (role ids, type8 ids, valid, norms (N, L+1), DimMoments | None)."""
+        a = self.cfg.analyses
+        ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)
+        per_window = [self.cats.window(w.ids) for w in batch]
+        role = torch.zeros_like(ids)
+        type8 = torch.zeros_like(ids)
+        for i, (_, r, t) in enumerate(per_window):
+            role[i, : len(r)] = torch.tensor(r)
+            type8[i, : len(t)] = torch.tensor(t)
+        dev = self.lm.device
+        valid = mask.to(dev)
+        recorder = None
+        if mass is not None:
+            recorder = _MassRecorder(mass, self.layer_of, valid, self.lm.family.causal,
+                                     one_hot(role.to(dev), len(ROLE), valid))
+        if recorder is not None:
+            with capture.recording(recorder):
+                out = self.lm.model(input_ids=ids.to(dev), attention_mask=valid, output_hidden_states=True)
+        else:
+            out = self.lm.model(input_ids=ids.to(dev), attention_mask=valid, output_hidden_states=True)
+        hs = [h.to("cpu") for h in out.hidden_states]
+        norms = residual_norms(hs, mask) if a.residual_norms else None
+        moments = DimMoments.from_batch(hs, mask, role, type8) if a.dim_moments else None
+        return per_window, mask, norms, moments
+
+    # ------------------------------------------------------------------ one shard
+    def process(self, shard: Shard, layout: RunLayout, plan_hash: str) -> dict:
+        t0 = time.perf_counter()
+        a = self.cfg.analyses
+        windows, docs, rejects = self.read_shard(shard)
+        batches = make_batches(windows, self.cfg.batching)
+        mass = AttentionMass.zeros(self.n_layers, self.n_heads) if a.attention_mass else None
+        moments = None
+        tok_cols: dict[str, list] = {k: [] for k in ("doc_id", "window", "position", "token_id", "token", "role", "type8", "source")}
+        norm_rows = []
+        n_tokens = n_padded = 0
+        for batch in batches:
+            per_window, mask, norms, m = self.run_batch(batch, mass)
+            lengths = [len(w.ids) for w in batch]
+            n_tokens += sum(lengths)
+            n_padded += len(batch) * max(lengths) - sum(lengths)
+            if m is not None:
+                moments = m if moments is None else moments.merge(m)
+            keys = []
+            for w, (texts, roles, t8s) in zip(batch, per_window):
+                T = len(w.ids)
+                keys.append(np.stack([np.full(T, w.doc_id), np.full(T, w.window), np.arange(T)], 1))
+                if a.tokens:
+                    tok_cols["doc_id"] += [w.doc_id] * T
+                    tok_cols["window"] += [w.window] * T
+                    tok_cols["position"] += list(range(T))
+                    tok_cols["token_id"] += w.ids
+                    tok_cols["token"] += texts
+                    tok_cols["role"] += [ROLE[r] for r in roles]
+                    tok_cols["type8"] += [TYPE8[t] for t in t8s]
+                    tok_cols["source"] += [w.source] * T
+            if norms is not None:
+                norm_rows.append((np.concatenate(keys), norms.numpy()))
+        writer = ShardWriter(layout, shard.shard_id, plan_hash)
+        try:
+            self._write_tables(writer, tok_cols, norm_rows, docs, rejects, moments, mass)
+            summary = {"docs": len(docs), "windows": len(windows), "tokens": n_tokens, "padded_tokens": n_padded,
+                       "batches": len(batches), "rejects": dict(Counter(r["reason"] for r in rejects)),
+                       "seconds": time.perf_counter() - t0}
+            writer.commit(summary)
+        except BaseException:
+            writer.abort()
+            raise
+        return summary
+
+    def _write_tables(self, writer, tok_cols, norm_rows, docs, rejects, moments, mass):
+        a = self.cfg.analyses
+        writer.write("documents", pa.Table.from_pylist(docs, schema=DOCUMENTS_SCHEMA))
+        writer.write("rejects", pa.Table.from_pylist(rejects, schema=REJECTS_SCHEMA))
+        if a.tokens:
+            writer.write("tokens", pa.table(tok_cols, schema=TOKENS_SCHEMA))
+        if a.residual_norms:
+            writer.write("residual_norms", _norm_table(norm_rows))
+        if moments is not None:
+            writer.write("dim_moments_by_shard", moments.to_arrow())
+        if mass is not None:
+            writer.write("attention_mass_by_shard", mass.to_arrow())
+
+
+def _norm_table(norm_rows) -> pa.Table:
+    if not norm_rows:
+        return NORMS_SCHEMA.empty_table()
+    keys = np.concatenate([k for k, _ in norm_rows])  # (N, 3)
+    norms = np.concatenate([n for _, n in norm_rows])  # (N, L+1)
+    L1 = norms.shape[1]
+    return pa.table({
+        "doc_id": pa.array(np.repeat(keys[:, 0], L1), pa.int64()),
+        "window": pa.array(np.repeat(keys[:, 1], L1), pa.int32()),
+        "position": pa.array(np.repeat(keys[:, 2], L1), pa.int32()),
+        "layer": pa.array(np.tile(np.arange(L1), len(keys)), pa.int16()),
+        "norm": pa.array(norms.ravel(), pa.float64()),
+    }, schema=NORMS_SCHEMA)
+
+
+TOKENS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window", pa.int32()), ("position", pa.int32()),
+                           ("token_id", pa.int32()), ("token", pa.string()), ("role", pa.string()),
+                           ("type8", pa.string()), ("source", pa.string())])
+NORMS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window", pa.int32()), ("position", pa.int32()),
+                          ("layer", pa.int16()), ("norm", pa.float64())])
+DOCUMENTS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("file", pa.string()), ("record", pa.int64()),
+                              ("source", pa.string()), ("n_chars", pa.int64()), ("n_windows", pa.int32()),
+                              ("n_tokens", pa.int64())])
+REJECTS_SCHEMA = pa.schema([("file", pa.string()), ("record", pa.int64()), ("reason", pa.string()),
+                            ("detail", pa.string())])

@@ -1,0 +1,141 @@
+"""``actlake run``: parse config, plan shards, dispatch to Ray actors, reduce, report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from actlake.config import JobConfig
+from actlake.errors import ActlakeError, StorageError
+from actlake.jobs.plan import make_plan, plan_hash
+from actlake.jobs.progress import Progress
+from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.shards import read_record
+
+log = logging.getLogger("actlake.run")
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    shards_total: int
+    shards_run: int
+    totals: dict
+    wall_seconds: float
+    report: str | None
+
+
+def init_ray(address: str | None) -> bool:
+    """Connect to ``address`` / RAY_ADDRESS, or start an embedded Ray bound to 127.0.0.1. True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    return True
+
+
+def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
+    """(workers, cpus each, gpus each, torch threads) from the config and the cluster."""
+    import ray
+
+    r = cfg.resources
+    res = ray.cluster_resources()
+    gpus = r.gpus_per_worker or (1.0 if res.get("GPU", 0) >= 1 else 0.0)
+    n = r.num_workers or (max(1, int(res.get("GPU", 0) // gpus)) if gpus else 1)
+    cpus = r.cpus_per_worker or (max(1.0, res.get("CPU", 1) // n) if not gpus else 1.0)
+    return n, cpus, gpus, int(cpus)
+
+
+def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str) -> None:
+    layout.root.mkdir(parents=True, exist_ok=True)
+    if layout.run_json.exists():
+        old = json.loads(layout.run_json.read_text())
+        if old.get("plan_hash") != phash:
+            raise StorageError(
+                f"{layout.root} holds run '{layout.root.name}' with a different config or corpus "
+                f"(plan {old.get('plan_hash')} vs {phash}); pick a new output.run_id or delete the folder"
+            )
+        return
+    write_json_atomic(layout.run_json, {"run_id": layout.root.name, "plan_hash": phash, "config": cfg.to_dict(),
+                                        "shards": [asdict(s) for s in shards], "created": time.time()})
+
+
+def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = None) -> RunResult:
+    from actlake.jobs.reduce import reduce_run
+
+    t0 = time.perf_counter()
+    layout = RunLayout(cfg.run_dir)
+    shards = make_plan(cfg)
+    if not shards:
+        raise ActlakeError("the corpus has no documents: nothing to do")
+    phash = plan_hash(cfg, shards)
+    prepare_run_dir(cfg, layout, shards, phash)
+    pending = [s for s in shards if read_record(layout, s.shard_id, phash) is None]
+    log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
+    if pending:
+        _dispatch(cfg, layout, phash, pending, len(shards), address or cfg.resources.address)
+    totals = reduce_run(layout, [s.shard_id for s in shards], phash)
+    wall = time.perf_counter() - t0
+    totals.update(wall_seconds=wall, shards_run=len(pending))
+    write_json_atomic(layout.summary_json, totals)
+    report_path = None
+    if cfg.output.report if report is None else report:
+        from actlake.report import build_report
+
+        report_path = str(build_report(layout.root))
+    return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
+
+
+def _dispatch(cfg, layout, phash, pending, total, address) -> None:
+    import ray
+
+    from actlake.jobs.worker import ShardWorker
+
+    started = init_ray(address)
+    try:
+        n, cpus, gpus, threads = _worker_shape(cfg)
+        n = min(n, len(pending))
+        retries = cfg.resources.max_retries
+        workers = [
+            ShardWorker.options(num_cpus=cpus, num_gpus=gpus, max_restarts=retries, max_task_retries=retries)
+            .remote(cfg.to_dict(), str(layout.root), phash, threads)
+            for _ in range(n)
+        ]
+        log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU each)", len(pending), n, cpus, gpus)
+        progress = Progress(total, skipped=total - len(pending))
+        queue = list(pending)
+        in_flight: dict = {}
+        failures: list[str] = []
+        for w in workers:
+            if queue:
+                s = queue.pop(0)
+                in_flight[w.process.remote(asdict(s))] = (w, s)
+        while in_flight:
+            done, _ = ray.wait(list(in_flight), num_returns=1)
+            ref = done[0]
+            w, s = in_flight.pop(ref)
+            try:
+                progress.update(ray.get(ref))
+            except Exception as e:  # a shard that failed for good: the others still run
+                cause = getattr(e, "cause", None) or e
+                failures.append(f"shard {s.shard_id:05d} ({s.path} records {s.start}-{s.end}): {cause}")
+                log.error("%s", failures[-1])
+            if queue:
+                s2 = queue.pop(0)
+                in_flight[w.process.remote(asdict(s2))] = (w, s2)
+        for w in workers:
+            ray.kill(w)
+        if failures:
+            raise ActlakeError(f"{len(failures)} shard(s) failed; rerun the same run id to retry them:\n  " + "\n  ".join(failures))
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,76 @@
+"""``actlake submit/status/logs``: the same job through the Ray Jobs API.
+
+The code travels as a runtime_env ``py_modules`` entry (this installed actlake
+package, staged as one folder), the config as the ``working_dir``. Paths in the
+config are made absolute: they must exist on the cluster (a shared filesystem or
+object store mount), as with any Ray job.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from actlake.config import JobConfig, resolve_model_path
+
+
+def stage_package(dest: Path) -> Path:
+    """Copy the importable ``actlake`` package (with jobs/analysis/storage) into ``dest/actlake``."""
+    import actlake
+
+    pkg = dest / "actlake"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(Path(actlake.__file__).parent, pkg, ignore=ignore)
+    for sub in ("jobs", "analysis", "storage"):
+        mod = __import__(f"actlake.{sub}", fromlist=["_"])
+        target = pkg / sub
+        if not target.exists():
+            shutil.copytree(Path(mod.__file__).parent, target, ignore=ignore)
+    return pkg
+
+
+def absolute_config(cfg: JobConfig) -> dict:
+    import os
+
+    d = cfg.to_dict()
+    d["name"] = cfg.name
+    d["corpus"]["paths"] = [os.path.abspath(os.path.expanduser(p)) for p in cfg.corpus.paths]
+    d["model"]["name_or_path"] = resolve_model_path(cfg.model.name_or_path)
+    d["output"]["dir"] = os.path.abspath(cfg.output.dir)
+    d["output"]["run_id"] = cfg.run_id
+    d["resources"]["address"] = None  # inside the job, Ray connects to its own cluster
+    return d
+
+
+def submit(cfg: JobConfig, address: str, submission_id: str | None = None) -> str:
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    with tempfile.TemporaryDirectory(prefix="actlake-submit-") as tmp:
+        tmp = Path(tmp)
+        work = tmp / "work"
+        work.mkdir()
+        (work / "job.yaml").write_text(yaml.safe_dump(absolute_config(cfg), sort_keys=False))
+        pkg = stage_package(tmp / "modules")
+        return client.submit_job(
+            entrypoint="python -m actlake.cli run job.yaml",
+            submission_id=submission_id,
+            runtime_env={"working_dir": str(work), "py_modules": [str(pkg)],
+                         "env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+            metadata={"actlake_run_id": cfg.run_id},
+        )
+
+
+def status(address: str, submission_id: str) -> str:
+    from ray.job_submission import JobSubmissionClient
+
+    return str(JobSubmissionClient(address).get_job_status(submission_id).value)
+
+
+def logs(address: str, submission_id: str) -> str:
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address).get_job_logs(submission_id)

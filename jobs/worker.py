@@ -1,0 +1,36 @@
+"""The Ray actor that owns one device: loads the model once, then processes shards."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+
+@ray.remote
+class ShardWorker:
+    def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int):
+        import torch
+
+        from actlake.config import parse_config
+        from actlake.jobs.extract import Extractor
+        from actlake.model import load_model
+        from actlake.storage.layout import RunLayout
+
+        if torch_threads > 0:
+            torch.set_num_threads(torch_threads)
+        self.cfg = parse_config(cfg_dict)
+        self.layout = RunLayout(__import__("pathlib").Path(run_dir))
+        self.plan_hash = plan_hash
+        self.extractor = Extractor(self.cfg, load_model(self.cfg.model))
+        self.pid = os.getpid()
+
+    def process(self, shard_dict: dict) -> dict:
+        from actlake.jobs.plan import Shard
+
+        shard = Shard(**shard_dict)
+        summary = self.extractor.process(shard, self.layout, self.plan_hash)
+        return dict(summary, shard_id=shard.shard_id, pid=self.pid)
+
+    def get_pid(self) -> int:
+        return self.pid

@@ -1,0 +1,1 @@
+"""Storage: atomic Parquet shards, completion records, DuckDB views, safe SQL."""
