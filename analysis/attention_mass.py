@@ -53,10 +53,15 @@ class AttentionMass:
     def zeros(cls, n_layers: int, n_heads: int, n_cat: int = len(ROLE)) -> "AttentionMass":
         return cls(np.zeros((n_layers, n_heads, n_cat, n_cat)), np.zeros((n_layers, n_cat)))
 
-    def add_layer(self, layer: int, query, key, scaling, valid, causal, cat_onehot) -> None:
-        """Accumulate one layer of one batch. cat_onehot: (B, T, C), zero on padding."""
-        pair_mask = allowed_pairs(valid, causal)
-        per_q = per_query_category_mass(query, key, scaling, pair_mask, cat_onehot)  # (B, H, T, C)
+    def add_layer(self, layer: int, query, key, scaling, valid, causal, cat_onehot, per_query=None) -> None:
+        """Accumulate one layer of one batch. cat_onehot: (B, T, C), zero on padding.
+
+        ``per_query`` (B, H, T, C), when the model's own kernel already produced it
+        (one-hot columns appended to V), saves the separate kernel call.
+        """
+        if per_query is None:
+            per_query = per_query_category_mass(query, key, scaling, allowed_pairs(valid, causal), cat_onehot)
+        per_q = torch.nan_to_num(per_query.to(torch.float64), nan=0.0)  # (B, H, T, C)
         m = torch.einsum("bhtk,btq->hqk", per_q.double(), cat_onehot.double())
         self.mass[layer] += m.cpu().numpy()
         self.n_queries[layer] += cat_onehot.double().sum((0, 1)).cpu().numpy()

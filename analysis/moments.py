@@ -39,10 +39,9 @@ class Moments:
         sq = g.T @ (x * x)
         m2 = (sq - 2 * mean * sums + count.unsqueeze(-1) * mean * mean).clamp(min=0)
         absx = x.abs()
-        max_abs = torch.stack([
-            (absx * g[:, i : i + 1]).amax(0) if count[i] > 0 else torch.zeros(x.shape[1], dtype=x.dtype)
-            for i in range(g.shape[1])
-        ])
+        max_abs = torch.zeros_like(sums)
+        for i in torch.nonzero(count).flatten().tolist():
+            max_abs[i] = absx[g[:, i] > 0].amax(0)
         return cls(count.numpy(), mean.numpy(), m2.numpy(), max_abs.numpy())
 
     def merge(self, other: "Moments") -> "Moments":

@@ -29,8 +29,14 @@ class _MassRecorder:
     def __init__(self, stats: AttentionMass, layer_of: dict[int, int], valid, causal, role_onehot):
         self.stats, self.layer_of, self.valid, self.causal, self.onehot = stats, layer_of, valid, causal, role_onehot
 
-    def on_attention(self, module, query, key, scaling):
-        self.stats.add_layer(self.layer_of[id(module)], query, key, scaling, self.valid, self.causal, self.onehot)
+    def extra_values(self, module, query, value):
+        if value.dtype != torch.float32:
+            return None  # low precision: a separate float32 call keeps the mass accurate
+        return self.onehot.to(torch.float32)[:, None].expand(-1, value.shape[1], -1, -1)
+
+    def on_attention(self, module, query, key, scaling, extra_out):
+        layer = self.layer_of[id(module)]
+        self.stats.add_layer(layer, query, key, scaling, self.valid, self.causal, self.onehot, per_query=extra_out)
 
 
 class Extractor:
@@ -100,7 +106,7 @@ class Extractor:
         batches = make_batches(windows, self.cfg.batching)
         mass = AttentionMass.zeros(self.n_layers, self.n_heads) if a.attention_mass else None
         moments = None
-        tok_cols: dict[str, list] = {k: [] for k in ("doc_id", "window", "position", "token_id", "token", "role", "type8", "source")}
+        tok_cols: dict[str, list] = {k: [] for k in ("doc_id", "window_index", "position", "token_id", "token", "role", "type8", "source")}
         norm_rows = []
         n_tokens = n_padded = 0
         for batch in batches:
@@ -116,7 +122,7 @@ class Extractor:
                 keys.append(np.stack([np.full(T, w.doc_id), np.full(T, w.window), np.arange(T)], 1))
                 if a.tokens:
                     tok_cols["doc_id"] += [w.doc_id] * T
-                    tok_cols["window"] += [w.window] * T
+                    tok_cols["window_index"] += [w.window] * T
                     tok_cols["position"] += list(range(T))
                     tok_cols["token_id"] += w.ids
                     tok_cols["token"] += texts
@@ -159,17 +165,17 @@ def _norm_table(norm_rows) -> pa.Table:
     L1 = norms.shape[1]
     return pa.table({
         "doc_id": pa.array(np.repeat(keys[:, 0], L1), pa.int64()),
-        "window": pa.array(np.repeat(keys[:, 1], L1), pa.int32()),
+        "window_index": pa.array(np.repeat(keys[:, 1], L1), pa.int32()),
         "position": pa.array(np.repeat(keys[:, 2], L1), pa.int32()),
         "layer": pa.array(np.tile(np.arange(L1), len(keys)), pa.int16()),
         "norm": pa.array(norms.ravel(), pa.float64()),
     }, schema=NORMS_SCHEMA)
 
 
-TOKENS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window", pa.int32()), ("position", pa.int32()),
+TOKENS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
                            ("token_id", pa.int32()), ("token", pa.string()), ("role", pa.string()),
                            ("type8", pa.string()), ("source", pa.string())])
-NORMS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window", pa.int32()), ("position", pa.int32()),
+NORMS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
                           ("layer", pa.int16()), ("norm", pa.float64())])
 DOCUMENTS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("file", pa.string()), ("record", pa.int64()),
                               ("source", pa.string()), ("n_chars", pa.int64()), ("n_windows", pa.int32()),

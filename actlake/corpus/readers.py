@@ -8,7 +8,6 @@ file that cannot be read at all (truncated ``.zst``, corrupt Parquet) raises
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from typing import Iterator, Union
@@ -53,21 +52,49 @@ def _get(obj, dotted: str):
     return obj
 
 
-def _open_bytes(path: str):
-    f = open(path, "rb")
-    if path.endswith(".zst"):
-        import zstandard
+def _zst_chunks(path: str, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """Decompressed bytes of every frame; raises if the file ends inside a frame."""
+    import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(f, closefd=True, read_across_frames=True)
-    return f
+    dctx = zstandard.ZstdDecompressor()
+    with open(path, "rb") as f:
+        dobj = dctx.decompressobj()
+        in_frame = False
+        while True:
+            data = f.read(chunk)
+            if not data:
+                break
+            while data:
+                out = dobj.decompress(data)
+                in_frame = not dobj.eof
+                if out:
+                    yield out
+                data = dobj.unused_data if dobj.eof else b""
+                if dobj.eof:
+                    dobj = dctx.decompressobj()
+                    in_frame = False
+        if in_frame:
+            raise CorpusError(f"{path}: truncated zstd file (ends inside a frame)")
+
+
+def _raw_chunks(path: str, chunk: int = 1 << 20) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            yield data
 
 
 def _lines(path: str) -> Iterator[bytes]:
+    """Lines (with their newline) of a plain or zstd-compressed file, streamed."""
+    chunks = _zst_chunks(path) if path.endswith(".zst") else _raw_chunks(path)
+    rest = b""
     try:
-        with _open_bytes(path) as raw:
-            buf = io.BufferedReader(raw, buffer_size=1 << 20)
-            for line in buf:
-                yield line
+        for data in chunks:
+            parts = (rest + data).split(b"\n")
+            rest = parts.pop()
+            for part in parts:
+                yield part + b"\n"
+        if rest:
+            yield rest
     except CorpusError:
         raise
     except Exception as e:  # zstd errors, OS errors

