@@ -45,17 +45,34 @@ def absolute_config(cfg: JobConfig) -> dict:
     return d
 
 
-def submit(cfg: JobConfig, address: str, submission_id: str | None = None) -> str:
+def auth_token() -> str | None:
+    """Ray's cluster token: RAY_AUTH_TOKEN, the file at RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token."""
+    import os
+
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    return path.read_text().strip() if path.is_file() else None
+
+
+def client(address: str):
+    """A Jobs API client that sends the cluster token when one is known (Ray token authentication)."""
     from ray.job_submission import JobSubmissionClient
 
-    client = JobSubmissionClient(address)
+    token = auth_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    return JobSubmissionClient(address, headers=headers)
+
+
+def submit(cfg: JobConfig, address: str, submission_id: str | None = None) -> str:
+    client_ = client(address)
     with tempfile.TemporaryDirectory(prefix="actlake-submit-") as tmp:
         tmp = Path(tmp)
         work = tmp / "work"
         work.mkdir()
         (work / "job.yaml").write_text(yaml.safe_dump(absolute_config(cfg), sort_keys=False))
         pkg = stage_package(tmp / "modules")
-        return client.submit_job(
+        return client_.submit_job(
             entrypoint="python -m actlake.cli run job.yaml",
             submission_id=submission_id,
             runtime_env={"working_dir": str(work), "py_modules": [str(pkg)],
@@ -65,12 +82,8 @@ def submit(cfg: JobConfig, address: str, submission_id: str | None = None) -> st
 
 
 def status(address: str, submission_id: str) -> str:
-    from ray.job_submission import JobSubmissionClient
-
-    return str(JobSubmissionClient(address).get_job_status(submission_id).value)
+    return str(client(address).get_job_status(submission_id).value)
 
 
 def logs(address: str, submission_id: str) -> str:
-    from ray.job_submission import JobSubmissionClient
-
-    return JobSubmissionClient(address).get_job_logs(submission_id)
+    return client(address).get_job_logs(submission_id)

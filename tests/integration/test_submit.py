@@ -1,0 +1,89 @@
+"""``actlake submit`` against a real Ray head started here on 127.0.0.1 (Jobs API over HTTP)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from actlake.cli import main
+from actlake.storage.sql import query
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head():
+    temp = tempfile.mkdtemp(prefix="rayh", dir="/tmp")
+    gcs, dash = _free_port(), _free_port()
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    proc = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2",
+         "--disable-usage-stats", f"--temp-dir={temp}"],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        env=dict(os.environ, RAY_ADDRESS=""),
+    )
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        from actlake.jobs.submit import client
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client(address).list_jobs()
+                break
+            except Exception:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"Ray head did not come up on {address}")
+                time.sleep(1)
+        yield address
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_submit_runs_the_job_on_the_cluster(ray_head, minilm_path, sample_corpus, tmp_path, capsys):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(
+        f"name: submitted\nmodel:\n  name_or_path: {minilm_path}\n"
+        f"corpus:\n  paths: ['{sample_corpus}/*.jsonl.zst']\n  max_docs: 6\n"
+        f"tokenization:\n  max_length: 32\n  max_windows_per_doc: 1\n"
+        f"output:\n  dir: {tmp_path}/runs\n  run_id: sub\n  report: false\n"
+        f"resources:\n  cpus_per_worker: 1\n"
+    )
+    assert main(["submit", str(cfg), "--address", ray_head]) == 0
+    sid = capsys.readouterr().out.strip().splitlines()[-1]
+    assert sid.startswith("raysubmit_")
+    deadline = time.monotonic() + 400
+    state = ""
+    while time.monotonic() < deadline:
+        assert main(["status", sid, "--address", ray_head]) == 0
+        state = capsys.readouterr().out.strip()
+        if state in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        time.sleep(2)
+    main(["logs", sid, "--address", ray_head])
+    logs = capsys.readouterr().out
+    assert state == "SUCCEEDED", logs[-3000:]
+    assert "shards ran" in logs
+    n = query(tmp_path / "runs" / "sub", "SELECT count(DISTINCT doc_id) AS n FROM tokens").to_pylist()[0]["n"]
+    assert n == 6
