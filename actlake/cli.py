@@ -88,8 +88,10 @@ def _cmd_run(args) -> int:
     res = run_job(cfg, address=args.address, report=False if args.no_report else None)
     t = res.totals
     print(f"run:     {res.run_dir}  ({res.shards_run} of {res.shards_total} shards ran)")
+    speed = (f"{t['tokens_per_second']:,.0f} tokens/s over the shards run" if t["tokens_per_second"]
+             else "nothing left to run")
     print(f"tokens:  {t['tokens']:,} in {t['windows']:,} windows of {t['docs']:,} documents; "
-          f"padded/real {t['padded_fraction']:.3f}; {t['tokens'] / max(res.wall_seconds, 1e-9):,.0f} tokens/s, {res.wall_seconds:.1f}s")
+          f"padded/real {t['padded_fraction']:.3f}; {speed}; wall {res.wall_seconds:.1f}s")
     if t["rejects"]:
         print("rejects: " + ", ".join(f"{k}={v}" for k, v in sorted(t["rejects"].items())))
     if res.report:

@@ -197,7 +197,7 @@ def _compose_with_lines(text: str, where: str):
 def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
+        return " | ".join(repr(a) for a in typing.get_args(tp)).replace("'", "")
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
@@ -402,8 +402,9 @@ def reference_markdown() -> str:
     """The configuration reference (README section), from the dataclass field comments."""
     import ast
     import inspect
+    import sys
 
-    src = inspect.getsource(__import__(__name__))
+    src = inspect.getsource(sys.modules[__name__])
     tree = ast.parse(src)
     docs: dict[tuple[str, str], str] = {}
     for node in tree.body:
@@ -418,6 +419,7 @@ def reference_markdown() -> str:
         out.append(f"| `{section}` | | | |")
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            tp = _type_name(typing.get_type_hints(cls)[f.name])
-            out.append(f"| `{section}.{f.name}` | {tp} | `{json.dumps(default)}` | {docs.get((cls.__name__, f.name), '')} |")
+            tp = _type_name(typing.get_type_hints(cls)[f.name]).replace("NoneType", "null").replace(" | ", " or ")
+            doc = docs.get((cls.__name__, f.name), "").replace("``", "`")
+            out.append(f"| `{section}.{f.name}` | {tp} | `{json.dumps(default)}` | {doc} |")
     return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|"] + out)

@@ -81,11 +81,14 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     prepare_run_dir(cfg, layout, shards, phash)
     pending = [s for s in shards if read_record(layout, s.shard_id, phash) is None]
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
+    ran: list[dict] = []
     if pending:
-        _dispatch(cfg, layout, phash, pending, len(shards), address or cfg.resources.address)
+        ran = _dispatch(cfg, layout, phash, pending, len(shards), address or cfg.resources.address)
     totals = reduce_run(layout, [s.shard_id for s in shards], phash)
     wall = time.perf_counter() - t0
-    totals.update(wall_seconds=wall, shards_run=len(pending))
+    tokens_run = sum(r["tokens"] for r in ran)
+    totals.update(wall_seconds=wall, shards_run=len(pending), tokens_run=tokens_run,
+                  tokens_per_second=tokens_run / wall if ran else None)
     write_json_atomic(layout.summary_json, totals)
     report_path = None
     if cfg.output.report if report is None else report:
@@ -95,7 +98,8 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
 
 
-def _dispatch(cfg, layout, phash, pending, total, address) -> None:
+def _dispatch(cfg, layout, phash, pending, total, address) -> list[dict]:
+    """Run ``pending`` shards on fresh actors; return their summaries. Raises if any shard failed."""
     import ray
 
     from actlake.jobs.worker import ShardWorker
@@ -115,6 +119,7 @@ def _dispatch(cfg, layout, phash, pending, total, address) -> None:
         queue = list(pending)
         in_flight: dict = {}
         failures: list[str] = []
+        summaries: list[dict] = []
         for w in workers:
             if queue:
                 s = queue.pop(0)
@@ -124,7 +129,8 @@ def _dispatch(cfg, layout, phash, pending, total, address) -> None:
             ref = done[0]
             w, s = in_flight.pop(ref)
             try:
-                progress.update(ray.get(ref))
+                summaries.append(ray.get(ref))
+                progress.update(summaries[-1])
             except Exception as e:  # a shard that failed for good: the others still run
                 cause = getattr(e, "cause", None) or e
                 failures.append(f"shard {s.shard_id:05d} ({s.path} records {s.start}-{s.end}): {cause}")
@@ -136,6 +142,7 @@ def _dispatch(cfg, layout, phash, pending, total, address) -> None:
             ray.kill(w)
         if failures:
             raise ActlakeError(f"{len(failures)} shard(s) failed; rerun the same run id to retry them:\n  " + "\n  ".join(failures))
+        return summaries
     finally:
         if started:
             ray.shutdown()

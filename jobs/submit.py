@@ -8,13 +8,17 @@ object store mount), as with any Ray job.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 
 from actlake.config import JobConfig, resolve_model_path
+
+log = logging.getLogger("actlake.submit")
 
 
 def stage_package(dest: Path) -> Path:
@@ -64,7 +68,7 @@ def client(address: str):
     return JobSubmissionClient(address, headers=headers)
 
 
-def submit(cfg: JobConfig, address: str, submission_id: str | None = None) -> str:
+def submit(cfg: JobConfig, address: str, submission_id: str | None = None, agent_wait_s: float = 120) -> str:
     client_ = client(address)
     with tempfile.TemporaryDirectory(prefix="actlake-submit-") as tmp:
         tmp = Path(tmp)
@@ -72,13 +76,21 @@ def submit(cfg: JobConfig, address: str, submission_id: str | None = None) -> st
         work.mkdir()
         (work / "job.yaml").write_text(yaml.safe_dump(absolute_config(cfg), sort_keys=False))
         pkg = stage_package(tmp / "modules")
-        return client_.submit_job(
-            entrypoint="python -m actlake.cli run job.yaml",
-            submission_id=submission_id,
-            runtime_env={"working_dir": str(work), "py_modules": [str(pkg)],
-                         "env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
-            metadata={"actlake_run_id": cfg.run_id},
-        )
+        deadline = time.monotonic() + agent_wait_s
+        while True:
+            try:
+                return client_.submit_job(
+                    entrypoint="python -m actlake.cli run job.yaml",
+                    submission_id=submission_id,
+                    runtime_env={"working_dir": str(work), "py_modules": [str(pkg)],
+                                 "env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+                    metadata={"actlake_run_id": cfg.run_id},
+                )
+            except RuntimeError as e:  # a head that just started has no job agent yet
+                if "No available agent" not in str(e) or time.monotonic() > deadline:
+                    raise
+                log.info("the cluster's job agent is not up yet; retrying")
+                time.sleep(2)
 
 
 def status(address: str, submission_id: str) -> str:

@@ -134,3 +134,29 @@ def test_missing_model_folder_is_one_clear_error(sample_corpus, tmp_path, capsys
     assert main(["run", str(cfg)]) == 2
     err = [l for l in capsys.readouterr().err.splitlines() if "error" in l]
     assert len(err) == 1 and "model folder not found" in err[0] and "missing-model" in err[0]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "hf"])
+def test_parquet_and_hf_dataset_corpora_give_the_same_tokens_as_jsonl(fmt, tiny_models, sample_corpus, tmp_path, ray_local):
+    import json
+
+    import pyarrow as pa
+
+    rows = [json.loads(l) for l in (sample_corpus / "00.jsonl").read_text().splitlines()][:6]
+    flat = {"text": [r["text"] for r in rows], "meta": [r["meta"] for r in rows]}
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "00.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if fmt == "parquet":
+        pq.write_table(pa.table(flat), tmp_path / "c" / "00.parquet")
+        over = {"corpus.paths": [str(tmp_path / "c" / "00.parquet")]}
+    else:
+        import datasets
+
+        datasets.Dataset.from_dict(flat).save_to_disk(str(tmp_path / "hf"))
+        over = {"corpus.format": "hf", "corpus.hf_dataset": str(tmp_path / "hf"), "corpus.paths": []}
+    base = run_job(job_config(tiny_models["bert"], tmp_path / "c", tmp_path / "a",
+                              **{"corpus.paths": [str(tmp_path / "c" / "00.jsonl")]}))
+    other = run_job(job_config(tiny_models["bert"], tmp_path / "c", tmp_path / "b", **over))
+    q = "SELECT doc_id, window_index, position, token_id, source FROM tokens ORDER BY ALL"
+    assert open_run(base.run_dir).sql(q).fetchall() == open_run(other.run_dir).sql(q).fetchall()
+    assert open_run(other.run_dir).execute("SELECT count(*) FROM documents").fetchone()[0] == 6

@@ -1,0 +1,20 @@
+"""README stays true to the code: the config reference is generated, the two commands exist."""
+
+from pathlib import Path
+
+from actlake.config import reference_markdown
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_config_reference_is_current():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- config-reference:start -->")[1].split("<!-- config-reference:end -->")[0].strip()
+    assert block == reference_markdown().strip()
+
+
+def test_readme_commands_exist_and_ci_calls_the_test_command():
+    text = (ROOT / "README.md").read_text()
+    assert "bash scripts/quickstart.sh" in text and "bash scripts/test.sh" in text
+    assert (ROOT / "scripts" / "quickstart.sh").is_file() and (ROOT / "scripts" / "test.sh").is_file()
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
