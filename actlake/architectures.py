@@ -62,3 +62,36 @@ def blocks(base_model, family: Family):
         except AttributeError:
             continue
     raise ModelLoadError(f"{family.name}: cannot find layers at '{family.layers}' in {type(base_model).__name__}")
+
+
+def key_weights(block, family: Family, n_heads: int, n_kv_heads: int) -> tuple:
+    """The key projection of one block as (W_K (H_kv, d, d_h), b_K (H_kv, d_h) or None), in float32.
+
+    With these, k = x W_K + b_K per key head, where x is the input of ``family.qk_projections[-1]``.
+    """
+    import torch
+
+    mod = get_path(block, family.qk_projections[-1])
+    w = mod.weight.detach().float()
+    b = mod.bias.detach().float() if getattr(mod, "bias", None) is not None else None
+    if family.name == "gpt2":  # Conv1D (d, 3d): columns [q | k | v]
+        d = w.shape[0]
+        w, b = w[:, d : 2 * d], (b[d : 2 * d] if b is not None else None)
+        dh = d // n_heads
+        return w.reshape(d, n_heads, dh).permute(1, 0, 2).contiguous(), (b.reshape(n_heads, dh) if b is not None else None)
+    if family.name == "gpt_neox":  # Linear (3d, d): per head rows [q | k | v]
+        d = w.shape[1]
+        dh = d // n_heads
+        wk = w.reshape(n_heads, 3, dh, d)[:, 1]  # (H, d_h, d)
+        bk = b.reshape(n_heads, 3, dh)[:, 1] if b is not None else None
+        return wk.transpose(1, 2).contiguous(), bk
+    # separate Linear (H_kv * d_h, d)
+    d = w.shape[1]
+    dh = w.shape[0] // n_kv_heads
+    wk = w.reshape(n_kv_heads, dh, d).transpose(1, 2).contiguous()
+    return wk, (b.reshape(n_kv_heads, dh) if b is not None else None)
+
+
+def key_input_module(block, family: Family):
+    """The module whose input is x (the key projection, or the fused QKV projection)."""
+    return get_path(block, family.qk_projections[-1])

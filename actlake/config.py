@@ -102,6 +102,12 @@ class AnalysesConfig:
     """Per (layer, category, dimension) moments, merged into ``dim_moments``."""
     attention_mass: bool = True
     """Attention mass by query and key category per layer and head, merged into ``attention_mass``."""
+    contributions: bool = True
+    """Per-dimension contributions to attention scores by key category (and their attention-weighted sums)."""
+    contributions_by_query_category: bool = False
+    """Also split contributions by the query's category (5x the contribution work)."""
+    geometry: bool = True
+    """Mean ||q||, ||k||, cos(q, k) per key category, key-normalised mass, attention by relative distance."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
+from actlake.analysis import grid
 from actlake.categories import ROLE
 
 
@@ -44,6 +45,9 @@ def per_query_category_mass(query, key, scaling, pair_mask, key_onehot) -> torch
 
 @dataclass
 class AttentionMass:
+    TABLES = ("attention_mass",)
+    """Reduced table names (partials: ``<name>_by_shard``)."""
+
     mass: np.ndarray
     """(L, H, Cq, Ck) summed attention weight from queries of category cq to keys of category ck."""
     n_queries: np.ndarray
@@ -70,24 +74,19 @@ class AttentionMass:
         return AttentionMass(self.mass + other.mass, self.n_queries + other.n_queries)
 
     def to_arrow(self) -> pa.Table:
-        L, H, Cq, Ck = self.mass.shape
-        layer, head, cq, ck = np.meshgrid(np.arange(L), np.arange(H), np.arange(Cq), np.arange(Ck), indexing="ij")
-        return pa.table({
-            "layer": pa.array(layer.ravel(), pa.int16()),
-            "head": pa.array(head.ravel(), pa.int16()),
-            "query_category": pa.array([ROLE[i] for i in cq.ravel()]),
-            "key_category": pa.array([ROLE[i] for i in ck.ravel()]),
-            "mass": pa.array(self.mass.ravel(), pa.float64()),
-            "n_queries": pa.array(self.n_queries[layer.ravel(), cq.ravel()], pa.float64()),
-        })
+        L, H = self.mass.shape[:2]
+        axes = [("layer", L), ("query_category", ROLE), ("head", H), ("key_category", ROLE)]
+        return grid.to_arrow(axes, {"n_queries": self.n_queries, "mass": self.mass.transpose(0, 2, 1, 3)})
 
     @classmethod
     def from_arrow(cls, t: pa.Table) -> "AttentionMass":
-        c = t.to_pydict()
-        L, H = max(c["layer"]) + 1, max(c["head"]) + 1
-        out = cls.zeros(L, H)
-        for lay, h, q, k, m, n in zip(c["layer"], c["head"], c["query_category"], c["key_category"], c["mass"], c["n_queries"]):
-            qi, ki = ROLE.index(q), ROLE.index(k)
-            out.mass[lay, h, qi, ki] = m
-            out.n_queries[lay, qi] = n
-        return out
+        axes = [("layer", 0), ("query_category", ROLE), ("head", 0), ("key_category", ROLE)]
+        v = grid.from_arrow(t, axes, {"n_queries": 2, "mass": 4})
+        return cls(v["mass"].transpose(0, 2, 1, 3).copy(), v["n_queries"])
+
+    def to_tables(self) -> dict[str, pa.Table]:
+        return {"attention_mass": self.to_arrow()}
+
+    @classmethod
+    def from_tables(cls, tables: dict[str, pa.Table]) -> "AttentionMass":
+        return cls.from_arrow(tables["attention_mass"])

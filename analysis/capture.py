@@ -102,3 +102,46 @@ def attention_modules(model, family) -> dict[int, int]:
     from actlake.architectures import blocks, get_path
 
     return {id(get_path(block, family.attention)): i for i, block in enumerate(blocks(model, family))}
+
+
+class LayerInputs:
+    """Hooks that keep, per layer of the current forward pass, the key projection's input x
+    (B, T, d) and the rotary (cos, sin) the attention module received. Use as a context manager:
+    hooks are removed on exit, whatever happens."""
+
+    def __init__(self, model, family):
+        from actlake.architectures import blocks, get_path, key_input_module
+
+        self.x: dict[int, torch.Tensor] = {}
+        self.rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._targets = [(i, key_input_module(b, family), get_path(b, family.attention)) for i, b in enumerate(blocks(model, family))]
+        self._handles: list = []
+
+    def __enter__(self) -> "LayerInputs":
+        try:
+            for i, proj, attn in self._targets:
+                self._handles.append(proj.register_forward_pre_hook(self._keep_x(i)))
+                self._handles.append(attn.register_forward_pre_hook(self._keep_rope(i), with_kwargs=True))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.x.clear()
+        self.rope.clear()
+
+    def _keep_x(self, i):
+        def hook(module, args):
+            self.x[i] = args[0]
+        return hook
+
+    def _keep_rope(self, i):
+        def hook(module, args, kwargs):
+            pe = kwargs.get("position_embeddings")
+            if pe is not None:
+                self.rope[i] = pe
+        return hook

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from actlake.analysis import grid
 from actlake.analysis.moments import Moments
 from actlake.categories import SCHEMES
 
@@ -30,6 +31,9 @@ def group_membership(valid: torch.Tensor, role: torch.Tensor, type8: torch.Tenso
 
 @dataclass
 class DimMoments:
+    TABLES = ("dim_moments",)
+    """Reduced table names (partials: ``<name>_by_shard``)."""
+
     moments: Moments
     """Shape (L+1, G, d)."""
     nonfinite: np.ndarray
@@ -52,37 +56,32 @@ class DimMoments:
     def merge(self, other: "DimMoments") -> "DimMoments":
         return DimMoments(self.moments.merge(other.moments), self.nonfinite + other.nonfinite)
 
+    def axes(self) -> list:
+        L1, G, d = self.moments.mean.shape
+        return [("layer", L1), ("group", G), ("dim", d)]
+
     def to_arrow(self) -> pa.Table:
         m = self.moments
-        L1, G, d = m.mean.shape
-        layer, group, dim = np.meshgrid(np.arange(L1), np.arange(G), np.arange(d), indexing="ij")
-        g = group.ravel()
-        return pa.table({
-            "layer": pa.array(layer.ravel(), pa.int16()),
-            "scheme": pa.array([GROUPS[i][0] for i in g]),
-            "category": pa.array([GROUPS[i][1] for i in g]),
-            "dim": pa.array(dim.ravel(), pa.int32()),
-            "count": pa.array(np.broadcast_to(m.count[..., None], m.mean.shape).ravel(), pa.float64()),
-            "mean": pa.array(m.mean.ravel(), pa.float64()),
-            "m2": pa.array(m.m2.ravel(), pa.float64()),
-            "max_abs": pa.array(m.max_abs.ravel(), pa.float64()),
-            "nonfinite_tokens": pa.array(np.broadcast_to(self.nonfinite[:, None, None], m.mean.shape).ravel(), pa.float64()),
-        })
+        t = grid.to_arrow(self.axes(), {"count": m.count, "mean": m.mean, "m2": m.m2, "max_abs": m.max_abs,
+                                        "nonfinite_tokens": self.nonfinite})
+        g = t["group"].to_numpy()
+        schemes = np.array([s for s, _ in GROUPS])[g]
+        cats = np.array([c for _, c in GROUPS])[g]
+        return (t.drop_columns(["group"]).add_column(1, "scheme", pa.array(schemes)).add_column(2, "category", pa.array(cats)))
 
     @classmethod
     def from_arrow(cls, t: pa.Table) -> "DimMoments":
-        L1 = int(pa.compute.max(t["layer"]).as_py()) + 1
-        d = int(pa.compute.max(t["dim"]).as_py()) + 1
-        G = len(GROUPS)
-        index = {g: i for i, g in enumerate(GROUPS)}
-        cols = t.to_pydict()
-        order = np.array([
-            (lay * G + index[(s, c)]) * d + j
-            for lay, s, c, j in zip(cols["layer"], cols["scheme"], cols["category"], cols["dim"])
-        ])
-        def grid(name):
-            out = np.zeros(L1 * G * d)
-            out[order] = np.asarray(cols[name], dtype=np.float64)
-            return out.reshape(L1, G, d)
-        mom = Moments(grid("count")[..., 0], grid("mean"), grid("m2"), grid("max_abs"))
-        return cls(mom, grid("nonfinite_tokens")[:, 0, 0])
+        keys = [f"{s}/{c}" for s, c in GROUPS]
+        combined = pa.compute.binary_join_element_wise(t["scheme"], t["category"], "/")
+        group = pa.compute.index_in(combined, pa.array(keys)).to_numpy()
+        t = t.append_column("group", pa.array(group, pa.int32()))
+        v = grid.from_arrow(t, [("layer", 0), ("group", len(GROUPS)), ("dim", 0)],
+                            {"count": 2, "mean": 3, "m2": 3, "max_abs": 3, "nonfinite_tokens": 1})
+        return cls(Moments(v["count"], v["mean"], v["m2"], v["max_abs"]), v["nonfinite_tokens"])
+
+    def to_tables(self) -> dict[str, pa.Table]:
+        return {"dim_moments": self.to_arrow()}
+
+    @classmethod
+    def from_tables(cls, tables: dict[str, pa.Table]) -> "DimMoments":
+        return cls.from_arrow(tables["dim_moments"])

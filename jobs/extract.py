@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 
@@ -11,6 +12,9 @@ import torch
 
 from actlake.analysis import capture
 from actlake.analysis.attention_mass import AttentionMass
+from actlake.analysis.contributions import QUERY_GROUPS_ALL, QUERY_GROUPS_BY_ROLE, Contributions
+from actlake.analysis.geometry import Geometry
+from actlake.analysis.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.dim_moments import DimMoments
 from actlake.analysis.residual_norms import residual_norms
 from actlake.batching import Window, collate, document_windows, make_batches
@@ -23,22 +27,6 @@ from actlake.storage.layout import RunLayout
 from actlake.storage.shards import ShardWriter
 
 
-class _MassRecorder:
-    """Receives each layer's q and k during one forward pass and accumulates attention mass."""
-
-    def __init__(self, stats: AttentionMass, layer_of: dict[int, int], valid, causal, role_onehot):
-        self.stats, self.layer_of, self.valid, self.causal, self.onehot = stats, layer_of, valid, causal, role_onehot
-
-    def extra_values(self, module, query, value):
-        if value.dtype != torch.float32:
-            return None  # low precision: a separate float32 call keeps the mass accurate
-        return self.onehot.to(torch.float32)[:, None].expand(-1, value.shape[1], -1, -1)
-
-    def on_attention(self, module, query, key, scaling, extra_out):
-        layer = self.layer_of[id(module)]
-        self.stats.add_layer(layer, query, key, scaling, self.valid, self.causal, self.onehot, per_query=extra_out)
-
-
 class Extractor:
     """Holds the model (loaded once per worker) and turns shards into committed tables."""
 
@@ -46,10 +34,7 @@ class Extractor:
         self.cfg, self.lm = cfg, lm
         self.cats = Categorizer(lm.tokenizer)
         capture.install(lm.model)
-        self.layer_of = capture.attention_modules(lm.model, lm.family)
-        mc = lm.model.config
-        self.n_layers = len(self.layer_of)
-        self.n_heads = mc.num_attention_heads
+        self.mqk = ModelQK(lm.model, lm.family)
 
     # ------------------------------------------------------------------ reading
     def read_shard(self, shard: Shard):
@@ -71,9 +56,23 @@ class Extractor:
         return windows, docs, rejects
 
     # ------------------------------------------------------------------ one batch
+    def new_stats(self) -> dict:
+        """Fresh per-shard accumulators for the enabled attention analyses."""
+        a, m = self.cfg.analyses, self.mqk
+        d = self.lm.model.config.hidden_size
+        stats = {}
+        if a.attention_mass:
+            stats["mass"] = AttentionMass.zeros(m.n_layers, m.n_heads)
+        if a.contributions:
+            groups = QUERY_GROUPS_BY_ROLE if a.contributions_by_query_category else QUERY_GROUPS_ALL
+            stats["contributions"] = Contributions.zeros(m.n_layers, m.n_heads, d, groups)
+        if a.geometry:
+            stats["geometry"] = Geometry.zeros(m.n_layers, m.n_heads, self.cfg.tokenization.max_length)
+        return stats
+
     @torch.inference_mode()
-    def run_batch(self, batch: list[Window], mass: AttentionMass | None):
-        """Forward one batch; returns (role ids, type8 ids, valid, norms (N, L+1), DimMoments | None)."""
+    def run_batch(self, batch: list[Window], stats: dict):
+        """Forward one batch, feeding ``stats``; returns (per-window categories, mask, norms (N, L+1), DimMoments)."""
         a = self.cfg.analyses
         ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)
         per_window = [self.cats.window(w.ids) for w in batch]
@@ -84,14 +83,16 @@ class Extractor:
             type8[i, : len(t)] = torch.tensor(t)
         dev = self.lm.device
         valid = mask.to(dev)
-        recorder = None
-        if mass is not None:
-            recorder = _MassRecorder(mass, self.layer_of, valid, self.lm.family.causal,
-                                     one_hot(role.to(dev), len(ROLE), valid))
-        if recorder is not None:
-            with capture.recording(recorder):
-                out = self.lm.model(input_ids=ids.to(dev), attention_mask=valid, output_hidden_states=True)
-        else:
+        consumers = []
+        if "contributions" in stats:
+            consumers.append(stats["contributions"].add_layer)
+        if "geometry" in stats:
+            consumers.append(stats["geometry"].add_layer)
+        with contextlib.ExitStack() as stack:
+            inputs = stack.enter_context(capture.LayerInputs(self.lm.model, self.lm.family)) if "contributions" in stats else None
+            recorder = AttentionRecorder(self.mqk, valid, one_hot(role.to(dev), len(ROLE), valid), consumers,
+                                         mass=stats.get("mass"), inputs=inputs)
+            stack.enter_context(capture.recording(recorder))
             out = self.lm.model(input_ids=ids.to(dev), attention_mask=valid, output_hidden_states=True)
         hs = [h.to("cpu") for h in out.hidden_states]
         norms = residual_norms(hs, mask) if a.residual_norms else None
@@ -104,13 +105,13 @@ class Extractor:
         a = self.cfg.analyses
         windows, docs, rejects = self.read_shard(shard)
         batches = make_batches(windows, self.cfg.batching)
-        mass = AttentionMass.zeros(self.n_layers, self.n_heads) if a.attention_mass else None
+        stats = self.new_stats()
         moments = None
         tok_cols: dict[str, list] = {k: [] for k in ("doc_id", "window_index", "position", "token_id", "token", "role", "type8", "source")}
         norm_rows = []
         n_tokens = n_padded = 0
         for batch in batches:
-            per_window, mask, norms, m = self.run_batch(batch, mass)
+            per_window, mask, norms, m = self.run_batch(batch, stats)
             lengths = [len(w.ids) for w in batch]
             n_tokens += sum(lengths)
             n_padded += len(batch) * max(lengths) - sum(lengths)
@@ -133,7 +134,7 @@ class Extractor:
                 norm_rows.append((np.concatenate(keys), norms.numpy()))
         writer = ShardWriter(layout, shard.shard_id, plan_hash)
         try:
-            self._write_tables(writer, tok_cols, norm_rows, docs, rejects, moments, mass)
+            self._write_tables(writer, tok_cols, norm_rows, docs, rejects, [moments, *stats.values()])
             summary = {"docs": len(docs), "windows": len(windows), "tokens": n_tokens, "padded_tokens": n_padded,
                        "batches": len(batches), "rejects": dict(Counter(r["reason"] for r in rejects)),
                        "seconds": time.perf_counter() - t0}
@@ -143,7 +144,7 @@ class Extractor:
             raise
         return summary
 
-    def _write_tables(self, writer, tok_cols, norm_rows, docs, rejects, moments, mass):
+    def _write_tables(self, writer, tok_cols, norm_rows, docs, rejects, partials):
         a = self.cfg.analyses
         writer.write("documents", pa.Table.from_pylist(docs, schema=DOCUMENTS_SCHEMA))
         writer.write("rejects", pa.Table.from_pylist(rejects, schema=REJECTS_SCHEMA))
@@ -151,10 +152,10 @@ class Extractor:
             writer.write("tokens", pa.table(tok_cols, schema=TOKENS_SCHEMA))
         if a.residual_norms:
             writer.write("residual_norms", _norm_table(norm_rows))
-        if moments is not None:
-            writer.write("dim_moments_by_shard", moments.to_arrow())
-        if mass is not None:
-            writer.write("attention_mass_by_shard", mass.to_arrow())
+        for stats in partials:
+            if stats is not None:
+                for name, table in stats.to_tables().items():
+                    writer.write(f"{name}_by_shard", table)
 
 
 def _norm_table(norm_rows) -> pa.Table:

@@ -7,14 +7,16 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from actlake.analysis.attention_mass import AttentionMass
+from actlake.analysis.contributions import Contributions
 from actlake.analysis.dim_moments import DimMoments
+from actlake.analysis.geometry import Geometry
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout
 from actlake.storage.parquet_io import verify_parquet, write_parquet_atomic
 from actlake.storage.shards import read_record
 
-MERGEABLE = {"dim_moments": DimMoments, "attention_mass": AttentionMass}
-"""Aggregate table -> statistics class; partials live in ``<table>_by_shard``."""
+MERGEABLE = (DimMoments, AttentionMass, Contributions, Geometry)
+"""Statistics classes; each reduces its ``<table>_by_shard`` partials into ``<table>`` for table in ``cls.TABLES``."""
 
 
 def collect_records(layout: RunLayout, shard_ids: list[int], plan_hash: str) -> list[dict]:
@@ -34,11 +36,12 @@ def verify_records(layout: RunLayout, records: list[dict]) -> None:
             verify_parquet(layout.root / meta["path"], rows=meta["rows"], size=meta["bytes"])
 
 
-def merge_partials(paths: list[Path], cls):
-    """Merge per-shard statistics in the given order (any order gives the same result)."""
+def merge_partials(layout: RunLayout, records: list[dict], cls):
+    """Merge one statistics class over the given shards, in the given order (any order gives the same result)."""
     total = None
-    for p in paths:
-        stats = cls.from_arrow(pq.read_table(p))
+    for r in records:
+        tables = {t: pq.read_table(layout.root / r["files"][f"{t}_by_shard"]["path"]) for t in cls.TABLES}
+        stats = cls.from_tables(tables)
         total = stats if total is None else total.merge(stats)
     return total
 
@@ -47,11 +50,11 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, verify: 
     records = collect_records(layout, shard_ids, plan_hash)
     if verify:
         verify_records(layout, records)
-    for table, cls in MERGEABLE.items():
-        paths = [layout.root / r["files"][f"{table}_by_shard"]["path"] for r in records if f"{table}_by_shard" in r["files"]]
-        if paths:
-            merged = merge_partials(paths, cls)
-            write_parquet_atomic(merged.to_arrow(), layout.aggregate_file(table), layout.staging)
+    for cls in MERGEABLE:
+        having = [r for r in records if all(f"{t}_by_shard" in r["files"] for t in cls.TABLES)]
+        if having:
+            for table, data in merge_partials(layout, having, cls).to_tables().items():
+                write_parquet_atomic(data, layout.aggregate_file(table), layout.staging)
     totals: dict = {"shards": len(records), "docs": 0, "windows": 0, "tokens": 0, "padded_tokens": 0, "rejects": {}}
     for r in records:
         s = r["summary"]

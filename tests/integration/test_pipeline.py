@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -82,9 +83,9 @@ def test_minilm_matches_output_attentions_and_reruns_are_idempotent(minilm_path,
 
     other = run_job(job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 16, "output.run_id": "b"}))
     assert other.shards_run == other.shards_total
-    for table in ("tokens", "residual_norms", "dim_moments", "attention_mass"):
-        key = {"tokens": "doc_id, window_index, position", "residual_norms": "doc_id, window_index, position, layer",
-               "dim_moments": "layer, scheme, category, dim", "attention_mass": "layer, head, query_category, key_category"}[table]
+    for table in ("tokens", "residual_norms", "dim_moments", "attention_mass", "contributions", "attention_geometry",
+                  "attention_by_distance"):
+        key = "ALL"
         a = open_run(first.run_dir).sql(f"SELECT * EXCLUDE (shard) FROM {table} ORDER BY {key}" if table in ("tokens", "residual_norms")
                                         else f"SELECT * FROM {table} ORDER BY {key}").fetchall()
         b = open_run(other.run_dir).sql(f"SELECT * EXCLUDE (shard) FROM {table} ORDER BY {key}" if table in ("tokens", "residual_norms")
@@ -93,24 +94,28 @@ def test_minilm_matches_output_attentions_and_reruns_are_idempotent(minilm_path,
 
 
 def test_merge_order_does_not_change_aggregates(minilm_path, sample_corpus, tmp_path, ray_local):
+    import json
+
     from actlake.jobs.reduce import MERGEABLE, merge_partials
+    from actlake.storage.layout import RunLayout
 
     res = run_job(job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 24, "sharding.docs_per_shard": 6}))
-    root = tmp_path / res.run_dir.split("/")[-1] / "tables"
-    for table, cls in MERGEABLE.items():
-        paths = sorted((root / f"{table}_by_shard").rglob("*.parquet"))
-        assert len(paths) == res.shards_total >= 4
-        forward = merge_partials(paths, cls).to_arrow()
-        backward = merge_partials(paths[::-1], cls).to_arrow()
-        shuffled = merge_partials([paths[2], paths[0], *paths[3:], paths[1]], cls).to_arrow()
-        published = pq.read_table(root / table / "part-0.parquet")
-        for other in (backward, shuffled, published):
-            for col in forward.column_names:
-                a, b = forward[col].to_numpy(zero_copy_only=False), other[col].to_numpy(zero_copy_only=False)
-                if a.dtype.kind == "f":
-                    np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
-                else:
-                    assert (a == b).all()
+    layout = RunLayout(Path(res.run_dir))
+    records = [json.loads(p.read_text()) for p in sorted(layout.complete.glob("shard-*.json"))]
+    assert len(records) == res.shards_total >= 4
+    orders = [records[::-1], [records[2], records[0], *records[3:], records[1]]]
+    for cls in MERGEABLE:
+        forward = merge_partials(layout, records, cls).to_tables()
+        others = [merge_partials(layout, o, cls).to_tables() for o in orders]
+        others.append({t: pq.read_table(layout.aggregate_file(t)) for t in cls.TABLES})  # what the job published
+        for other in others:
+            for name, table in forward.items():
+                for col in table.column_names:
+                    a, b = table[col].to_numpy(zero_copy_only=False), other[name][col].to_numpy(zero_copy_only=False)
+                    if a.dtype.kind == "f":
+                        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+                    else:
+                        assert (a == b).all()
 
 
 def test_bad_corpus_file_fails_with_one_clear_message(minilm_path, tmp_path, ray_local, capsys):

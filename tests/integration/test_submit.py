@@ -30,11 +30,16 @@ def _free_port() -> int:
 def ray_head():
     temp = tempfile.mkdtemp(prefix="rayh", dir="/tmp")
     gcs, dash = _free_port(), _free_port()
+    # every fixed default port gets a free one: another Ray on this machine (the test session's own)
+    # may hold the defaults, and a job agent that cannot bind never accepts jobs
+    extra = [f"--{name}={_free_port()}" for name in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+        "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")]
     ray_bin = str(Path(sys.executable).with_name("ray"))
     proc = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2",
-         "--disable-usage-stats", f"--temp-dir={temp}"],
+         "--disable-usage-stats", f"--temp-dir={temp}", *extra],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         env=dict(os.environ, RAY_ADDRESS=""),
     )
@@ -61,7 +66,7 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_submit_runs_the_job_on_the_cluster(ray_head, minilm_path, sample_corpus, tmp_path, capsys):
+def test_submit_runs_the_job_on_the_cluster(ray_local, ray_head, minilm_path, sample_corpus, tmp_path, capsys):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(
         f"name: submitted\nmodel:\n  name_or_path: {minilm_path}\n"

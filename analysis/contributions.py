@@ -1,0 +1,146 @@
+"""Per-dimension contributions C_j to attention scores, aggregated by token category (METHODS.md §3).
+
+C(m, n) = u(m, n) * x_n with u(m, n) = W_K R_n^T q'_m, so that
+sum_j C_j(m, n) = S(m, n) - q'_m . R_n b_K  (the bias term moves no attention weight).
+
+Sums over all valid pairs with the key in category c never build the T x T x d tensor:
+sum_{n in c} x_n * W_K R_n^T (sum_{m valid for n} q'_m), an O(T d d_h) computation per head.
+The attention-weighted variant replaces the inner sum by sum_m alpha_mn q'_m.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from actlake.analysis import grid
+from actlake.analysis.layer_qk import LayerQK, attention_chunks
+from actlake.analysis.rope import unrotate
+from actlake.categories import ROLE
+
+QUERY_GROUPS_ALL = ("all",)
+QUERY_GROUPS_BY_ROLE = ("all",) + ROLE
+
+
+def project_back(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, d_h) summed post-RoPE queries at each key -> (B, H, T, d): W_K R_n^T qsum(n)."""
+    if lq.cos is not None:
+        qsum = unrotate(qsum, lq.cos, lq.sin)
+    rep = lq.n_heads // lq.w_key.shape[0]
+    w = lq.w_key.repeat_interleave(rep, dim=0) if rep > 1 else lq.w_key  # (H, d, d_h)
+    return torch.einsum("bhtk,hdk->bhtd", qsum, w)
+
+
+def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
+    """(B, H, T): (R_n^T qsum(n)) . b_K, the part of the summed scores no dimension of x owns."""
+    if lq.b_key is None:
+        return qsum.new_zeros(qsum.shape[:3])
+    if lq.cos is not None:
+        qsum = unrotate(qsum, lq.cos, lq.sin)
+    rep = lq.n_heads // lq.b_key.shape[0]
+    b = lq.b_key.repeat_interleave(rep, dim=0) if rep > 1 else lq.b_key  # (H, d_h)
+    return torch.einsum("bhtk,hk->bht", qsum, b)
+
+
+def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
+    """Reference only: C (T, T, d) for one sequence and head, every pair, O(T^2 d)."""
+    q = lq.query[b, h]  # (T, d_h)
+    rep = lq.n_heads // lq.w_key.shape[0]
+    w = lq.w_key[h // rep]  # (d, d_h)
+    T = q.shape[0]
+    out = torch.zeros(T, T, lq.x.shape[-1], dtype=torch.float64)
+    for n in range(T):
+        qn = q
+        if lq.cos is not None:  # R_n^T q'_m for every m, with the key's angle
+            qn = unrotate(q[None, None], lq.cos[b : b + 1, n : n + 1].expand(1, T, -1), lq.sin[b : b + 1, n : n + 1].expand(1, T, -1))[0, 0]
+        u = qn.double() @ w.double().T  # (T, d): u(m, n) for all m
+        out[:, n] = u * lq.x[b, n].double()
+    return out
+
+
+@dataclass
+class Contributions:
+    TABLES = ("contributions",)
+    """Reduced table names (partials: ``<name>_by_shard``)."""
+
+    contrib: np.ndarray
+    """(L, H, G, C, d) sum over valid pairs (query in group g, key in category c) of C_j."""
+    bias: np.ndarray
+    """(L, H, G, C) sum over the same pairs of q'_m . R_n b_K."""
+    n_pairs: np.ndarray
+    """(L, G, C) number of valid pairs."""
+    weighted: np.ndarray
+    """(L, H, C, d) sum over queries and keys in c of alpha_mn C_j(m, n)."""
+    weighted_bias: np.ndarray
+    """(L, H, C) sum of alpha_mn q'_m . R_n b_K."""
+    query_groups: tuple[str, ...] = QUERY_GROUPS_ALL
+
+    @classmethod
+    def zeros(cls, n_layers, n_heads, d, query_groups=QUERY_GROUPS_ALL) -> "Contributions":
+        L, H, G, C = n_layers, n_heads, len(query_groups), len(ROLE)
+        return cls(np.zeros((L, H, G, C, d)), np.zeros((L, H, G, C)), np.zeros((L, G, C)),
+                   np.zeros((L, H, C, d)), np.zeros((L, H, C)), tuple(query_groups))
+
+    def add_layer(self, lq: LayerQK, weighted: bool = True) -> None:
+        x = lq.x.double()  # (B, T, d)
+        k_oh = lq.key_onehot  # (B, T, C)
+        valid = lq.valid.to(lq.query.dtype)
+        for g, group in enumerate(self.query_groups):
+            qmask = valid if group == "all" else lq.query_onehot[..., ROLE.index(group)].to(lq.query.dtype)
+            qsum = lq.sum_over_queries(lq.query * qmask[:, None, :, None])  # (B, H, T, d_h)
+            u = project_back(lq, qsum).double()  # (B, H, T, d)
+            self.contrib[lq.layer, :, g] += torch.einsum("bhtd,btd,btc->hcd", u, x, k_oh).cpu().numpy()
+            self.bias[lq.layer, :, g] += torch.einsum("bht,btc->hc", bias_term(lq, qsum).double(), k_oh).cpu().numpy()
+            counts = lq.sum_over_queries(qmask.double()[:, None, :])[:, 0] * lq.valid  # (B, T)
+            self.n_pairs[lq.layer, g] += torch.einsum("bt,btc->c", counts.double(), k_oh).cpu().numpy()
+        if weighted:
+            asum = torch.zeros_like(lq.query)  # (B, H, T, d_h): sum_m alpha_mn q'_m at each key n
+            for m0, m1, alpha in attention_chunks(lq):
+                asum += torch.matmul(alpha.transpose(-1, -2), lq.query[:, :, m0:m1])
+            u = project_back(lq, asum).double()
+            self.weighted[lq.layer] += torch.einsum("bhtd,btd,btc->hcd", u, x, k_oh).cpu().numpy()
+            self.weighted_bias[lq.layer] += torch.einsum("bht,btc->hc", bias_term(lq, asum).double(), k_oh).cpu().numpy()
+
+    def merge(self, other: "Contributions") -> "Contributions":
+        assert self.query_groups == other.query_groups
+        return Contributions(self.contrib + other.contrib, self.bias + other.bias, self.n_pairs + other.n_pairs,
+                             self.weighted + other.weighted, self.weighted_bias + other.weighted_bias,
+                             self.query_groups)
+
+    def _axes(self, L, H, d):
+        return [("layer", L), ("head", H), ("key_category", ROLE), ("query_group", self.query_groups), ("dim", d)]
+
+    def to_arrow(self) -> pa.Table:
+        L, H, G, C, d = self.contrib.shape
+        # weighted values belong to query group 'all' only
+        wq = np.zeros((L, H, C, G, d))
+        wq[:, :, :, 0] = self.weighted
+        wb = np.zeros((L, H, C, G))
+        wb[:, :, :, 0] = self.weighted_bias
+        t = grid.to_arrow(self._axes(L, H, d), {
+            "n_pairs": self.n_pairs.transpose(0, 2, 1)[:, None].repeat(H, 1),
+            "bias_sum": self.bias.transpose(0, 1, 3, 2), "weighted_bias_sum": wb,
+            "contribution_sum": self.contrib.transpose(0, 1, 3, 2, 4), "weighted_sum": wq,
+        })
+        return t.rename_columns(["query_category" if c == "query_group" else c for c in t.column_names])
+
+    @classmethod
+    def from_arrow(cls, t: pa.Table) -> "Contributions":
+        groups = QUERY_GROUPS_BY_ROLE if len(pa.compute.unique(t["query_category"])) > 1 else QUERY_GROUPS_ALL
+        t = t.rename_columns(["query_group" if c == "query_category" else c for c in t.column_names])
+        axes = [("layer", 0), ("head", 0), ("key_category", ROLE), ("query_group", groups), ("dim", 0)]
+        v = grid.from_arrow(t, axes, {"n_pairs": 4, "bias_sum": 4, "weighted_bias_sum": 4,
+                                      "contribution_sum": 5, "weighted_sum": 5})
+        return cls(v["contribution_sum"].transpose(0, 1, 3, 2, 4).copy(), v["bias_sum"].transpose(0, 1, 3, 2).copy(),
+                   v["n_pairs"][:, 0].transpose(0, 2, 1).copy(), v["weighted_sum"][:, :, :, 0].copy(),
+                   v["weighted_bias_sum"][:, :, :, 0].copy(), groups)
+
+    def to_tables(self) -> dict[str, pa.Table]:
+        return {"contributions": self.to_arrow()}
+
+    @classmethod
+    def from_tables(cls, tables: dict[str, pa.Table]) -> "Contributions":
+        return cls.from_arrow(tables["contributions"])

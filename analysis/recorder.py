@@ -1,0 +1,71 @@
+"""Turns each attention call of a forward pass into a :class:`LayerQK` for the analyses."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from actlake.analysis.attention_mass import AttentionMass
+from actlake.analysis.capture import LayerInputs, attention_modules
+from actlake.analysis.layer_qk import LayerQK
+from actlake.architectures import blocks, key_weights
+
+
+class ModelQK:
+    """Per-model facts the recorder needs, computed once per worker."""
+
+    def __init__(self, model, family):
+        self.model, self.family = model, family
+        cfg = model.config
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.layer_of = attention_modules(model, family)
+        self.n_layers = len(self.layer_of)
+        self._weights = None
+
+    @property
+    def weights(self) -> list[tuple]:
+        """Per layer (W_K (H_kv, d, d_h), b_K) in float32, on the layer's device."""
+        if self._weights is None:
+            self._weights = [key_weights(b, self.family, self.n_heads, self.n_kv_heads) for b in blocks(self.model, self.family)]
+        return self._weights
+
+
+class AttentionRecorder:
+    """Receives q and k from the attention wrapper; builds LayerQK and calls ``consumers``.
+
+    ``mass``: attention mass accumulated through the one-hot-V columns of the model's own kernel.
+    ``inputs``: active :class:`LayerInputs` when consumers need x / RoPE (contributions).
+    """
+
+    def __init__(self, mqk: ModelQK, valid: torch.Tensor, role_onehot: torch.Tensor,
+                 consumers: list[Callable[[LayerQK], None]], mass: AttentionMass | None = None,
+                 inputs: LayerInputs | None = None):
+        self.mqk, self.valid, self.onehot = mqk, valid, role_onehot
+        self.consumers, self.mass, self.inputs = consumers, mass, inputs
+
+    def extra_values(self, module, query, value):
+        if self.mass is None or value.dtype != torch.float32:
+            return None  # low precision: the mass is computed separately in float32
+        return self.onehot.to(torch.float32)[:, None].expand(-1, value.shape[1], -1, -1)
+
+    def on_attention(self, module, query, key, scaling, extra_out):
+        layer = self.mqk.layer_of[id(module)]
+        causal = self.mqk.family.causal
+        if self.mass is not None:
+            self.mass.add_layer(layer, query, key, scaling, self.valid, causal, self.onehot, per_query=extra_out)
+        if not self.consumers:
+            return
+        dev = query.device  # with device_map, each layer's analyses run where that layer lives
+        lq = LayerQK(layer, query.detach().float(), key.detach().float(), float(scaling),
+                     self.valid.to(dev), causal, self.onehot.to(dev), self.onehot.to(dev))
+        if self.inputs is not None:
+            lq.x = self.inputs.x[layer].detach().float()
+            lq.w_key, lq.b_key = self.mqk.weights[layer]
+            rope = self.inputs.rope.get(layer)
+            if rope is not None and self.mqk.family.rotary:
+                B, T = query.shape[0], query.shape[2]
+                lq.cos, lq.sin = (t.detach().float().expand(B, T, -1) for t in rope)
+        for consume in self.consumers:
+            consume(lq)

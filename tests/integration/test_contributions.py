@@ -1,0 +1,171 @@
+"""Per-dimension contributions and attention geometry: identities and brute-force references,
+on tiny random models of every supported family (RoPE, partial rotary, GQA, biases), with padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actlake.analysis import capture
+from actlake.analysis.contributions import QUERY_GROUPS_BY_ROLE, Contributions, pairwise_contributions
+from actlake.analysis.geometry import Geometry
+from actlake.analysis.recorder import AttentionRecorder, ModelQK
+from actlake.analysis.rope import rotate
+from actlake.categories import ROLE, one_hot
+from actlake.config import ModelConfig
+from actlake.model import load_model
+from tests.conftest import FAMILIES
+
+pytestmark = pytest.mark.integration
+
+
+def capture_layers(model_path, attn="sdpa", seed=0):
+    """Run a padded batch; return (loaded model, [LayerQK per layer], output)."""
+    lm = load_model(ModelConfig(name_or_path=str(model_path), attn_implementation=attn))
+    capture.install(lm.model)
+    mqk = ModelQK(lm.model, lm.family)
+    g = torch.Generator().manual_seed(seed)
+    vocab = lm.model.config.vocab_size
+    B, T = 3, 11
+    ids = torch.randint(5, min(vocab, 1000), (B, T), generator=g)
+    valid = torch.ones(B, T, dtype=torch.long)
+    valid[1, 7:] = 0
+    valid[2, 4:] = 0
+    role = torch.randint(0, len(ROLE), (B, T), generator=g)
+    layers = []
+    with capture.LayerInputs(lm.model, lm.family) as inputs:
+        rec = AttentionRecorder(mqk, valid, one_hot(role, len(ROLE), valid), [layers.append], inputs=inputs)
+        with torch.no_grad(), capture.recording(rec):
+            out = lm.model(input_ids=ids, attention_mask=valid, output_attentions=(attn == "eager"))
+    return lm, layers, out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_contributions_sum_to_the_models_scores(family, tiny_models):
+    lm, layers, _ = capture_layers(tiny_models[family])
+    assert len(layers) == lm.model.config.num_hidden_layers
+    if family in ("gpt_neox", "llama"):
+        assert layers[0].cos is not None
+    for lq in layers:
+        for b in range(lq.query.shape[0]):
+            n_valid = int(lq.valid[b].sum())
+            for h in range(lq.n_heads):
+                C = pairwise_contributions(lq, b, h)[:n_valid, :n_valid]  # (T, T, d)
+                q = lq.query[b, h, :n_valid].double()
+                k = lq.key_per_query_head[b, h, :n_valid].double()
+                S = q @ k.T  # the model's own pre-softmax scores (unscaled)
+                bias = torch.zeros_like(S)
+                if lq.b_key is not None:
+                    rep = lq.n_heads // lq.b_key.shape[0]
+                    bk = lq.b_key[h // rep][None, None, None].expand(1, 1, n_valid, -1)  # (1, 1, T, d_h)
+                    if lq.cos is not None:  # the bias is rotated with its key: R_n b_K
+                        bk = rotate(bk, lq.cos[b : b + 1, :n_valid], lq.sin[b : b + 1, :n_valid])
+                    bias = q @ bk[0, 0].double().T
+                torch.testing.assert_close(C.sum(-1) + bias, S, rtol=1e-4, atol=1e-4)
+
+
+def _brute_force(lq, alpha):
+    """Loops over sequences, heads and valid pairs."""
+    H, C = lq.n_heads, len(ROLE)
+    d = lq.x.shape[-1]
+    contrib = np.zeros((H, len(QUERY_GROUPS_BY_ROLE), C, d))
+    pairs = np.zeros((len(QUERY_GROUPS_BY_ROLE), C))
+    weighted = np.zeros((H, C, d))
+    qn = np.zeros((H, C)); kn = np.zeros((H, C)); cos = np.zeros((H, C))
+    kcat = lq.key_onehot.argmax(-1)
+    for b in range(lq.query.shape[0]):
+        n_valid = int(lq.valid[b].sum())
+        for h in range(H):
+            Cb = pairwise_contributions(lq, b, h).numpy()
+            q = lq.query[b, h].double()
+            k = lq.key_per_query_head[b, h].double()
+            for m in range(n_valid):
+                for n in range(n_valid):
+                    if lq.causal and n > m:
+                        continue
+                    c = int(kcat[b, n])
+                    for g, group in enumerate(QUERY_GROUPS_BY_ROLE):
+                        if group == "all" or ROLE.index(group) == int(kcat[b, m]):
+                            contrib[h, g, c] += Cb[m, n]
+                            if h == 0:
+                                pairs[g, c] += 1
+                    weighted[h, c] += float(alpha[b, h, m, n]) * Cb[m, n]
+                    qn[h, c] += float(q[m].norm()); kn[h, c] += float(k[n].norm())
+                    cos[h, c] += float(q[m] @ k[n] / (q[m].norm() * k[n].norm()))
+    return contrib, pairs, weighted, qn, kn, cos
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_factorised_aggregates_equal_brute_force(family, tiny_models):
+    lm, layers, out = capture_layers(tiny_models[family], attn="eager")
+    for lq in layers:
+        stats = Contributions.zeros(len(layers), lq.n_heads, lq.x.shape[-1], QUERY_GROUPS_BY_ROLE)
+        stats.add_layer(lq)
+        geo = Geometry.zeros(len(layers), lq.n_heads, 16)
+        geo.add_layer(lq)
+        alpha = out.attentions[lq.layer].double()  # the model's own weights (eager)
+        contrib, pairs, weighted, qn, kn, cos = _brute_force(lq, alpha)
+        np.testing.assert_allclose(stats.contrib[lq.layer], contrib, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(stats.n_pairs[lq.layer], pairs)
+        np.testing.assert_allclose(stats.weighted[lq.layer], weighted, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(geo.n_pairs[lq.layer], pairs[0])
+        np.testing.assert_allclose(geo.q_norm[lq.layer], qn, rtol=1e-5)
+        np.testing.assert_allclose(geo.k_norm[lq.layer], kn, rtol=1e-5)
+        np.testing.assert_allclose(geo.cos[lq.layer], cos, rtol=1e-4, atol=1e-5)
+        # distance profile: explicit weights grouped by m - n
+        T = alpha.shape[-1]
+        valid = lq.valid.bool()
+        for delta in range(-(T - 1), T):
+            ref = 0.0
+            for b in range(alpha.shape[0]):
+                for m in range(T):
+                    n = m - delta
+                    if 0 <= n < T and valid[b, m] and valid[b, n] and (not lq.causal or n <= m):
+                        ref += float(alpha[b, :, m, n].sum())
+            assert abs(geo.dist_attn[lq.layer].sum(0)[delta + 15] - ref) < 1e-5
+        # masses per key category equal the explicit weights
+        kcat = lq.key_onehot
+        ref_mass = torch.einsum("bhmn,bnc,bm->hc", alpha, kcat, lq.valid.double()).numpy()
+        np.testing.assert_allclose(geo.mass[lq.layer], ref_mass, rtol=1e-5, atol=1e-6)
+
+
+def test_key_normalised_mass_equals_mass_when_keys_have_equal_norms(tiny_models):
+    _, layers, _ = capture_layers(tiny_models["llama"])
+    lq = layers[0]
+    lq.key = lq.key / lq.key.norm(dim=-1, keepdim=True) * 3.0  # every key the same norm
+    geo = Geometry.zeros(1, lq.n_heads, 16)
+    lq.layer = 0
+    geo.add_layer(lq)
+    np.testing.assert_allclose(geo.mass_keynorm, geo.mass, rtol=1e-6)
+    lq.key = lq.key * torch.linspace(0.2, 5.0, lq.key.shape[2])[None, None, :, None]  # now they differ
+    geo2 = Geometry.zeros(1, lq.n_heads, 16)
+    geo2.add_layer(lq)
+    assert not np.allclose(geo2.mass_keynorm, geo2.mass, rtol=1e-3)
+
+
+def test_stats_merge_halves_and_roundtrip(tiny_models):
+    _, layers, _ = capture_layers(tiny_models["gpt_neox"])
+    lq = layers[1]
+    d = lq.x.shape[-1]
+    whole = Contributions.zeros(2, lq.n_heads, d, QUERY_GROUPS_BY_ROLE)
+    whole.add_layer(lq)
+    halves = []
+    for sl in (slice(0, 1), slice(1, 3)):
+        part = type(lq)(**{**lq.__dict__})
+        for f in ("query", "key", "valid", "key_onehot", "query_onehot", "x", "cos", "sin"):
+            setattr(part, f, getattr(lq, f)[sl])
+        c = Contributions.zeros(2, lq.n_heads, d, QUERY_GROUPS_BY_ROLE)
+        c.add_layer(part)
+        halves.append(c)
+    merged = halves[1].merge(halves[0])
+    np.testing.assert_allclose(merged.contrib, whole.contrib, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(merged.weighted, whole.weighted, rtol=1e-6, atol=1e-6)
+    back = Contributions.from_arrow(whole.to_arrow())
+    for f in ("contrib", "bias", "n_pairs", "weighted", "weighted_bias"):
+        np.testing.assert_array_equal(getattr(back, f), getattr(whole, f))
+    geo = Geometry.zeros(2, lq.n_heads, 16)
+    geo.add_layer(lq)
+    g2 = Geometry.from_arrow(*geo.to_arrow())
+    for f in geo.__dataclass_fields__:
+        np.testing.assert_array_equal(getattr(g2, f), getattr(geo, f))
