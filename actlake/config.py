@@ -105,9 +105,13 @@ class AnalysesConfig:
     contributions: bool = True
     """Per-dimension contributions to attention scores by key category (and their attention-weighted sums)."""
     contributions_by_query_category: bool = False
-    """Also split contributions by the query's category (5x the contribution work)."""
+    """Also split contributions by the query's category (one more pass per query category)."""
+    weighted_contributions: bool = True
+    """Attention-weighted contributions (needs explicit attention weights, computed in query blocks)."""
     geometry: bool = True
-    """Mean ||q||, ||k||, cos(q, k) per key category, key-normalised mass, attention by relative distance."""
+    """Mean ||q||, ||k||, cos(q, k) per key category and the key-normalised attention mass."""
+    attention_by_distance: bool = True
+    """Mean attention weight per relative position m - n (needs explicit attention weights)."""
 
 
 @dataclass
@@ -426,6 +430,6 @@ def reference_markdown() -> str:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             tp = _type_name(typing.get_type_hints(cls)[f.name]).replace("NoneType", "null").replace(" | ", " or ")
-            doc = docs.get((cls.__name__, f.name), "").replace("``", "`")
+            doc = docs.get((cls.__name__, f.name), "").replace("``", "`").replace("|", "\\|")
             out.append(f"| `{section}.{f.name}` | {tp} | `{json.dumps(default)}` | {doc} |")
     return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|"] + out)

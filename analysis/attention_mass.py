@@ -35,12 +35,24 @@ def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def per_query_category_mass(query, key, scaling, pair_mask, key_onehot) -> torch.Tensor:
-    """(B, H, T, C): for each query, the attention it gives to each key category."""
+    """(B, H, T, C): for each query, the attention it gives to each key category.
+
+    One fused kernel call with V = the one-hot key categories, zero-padded to the head size:
+    kernels such as the CPU flash kernel need V as wide as q and k, and fall back to a
+    materialising path otherwise.
+    """
     q = query.float()
     k = expand_kv(key, q.shape[1]).float()
-    v = key_onehot.float()[:, None].expand(-1, q.shape[1], -1, -1)  # (B, H, T, C)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=pair_mask, scale=float(scaling))
-    return torch.nan_to_num(out, nan=0.0)
+    B, H, T, E = q.shape
+    C = key_onehot.shape[-1]
+    outs = []
+    for c0 in range(0, C, E):
+        cols = key_onehot[..., c0 : c0 + E].float()
+        v = torch.zeros(B, T, E, device=q.device)
+        v[..., : cols.shape[-1]] = cols
+        out = F.scaled_dot_product_attention(q, k, v[:, None].expand(B, H, T, E), attn_mask=pair_mask, scale=float(scaling))
+        outs.append(out[..., : cols.shape[-1]])
+    return torch.nan_to_num(torch.cat(outs, dim=-1), nan=0.0)
 
 
 @dataclass
@@ -57,18 +69,12 @@ class AttentionMass:
     def zeros(cls, n_layers: int, n_heads: int, n_cat: int = len(ROLE)) -> "AttentionMass":
         return cls(np.zeros((n_layers, n_heads, n_cat, n_cat)), np.zeros((n_layers, n_cat)))
 
-    def add_layer(self, layer: int, query, key, scaling, valid, causal, cat_onehot, per_query=None) -> None:
-        """Accumulate one layer of one batch. cat_onehot: (B, T, C), zero on padding.
-
-        ``per_query`` (B, H, T, C), when the model's own kernel already produced it
-        (one-hot columns appended to V), saves the separate kernel call.
-        """
-        if per_query is None:
-            per_query = per_query_category_mass(query, key, scaling, allowed_pairs(valid, causal), cat_onehot)
-        per_q = torch.nan_to_num(per_query.to(torch.float64), nan=0.0)  # (B, H, T, C)
-        m = torch.einsum("bhtk,btq->hqk", per_q.double(), cat_onehot.double())
-        self.mass[layer] += m.cpu().numpy()
-        self.n_queries[layer] += cat_onehot.double().sum((0, 1)).cpu().numpy()
+    def add_layer(self, lq) -> None:
+        """Accumulate one layer of one batch (a :class:`~actlake.analysis.layer_qk.LayerQK`)."""
+        per_q = lq.per_query_mass().double()  # (B, H, T, C)
+        q_oh = lq.query_onehot.double()
+        self.mass[lq.layer] += torch.einsum("bhtk,btq->hqk", per_q, q_oh).cpu().numpy()
+        self.n_queries[lq.layer] += q_oh.sum((0, 1)).cpu().numpy()
 
     def merge(self, other: "AttentionMass") -> "AttentionMass":
         return AttentionMass(self.mass + other.mass, self.n_queries + other.n_queries)

@@ -6,11 +6,6 @@ each calls the real kernel unchanged and, while a :class:`Recorder` is active,
 first hands the recorder that layer's post-rotary ``q`` (B, H, T, d_h), ``k``
 (B, H_kv, T, d_h) and the softmax scale. Nothing is stored between layers unless
 the recorder keeps it. Outside ``recording()`` the wrapper is a pass-through.
-
-A recorder may also ask for extra value columns (METHODS.md §2: V = one-hot
-key categories gives each query's attention mass per category). They ride along
-in the model's own kernel call, concatenated to V, and are split off the output
-before the model sees it: no second kernel call, no T x T weights.
 """
 
 from __future__ import annotations
@@ -27,12 +22,8 @@ PREFIX = "actlake_"
 
 
 class Recorder(Protocol):
-    def extra_values(self, module, query: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
-        """Columns (B, H_kv, T, C) to append to V for this layer, or None."""
-
-    def on_attention(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float,
-                     extra_out: torch.Tensor | None) -> None:
-        """Called once per layer; ``extra_out`` (B, H, T, C) is the attention output of the extra columns."""
+    def on_attention(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """Called once per layer, before the kernel runs."""
 
 
 def _base_kernel(name: str, module) -> Callable:
@@ -50,17 +41,8 @@ def _make_wrapper(base: str) -> Callable:
         if rec is None:
             return kernel(module, query, key, value, attention_mask, **kwargs)
         scaling = kwargs.get("scaling")
-        if scaling is None:
-            scaling = query.shape[-1] ** -0.5
-        extra = rec.extra_values(module, query, value)
-        if extra is None:
-            rec.on_attention(module, query, key, scaling, None)
-            return kernel(module, query, key, value, attention_mask, **kwargs)
-        dv = value.shape[-1]
-        out, weights = kernel(module, query, key, torch.cat([value, extra.to(value.dtype)], dim=-1), attention_mask, **kwargs)
-        # kernels return (B, T, H, dv + C)
-        rec.on_attention(module, query, key, scaling, out[..., dv:].transpose(1, 2))
-        return out[..., :dv].contiguous(), weights
+        rec.on_attention(module, query, key, query.shape[-1] ** -0.5 if scaling is None else scaling)
+        return kernel(module, query, key, value, attention_mask, **kwargs)
 
     attention.__name__ = f"{PREFIX}{base}"
     return attention

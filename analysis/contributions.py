@@ -17,7 +17,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
-from actlake.analysis.layer_qk import LayerQK, attention_chunks
+from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.rope import unrotate
 from actlake.categories import ROLE
 
@@ -25,13 +25,37 @@ QUERY_GROUPS_ALL = ("all",)
 QUERY_GROUPS_BY_ROLE = ("all",) + ROLE
 
 
+def _kv_expanded(lq: LayerQK, t: torch.Tensor) -> torch.Tensor:
+    """(H_kv, ...) per key head -> (H, ...) per query head."""
+    rep = lq.n_heads // t.shape[0]
+    return t.repeat_interleave(rep, dim=0) if rep > 1 else t
+
+
 def project_back(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, d_h) summed post-RoPE queries at each key -> (B, H, T, d): W_K R_n^T qsum(n)."""
+    """Reference form: (B, H, T, d_h) summed post-RoPE queries at each key -> (B, H, T, d) = W_K R_n^T qsum(n)."""
     if lq.cos is not None:
         qsum = unrotate(qsum, lq.cos, lq.sin)
-    rep = lq.n_heads // lq.w_key.shape[0]
-    w = lq.w_key.repeat_interleave(rep, dim=0) if rep > 1 else lq.w_key  # (H, d, d_h)
-    return torch.einsum("bhtk,hdk->bhtd", qsum, w)
+    return torch.einsum("bhtk,hdk->bhtd", qsum, _kv_expanded(lq, lq.w_key))
+
+
+def contributions_by_category(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
+    """(H, C, d) float64: sum over keys n in category c of x_n * W_K R_n^T qsum(n).
+
+    Never builds the (B, H, T, d) tensor: per category, M = X_c^T Q_c (H, d, d_h) is one GEMM
+    over that category's tokens, then C_j = sum_k W_K[j, k] M[j, k]. Cost O(T d d_h) per head.
+    """
+    if lq.cos is not None:
+        qsum = unrotate(qsum, lq.cos, lq.sin)
+    H, d = lq.n_heads, lq.x.shape[-1]
+    w = _kv_expanded(lq, lq.w_key).double()  # (H, d, d_h)
+    x = lq.x.reshape(-1, d)  # (B*T, d)
+    q = qsum.permute(1, 0, 2, 3).reshape(H, -1, qsum.shape[-1])  # (H, B*T, d_h)
+    out = torch.zeros(H, lq.key_onehot.shape[-1], d, dtype=torch.float64, device=x.device)
+    for c, idx in enumerate(lq.batch.key_category_index):
+        if idx.numel():
+            m = torch.matmul(x[idx].T[None], q[:, idx])  # (H, d, d_h)
+            out[:, c] = (m.double() * w).sum(-1)
+    return out
 
 
 def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
@@ -40,16 +64,13 @@ def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
         return qsum.new_zeros(qsum.shape[:3])
     if lq.cos is not None:
         qsum = unrotate(qsum, lq.cos, lq.sin)
-    rep = lq.n_heads // lq.b_key.shape[0]
-    b = lq.b_key.repeat_interleave(rep, dim=0) if rep > 1 else lq.b_key  # (H, d_h)
-    return torch.einsum("bhtk,hk->bht", qsum, b)
+    return torch.einsum("bhtk,hk->bht", qsum, _kv_expanded(lq, lq.b_key))
 
 
 def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
     """Reference only: C (T, T, d) for one sequence and head, every pair, O(T^2 d)."""
     q = lq.query[b, h]  # (T, d_h)
-    rep = lq.n_heads // lq.w_key.shape[0]
-    w = lq.w_key[h // rep]  # (d, d_h)
+    w = _kv_expanded(lq, lq.w_key)[h]  # (d, d_h)
     T = q.shape[0]
     out = torch.zeros(T, T, lq.x.shape[-1], dtype=torch.float64)
     for n in range(T):
@@ -76,39 +97,41 @@ class Contributions:
     """(L, H, C, d) sum over queries and keys in c of alpha_mn C_j(m, n)."""
     weighted_bias: np.ndarray
     """(L, H, C) sum of alpha_mn q'_m . R_n b_K."""
+    n_queries: np.ndarray
+    """(L,) valid queries (the weighted sums are over them)."""
     query_groups: tuple[str, ...] = QUERY_GROUPS_ALL
 
     @classmethod
     def zeros(cls, n_layers, n_heads, d, query_groups=QUERY_GROUPS_ALL) -> "Contributions":
         L, H, G, C = n_layers, n_heads, len(query_groups), len(ROLE)
         return cls(np.zeros((L, H, G, C, d)), np.zeros((L, H, G, C)), np.zeros((L, G, C)),
-                   np.zeros((L, H, C, d)), np.zeros((L, H, C)), tuple(query_groups))
+                   np.zeros((L, H, C, d)), np.zeros((L, H, C)), np.zeros(L), tuple(query_groups))
 
     def add_layer(self, lq: LayerQK, weighted: bool = True) -> None:
-        x = lq.x.double()  # (B, T, d)
+        """Accumulate one layer; ``weighted`` adds the attention-weighted sums (explicit weights)."""
         k_oh = lq.key_onehot  # (B, T, C)
         valid = lq.valid.to(lq.query.dtype)
         for g, group in enumerate(self.query_groups):
             qmask = valid if group == "all" else lq.query_onehot[..., ROLE.index(group)].to(lq.query.dtype)
             qsum = lq.sum_over_queries(lq.query * qmask[:, None, :, None])  # (B, H, T, d_h)
-            u = project_back(lq, qsum).double()  # (B, H, T, d)
-            self.contrib[lq.layer, :, g] += torch.einsum("bhtd,btd,btc->hcd", u, x, k_oh).cpu().numpy()
+            self.contrib[lq.layer, :, g] += contributions_by_category(lq, qsum).cpu().numpy()
             self.bias[lq.layer, :, g] += torch.einsum("bht,btc->hc", bias_term(lq, qsum).double(), k_oh).cpu().numpy()
-            counts = lq.sum_over_queries(qmask.double()[:, None, :])[:, 0] * lq.valid  # (B, T)
+            counts = (lq.queries_per_key() if group == "all"
+                      else lq.sum_over_queries(qmask.double()[:, None, :])[:, 0] * lq.valid)  # (B, T)
             self.n_pairs[lq.layer, g] += torch.einsum("bt,btc->c", counts.double(), k_oh).cpu().numpy()
+        self.n_queries[lq.layer] += float(lq.valid.sum())
         if weighted:
             asum = torch.zeros_like(lq.query)  # (B, H, T, d_h): sum_m alpha_mn q'_m at each key n
-            for m0, m1, alpha in attention_chunks(lq):
+            for m0, m1, alpha in lq.attention_chunks():
                 asum += torch.matmul(alpha.transpose(-1, -2), lq.query[:, :, m0:m1])
-            u = project_back(lq, asum).double()
-            self.weighted[lq.layer] += torch.einsum("bhtd,btd,btc->hcd", u, x, k_oh).cpu().numpy()
+            self.weighted[lq.layer] += contributions_by_category(lq, asum).cpu().numpy()
             self.weighted_bias[lq.layer] += torch.einsum("bht,btc->hc", bias_term(lq, asum).double(), k_oh).cpu().numpy()
 
     def merge(self, other: "Contributions") -> "Contributions":
         assert self.query_groups == other.query_groups
         return Contributions(self.contrib + other.contrib, self.bias + other.bias, self.n_pairs + other.n_pairs,
                              self.weighted + other.weighted, self.weighted_bias + other.weighted_bias,
-                             self.query_groups)
+                             self.n_queries + other.n_queries, self.query_groups)
 
     def _axes(self, L, H, d):
         return [("layer", L), ("head", H), ("key_category", ROLE), ("query_group", self.query_groups), ("dim", d)]
@@ -124,6 +147,7 @@ class Contributions:
             "n_pairs": self.n_pairs.transpose(0, 2, 1)[:, None].repeat(H, 1),
             "bias_sum": self.bias.transpose(0, 1, 3, 2), "weighted_bias_sum": wb,
             "contribution_sum": self.contrib.transpose(0, 1, 3, 2, 4), "weighted_sum": wq,
+            "n_queries": self.n_queries,
         })
         return t.rename_columns(["query_category" if c == "query_group" else c for c in t.column_names])
 
@@ -133,10 +157,10 @@ class Contributions:
         t = t.rename_columns(["query_group" if c == "query_category" else c for c in t.column_names])
         axes = [("layer", 0), ("head", 0), ("key_category", ROLE), ("query_group", groups), ("dim", 0)]
         v = grid.from_arrow(t, axes, {"n_pairs": 4, "bias_sum": 4, "weighted_bias_sum": 4,
-                                      "contribution_sum": 5, "weighted_sum": 5})
+                                      "contribution_sum": 5, "weighted_sum": 5, "n_queries": 1})
         return cls(v["contribution_sum"].transpose(0, 1, 3, 2, 4).copy(), v["bias_sum"].transpose(0, 1, 3, 2).copy(),
                    v["n_pairs"][:, 0].transpose(0, 2, 1).copy(), v["weighted_sum"][:, :, :, 0].copy(),
-                   v["weighted_bias_sum"][:, :, :, 0].copy(), groups)
+                   v["weighted_bias_sum"][:, :, :, 0].copy(), v["n_queries"], groups)
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"contributions": self.to_arrow()}

@@ -8,7 +8,7 @@ import torch
 
 from actlake.analysis.attention_mass import AttentionMass
 from actlake.analysis.capture import LayerInputs, attention_modules
-from actlake.analysis.layer_qk import LayerQK
+from actlake.analysis.layer_qk import BatchInfo, LayerQK
 from actlake.architectures import blocks, key_weights
 
 
@@ -35,7 +35,7 @@ class ModelQK:
 class AttentionRecorder:
     """Receives q and k from the attention wrapper; builds LayerQK and calls ``consumers``.
 
-    ``mass``: attention mass accumulated through the one-hot-V columns of the model's own kernel.
+    ``mass``: attention mass per query and key category (one fused call with one-hot V).
     ``inputs``: active :class:`LayerInputs` when consumers need x / RoPE (contributions).
     """
 
@@ -44,24 +44,20 @@ class AttentionRecorder:
                  inputs: LayerInputs | None = None):
         self.mqk, self.valid, self.onehot = mqk, valid, role_onehot
         self.consumers, self.mass, self.inputs = consumers, mass, inputs
+        self._batch: dict = {}  # device -> BatchInfo (one per device with device_map)
 
-    def extra_values(self, module, query, value):
-        if self.mass is None or value.dtype != torch.float32:
-            return None  # low precision: the mass is computed separately in float32
-        return self.onehot.to(torch.float32)[:, None].expand(-1, value.shape[1], -1, -1)
-
-    def on_attention(self, module, query, key, scaling, extra_out):
+    def on_attention(self, module, query, key, scaling):
         layer = self.mqk.layer_of[id(module)]
-        causal = self.mqk.family.causal
-        if self.mass is not None:
-            self.mass.add_layer(layer, query, key, scaling, self.valid, causal, self.onehot, per_query=extra_out)
-        if not self.consumers:
-            return
         dev = query.device  # with device_map, each layer's analyses run where that layer lives
-        lq = LayerQK(layer, query.detach().float(), key.detach().float(), float(scaling),
-                     self.valid.to(dev), causal, self.onehot.to(dev), self.onehot.to(dev))
+        if dev not in self._batch:
+            oh = self.onehot.to(dev)
+            self._batch[dev] = BatchInfo(self.valid.to(dev), self.mqk.family.causal, oh, oh)
+        f32 = lambda t: t.detach().to(torch.float32).contiguous()
+        lq = LayerQK(layer, f32(query), f32(key), float(scaling), self._batch[dev])
+        if self.mass is not None:
+            self.mass.add_layer(lq)
         if self.inputs is not None:
-            lq.x = self.inputs.x[layer].detach().float()
+            lq.x = f32(self.inputs.x[layer])
             lq.w_key, lq.b_key = self.mqk.weights[layer]
             rope = self.inputs.rope.get(layer)
             if rope is not None and self.mqk.family.rotary:

@@ -11,6 +11,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import capture
+from actlake.analysis.attention_distance import AttentionByDistance
 from actlake.analysis.attention_mass import AttentionMass
 from actlake.analysis.contributions import QUERY_GROUPS_ALL, QUERY_GROUPS_BY_ROLE, Contributions
 from actlake.analysis.geometry import Geometry
@@ -67,7 +68,9 @@ class Extractor:
             groups = QUERY_GROUPS_BY_ROLE if a.contributions_by_query_category else QUERY_GROUPS_ALL
             stats["contributions"] = Contributions.zeros(m.n_layers, m.n_heads, d, groups)
         if a.geometry:
-            stats["geometry"] = Geometry.zeros(m.n_layers, m.n_heads, self.cfg.tokenization.max_length)
+            stats["geometry"] = Geometry.zeros(m.n_layers, m.n_heads)
+        if a.attention_by_distance:
+            stats["distance"] = AttentionByDistance.zeros(m.n_layers, m.n_heads, self.cfg.tokenization.max_length)
         return stats
 
     @torch.inference_mode()
@@ -85,9 +88,11 @@ class Extractor:
         valid = mask.to(dev)
         consumers = []
         if "contributions" in stats:
-            consumers.append(stats["contributions"].add_layer)
-        if "geometry" in stats:
-            consumers.append(stats["geometry"].add_layer)
+            weighted = self.cfg.analyses.weighted_contributions
+            consumers.append(lambda lq: stats["contributions"].add_layer(lq, weighted=weighted))
+        for name in ("geometry", "distance"):
+            if name in stats:
+                consumers.append(stats[name].add_layer)
         with contextlib.ExitStack() as stack:
             inputs = stack.enter_context(capture.LayerInputs(self.lm.model, self.lm.family)) if "contributions" in stats else None
             recorder = AttentionRecorder(self.mqk, valid, one_hot(role.to(dev), len(ROLE), valid), consumers,

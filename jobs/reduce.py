@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from actlake.analysis.attention_distance import AttentionByDistance
 from actlake.analysis.attention_mass import AttentionMass
 from actlake.analysis.contributions import Contributions
 from actlake.analysis.dim_moments import DimMoments
@@ -15,7 +16,7 @@ from actlake.storage.layout import RunLayout
 from actlake.storage.parquet_io import verify_parquet, write_parquet_atomic
 from actlake.storage.shards import read_record
 
-MERGEABLE = (DimMoments, AttentionMass, Contributions, Geometry)
+MERGEABLE = (DimMoments, AttentionMass, Contributions, Geometry, AttentionByDistance)
 """Statistics classes; each reduces its ``<table>_by_shard`` partials into ``<table>`` for table in ``cls.TABLES``."""
 
 
@@ -51,7 +52,7 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, verify: 
     if verify:
         verify_records(layout, records)
     for cls in MERGEABLE:
-        having = [r for r in records if all(f"{t}_by_shard" in r["files"] for t in cls.TABLES)]
+        having = [r for r in records if f"{cls.TABLES[0]}_by_shard" in r["files"]]
         if having:
             for table, data in merge_partials(layout, having, cls).to_tables().items():
                 write_parquet_atomic(data, layout.aggregate_file(table), layout.staging)

@@ -25,6 +25,21 @@ VIEWS = {
         SELECT layer, head, key_category, sum(mass) AS mass, sum(n_queries) AS n_queries,
                sum(mass) / sum(n_queries) AS mean_mass
         FROM attention_mass GROUP BY layer, head, key_category""",
+    "contributions_mean": """
+        SELECT layer, head, query_category, key_category, dim, n_pairs,
+               contribution_sum / nullif(n_pairs, 0) AS mean_contribution,
+               bias_sum / nullif(n_pairs, 0) AS mean_bias_term,
+               CASE WHEN query_category = 'all' THEN weighted_sum / nullif(n_queries, 0) END AS weighted_per_query
+        FROM contributions""",
+    "attention_geometry_mean": """
+        SELECT layer, head, key_category, n_pairs,
+               q_norm_sum / nullif(n_pairs, 0) AS mean_q_norm, k_norm_sum / nullif(n_pairs, 0) AS mean_k_norm,
+               cos_sum / nullif(n_pairs, 0) AS mean_cos, mass / nullif(n_queries, 0) AS mean_mass,
+               mass_keynorm / nullif(n_queries, 0) AS mean_mass_keynorm
+        FROM attention_geometry""",
+    "attention_by_distance_mean": """
+        SELECT layer, head, distance, n_pairs, attn_sum / nullif(n_pairs, 0) AS mean_attention
+        FROM attention_by_distance WHERE n_pairs > 0""",
 }
 """Derived views, created when their source tables exist."""
 

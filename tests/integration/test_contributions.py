@@ -9,7 +9,9 @@ import torch
 
 from actlake.analysis import capture
 from actlake.analysis.contributions import QUERY_GROUPS_BY_ROLE, Contributions, pairwise_contributions
+from actlake.analysis.attention_distance import AttentionByDistance
 from actlake.analysis.geometry import Geometry
+from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.rope import rotate
 from actlake.categories import ROLE, one_hot
@@ -102,8 +104,10 @@ def test_factorised_aggregates_equal_brute_force(family, tiny_models):
     for lq in layers:
         stats = Contributions.zeros(len(layers), lq.n_heads, lq.x.shape[-1], QUERY_GROUPS_BY_ROLE)
         stats.add_layer(lq)
-        geo = Geometry.zeros(len(layers), lq.n_heads, 16)
+        geo = Geometry.zeros(len(layers), lq.n_heads)
         geo.add_layer(lq)
+        dist = AttentionByDistance.zeros(len(layers), lq.n_heads, 16)
+        dist.add_layer(lq)
         alpha = out.attentions[lq.layer].double()  # the model's own weights (eager)
         contrib, pairs, weighted, qn, kn, cos = _brute_force(lq, alpha)
         np.testing.assert_allclose(stats.contrib[lq.layer], contrib, rtol=1e-4, atol=1e-4)
@@ -123,7 +127,7 @@ def test_factorised_aggregates_equal_brute_force(family, tiny_models):
                     n = m - delta
                     if 0 <= n < T and valid[b, m] and valid[b, n] and (not lq.causal or n <= m):
                         ref += float(alpha[b, :, m, n].sum())
-            assert abs(geo.dist_attn[lq.layer].sum(0)[delta + 15] - ref) < 1e-5
+            assert abs(dist.attn[lq.layer].sum(0)[delta + 15] - ref) < 1e-5
         # masses per key category equal the explicit weights
         kcat = lq.key_onehot
         ref_mass = torch.einsum("bhmn,bnc,bm->hc", alpha, kcat, lq.valid.double()).numpy()
@@ -133,14 +137,14 @@ def test_factorised_aggregates_equal_brute_force(family, tiny_models):
 def test_key_normalised_mass_equals_mass_when_keys_have_equal_norms(tiny_models):
     _, layers, _ = capture_layers(tiny_models["llama"])
     lq = layers[0]
-    lq.key = lq.key / lq.key.norm(dim=-1, keepdim=True) * 3.0  # every key the same norm
-    geo = Geometry.zeros(1, lq.n_heads, 16)
-    lq.layer = 0
-    geo.add_layer(lq)
+    equal = LayerQK(0, lq.query, lq.key / lq.key.norm(dim=-1, keepdim=True) * 3.0, lq.scaling, lq.batch)  # equal norms
+    geo = Geometry.zeros(1, lq.n_heads)
+    geo.add_layer(equal)
     np.testing.assert_allclose(geo.mass_keynorm, geo.mass, rtol=1e-6)
-    lq.key = lq.key * torch.linspace(0.2, 5.0, lq.key.shape[2])[None, None, :, None]  # now they differ
-    geo2 = Geometry.zeros(1, lq.n_heads, 16)
-    geo2.add_layer(lq)
+    unequal = LayerQK(0, lq.query, equal.key * torch.linspace(0.2, 5.0, lq.key.shape[2])[None, None, :, None],
+                      lq.scaling, lq.batch)
+    geo2 = Geometry.zeros(1, lq.n_heads)
+    geo2.add_layer(unequal)
     assert not np.allclose(geo2.mass_keynorm, geo2.mass, rtol=1e-3)
 
 
@@ -152,9 +156,7 @@ def test_stats_merge_halves_and_roundtrip(tiny_models):
     whole.add_layer(lq)
     halves = []
     for sl in (slice(0, 1), slice(1, 3)):
-        part = type(lq)(**{**lq.__dict__})
-        for f in ("query", "key", "valid", "key_onehot", "query_onehot", "x", "cos", "sin"):
-            setattr(part, f, getattr(lq, f)[sl])
+        part = lq.select(sl)
         c = Contributions.zeros(2, lq.n_heads, d, QUERY_GROUPS_BY_ROLE)
         c.add_layer(part)
         halves.append(c)
@@ -162,10 +164,15 @@ def test_stats_merge_halves_and_roundtrip(tiny_models):
     np.testing.assert_allclose(merged.contrib, whole.contrib, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(merged.weighted, whole.weighted, rtol=1e-6, atol=1e-6)
     back = Contributions.from_arrow(whole.to_arrow())
-    for f in ("contrib", "bias", "n_pairs", "weighted", "weighted_bias"):
+    for f in ("contrib", "bias", "n_pairs", "weighted", "weighted_bias", "n_queries"):
         np.testing.assert_array_equal(getattr(back, f), getattr(whole, f))
-    geo = Geometry.zeros(2, lq.n_heads, 16)
+    geo = Geometry.zeros(2, lq.n_heads)
     geo.add_layer(lq)
-    g2 = Geometry.from_arrow(*geo.to_arrow())
+    g2 = Geometry.from_tables(geo.to_tables())
     for f in geo.__dataclass_fields__:
         np.testing.assert_array_equal(getattr(g2, f), getattr(geo, f))
+    dist = AttentionByDistance.zeros(2, lq.n_heads, 16)
+    dist.add_layer(lq)
+    d2 = AttentionByDistance.from_tables(dist.to_tables())
+    np.testing.assert_array_equal(d2.attn, dist.attn)
+    np.testing.assert_array_equal(d2.pairs, dist.pairs)

@@ -28,7 +28,8 @@ def test_report_files(report_run):
     assert report.name == "report.html"
     html = report.read_text()
     assert "<script src=" not in html
-    for png in ("dim_means.png", "attention_mass.png", "residual_norms.png"):
+    for png in ("dim_means.png", "attention_mass.png", "residual_norms.png", "outlier_dims_by_category.png",
+                "contributions.png", "geometry_norms.png", "keynorm_mass.png", "attention_by_distance.png"):
         data = (report.parent / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
@@ -48,12 +49,18 @@ def test_report_renders_in_headless_chromium(report_run):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("request", lambda r: requests.append(r.url))
             page.goto(f"file://{report_run.report}")
-            page.wait_for_function("document.querySelectorAll('.chart svg').length >= 3", timeout=30000)
-            charts = page.eval_on_selector_all(".chart", "els => els.map(e => e.querySelectorAll('svg').length)")
+            page.wait_for_function(
+                "[...document.querySelectorAll('.chart')].every(c => c.querySelector('svg'))", timeout=30000)
+            charts = page.eval_on_selector_all(".chart", "els => els.map(e => [e.id, e.querySelectorAll('svg').length])")
             marks = page.eval_on_selector_all(".chart svg", "els => els.map(e => e.querySelectorAll('path, circle, rect').length)")
+            table1 = page.eval_on_selector_all("table.t1 tr", "rows => rows.length")
         finally:
             browser.close()
     assert errors == []
-    assert all(n >= 1 for n in charts) and len(charts) == 3
+    ids = {i for i, _ in charts}
+    assert {"chart-dim_means", "chart-attention_mass", "chart-residual_norms", "chart-outlier_dims_by_category",
+            "chart-contributions", "chart-geometry_norms", "chart-keynorm_mass", "chart-attention_by_distance"} <= ids
+    assert all(n >= 1 for _, n in charts)
     assert min(marks) > 10
+    assert table1 > 3  # header plus a row per (layer, outlier dimension)
     assert all(u.startswith("file://") for u in requests)

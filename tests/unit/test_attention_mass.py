@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from actlake.analysis.attention_mass import AttentionMass, allowed_pairs, expand_kv, per_query_category_mass
+from actlake.analysis.layer_qk import BatchInfo, LayerQK
 from actlake.categories import one_hot
 
 
@@ -19,7 +20,7 @@ def test_one_hot_value_mass_equals_explicit_weights(causal, h_kv):
     cats = torch.randint(0, C, (B, T), generator=g)
     onehot = one_hot(cats, C, valid)
     stats = AttentionMass.zeros(1, H, C)
-    stats.add_layer(0, q, k, d ** -0.5, valid, causal, onehot)
+    stats.add_layer(LayerQK(0, q, k, d ** -0.5, BatchInfo(valid, causal, onehot, onehot)))
     # brute force: explicit softmax weights, loops over query and key
     kk = expand_kv(k, H)
     mass = np.zeros((H, C, C))

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_config_reference_is_current():
     text = (ROOT / "README.md").read_text()
     block = text.split("<!-- config-reference:start -->")[1].split("<!-- config-reference:end -->")[0].strip()
-    assert block == reference_markdown().strip()
+    assert block == reference_markdown().strip(), "README is stale: run python scripts/sync_readme.py"
 
 
 def test_readme_commands_exist_and_ci_calls_the_test_command():

@@ -1,0 +1,69 @@
+"""Mean attention weight as a function of relative position m - n (METHODS.md §4).
+
+Needs the weights themselves (a fused kernel cannot group by m - n), computed a
+block of queries at a time; summed over the batch first, then along diagonals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from actlake.analysis import grid
+from actlake.analysis.layer_qk import LayerQK, diagonal_sums
+
+
+@dataclass
+class AttentionByDistance:
+    TABLES = ("attention_by_distance",)
+    """Reduced table names (partials: ``<name>_by_shard``)."""
+
+    attn: np.ndarray
+    """(L, H, 2T-1) summed attention weight at m - n = i - (T - 1)."""
+    pairs: np.ndarray
+    """(L, 2T-1) valid pairs at each m - n."""
+
+    @classmethod
+    def zeros(cls, n_layers: int, n_heads: int, max_len: int) -> "AttentionByDistance":
+        return cls(np.zeros((n_layers, n_heads, 2 * max_len - 1)), np.zeros((n_layers, 2 * max_len - 1)))
+
+    @property
+    def max_len(self) -> int:
+        return (self.pairs.shape[1] + 1) // 2
+
+    def add_layer(self, lq: LayerQK) -> None:
+        T = lq.query.shape[2]
+        if T > self.max_len:
+            raise ValueError(f"window of {T} tokens is longer than the distance profile's {self.max_len}")
+        for m0, m1, alpha in lq.attention_chunks():
+            block = torch.zeros(alpha.shape[1], T, T, dtype=torch.float64, device=alpha.device)
+            block[:, m0:m1] = alpha.sum(0).double()  # (H, T, T) summed over sequences
+            self.attn[lq.layer] += diagonal_sums(block, self.max_len).cpu().numpy()
+        self.pairs[lq.layer] += lq.batch.pairs_by_distance(self.max_len).cpu().numpy()
+
+    def merge(self, o: "AttentionByDistance") -> "AttentionByDistance":
+        return AttentionByDistance(self.attn + o.attn, self.pairs + o.pairs)
+
+    def to_arrow(self) -> pa.Table:
+        L, H, D = self.attn.shape
+        t = grid.to_arrow([("layer", L), ("head", H), ("distance_index", D)],
+                          {"attn_sum": self.attn, "n_pairs": self.pairs[:, None].repeat(H, 1)})
+        distance = pa.compute.subtract(t["distance_index"], pa.scalar(self.max_len - 1, pa.int32()))
+        return t.append_column("distance", distance).drop_columns(["distance_index"])
+
+    @classmethod
+    def from_arrow(cls, t: pa.Table) -> "AttentionByDistance":
+        max_len = -int(pa.compute.min(t["distance"]).as_py()) + 1
+        t = t.append_column("distance_index", pa.compute.add(t["distance"], pa.scalar(max_len - 1, pa.int32())))
+        v = grid.from_arrow(t, [("layer", 0), ("head", 0), ("distance_index", 2 * max_len - 1)], {"attn_sum": 3, "n_pairs": 3})
+        return cls(v["attn_sum"], v["n_pairs"][:, 0])
+
+    def to_tables(self) -> dict[str, pa.Table]:
+        return {"attention_by_distance": self.to_arrow()}
+
+    @classmethod
+    def from_tables(cls, tables: dict[str, pa.Table]) -> "AttentionByDistance":
+        return cls.from_arrow(tables["attention_by_distance"])
