@@ -13,8 +13,8 @@ all-MiniLM-L6-v2 windows from the sample corpus:
 - everything: + hidden states, residual norms and per-dimension moments (what `actlake run` does);
 - naive:      what one would write with cached activations: eager attention with
               output_attentions, x cached by hooks, then C(m, n) for every pair (T x T x d per
-              head and sequence) summed by key category. Run on the first --naive-batches
-              batches only and compared per token.
+              head and sequence) summed by key category. Run on --naive-batches
+              batches (evenly spaced over the length-sorted batches) and compared per token.
 
 Prints tokens/s, time ratios against plain, the naive/suite ratio and each process's peak RSS.
 """
@@ -84,8 +84,9 @@ def _variant(name: str, args, queue) -> None:
         capture.install(model)
     mqk = ModelQK(model, lm.family)
     L, H, d = mqk.n_layers, mqk.n_heads, model.config.hidden_size
-    if name == "naive":
-        batches, roles = batches[: args.naive_batches], roles[: args.naive_batches]
+    if name == "naive":  # batches are sorted by length: take evenly spaced ones, short to long
+        pick = sorted({round(i * (len(batches) - 1) / max(1, args.naive_batches - 1)) for i in range(args.naive_batches)})
+        batches, roles = [batches[i] for i in pick], [roles[i] for i in pick]
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def run_one(ids, mask, role):
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--naive-batches", type=int, default=2)
+    p.add_argument("--naive-batches", type=int, default=4)
     p.add_argument("--variants", default="plain,attention,suite,everything,naive")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

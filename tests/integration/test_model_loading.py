@@ -1,0 +1,75 @@
+"""Model loading: safetensors only unless pickle is allowed; clear errors for bad folders and families."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actlake.config import ModelConfig
+from actlake.errors import ModelLoadError
+from actlake.model import load_model
+
+pytestmark = pytest.mark.integration
+
+
+def test_pickle_weights_need_explicit_opt_in(tiny_models, tmp_path):
+    from transformers import AutoModel, AutoTokenizer
+
+    src = tiny_models["gpt2"]
+    out = tmp_path / "pickled"
+    model = AutoModel.from_pretrained(src)
+    model.config.save_pretrained(out)
+    torch.save(model.state_dict(), out / "pytorch_model.bin")  # the legacy pickle format
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    assert (out / "pytorch_model.bin").exists() and not list(out.glob("*.safetensors"))
+    with pytest.raises(ModelLoadError, match="allow_pickle"):
+        load_model(ModelConfig(name_or_path=str(out)))
+    lm = load_model(ModelConfig(name_or_path=str(out), allow_pickle=True))
+    ref = load_model(ModelConfig(name_or_path=str(src)))
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(input_ids=ids).last_hidden_state, ref.model(input_ids=ids).last_hidden_state)
+
+
+def test_unsupported_family_and_empty_folder(tmp_path):
+    from transformers import T5Config
+
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    T5Config(d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=32, vocab_size=50).save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="'t5' is not supported"):
+        load_model(ModelConfig(name_or_path=str(folder)))
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no weight files"):
+        load_model(ModelConfig(name_or_path=str(folder)))
+
+
+def test_bfloat16_model_gives_the_same_tables_within_tolerance(tiny_models):
+    """bf16 activations, float32 analysis, float64 sums: attention mass within 2e-2 of float32."""
+    import numpy as np
+
+    from tests.integration.test_contributions import capture_layers
+    from actlake.analysis.attention_mass import AttentionMass
+
+    def mass(dtype):
+        from actlake.analysis import capture
+        from actlake.analysis.recorder import AttentionRecorder, ModelQK
+        from actlake.categories import ROLE, one_hot
+
+        lm = load_model(ModelConfig(name_or_path=str(tiny_models["llama"]), dtype=dtype))
+        capture.install(lm.model)
+        mqk = ModelQK(lm.model, lm.family)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(5, 300, (2, 12), generator=g)
+        valid = torch.ones(2, 12, dtype=torch.long)
+        role = torch.randint(0, len(ROLE), (2, 12), generator=g)
+        stats = AttentionMass.zeros(mqk.n_layers, mqk.n_heads)
+        rec = AttentionRecorder(mqk, valid, one_hot(role, len(ROLE), valid), [], mass=stats)
+        with torch.no_grad(), capture.recording(rec):
+            lm.model(input_ids=ids, attention_mask=valid)
+        return stats.mass
+
+    full, half = mass("float32"), mass("bfloat16")
+    assert np.abs(full - half).max() / np.abs(full).max() < 2e-2
+    np.testing.assert_allclose(half.sum((2, 3)), full.sum((2, 3)), rtol=1e-5)  # weights still sum to 1 per query
