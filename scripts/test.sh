@@ -8,5 +8,6 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   echo "installing chromium for the report test" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
+export PATH="$PWD/.venv/bin:$PATH"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DISABLE_USAGE_STATS=1
 exec .venv/bin/python -m pytest -q --durations=15 "$@"

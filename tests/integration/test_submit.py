@@ -41,7 +41,8 @@ def ray_head():
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2",
          "--disable-usage-stats", f"--temp-dir={temp}", *extra],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        env=dict(os.environ, RAY_ADDRESS=""),
+        # the job's entrypoint runs `python` from the head's PATH: make it this environment's
+        env=dict(os.environ, RAY_ADDRESS="", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"),
     )
     address = f"http://127.0.0.1:{dash}"
     try:
