@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import Counter
 
@@ -27,6 +28,11 @@ from actlake.model import LoadedModel
 from actlake.storage.layout import RunLayout
 from actlake.storage.shards import ShardWriter
 
+log = logging.getLogger("actlake.extract")
+
+MAX_OOM_SPLITS = 4
+"""A batch that runs out of memory is halved at most this many times (down to 1/16)."""
+
 
 class Extractor:
     """Holds the model (loaded once per worker) and turns shards into committed tables."""
@@ -36,6 +42,7 @@ class Extractor:
         self.cats = Categorizer(lm.tokenizer)
         capture.install(lm.model)
         self.mqk = ModelQK(lm.model, lm.family)
+        self.oom_splits = 0
 
     # ------------------------------------------------------------------ reading
     def read_shard(self, shard: Shard):
@@ -107,57 +114,94 @@ class Extractor:
     # ------------------------------------------------------------------ one shard
     def process(self, shard: Shard, layout: RunLayout, plan_hash: str) -> dict:
         t0 = time.perf_counter()
-        a = self.cfg.analyses
         windows, docs, rejects = self.read_shard(shard)
         batches = make_batches(windows, self.cfg.batching)
-        stats = self.new_stats()
-        moments = None
-        tok_cols: dict[str, list] = {k: [] for k in ("doc_id", "window_index", "position", "token_id", "token", "role", "type8", "source")}
-        norm_rows = []
-        n_tokens = n_padded = 0
+        acc = ShardResults(self.cfg.analyses, self.new_stats())
+        splits_before = self.oom_splits
         for batch in batches:
-            per_window, mask, norms, m = self.run_batch(batch, stats)
-            lengths = [len(w.ids) for w in batch]
-            n_tokens += sum(lengths)
-            n_padded += len(batch) * max(lengths) - sum(lengths)
-            if m is not None:
-                moments = m if moments is None else moments.merge(m)
-            keys = []
-            for w, (texts, roles, t8s) in zip(batch, per_window):
-                T = len(w.ids)
-                keys.append(np.stack([np.full(T, w.doc_id), np.full(T, w.window), np.arange(T)], 1))
-                if a.tokens:
-                    tok_cols["doc_id"] += [w.doc_id] * T
-                    tok_cols["window_index"] += [w.window] * T
-                    tok_cols["position"] += list(range(T))
-                    tok_cols["token_id"] += w.ids
-                    tok_cols["token"] += texts
-                    tok_cols["role"] += [ROLE[r] for r in roles]
-                    tok_cols["type8"] += [TYPE8[t] for t in t8s]
-                    tok_cols["source"] += [w.source] * T
-            if norms is not None:
-                norm_rows.append((np.concatenate(keys), norms.numpy()))
+            for sub, result in self.run_batch_resilient(batch):
+                acc.add(sub, *result)
         writer = ShardWriter(layout, shard.shard_id, plan_hash)
         try:
-            self._write_tables(writer, tok_cols, norm_rows, docs, rejects, [moments, *stats.values()])
-            summary = {"docs": len(docs), "windows": len(windows), "tokens": n_tokens, "padded_tokens": n_padded,
-                       "batches": len(batches), "rejects": dict(Counter(r["reason"] for r in rejects)),
-                       "seconds": time.perf_counter() - t0}
+            acc.write(writer, docs, rejects)
+            summary = {"docs": len(docs), "windows": len(windows), "tokens": acc.n_tokens, "padded_tokens": acc.n_padded,
+                       "batches": len(batches), "oom_splits": self.oom_splits - splits_before,
+                       "rejects": dict(Counter(r["reason"] for r in rejects)), "seconds": time.perf_counter() - t0}
             writer.commit(summary)
         except BaseException:
             writer.abort()
             raise
         return summary
 
-    def _write_tables(self, writer, tok_cols, norm_rows, docs, rejects, partials):
-        a = self.cfg.analyses
+    def run_batch_resilient(self, batch: list[Window], depth: int = 0):
+        """Run a batch; on out-of-memory, split it in halves and retry (at most MAX_OOM_SPLITS deep).
+
+        Each attempt accumulates into fresh statistics, handed back only when it succeeded, so a
+        failed attempt leaves nothing behind. Yields (windows, run_batch result) pairs.
+        """
+        stats = self.new_stats()
+        try:
+            result = self.run_batch(batch, stats)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
+                raise
+            if len(batch) == 1 or depth >= MAX_OOM_SPLITS:
+                raise
+            del e
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.oom_splits += 1
+            log.warning("out of memory on a batch of %d windows; splitting it in two", len(batch))
+            half = len(batch) // 2
+            yield from self.run_batch_resilient(batch[:half], depth + 1)
+            yield from self.run_batch_resilient(batch[half:], depth + 1)
+            return
+        yield batch, (*result, stats)
+
+
+class ShardResults:
+    """Everything one shard produces, accumulated batch by batch, then written as tables."""
+
+    def __init__(self, analyses, stats: dict):
+        self.a, self.stats = analyses, stats
+        self.moments = None
+        self.tok_cols: dict[str, list] = {k: [] for k in TOKENS_SCHEMA.names}
+        self.norm_rows: list = []
+        self.n_tokens = self.n_padded = 0
+
+    def add(self, batch, per_window, mask, norms, moments, stats) -> None:
+        lengths = [len(w.ids) for w in batch]
+        self.n_tokens += sum(lengths)
+        self.n_padded += len(batch) * max(lengths) - sum(lengths)
+        if moments is not None:
+            self.moments = moments if self.moments is None else self.moments.merge(moments)
+        for name, part in stats.items():
+            self.stats[name] = self.stats[name].merge(part)
+        keys = []
+        cols = self.tok_cols
+        for w, (texts, roles, t8s) in zip(batch, per_window):
+            T = len(w.ids)
+            keys.append(np.stack([np.full(T, w.doc_id), np.full(T, w.window), np.arange(T)], 1))
+            if self.a.tokens:
+                cols["doc_id"] += [w.doc_id] * T
+                cols["window_index"] += [w.window] * T
+                cols["position"] += range(T)
+                cols["token_id"] += w.ids
+                cols["token"] += texts
+                cols["role"] += [ROLE[r] for r in roles]
+                cols["type8"] += [TYPE8[t] for t in t8s]
+                cols["source"] += [w.source] * T
+        if norms is not None:
+            self.norm_rows.append((np.concatenate(keys), norms.numpy()))
+
+    def write(self, writer, docs, rejects) -> None:
         writer.write("documents", pa.Table.from_pylist(docs, schema=DOCUMENTS_SCHEMA))
         writer.write("rejects", pa.Table.from_pylist(rejects, schema=REJECTS_SCHEMA))
-        if a.tokens:
-            writer.write("tokens", pa.table(tok_cols, schema=TOKENS_SCHEMA))
-        if a.residual_norms:
-            writer.write("residual_norms", _norm_table(norm_rows))
-        for stats in partials:
+        if self.a.tokens:
+            writer.write("tokens", pa.table(self.tok_cols, schema=TOKENS_SCHEMA))
+        if self.a.residual_norms:
+            writer.write("residual_norms", _norm_table(self.norm_rows))
+        for stats in [self.moments, *self.stats.values()]:
             if stats is not None:
                 for name, table in stats.to_tables().items():
                     writer.write(f"{name}_by_shard", table)
