@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 
 from actlake.config import JobConfig
 from actlake.errors import ActlakeError, StorageError
+from actlake.jobs.dispatch import Dispatcher
 from actlake.jobs.plan import make_plan, plan_hash
 from actlake.jobs.progress import Progress
 from actlake.storage.layout import RunLayout, write_json_atomic
@@ -79,6 +81,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
         raise ActlakeError("the corpus has no documents: nothing to do")
     phash = plan_hash(cfg, shards)
     prepare_run_dir(cfg, layout, shards, phash)
+    shutil.rmtree(layout.staging, ignore_errors=True)  # leftovers of attempts that died mid-write
     pending = [s for s in shards if read_record(layout, s.shard_id, phash) is None]
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
     ran: list[dict] = []
@@ -110,34 +113,13 @@ def _dispatch(cfg, layout, phash, pending, total, address) -> list[dict]:
         n = min(n, len(pending))
         retries = cfg.resources.max_retries
         workers = [
-            ShardWorker.options(num_cpus=cpus, num_gpus=gpus, max_restarts=retries, max_task_retries=retries)
+            ShardWorker.options(num_cpus=cpus, num_gpus=gpus, max_restarts=retries, max_task_retries=0)
             .remote(cfg.to_dict(), str(layout.root), phash, threads)
             for _ in range(n)
         ]
         log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU each)", len(pending), n, cpus, gpus)
         progress = Progress(total, skipped=total - len(pending))
-        queue = list(pending)
-        in_flight: dict = {}
-        failures: list[str] = []
-        summaries: list[dict] = []
-        for w in workers:
-            if queue:
-                s = queue.pop(0)
-                in_flight[w.process.remote(asdict(s))] = (w, s)
-        while in_flight:
-            done, _ = ray.wait(list(in_flight), num_returns=1)
-            ref = done[0]
-            w, s = in_flight.pop(ref)
-            try:
-                summaries.append(ray.get(ref))
-                progress.update(summaries[-1])
-            except Exception as e:  # a shard that failed for good: the others still run
-                cause = getattr(e, "cause", None) or e
-                failures.append(f"shard {s.shard_id:05d} ({s.path} records {s.start}-{s.end}): {cause}")
-                log.error("%s", failures[-1])
-            if queue:
-                s2 = queue.pop(0)
-                in_flight[w.process.remote(asdict(s2))] = (w, s2)
+        summaries, failures = Dispatcher(workers, retries, progress.update).run(pending)
         for w in workers:
             ray.kill(w)
         if failures:

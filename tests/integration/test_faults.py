@@ -225,3 +225,25 @@ def test_bad_records_are_counted_and_the_rest_equals_a_clean_corpus(minilm_path,
     assert open_run(d.run_dir).execute(q).fetchall() == open_run(c.run_dir).execute(q).fetchall()
     for table in ("dim_moments", "attention_mass", "contributions"):
         assert_same(snapshot(d.run_dir, (table,)), snapshot(c.run_dir, (table,)), rtol=1e-4)
+
+
+def test_removing_a_node_mid_job_leaves_the_same_tables(minilm_path, sample_corpus, tmp_path, clean):
+    """A 3-node ray.cluster_utils.Cluster (head without CPUs, two 1-CPU workers, one actor each);
+    one worker node is removed after two shards are committed."""
+    import subprocess
+    import sys
+
+    _, clean_tables = clean
+    cfg = job_config(minilm_path, sample_corpus, tmp_path,
+                     **{"corpus.max_docs": 20, "sharding.docs_per_shard": 2, "resources.num_workers": 2})
+    cfg_file, out_file = tmp_path / "cfg.json", tmp_path / "result.json"
+    cfg_file.write_text(json.dumps(cfg.to_dict()))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "tests.integration.node_loss_job", str(cfg_file), str(out_file)],
+                          cwd=root, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, RAY_ADDRESS=""))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out_file.read_text())
+    assert result["removed_after_shards"] >= 2 and result["shards_run"] == result["shards_total"] == 10
+    assert result["alive_nodes"] == 2 and result["cpu_available"] == result["cpu_total"] == 1
+    assert_same(snapshot(cfg.run_dir), clean_tables)

@@ -73,3 +73,21 @@ def test_bfloat16_model_gives_the_same_tables_within_tolerance(tiny_models):
     full, half = mass("float32"), mass("bfloat16")
     assert np.abs(full - half).max() / np.abs(full).max() < 2e-2
     np.testing.assert_allclose(half.sum((2, 3)), full.sum((2, 3)), rtol=1e-5)  # weights still sum to 1 per query
+
+
+def test_a_worker_that_cannot_load_the_model_fails_the_job_with_the_reason(tiny_models, sample_corpus, tmp_path, ray_local):
+    from transformers import AutoModel
+
+    from actlake.errors import ActlakeError
+    from actlake.jobs.run import run_job
+    from tests.conftest import job_config
+
+    out = tmp_path / "pickled"
+    model = AutoModel.from_pretrained(tiny_models["bert"])
+    model.config.save_pretrained(out)
+    torch.save(model.state_dict(), out / "pytorch_model.bin")
+    for f in tiny_models["bert"].glob("tokenizer*"):
+        (out / f.name).write_bytes(f.read_bytes())
+    cfg = job_config(out, sample_corpus, tmp_path / "runs", **{"corpus.max_docs": 4})
+    with pytest.raises(ActlakeError, match="allow_pickle"):
+        run_job(cfg)

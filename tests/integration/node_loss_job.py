@@ -1,0 +1,57 @@
+"""Run one job on a 3-node ``ray.cluster_utils.Cluster`` and remove a worker node mid-job.
+
+Run as ``python -m tests.integration.node_loss_job CONFIG.json RESULT.json`` (its own process:
+the test session already holds an embedded Ray).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def main(cfg_path: str, out_path: str) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from actlake.config import parse_config
+    from actlake.jobs.run import run_job
+
+    cfg = parse_config(json.loads(Path(cfg_path).read_text()))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    result: dict = {"removed_after_shards": None}
+
+    def remove_a_node():
+        complete = Path(cfg.run_dir) / "_complete"
+        while len(list(complete.glob("*.json"))) < 2:
+            time.sleep(0.1)
+        result["removed_after_shards"] = len(list(complete.glob("*.json")))
+        cluster.remove_node(nodes[1])
+
+    remover = threading.Thread(target=remove_a_node)
+    remover.start()
+    try:
+        res = run_job(cfg)
+        result.update(shards_total=res.shards_total, shards_run=res.shards_run)
+    finally:
+        remover.join(timeout=60)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        avail, total = ray.available_resources().get("CPU", 0), ray.cluster_resources().get("CPU", 0)
+        if avail == total:
+            break
+        time.sleep(0.5)
+    result.update(cpu_available=avail, cpu_total=total, alive_nodes=sum(n["Alive"] for n in ray.nodes()))
+    Path(out_path).write_text(json.dumps(result))
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
