@@ -38,21 +38,23 @@ def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
     return affixes
 
 
-def document_windows(tokenizer, text: str, cfg: TokenizationConfig) -> list[list[int]]:
-    """Token ids of each window of one document, special tokens included."""
+def document_windows(tokenizer, text: str, cfg: TokenizationConfig) -> tuple[list[list[int]], bool]:
+    """Token ids of each window of one document (special tokens included), and whether the
+    document was cut: longer than the windows allowed (``truncate``, ``max_windows_per_doc``)."""
     prefix, suffix = special_affixes(tokenizer)
     body = cfg.max_length - len(prefix) - len(suffix)
     step = body - cfg.stride
     n_max = 1 if cfg.overflow == "truncate" else cfg.max_windows_per_doc
-    text = text[: (body + step * (n_max - 1)) * CHARS_PER_TOKEN_CAP]
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    limit = (body + step * (n_max - 1)) * CHARS_PER_TOKEN_CAP
+    ids = tokenizer(text[:limit], add_special_tokens=False, verbose=False)["input_ids"]
     out = []
     for w in range(n_max):
         chunk = ids[w * step : w * step + body]
         if len(chunk) < cfg.min_tokens or (w > 0 and w * step + cfg.stride >= len(ids)):
             break
         out.append(prefix + chunk + suffix)
-    return out
+    covered = (len(out) - 1) * step + body if out else 0
+    return out, len(text) > limit or len(ids) > covered
 
 
 def make_batches(windows: list[Window], cfg: BatchingConfig) -> list[list[Window]]:

@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="Ray dashboard / Jobs API address (default http://127.0.0.1:8265)")
     s.add_argument("--run-id")
     s.add_argument("--submission-id")
-    for name, helptext in (("status", "status of a submitted job"), ("logs", "logs of a submitted job")):
+    for name, helptext in (("status", "status of a submitted job"), ("logs", "logs of a submitted job"),
+                           ("stop", "stop a submitted job (resubmit with the same run id to finish it)")):
         q = sub.add_parser(name, help=helptext)
         q.add_argument("submission_id")
         q.add_argument("--address", default=os.environ.get("RAY_JOB_ADDRESS", "http://127.0.0.1:8265"))
@@ -92,8 +93,8 @@ def _cmd_run(args) -> int:
              else "nothing left to run")
     print(f"tokens:  {t['tokens']:,} in {t['windows']:,} windows of {t['docs']:,} documents; "
           f"padded/real {t['padded_fraction']:.3f}; {speed}; wall {res.wall_seconds:.1f}s")
-    if t["rejects"]:
-        print("rejects: " + ", ".join(f"{k}={v}" for k, v in sorted(t["rejects"].items())))
+    skipped = ", ".join(f"{k}={v}" for k, v in sorted(t["rejects"].items())) or "none"
+    print(f"input:   rejected records: {skipped}; documents cut to the window limit: {t['cut_docs']}")
     if res.report:
         print(f"report:  {res.report}")
     from actlake.storage.sql import query
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(sid)
             print(f"follow it with: actlake status {sid} --address {args.address}", file=sys.stderr)
             return 0
-        if args.command in ("status", "logs"):
+        if args.command in ("status", "logs", "stop"):
             from actlake.jobs import submit as js
 
             print(getattr(js, args.command)(args.address, args.submission_id))

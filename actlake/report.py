@@ -162,14 +162,27 @@ def _table1_html(con) -> str:
             "<p>SQL: <code>SELECT * FROM contributions_mean WHERE layer = L AND dim = J</code></p></section>")
 
 
-def _summary_html(layout: RunLayout) -> str:
+def _nonfinite(con) -> str:
+    """Tokens left out of the statistics per layer because their vector held inf/NaN."""
+    have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    if "dim_moments" not in have:
+        return "not measured"
+    rows = con.execute("""SELECT layer, max(nonfinite_tokens) FROM dim_moments WHERE scheme = 'all'
+                          GROUP BY layer ORDER BY layer""").fetchall()
+    bad = [(layer, int(n)) for layer, n in rows if n]
+    return "0 in every layer" if not bad else ", ".join(f"layer {layer}: {n}" for layer, n in bad)
+
+
+def _summary_html(layout: RunLayout, nonfinite: str = "") -> str:
     if not layout.summary_json.exists():
         return ""
     s = json.loads(layout.summary_json.read_text())
     rows = [("documents", s.get("docs")), ("windows", s.get("windows")), ("tokens", s.get("tokens")),
             ("padded tokens / real tokens", f"{s.get('padded_fraction', 0):.3f}"),
             ("shards", s.get("shards")), ("wall time (s)", f"{s.get('wall_seconds', 0):.1f}")]
-    rows += [(f"rejected: {k}", v) for k, v in sorted(s.get("rejects", {}).items())]
+    rows += [(f"rejected: {k}", v) for k, v in sorted(s.get("rejects", {}).items())] or [("rejected records", 0)]
+    rows += [("documents cut (longer than the windows allowed)", s.get("cut_docs", 0)),
+             ("out-of-memory batch splits", s.get("oom_splits", 0)), ("non-finite tokens excluded", nonfinite)]
     cells = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     return f"<table class='summary'>{cells}</table>"
 
@@ -187,6 +200,7 @@ def build_report(run_dir: str | Path) -> Path:
     try:
         charts = _charts(con)
         table1 = _table1_html(con)
+        nonfinite = _nonfinite(con)
     finally:
         con.close()
     layout.report.mkdir(parents=True, exist_ok=True)
@@ -210,7 +224,7 @@ def build_report(run_dir: str | Path) -> Path:
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1000px}} table.summary th{{text-align:left;padding-right:1em}} table.t1 td,table.t1 th{{padding:2px 8px;text-align:right}}</style>
 <script>{bundle}</script></head>
 <body><h1>actlake report: {html.escape(layout.root.name)}</h1>
-{_summary_html(layout)}
+{_summary_html(layout, nonfinite)}
 {''.join(sections[:4])}
 {table1}
 {''.join(sections[4:])}

@@ -48,7 +48,7 @@ def _batches(args):
     for f in sorted(corpus.glob("*.jsonl")):
         for item in iter_items(str(f), "jsonl", 0, 10**9, "text", "meta.pile_set_name"):
             if isinstance(item, Record) and len({w.doc_id for w in windows}) < args.docs:
-                ws = document_windows(tok, item.text, TokenizationConfig(max_length=args.max_length, max_windows_per_doc=4))
+                ws, _ = document_windows(tok, item.text, TokenizationConfig(max_length=args.max_length, max_windows_per_doc=4))
                 windows += [Window(len(windows), i, ids, item.source) for i, ids in enumerate(ws)]
     batches = make_batches(windows, BatchingConfig(max_tokens=4096))
     return [collate(b, tok.pad_token_id) for b in batches], tok

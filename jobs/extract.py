@@ -54,13 +54,14 @@ class Extractor:
                 rejects.append({"file": shard.path, "record": item.index, "reason": item.reason, "detail": item.detail})
                 continue
             doc_id = shard.doc_offset + item.index
-            ws = document_windows(self.lm.tokenizer, item.text, self.cfg.tokenization)
+            ws, cut = document_windows(self.lm.tokenizer, item.text, self.cfg.tokenization)
             if not ws:
                 rejects.append({"file": shard.path, "record": item.index, "reason": "too_few_tokens", "detail": ""})
                 continue
             windows += [Window(doc_id, w, ids, item.source) for w, ids in enumerate(ws)]
             docs.append({"doc_id": doc_id, "file": shard.path, "record": item.index, "source": item.source,
-                         "n_chars": len(item.text), "n_windows": len(ws), "n_tokens": sum(len(x) for x in ws)})
+                         "n_chars": len(item.text), "n_windows": len(ws), "n_tokens": sum(len(x) for x in ws),
+                         "cut": cut})
         return windows, docs, rejects
 
     # ------------------------------------------------------------------ one batch
@@ -126,6 +127,7 @@ class Extractor:
             acc.write(writer, docs, rejects)
             summary = {"docs": len(docs), "windows": len(windows), "tokens": acc.n_tokens, "padded_tokens": acc.n_padded,
                        "batches": len(batches), "oom_splits": self.oom_splits - splits_before,
+                       "cut_docs": sum(d["cut"] for d in docs),
                        "rejects": dict(Counter(r["reason"] for r in rejects)), "seconds": time.perf_counter() - t0}
             writer.commit(summary)
         except BaseException:
@@ -229,6 +231,6 @@ NORMS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), 
                           ("layer", pa.int16()), ("norm", pa.float64())])
 DOCUMENTS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("file", pa.string()), ("record", pa.int64()),
                               ("source", pa.string()), ("n_chars", pa.int64()), ("n_windows", pa.int32()),
-                              ("n_tokens", pa.int64())])
+                              ("n_tokens", pa.int64()), ("cut", pa.bool_())])
 REJECTS_SCHEMA = pa.schema([("file", pa.string()), ("record", pa.int64()), ("reason", pa.string()),
                             ("detail", pa.string())])

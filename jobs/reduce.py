@@ -56,11 +56,12 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, verify: 
         if having:
             for table, data in merge_partials(layout, having, cls).to_tables().items():
                 write_parquet_atomic(data, layout.aggregate_file(table), layout.staging)
-    totals: dict = {"shards": len(records), "docs": 0, "windows": 0, "tokens": 0, "padded_tokens": 0, "rejects": {}}
+    totals: dict = {"shards": len(records), "docs": 0, "windows": 0, "tokens": 0, "padded_tokens": 0, "oom_splits": 0, "cut_docs": 0,
+                    "rejects": {}}
     for r in records:
         s = r["summary"]
-        for k in ("docs", "windows", "tokens", "padded_tokens"):
-            totals[k] += s[k]
+        for k in ("docs", "windows", "tokens", "padded_tokens", "oom_splits", "cut_docs"):
+            totals[k] += s.get(k, 0)
         for reason, n in s["rejects"].items():
             totals["rejects"][reason] = totals["rejects"].get(reason, 0) + n
     totals["padded_fraction"] = totals["padded_tokens"] / max(1, totals["tokens"])

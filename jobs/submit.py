@@ -99,3 +99,9 @@ def status(address: str, submission_id: str) -> str:
 
 def logs(address: str, submission_id: str) -> str:
     return client(address).get_job_logs(submission_id)
+
+
+def stop(address: str, submission_id: str) -> str:
+    """Stop a submitted job (what ``ray job stop`` does); finished shards stay committed."""
+    stopped = client(address).stop_job(submission_id)
+    return "stop requested" if stopped else "already finished"

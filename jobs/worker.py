@@ -28,9 +28,12 @@ class ShardWorker:
     def process(self, shard_dict: dict) -> dict:
         from actlake.jobs.plan import Shard
 
+        import psutil
+
         shard = Shard(**shard_dict)
         summary = self.extractor.process(shard, self.layout, self.plan_hash)
-        return dict(summary, shard_id=shard.shard_id, pid=self.pid)
+        rss_mb = psutil.Process().memory_info().rss / 2**20
+        return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb)
 
     def get_pid(self) -> int:
         return self.pid

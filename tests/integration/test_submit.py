@@ -93,3 +93,46 @@ def test_submit_runs_the_job_on_the_cluster(ray_local, ray_head, minilm_path, sa
     assert "shards ran" in logs
     n = query(tmp_path / "runs" / "sub", "SELECT count(DISTINCT doc_id) AS n FROM tokens").to_pylist()[0]["n"]
     assert n == 6
+
+
+def test_a_stopped_job_resubmitted_with_the_same_run_id_finishes_like_a_clean_run(
+        ray_local, ray_head, minilm_path, sample_corpus, tmp_path, capsys):
+    from actlake.jobs.run import run_job
+    from tests.conftest import job_config
+    from tests.integration.test_faults import assert_same, snapshot
+
+    over = {"corpus.max_docs": 16, "sharding.docs_per_shard": 2, "output.run_id": "stopped"}
+    cfg = job_config(minilm_path, sample_corpus, tmp_path / "runs", **over)
+    job_file = tmp_path / "job.yaml"
+    import yaml
+
+    job_file.write_text(yaml.safe_dump(dict(cfg.to_dict(), name="stopped")))
+    assert main(["submit", str(job_file), "--address", ray_head]) == 0
+    sid = capsys.readouterr().out.strip().splitlines()[-1]
+    complete = Path(cfg.run_dir) / "_complete"
+    deadline = time.monotonic() + 300
+    while len(list(complete.glob("*.json"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert main(["stop", sid, "--address", ray_head]) == 0
+    while time.monotonic() < deadline:
+        main(["status", sid, "--address", ray_head])
+        if capsys.readouterr().out.strip() in ("STOPPED", "FAILED", "SUCCEEDED"):
+            break
+        time.sleep(1)
+    done_before = len(list(complete.glob("*.json")))
+    assert 2 <= done_before < 8, "the job was not stopped midway"
+    assert main(["submit", str(job_file), "--address", ray_head]) == 0
+    sid2 = capsys.readouterr().out.strip().splitlines()[-1]
+    state = ""
+    while time.monotonic() < deadline + 300:
+        main(["status", sid2, "--address", ray_head])
+        state = capsys.readouterr().out.strip()
+        if state in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        time.sleep(2)
+    main(["logs", sid2, "--address", ray_head])
+    logs = capsys.readouterr().out
+    assert state == "SUCCEEDED", logs[-3000:]
+    assert f"({8 - done_before} of 8 shards ran)" in logs
+    clean = run_job(job_config(minilm_path, sample_corpus, tmp_path / "clean", **over))
+    assert_same(snapshot(cfg.run_dir), snapshot(clean.run_dir))

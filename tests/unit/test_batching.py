@@ -9,12 +9,16 @@ def test_windows_split_with_stride_and_keep_special_tokens(minilm_path):
     text = " ".join(f"word{i}" for i in range(200))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     cfg = TokenizationConfig(max_length=16, overflow="split", stride=4, max_windows_per_doc=100)
-    ws = document_windows(tok, text, cfg)
+    ws, cut = document_windows(tok, text, cfg)
+    assert not cut
     assert all(w[0] == tok.cls_token_id and w[-1] == tok.sep_token_id and len(w) <= 16 for w in ws)
     body = [w[1:-1] for w in ws]
     assert body[0] == ids[:14] and body[1] == ids[10:24]  # 14-token bodies, 4 shared
     assert sum(len(b) for b in body) - 4 * (len(body) - 1) == len(ids)
-    assert len(document_windows(tok, text, TokenizationConfig(max_length=16, overflow="truncate"))) == 1
+    first, cut = document_windows(tok, text, TokenizationConfig(max_length=16, overflow="truncate"))
+    assert len(first) == 1 and cut
+    capped, cut = document_windows(tok, text, TokenizationConfig(max_length=16, max_windows_per_doc=3))
+    assert len(capped) == 3 and cut
 
 
 def test_batches_respect_budget_and_pad_little():
