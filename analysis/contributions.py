@@ -38,24 +38,28 @@ def project_back(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhtk,hdk->bhtd", qsum, _kv_expanded(lq, lq.w_key))
 
 
-def contributions_by_category(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
-    """(H, C, d) float64: sum over keys n in category c of x_n * W_K R_n^T qsum(n).
+def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[torch.Tensor]:
+    """For each (B, H, T, d_h) ``qsum``: (H, C, d) float64, the sum over keys n in category c of
+    x_n * W_K R_n^T qsum(n).
 
-    Never builds the (B, H, T, d) tensor: per category, M = X_c^T Q_c (H, d, d_h) is one GEMM
-    over that category's tokens, then C_j = sum_k W_K[j, k] M[j, k]. Cost O(T d d_h) per head.
+    Never builds the (B, H, T, d) tensor: per category, M = X_c^T [Q_c ...] (H, d, k d_h) is one
+    GEMM over that category's tokens for all ``qsums`` at once, then C_j = sum_k W_K[j, k] M[j, k].
+    Cost O(T d d_h) per head and qsum, the order of one projection.
     """
+    q = torch.cat(qsums, dim=-1)
     if lq.cos is not None:
-        qsum = unrotate(qsum, lq.cos, lq.sin)
-    H, d = lq.n_heads, lq.x.shape[-1]
+        q = torch.cat([unrotate(p, lq.cos, lq.sin) for p in q.split(qsums[0].shape[-1], dim=-1)], dim=-1)
+    H, d, dh = lq.n_heads, lq.x.shape[-1], qsums[0].shape[-1]
     w = _kv_expanded(lq, lq.w_key).double()  # (H, d, d_h)
     x = lq.x.reshape(-1, d)  # (B*T, d)
-    q = qsum.permute(1, 0, 2, 3).reshape(H, -1, qsum.shape[-1])  # (H, B*T, d_h)
-    out = torch.zeros(H, lq.key_onehot.shape[-1], d, dtype=torch.float64, device=x.device)
+    q = q.permute(1, 0, 2, 3).reshape(H, -1, q.shape[-1])  # (H, B*T, k * d_h)
+    outs = [torch.zeros(H, lq.key_onehot.shape[-1], d, dtype=torch.float64, device=x.device) for _ in qsums]
     for c, idx in enumerate(lq.batch.key_category_index):
         if idx.numel():
-            m = torch.matmul(x[idx].T[None], q[:, idx])  # (H, d, d_h)
-            out[:, c] = (m.double() * w).sum(-1)
-    return out
+            m = torch.matmul(x[idx].T[None], q[:, idx]).double()  # (H, d, k * d_h)
+            for i, out in enumerate(outs):
+                out[:, c] = (m[..., i * dh : (i + 1) * dh] * w).sum(-1)
+    return outs
 
 
 def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
@@ -110,22 +114,29 @@ class Contributions:
     def add_layer(self, lq: LayerQK, weighted: bool = True) -> None:
         """Accumulate one layer; ``weighted`` adds the attention-weighted sums (explicit weights)."""
         k_oh = lq.key_onehot  # (B, T, C)
-        valid = lq.valid.to(lq.query.dtype)
+        valid = lq.batch.validf
+        qsums = []  # per query group: at each key n, the sum of q'_m over the queries that may attend to it
         for g, group in enumerate(self.query_groups):
-            qmask = valid if group == "all" else lq.query_onehot[..., ROLE.index(group)].to(lq.query.dtype)
-            qsum = lq.sum_over_queries(lq.query * qmask[:, None, :, None])  # (B, H, T, d_h)
-            self.contrib[lq.layer, :, g] += contributions_by_category(lq, qsum).cpu().numpy()
-            self.bias[lq.layer, :, g] += torch.einsum("bht,btc->hc", bias_term(lq, qsum).double(), k_oh).cpu().numpy()
+            qmask = valid if group == "all" else lq.query_onehot[..., ROLE.index(group)].to(torch.float32)
+            qsums.append(lq.sum_over_queries(lq.query * qmask[:, None, :, None]))  # (B, H, T, d_h)
             counts = (lq.queries_per_key() if group == "all"
                       else lq.sum_over_queries(qmask.double()[:, None, :])[:, 0] * lq.valid)  # (B, T)
             self.n_pairs[lq.layer, g] += torch.einsum("bt,btc->c", counts.double(), k_oh).cpu().numpy()
-        self.n_queries[lq.layer] += float(lq.valid.sum())
         if weighted:
             asum = torch.zeros_like(lq.query)  # (B, H, T, d_h): sum_m alpha_mn q'_m at each key n
             for m0, m1, alpha in lq.attention_chunks():
                 asum += torch.matmul(alpha.transpose(-1, -2), lq.query[:, :, m0:m1])
-            self.weighted[lq.layer] += contributions_by_category(lq, asum).cpu().numpy()
-            self.weighted_bias[lq.layer] += torch.einsum("bht,btc->hc", bias_term(lq, asum).double(), k_oh).cpu().numpy()
+            qsums.append(asum)
+        sums = contributions_by_category(lq, *qsums)
+        for g, qsum in enumerate(qsums):
+            bias = torch.einsum("bht,btc->hc", bias_term(lq, qsum).double(), k_oh).cpu().numpy()
+            if g < len(self.query_groups):
+                self.contrib[lq.layer, :, g] += sums[g].cpu().numpy()
+                self.bias[lq.layer, :, g] += bias
+            else:
+                self.weighted[lq.layer] += sums[g].cpu().numpy()
+                self.weighted_bias[lq.layer] += bias
+        self.n_queries[lq.layer] += float(lq.valid.sum())
 
     def merge(self, other: "Contributions") -> "Contributions":
         assert self.query_groups == other.query_groups

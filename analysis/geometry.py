@@ -17,7 +17,6 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
-from actlake.analysis.attention_mass import per_query_category_mass
 from actlake.analysis.layer_qk import LayerQK
 from actlake.categories import ROLE
 
@@ -76,7 +75,7 @@ class Geometry:
         # mass per key category, as computed and with keys at their mean norm: fused kernel, one-hot V
         valid64 = lq.valid.double()
         self.mass[l] += torch.einsum("bhtc,bt->hc", lq.per_query_mass().double(), valid64).cpu().numpy()
-        scaled = per_query_category_mass(q, k * key_norm_scale(lq)[..., None], lq.scaling, lq.pair_mask(), k_oh)
+        scaled = lq.per_query_mass(key_scale=key_norm_scale(lq))
         self.mass_keynorm[l] += torch.einsum("bhtc,bt->hc", scaled.double(), valid64).cpu().numpy()
 
     def merge(self, o: "Geometry") -> "Geometry":

@@ -130,14 +130,18 @@ class LayerQK:
     def pair_mask(self) -> torch.Tensor:
         return self.batch.pair_mask
 
-    def per_query_mass(self) -> torch.Tensor:
-        """(B, H, T, C) attention each query gives each key category (fused kernel, one-hot V); cached."""
-        if "per_query_mass" not in self._cache:
-            from actlake.analysis.attention_mass import per_query_category_mass
+    def per_query_mass(self, key_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, H, T, C) attention each query gives each key category (one fused kernel call with
+        V = one-hot categories); ``key_scale`` (B, H, T) rescales each key first."""
+        from actlake.analysis.attention_mass import per_query_category_mass
 
-            self._cache["per_query_mass"] = per_query_category_mass(
-                self.query, self.key_per_query_head, self.scaling, self.batch.pair_mask, self.key_onehot)
-        return self._cache["per_query_mass"]
+        if key_scale is None and "per_query_mass" in self._cache:
+            return self._cache["per_query_mass"]
+        k = self.key_per_query_head if key_scale is None else self.key_per_query_head * key_scale[..., None]
+        out = per_query_category_mass(self.query, k, self.scaling, self.batch.pair_mask, self.key_onehot)
+        if key_scale is None:
+            self._cache["per_query_mass"] = out
+        return out
 
     def attention_chunks(self, key_scale: torch.Tensor | None = None, max_elements: int = 1 << 24):
         """Explicit attention weights by query block: yields (m0, m1, alpha (B, H, m1 - m0, T)), zero on

@@ -3,7 +3,10 @@
     .venv/bin/python benchmarks/memory_scaling.py [--docs 100] [--factor 10]
 
 Each size runs in its own process (embedded Ray, MiniLM, every analysis on); a sampler records the
-largest resident set of the driver and of every ShardWorker actor process while the job runs.
+largest resident set of the driver and of every ShardWorker actor process while the job runs, and
+each shard reports the worker's resident set after it (the steady state: it must stay flat).
+The peak is the largest single batch's working set, so it depends on which shards a corpus has,
+not on how many.
 """
 
 from __future__ import annotations
@@ -46,11 +49,13 @@ def _job(n_docs: int, work: Path) -> dict:
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()
-    res = run_job(cfg)
+    after_shard = []
+    res = run_job(cfg, on_shard=lambda summary: after_shard.append(summary["worker_rss_mb"]))
     done.set()
     t.join()
     return {"docs": n_docs, "tokens": res.totals["tokens"], "shards": res.shards_total, "seconds": res.wall_seconds,
-            "driver_peak_mb": peak["driver"] / 2**20, "worker_peak_mb": peak["worker"] / 2**20}
+            "driver_peak_mb": peak["driver"] / 2**20, "worker_peak_mb": peak["worker"] / 2**20,
+            "worker_rss_after_shards_mb": [round(x) for x in after_shard]}
 
 
 def main(argv=None) -> int:
@@ -74,6 +79,9 @@ def main(argv=None) -> int:
             r = rows[-1]
             print(f"{r['docs']:>6} docs, {r['tokens']:>9,} tokens, {r['shards']:>3} shards, {r['seconds']:6.1f}s: "
                   f"driver peak {r['driver_peak_mb']:,.0f} MB, worker peak {r['worker_peak_mb']:,.0f} MB", flush=True)
+            after = r["worker_rss_after_shards_mb"]
+            print(f"        worker RSS after each shard: first {after[0]} MB, last {after[-1]} MB, "
+                  f"min {min(after)} MB, max {max(after)} MB", flush=True)
     small, large = rows
     print(f"\n{args.factor}x the corpus: driver peak x{large['driver_peak_mb'] / small['driver_peak_mb']:.2f}, "
           f"worker peak x{large['worker_peak_mb'] / small['worker_peak_mb']:.2f}")

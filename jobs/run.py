@@ -71,7 +71,11 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str) -> No
                                         "shards": [asdict(s) for s in shards], "created": time.time()})
 
 
-def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = None) -> RunResult:
+def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None) -> RunResult:
+    """Run a job to completion (resuming a run directory), reduce, and build the report.
+
+    ``on_shard(summary)`` is called in the driver after each shard commits (summary includes the
+    worker's resident memory after the shard, ``worker_rss_mb``)."""
     from actlake.jobs.reduce import reduce_run
 
     t0 = time.perf_counter()
@@ -86,7 +90,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
     ran: list[dict] = []
     if pending:
-        ran = _dispatch(cfg, layout, phash, pending, len(shards), address or cfg.resources.address)
+        ran = _dispatch(cfg, layout, phash, pending, len(shards), address or cfg.resources.address, on_shard)
     totals = reduce_run(layout, [s.shard_id for s in shards], phash)
     wall = time.perf_counter() - t0
     tokens_run = sum(r["tokens"] for r in ran)
@@ -101,7 +105,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
 
 
-def _dispatch(cfg, layout, phash, pending, total, address) -> list[dict]:
+def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None) -> list[dict]:
     """Run ``pending`` shards on fresh actors; return their summaries. Raises if any shard failed."""
     import ray
 
@@ -119,7 +123,12 @@ def _dispatch(cfg, layout, phash, pending, total, address) -> list[dict]:
         ]
         log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU each)", len(pending), n, cpus, gpus)
         progress = Progress(total, skipped=total - len(pending))
-        summaries, failures = Dispatcher(workers, retries, progress.update).run(pending)
+        def done(summary):
+            progress.update(summary)
+            if on_shard:
+                on_shard(summary)
+
+        summaries, failures = Dispatcher(workers, retries, done).run(pending)
         for w in workers:
             ray.kill(w)
         if failures:

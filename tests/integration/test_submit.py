@@ -26,7 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
     temp = tempfile.mkdtemp(prefix="rayh", dir="/tmp")
     gcs, dash = _free_port(), _free_port()
@@ -61,9 +61,10 @@ def ray_head():
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(5)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
         shutil.rmtree(temp, ignore_errors=True)
 
 
