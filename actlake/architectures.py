@@ -69,8 +69,6 @@ def key_weights(block, family: Family, n_heads: int, n_kv_heads: int) -> tuple:
 
     With these, k = x W_K + b_K per key head, where x is the input of ``family.qk_projections[-1]``.
     """
-    import torch
-
     mod = get_path(block, family.qk_projections[-1])
     w = mod.weight.detach().float()
     b = mod.bias.detach().float() if getattr(mod, "bias", None) is not None else None

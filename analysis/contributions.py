@@ -31,13 +31,6 @@ def _kv_expanded(lq: LayerQK, t: torch.Tensor) -> torch.Tensor:
     return t.repeat_interleave(rep, dim=0) if rep > 1 else t
 
 
-def project_back(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
-    """Reference form: (B, H, T, d_h) summed post-RoPE queries at each key -> (B, H, T, d) = W_K R_n^T qsum(n)."""
-    if lq.cos is not None:
-        qsum = unrotate(qsum, lq.cos, lq.sin)
-    return torch.einsum("bhtk,hdk->bhtd", qsum, _kv_expanded(lq, lq.w_key))
-
-
 def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[torch.Tensor]:
     """For each (B, H, T, d_h) ``qsum``: (H, C, d) float64, the sum over keys n in category c of
     x_n * W_K R_n^T qsum(n).

@@ -186,7 +186,3 @@ class LayerQK:
         return LayerQK(self.layer, self.query[rows], self.key[rows], self.scaling, self.batch.select(rows),
                        cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin))
 
-
-def attention_chunks(lq: LayerQK, max_elements: int = 1 << 24, key_scale: torch.Tensor | None = None):
-    """Module-level form of :meth:`LayerQK.attention_chunks`."""
-    return lq.attention_chunks(key_scale, max_elements)

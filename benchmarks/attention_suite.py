@@ -110,10 +110,8 @@ def _variant(name: str, args, queue) -> None:
             DimMoments.from_batch(out.hidden_states, mask, role, role.clamp(max=7))
 
     def naive(ids, mask, role):
-        xs = {}
-        handles = [capture.LayerInputs(model, lm.family)]
-        with handles[0] as inputs:
-            out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        with capture.LayerInputs(model, lm.family) as inputs:  # cache x of every layer (and the weights)
+            model(input_ids=ids, attention_mask=mask, output_attentions=True)
             xs = dict(inputs.x)
         sums = torch.zeros(L, H, len(ROLE), d, dtype=torch.float64)
         for layer, (wk, bk) in enumerate(mqk.weights):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pyarrow.parquet as pq
 
 from actlake.analysis.attention_distance import AttentionByDistance

@@ -49,7 +49,6 @@ def test_bfloat16_model_gives_the_same_tables_within_tolerance(tiny_models):
     """bf16 activations, float32 analysis, float64 sums: attention mass within 2e-2 of float32."""
     import numpy as np
 
-    from tests.integration.test_contributions import capture_layers
     from actlake.analysis.attention_mass import AttentionMass
 
     def mass(dtype):

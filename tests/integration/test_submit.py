@@ -68,6 +68,20 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def wait_until_finished(sid: str, address: str, capsys, timeout_s: float = 400) -> tuple[str, str]:
+    """Poll ``actlake status`` until the job ends; return (state, logs)."""
+    deadline = time.monotonic() + timeout_s
+    state = ""
+    while time.monotonic() < deadline:
+        assert main(["status", sid, "--address", address]) == 0
+        state = capsys.readouterr().out.strip()
+        if state in ("SUCCEEDED", "FAILED", "STOPPED"):
+            break
+        time.sleep(2)
+    main(["logs", sid, "--address", address])
+    return state, capsys.readouterr().out
+
+
 def test_submit_runs_the_job_on_the_cluster(ray_local, ray_head, minilm_path, sample_corpus, tmp_path, capsys):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(
@@ -80,16 +94,7 @@ def test_submit_runs_the_job_on_the_cluster(ray_local, ray_head, minilm_path, sa
     assert main(["submit", str(cfg), "--address", ray_head]) == 0
     sid = capsys.readouterr().out.strip().splitlines()[-1]
     assert sid.startswith("raysubmit_")
-    deadline = time.monotonic() + 400
-    state = ""
-    while time.monotonic() < deadline:
-        assert main(["status", sid, "--address", ray_head]) == 0
-        state = capsys.readouterr().out.strip()
-        if state in ("SUCCEEDED", "FAILED", "STOPPED"):
-            break
-        time.sleep(2)
-    main(["logs", sid, "--address", ray_head])
-    logs = capsys.readouterr().out
+    state, logs = wait_until_finished(sid, ray_head, capsys)
     assert state == "SUCCEEDED", logs[-3000:]
     assert "shards ran" in logs
     n = query(tmp_path / "runs" / "sub", "SELECT count(DISTINCT doc_id) AS n FROM tokens").to_pylist()[0]["n"]
@@ -115,24 +120,12 @@ def test_a_stopped_job_resubmitted_with_the_same_run_id_finishes_like_a_clean_ru
     while len(list(complete.glob("*.json"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert main(["stop", sid, "--address", ray_head]) == 0
-    while time.monotonic() < deadline:
-        main(["status", sid, "--address", ray_head])
-        if capsys.readouterr().out.strip() in ("STOPPED", "FAILED", "SUCCEEDED"):
-            break
-        time.sleep(1)
+    wait_until_finished(sid, ray_head, capsys)
     done_before = len(list(complete.glob("*.json")))
     assert 2 <= done_before < 8, "the job was not stopped midway"
     assert main(["submit", str(job_file), "--address", ray_head]) == 0
     sid2 = capsys.readouterr().out.strip().splitlines()[-1]
-    state = ""
-    while time.monotonic() < deadline + 300:
-        main(["status", sid2, "--address", ray_head])
-        state = capsys.readouterr().out.strip()
-        if state in ("SUCCEEDED", "FAILED", "STOPPED"):
-            break
-        time.sleep(2)
-    main(["logs", sid2, "--address", ray_head])
-    logs = capsys.readouterr().out
+    state, logs = wait_until_finished(sid2, ray_head, capsys)
     assert state == "SUCCEEDED", logs[-3000:]
     assert f"({8 - done_before} of 8 shards ran)" in logs
     clean = run_job(job_config(minilm_path, sample_corpus, tmp_path / "clean", **over))

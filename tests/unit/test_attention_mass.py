@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.analysis.attention_mass import AttentionMass, allowed_pairs, expand_kv, per_query_category_mass
+from actlake.analysis.attention_mass import AttentionMass, allowed_pairs, expand_kv
 from actlake.analysis.layer_qk import BatchInfo, LayerQK
 from actlake.categories import one_hot
 
