@@ -53,7 +53,8 @@ def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
     res = ray.cluster_resources()
     gpus = r.gpus_per_worker or (1.0 if res.get("GPU", 0) >= 1 else 0.0)
     n = r.num_workers or (max(1, int(res.get("GPU", 0) // gpus)) if gpus else 1)
-    cpus = r.cpus_per_worker or (max(1.0, res.get("CPU", 1) // n) if not gpus else 1.0)
+    biggest_node = max((nd["Resources"].get("CPU", 0) for nd in ray.nodes() if nd["Alive"]), default=1)
+    cpus = r.cpus_per_worker or (max(1.0, min(res.get("CPU", 1) // n, biggest_node)) if not gpus else 1.0)
     return n, cpus, gpus, int(cpus)
 
 
