@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from actlake.config import JobConfig, resolve_corpus_files
 from actlake.corpus.readers import count_records, file_format, load_hf
+from actlake.storage.layout import write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,26 @@ class Shard:
     """Global doc id of record 0 of this file: doc_id = doc_offset + record index."""
 
 
+COUNT_CACHE = "_record_counts.json"
+"""In ``output.dir``: records per corpus file, keyed by path, size and mtime, so that planning
+reads a large file (a Pile .jsonl.zst) once, not at every run or resume."""
+
+
+def cached_count(path: str, fmt: str, cache_file: Path) -> int:
+    st = os.stat(path)
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        cache = {}
+    hit = cache.get(path)
+    if hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns and hit["format"] == fmt:
+        return hit["records"]
+    n = count_records(path, fmt)
+    cache[path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": fmt, "records": n}
+    write_json_atomic(cache_file, cache)
+    return n
+
+
 def make_plan(cfg: JobConfig) -> list[Shard]:
     c = cfg.corpus
     if c.format == "hf":
@@ -36,7 +59,7 @@ def make_plan(cfg: JobConfig) -> list[Shard]:
     for path, fmt, n in sources:
         if budget <= 0:
             break
-        n = count_records(path, fmt) if n is None else n
+        n = cached_count(path, fmt, Path(cfg.output.dir).resolve() / COUNT_CACHE) if n is None else n
         n_used = int(min(n, budget))
         for start in range(0, n_used, cfg.sharding.docs_per_shard):
             end = min(start + cfg.sharding.docs_per_shard, n_used)
