@@ -42,6 +42,7 @@ class Extractor:
         self.cats = Categorizer(lm.tokenizer)
         capture.install(lm.model)
         self.mqk = ModelQK(lm.model, lm.family)
+        self.inputs = capture.LayerInputs(lm.model, lm.family)  # hooks attached per batch, when needed
         self.oom_splits = 0
 
     # ------------------------------------------------------------------ reading
@@ -102,7 +103,7 @@ class Extractor:
             if name in stats:
                 consumers.append(stats[name].add_layer)
         with contextlib.ExitStack() as stack:
-            inputs = stack.enter_context(capture.LayerInputs(self.lm.model, self.lm.family)) if "contributions" in stats else None
+            inputs = stack.enter_context(self.inputs) if "contributions" in stats else None
             recorder = AttentionRecorder(self.mqk, valid, one_hot(role.to(dev), len(ROLE), valid), consumers,
                                          mass=stats.get("mass"), inputs=inputs)
             stack.enter_context(capture.recording(recorder))
