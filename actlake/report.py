@@ -165,12 +165,16 @@ def _table1_html(con) -> str:
 def _nonfinite(con) -> str:
     """Tokens left out of the statistics per layer because their vector held inf/NaN."""
     have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    if "dim_moments" not in have:
+    if not {"dim_moments", "attention_mass"} & have:
         return "not measured"
-    rows = con.execute("""SELECT layer, max(nonfinite_tokens) FROM dim_moments WHERE scheme = 'all'
-                          GROUP BY layer ORDER BY layer""").fetchall()
-    bad = [(layer, int(n)) for layer, n in rows if n]
-    return "0 in every layer" if not bad else ", ".join(f"layer {layer}: {n}" for layer, n in bad)
+    parts = []
+    for table, what in (("dim_moments", "hidden state"), ("attention_mass", "attention layer")):
+        if table not in have:
+            continue
+        rows = con.execute(f"SELECT layer, max(nonfinite_tokens) FROM {table} GROUP BY layer ORDER BY layer").fetchall()
+        bad = [(layer, int(n)) for layer, n in rows if n]
+        parts.append(f"{what}s: " + ("0 in every layer" if not bad else ", ".join(f"{what} {l}: {n}" for l, n in bad)))
+    return "; ".join(parts)
 
 
 def _summary_html(layout: RunLayout, nonfinite: str = "") -> str:

@@ -64,10 +64,12 @@ class AttentionMass:
     """(L, H, Cq, Ck) summed attention weight from queries of category cq to keys of category ck."""
     n_queries: np.ndarray
     """(L, Cq) valid queries of each category (the same for every head)."""
+    nonfinite: np.ndarray
+    """(L,) tokens left out of every attention statistic of that layer: their q, k or x held inf/NaN."""
 
     @classmethod
     def zeros(cls, n_layers: int, n_heads: int, n_cat: int = len(ROLE)) -> "AttentionMass":
-        return cls(np.zeros((n_layers, n_heads, n_cat, n_cat)), np.zeros((n_layers, n_cat)))
+        return cls(np.zeros((n_layers, n_heads, n_cat, n_cat)), np.zeros((n_layers, n_cat)), np.zeros(n_layers))
 
     def add_layer(self, lq) -> None:
         """Accumulate one layer of one batch (a :class:`~actlake.analysis.layer_qk.LayerQK`)."""
@@ -77,18 +79,19 @@ class AttentionMass:
         self.n_queries[lq.layer] += q_oh.sum((0, 1)).cpu().numpy()
 
     def merge(self, other: "AttentionMass") -> "AttentionMass":
-        return AttentionMass(self.mass + other.mass, self.n_queries + other.n_queries)
+        return AttentionMass(self.mass + other.mass, self.n_queries + other.n_queries, self.nonfinite + other.nonfinite)
 
     def to_arrow(self) -> pa.Table:
         L, H = self.mass.shape[:2]
         axes = [("layer", L), ("query_category", ROLE), ("head", H), ("key_category", ROLE)]
-        return grid.to_arrow(axes, {"n_queries": self.n_queries, "mass": self.mass.transpose(0, 2, 1, 3)})
+        return grid.to_arrow(axes, {"nonfinite_tokens": self.nonfinite, "n_queries": self.n_queries,
+                                    "mass": self.mass.transpose(0, 2, 1, 3)})
 
     @classmethod
     def from_arrow(cls, t: pa.Table) -> "AttentionMass":
         axes = [("layer", 0), ("query_category", ROLE), ("head", 0), ("key_category", ROLE)]
-        v = grid.from_arrow(t, axes, {"n_queries": 2, "mass": 4})
-        return cls(v["mass"].transpose(0, 2, 1, 3).copy(), v["n_queries"])
+        v = grid.from_arrow(t, axes, {"nonfinite_tokens": 1, "n_queries": 2, "mass": 4})
+        return cls(v["mass"].transpose(0, 2, 1, 3).copy(), v["n_queries"], v["nonfinite_tokens"])
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"attention_mass": self.to_arrow()}

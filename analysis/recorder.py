@@ -53,11 +53,25 @@ class AttentionRecorder:
             oh = self.onehot.to(dev)
             self._batch[dev] = BatchInfo(self.valid.to(dev), self.mqk.family.causal, oh, oh)
         f32 = lambda t: t.detach().to(torch.float32).contiguous()
-        lq = LayerQK(layer, f32(query), f32(key), float(scaling), self._batch[dev])
+        q, k, batch = f32(query), f32(key), self._batch[dev]
+        x = f32(self.inputs.x[layer]) if self.inputs is not None else None
+        finite = torch.isfinite(q).all(-1).all(1) & torch.isfinite(k).all(-1).all(1)  # (B, T)
+        if x is not None:
+            finite &= torch.isfinite(x).all(-1)
+        bad = batch.valid.bool() & ~finite
+        if bad.any():  # inf/NaN (e.g. fp16 overflow): those tokens leave this layer's statistics
+            keep = (~bad).to(batch.key_onehot.dtype)
+            batch = BatchInfo(batch.valid * (~bad), batch.causal, batch.key_onehot * keep[..., None],
+                              batch.query_onehot * keep[..., None])
+            clean = lambda t: torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+            q, k, x = clean(q), clean(k), (clean(x) if x is not None else None)
+        if self.mass is not None:
+            self.mass.nonfinite[layer] += float(bad.sum())
+        lq = LayerQK(layer, q, k, float(scaling), batch)
         if self.mass is not None:
             self.mass.add_layer(lq)
         if self.inputs is not None:
-            lq.x = f32(self.inputs.x[layer])
+            lq.x = x
             lq.w_key, lq.b_key = self.mqk.weights[layer]
             rope = self.inputs.rope.get(layer)
             if rope is not None and self.mqk.family.rotary:

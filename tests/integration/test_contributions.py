@@ -176,3 +176,35 @@ def test_stats_merge_halves_and_roundtrip(tiny_models):
     d2 = AttentionByDistance.from_tables(dist.to_tables())
     np.testing.assert_array_equal(d2.attn, dist.attn)
     np.testing.assert_array_equal(d2.pairs, dist.pairs)
+
+
+def test_non_finite_tokens_are_counted_and_left_out(tiny_models):
+    """An inf embedding: that token leaves layer 0's statistics; the NaN the model's own attention
+    spreads from it (to its whole sequence: a NaN score poisons even masked-out rows) leaves
+    layer 1's; every table stays finite."""
+    from actlake.analysis.attention_mass import AttentionMass
+
+    lm = load_model(ModelConfig(name_or_path=str(tiny_models["llama"])))
+    capture.install(lm.model)
+    mqk = ModelQK(lm.model, lm.family)
+    poison = 7
+    with torch.no_grad():
+        lm.model.embed_tokens.weight[poison] = float("inf")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(10, 300, (2, 10), generator=g)
+    ids[0, 4] = poison
+    valid = torch.ones(2, 10, dtype=torch.long)
+    role = torch.randint(0, len(ROLE), (2, 10), generator=g)
+    mass = AttentionMass.zeros(mqk.n_layers, mqk.n_heads)
+    contrib = Contributions.zeros(mqk.n_layers, mqk.n_heads, lm.model.config.hidden_size)
+    geo = Geometry.zeros(mqk.n_layers, mqk.n_heads)
+    with capture.LayerInputs(lm.model, lm.family) as inputs:
+        rec = AttentionRecorder(mqk, valid, one_hot(role, len(ROLE), valid), [contrib.add_layer, geo.add_layer],
+                                mass=mass, inputs=inputs)
+        with torch.no_grad(), capture.recording(rec):
+            lm.model(input_ids=ids, attention_mask=valid)
+    assert mass.nonfinite.tolist() == [1, 10]  # layer 1: all of sequence 0
+    for arr in (mass.mass, contrib.contrib, contrib.weighted, geo.cos, geo.q_norm, geo.mass_keynorm):
+        assert np.isfinite(arr).all()
+    np.testing.assert_allclose(mass.mass.sum((2, 3)), [[19] * mqk.n_heads, [10] * mqk.n_heads], rtol=1e-5)
+    assert AttentionMass.from_arrow(mass.to_arrow()).nonfinite.tolist() == [1, 10]

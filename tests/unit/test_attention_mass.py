@@ -41,7 +41,9 @@ def test_merge_and_arrow_roundtrip():
     a = AttentionMass.zeros(2, 3)
     a.mass[:] = np.random.default_rng(0).random(a.mass.shape)
     a.n_queries[:] = 7
+    a.nonfinite[:] = [2, 0]
     b = AttentionMass.from_arrow(a.to_arrow())
+    np.testing.assert_array_equal(b.nonfinite, a.nonfinite)
     np.testing.assert_array_equal(b.mass, a.mass)
     np.testing.assert_array_equal(b.n_queries, a.n_queries)
     np.testing.assert_array_equal(a.merge(b).mass, 2 * a.mass)
