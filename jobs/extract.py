@@ -97,7 +97,7 @@ class Extractor:
         valid = mask.to(dev)
         consumers = []
         if "contributions" in stats:
-            weighted = self.cfg.analyses.weighted_contributions
+            weighted = a.weighted_contributions
             consumers.append(lambda lq: stats["contributions"].add_layer(lq, weighted=weighted))
         for name in ("geometry", "distance"):
             if name in stats:
@@ -107,8 +107,9 @@ class Extractor:
             recorder = AttentionRecorder(self.mqk, valid, one_hot(role.to(dev), len(ROLE), valid), consumers,
                                          mass=stats.get("mass"), inputs=inputs)
             stack.enter_context(capture.recording(recorder))
-            out = self.lm.model(input_ids=ids.to(dev), attention_mask=valid, output_hidden_states=True)
-        hs = [h.to("cpu") for h in out.hidden_states]
+            need_hidden = a.residual_norms or a.dim_moments  # else the L+1 hidden states are not kept
+            out = self.lm.model(input_ids=ids.to(dev), attention_mask=valid, output_hidden_states=need_hidden)
+        hs = [h.to("cpu") for h in out.hidden_states] if need_hidden else None
         norms = residual_norms(hs, mask) if a.residual_norms else None
         moments = DimMoments.from_batch(hs, mask, role, type8) if a.dim_moments else None
         return per_window, mask, norms, moments
@@ -145,8 +146,8 @@ class Extractor:
         stats = self.new_stats()
         try:
             result = self.run_batch(batch, stats)
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            if isinstance(e, RuntimeError) and not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
+        except RuntimeError as e:  # torch.OutOfMemoryError is one; other backends only say so in the text
+            if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)):
                 raise
             if len(batch) == 1 or depth >= MAX_OOM_SPLITS:
                 raise

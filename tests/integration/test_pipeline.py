@@ -164,3 +164,15 @@ def test_parquet_and_hf_dataset_corpora_give_the_same_tokens_as_jsonl(fmt, tiny_
     q = "SELECT doc_id, window_index, position, token_id, source FROM tokens ORDER BY ALL"
     assert open_run(base.run_dir).sql(q).fetchall() == open_run(other.run_dir).sql(q).fetchall()
     assert open_run(other.run_dir).execute("SELECT count(*) FROM documents").fetchone()[0] == 6
+
+
+def test_attention_only_run_skips_hidden_states_and_gives_the_same_attention_tables(tiny_models, sample_corpus,
+                                                                                   tmp_path, ray_local):
+    over = {"corpus.max_docs": 6}
+    full = run_job(job_config(tiny_models["gpt2"], sample_corpus, tmp_path / "full", **over))
+    lean = run_job(job_config(tiny_models["gpt2"], sample_corpus, tmp_path / "lean", **over,
+                              **{"analyses.residual_norms": False, "analyses.dim_moments": False}))
+    tables = {p.name for p in (Path(lean.run_dir) / "tables").iterdir()}
+    assert "residual_norms" not in tables and "dim_moments" not in tables and "contributions" in tables
+    q = "SELECT * FROM attention_mass ORDER BY ALL"
+    assert open_run(full.run_dir).execute(q).fetchall() == open_run(lean.run_dir).execute(q).fetchall()
