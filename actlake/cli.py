@@ -10,6 +10,8 @@ import sys
 from actlake.errors import ActlakeError
 
 EXAMPLE_SQL = "SELECT layer, round(avg(norm), 2) AS mean_norm FROM residual_norms GROUP BY layer ORDER BY layer"
+EXAMPLE_TOKENS_SQL = ("SELECT source, count(*) AS tokens, round(avg(surprisal), 3) AS mean_surprisal "
+                      "FROM tokens GROUP BY source ORDER BY source")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +53,25 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("out_dir")
     cs.add_argument("--docs", type=int, default=400, help="number of documents (default 400)")
     cs.add_argument("--files", type=int, default=2, help="number of files (default 2)")
+
+    ts = sub.add_parser("train-synthetic", help="train on a factored process (Ray Train), analyse checkpoints, report")
+    ts.add_argument("config", help="synthetic job YAML (see configs/synthetic_quick.yaml)")
+    ts.add_argument("--address", help="Ray cluster address; default RAY_ADDRESS or an embedded local Ray")
+    ts.add_argument("--run-id", help="override output.run_id")
+    ts.add_argument("--no-analysis", action="store_true", help="train only")
+    ts.add_argument("--analysis-only", action="store_true", help="skip training; analyse the existing checkpoints")
+    ts.add_argument("--no-report", action="store_true")
+
+    tl = sub.add_parser("train-lm", help="train a small Pythia-architecture causal LM on a corpus (Ray Train)")
+    tl.add_argument("config", help="train-lm YAML (see configs/lm_quick.yaml)")
+    tl.add_argument("--address", help="Ray cluster address; default RAY_ADDRESS or an embedded local Ray")
+    tl.add_argument("--run-id", help="override output.run_id")
+
+    tp = sub.add_parser("train-predictor", help="train next-hidden-state predictors per layer of an activation store, fit probes, report")
+    tp.add_argument("config", help="train-predictor YAML (see configs/predictor_quick.yaml)")
+    tp.add_argument("--address", help="Ray cluster address; default RAY_ADDRESS or an embedded local Ray")
+    tp.add_argument("--run-id", help="override output.run_id")
+    tp.add_argument("--no-report", action="store_true")
 
     qs = sub.add_parser("quickstart", help="build the sample corpus if needed, then run the embedded default job")
     qs.add_argument("--docs", type=int, default=400)
@@ -99,8 +120,49 @@ def _cmd_run(args) -> int:
         print(f"report:  {res.report}")
     from actlake.storage.sql import query
 
-    print(f"\nexample: actlake sql {res.run_dir} \"{EXAMPLE_SQL}\"")
-    _print_table(query(res.run_dir, EXAMPLE_SQL), "table", None)
+    act = os.path.join(res.run_dir, "tables", "activations")
+    if os.path.isdir(act):
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(act) for f in fs)
+        print(f"store:   activation store {size / 2**20:,.1f} MiB on disk ({act})")
+    example = EXAMPLE_SQL if os.path.isdir(os.path.join(res.run_dir, "tables", "residual_norms")) else EXAMPLE_TOKENS_SQL
+    print(f"\nexample: actlake sql {res.run_dir} \"{example}\"")
+    _print_table(query(res.run_dir, example), "table", None)
+    return 0
+
+
+def _cmd_train_synthetic(args) -> int:
+    from actlake.config import load_config
+    from actlake.jobs.synthetic import run_synthetic, summary_lines
+    from actlake.synthetic.config import SyntheticConfig
+
+    overrides = {"output.run_id": args.run_id} if args.run_id else None
+    cfg = load_config(args.config, overrides=overrides, root=SyntheticConfig)
+    res = run_synthetic(cfg, address=args.address, train=not args.analysis_only,
+                        analyze=False if args.no_analysis else None, report=False if args.no_report else None)
+    print(f"run:     {res.run_dir}  (trials: {', '.join(res.trials)}; wall {res.wall_seconds:.0f}s)")
+    if os.path.isdir(os.path.join(res.run_dir, "tables", "factored_dimension")):
+        for line in summary_lines(res.run_dir):
+            print(line)
+    if res.report:
+        print(f"report:  {res.report}")
+    return 0
+
+
+def _cmd_train_predictor(args) -> int:
+    from actlake.config import load_config
+    from actlake.jobs.predictive import PROBE_SQL, SUMMARY_SQL, run_predictor_job
+    from actlake.predictive_config import PredictorJobConfig
+    from actlake.storage.sql import query
+
+    cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None,
+                      root=PredictorJobConfig)
+    res = run_predictor_job(cfg, address=args.address, report=False if args.no_report else None)
+    print(f"run:     {res['run_dir']}  (layers {res['layers']}; wall {res['wall_seconds']:.0f}s)")
+    _print_table(query(res["run_dir"], SUMMARY_SQL), "table", None)
+    if cfg.probes.enabled:
+        _print_table(query(res["run_dir"], PROBE_SQL), "table", None)
+    if res["report"]:
+        print(f"report:  {res['report']}")
     return 0
 
 
@@ -121,6 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _cmd_run(args)
+        if args.command == "train-lm":
+            from actlake.config import load_config
+            from actlake.jobs.train_lm import train_lm
+            from actlake.predictive_config import LMConfig
+
+            cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None, root=LMConfig)
+            res = train_lm(cfg, address=args.address)
+            last = res["last"] or {}
+            print(f"model:   {res['model']}  (step {res['step']}, held-out loss {last.get('eval_loss', float('nan')):.3f}, "
+                  f"wall {res['wall_seconds']:.0f}s)")
+            return 0
+        if args.command == "train-synthetic":
+            return _cmd_train_synthetic(args)
+        if args.command == "train-predictor":
+            return _cmd_train_predictor(args)
         if args.command == "quickstart":
             from actlake.corpus.sample import write_sample
 

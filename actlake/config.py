@@ -112,6 +112,20 @@ class AnalysesConfig:
     """Mean ||q||, ||k||, cos(q, k) per key category and the key-normalised attention mass."""
     attention_by_distance: bool = True
     """Mean attention weight per relative position m - n (needs explicit attention weights)."""
+    surprisal: Optional[bool] = None
+    """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
+
+
+@dataclass
+class ActivationsConfig:
+    layers: list[int] = field(default_factory=list)
+    """Hidden states to store (0 = embeddings, L = last block; negative counts from the end). Empty: no activation store."""
+    fraction: float = 1.0
+    """Fraction of windows stored, sampled deterministically from (seed, doc_id, window)."""
+    seed: int = 0
+    """Seed of the window sample."""
+    dtype: Literal["float32", "float16"] = "float32"
+    """Stored precision of the activation vectors."""
 
 
 @dataclass
@@ -148,6 +162,7 @@ class JobConfig:
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     analyses: AnalysesConfig = field(default_factory=AnalysesConfig)
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     source_file: Optional[str] = field(default=None, metadata={"internal": True})
@@ -239,6 +254,11 @@ def _convert(value, tp, key: str, err):
             value = [value]
         if not isinstance(value, list):
             err(key, f"expected a list, got {value!r}")
+        if dataclasses.is_dataclass(inner):
+            bad = next((i for i, v in enumerate(value) if not isinstance(v, dict)), None)
+            if bad is not None:
+                err(tuple(key) + (bad,), f"expected a mapping, got {value[bad]!r}")
+            return [_build(inner, v, tuple(key) + (i,), err) for i, v in enumerate(value)]
         return [_convert(v, inner, tuple(key) + (i,), err) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -284,8 +304,13 @@ def _build(cls, data: dict, path: tuple, err, hints_cache={}):
     return cls(**kwargs)
 
 
-def parse_config(data: dict, lines: dict | None = None, where: str = "<config>") -> JobConfig:
-    """Build a validated :class:`JobConfig` from a plain mapping."""
+def parse_config(data: dict, lines: dict | None = None, where: str = "<config>", root: type | None = None):
+    """Build a validated config of class ``root`` (default :class:`JobConfig`) from a plain mapping.
+
+    Roots other than JobConfig validate their values in a ``check(err)`` method, where
+    ``err(key_path, message)`` raises a ConfigError naming the file and line.
+    """
+    root = root or JobConfig
     lines = lines or {}
 
     def err(key, msg):
@@ -303,9 +328,12 @@ def parse_config(data: dict, lines: dict | None = None, where: str = "<config>")
 
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the config must be a YAML mapping, got {type(data).__name__}")
-    cfg = _build(JobConfig, data, (), err)
+    cfg = _build(root, data, (), err)
     cfg.source_file = where
-    _check_values(cfg, err)
+    if root is JobConfig:
+        _check_values(cfg, err)
+    elif hasattr(cfg, "check"):
+        cfg.check(err)
     return cfg
 
 
@@ -323,13 +351,19 @@ def _check_values(cfg: JobConfig, err) -> None:
         err(("corpus", "format"), "format 'hf' needs corpus.hf_dataset")
     if cfg.corpus.max_docs is not None and cfg.corpus.max_docs < 1:
         err(("corpus", "max_docs"), "must be at least 1")
+    if not 0.0 < cfg.activations.fraction <= 1.0:
+        err(("activations", "fraction"), f"must be in (0, 1], got {cfg.activations.fraction}")
     if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):
         err(("output", "run_id"), f"not a valid folder name: {cfg.output.run_id!r}")
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None, check_files: bool = True) -> JobConfig:
-    """Read and validate a YAML config; ``None`` reads the embedded default."""
+def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None, check_files: bool = True,
+                root: type | None = None):
+    """Read and validate a YAML config of class ``root`` (default JobConfig); ``None`` reads the embedded default."""
+    root = root or JobConfig
     if path is None:
+        if root is not JobConfig:
+            raise ConfigError(f"a config file is required for {root.__name__}")
         where = "default config (actlake/default.yaml)"
         text = (Path(__file__).parent / "default.yaml").read_text()
     else:
@@ -348,10 +382,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         for part in parts[:-1]:
             cur = cur.setdefault(part, {})
         cur[parts[-1]] = value
-    cfg = parse_config(data, lines, where)
-    if check_files:
+    cfg = parse_config(data, lines, where, root)
+    if check_files and root is JobConfig:
         resolve_corpus_files(cfg)
         resolve_model_path(cfg.model.name_or_path)
+    elif check_files and hasattr(cfg, "check_files"):
+        cfg.check_files()
     return cfg
 
 
@@ -408,28 +444,55 @@ def resolve_corpus_files(cfg: JobConfig) -> list[str]:
     return sorted(dict.fromkeys(files))
 
 
-def reference_markdown() -> str:
-    """The configuration reference (README section), from the dataclass field comments."""
+def reference_markdown(root: type | None = None) -> str:
+    """A configuration reference table (README section), from the dataclass field comments."""
     import ast
     import inspect
     import sys
 
-    src = inspect.getsource(sys.modules[__name__])
-    tree = ast.parse(src)
+    root = root or JobConfig
     docs: dict[tuple[str, str], str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            body = node.body
-            for a, b in zip(body, body[1:]):
-                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                    docs[(node.name, a.target.id)] = b.value.value
+    classes, stack = set(), [root]
+    while stack:  # every dataclass reachable from root, for the modules that define them
+        cls = stack.pop()
+        classes.add(cls)
+        for tp in typing.get_type_hints(cls).values():
+            for t in (tp, *typing.get_args(tp)):
+                if dataclasses.is_dataclass(t) and t not in classes:
+                    stack.append(t)
+    for module in {sys.modules[c.__module__] for c in classes}:
+        for node in ast.parse(inspect.getsource(module)).body:
+            if isinstance(node, ast.ClassDef):
+                body = node.body
+                for a, b in zip(body, body[1:]):
+                    if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                        docs[(node.name, a.target.id)] = b.value.value
+
+    def row(key, cls, f):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        tp = _type_name(typing.get_type_hints(cls)[f.name]).replace("NoneType", "null").replace(" | ", " or ")
+        doc = docs.get((cls.__name__, f.name), "").replace("``", "`").replace("|", "\\|")
+        return f"| `{key}` | {tp} | `{json.dumps(default, default=dataclasses.asdict)}` | {doc} |"
+
+    def rows(prefix: str, cls) -> list[str]:
+        lines = []
+        for g in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[g.name]
+            lines.append(row(f"{prefix}{g.name}", cls, g))
+            inner = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+            if inner is not None and dataclasses.is_dataclass(inner):
+                lines += rows(f"{prefix}{g.name}[].", inner)
+        return lines
+
     out = []
-    for section, cls in [(f.name, f.type) for f in dataclasses.fields(JobConfig) if f.name not in ("name", "source_file")]:
-        cls = typing.get_type_hints(JobConfig)[section]
-        out.append(f"| `{section}` | | | |")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            tp = _type_name(typing.get_type_hints(cls)[f.name]).replace("NoneType", "null").replace(" | ", " or ")
-            doc = docs.get((cls.__name__, f.name), "").replace("``", "`").replace("|", "\\|")
-            out.append(f"| `{section}.{f.name}` | {tp} | `{json.dumps(default)}` | {doc} |")
+    hints = typing.get_type_hints(root)
+    for f in dataclasses.fields(root):
+        if f.metadata.get("internal") or f.name == "name":
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.append(f"| `{f.name}` | | | |")
+            out += rows(f"{f.name}.", tp)
+        else:
+            out.append(row(f.name, root, f))
     return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|"] + out)

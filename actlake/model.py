@@ -25,6 +25,8 @@ class LoadedModel:
     family: Family
     device: torch.device
     path: str
+    lm_head: torch.nn.Module | None = None
+    """The output embedding of a causal LM (loaded when surprisal is wanted), else None."""
 
 
 def pick_device(cfg: ModelConfig) -> torch.device:
@@ -48,9 +50,13 @@ def _check_weights(folder: Path, allow_pickle: bool) -> None:
         raise ModelLoadError(f"{folder}: no weight files (*.safetensors) found")
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
-    """Load tokenizer and base model (``AutoModel``) as the config says; never downloads pickle by default."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
+    """Load tokenizer and base model as the config says; never loads pickle weights by default.
+
+    ``lm_head``: also load the causal-LM head (``AutoModelForCausalLM``; the base model is then its
+    ``base_model``); None: when the family is causal. True for a non-causal family is an error.
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     try:
         path = resolve_model_path(cfg.name_or_path)
@@ -67,6 +73,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     except Exception as e:
         raise ModelLoadError(f"model {path}: cannot read its config ({type(e).__name__}: {e})") from None
     family = family_for(hf_config.model_type)
+    if lm_head and not family.causal:
+        raise ModelLoadError(f"model {path}: surprisal needs a causal LM, and {hf_config.model_type} is not one "
+                             "(set analyses.surprisal: false)")
+    want_head = family.causal if lm_head is None else lm_head
     device = pick_device(cfg)
     kwargs = dict(common, attn_implementation=cfg.attn_implementation, use_safetensors=None if cfg.allow_pickle else True)
     kwargs["dtype"] = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
@@ -74,12 +84,19 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         kwargs["device_map"] = cfg.device_map
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
-        model = AutoModel.from_pretrained(path, **kwargs)
+        head = None
+        if want_head:
+            full = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            model, head = full.base_model, full.get_output_embeddings()
+        else:
+            model = AutoModel.from_pretrained(path, **kwargs)
     except Exception as e:
         raise ModelLoadError(f"model {path}: cannot load ({type(e).__name__}: {e})") from None
     if not cfg.device_map:
         model.to(device)
+        if head is not None:
+            head.to(device)
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    return LoadedModel(model, tokenizer, family, device, path)
+    return LoadedModel(model, tokenizer, family, device, path, head)

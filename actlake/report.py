@@ -193,8 +193,6 @@ def _summary_html(layout: RunLayout, nonfinite: str = "") -> str:
 
 def build_report(run_dir: str | Path) -> Path:
     """Write ``report/report.html`` and ``report/<chart>.png``; return the HTML path."""
-    import vl_convert as vlc
-
     from actlake.storage.sql import open_run
 
     layout = RunLayout(Path(run_dir).resolve())
@@ -207,9 +205,22 @@ def build_report(run_dir: str | Path) -> Path:
         nonfinite = _nonfinite(con)
     finally:
         con.close()
+    blocks = [*charts[:4], table1, *charts[4:]]
+    return write_page(layout, blocks, _summary_html(layout, nonfinite))
+
+
+def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
+    """Write ``report/report.html`` from ``blocks`` — (slug, title, altair chart) or raw HTML strings —
+    and ``report/<slug>.png`` per chart; the page inlines Vega and needs no network."""
+    import vl_convert as vlc
+
     layout.report.mkdir(parents=True, exist_ok=True)
     sections, specs = [], {}
-    for slug, title, chart in charts:
+    for block in blocks:
+        if isinstance(block, str):
+            sections.append(block)
+            continue
+        slug, title, chart = block
         spec = chart.to_dict()
         specs[slug] = spec
         png = vlc.vegalite_to_png(spec, scale=1.5)
@@ -228,10 +239,8 @@ def build_report(run_dir: str | Path) -> Path:
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1000px}} table.summary th{{text-align:left;padding-right:1em}} table.t1 td,table.t1 th{{padding:2px 8px;text-align:right}}</style>
 <script>{bundle}</script></head>
 <body><h1>actlake report: {html.escape(layout.root.name)}</h1>
-{_summary_html(layout, nonfinite)}
-{''.join(sections[:4])}
-{table1}
-{''.join(sections[4:])}
+{header_html}
+{''.join(sections)}
 <script>{embed}</script>
 </body></html>"""
     out = layout.report / "report.html"

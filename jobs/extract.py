@@ -19,12 +19,14 @@ from actlake.analysis.geometry import Geometry
 from actlake.analysis.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.dim_moments import DimMoments
 from actlake.analysis.residual_norms import residual_norms
+from actlake.analysis.surprisal import token_surprisal
 from actlake.batching import Window, collate, document_windows, make_batches
 from actlake.categories import ROLE, TYPE8, Categorizer, one_hot
 from actlake.config import JobConfig
 from actlake.corpus.readers import Reject, iter_items
 from actlake.jobs.plan import Shard
 from actlake.model import LoadedModel
+from actlake.storage.activations import activation_table, resolve_layers, window_sampled
 from actlake.storage.layout import RunLayout
 from actlake.storage.shards import ShardWriter
 
@@ -44,6 +46,7 @@ class Extractor:
         self.mqk = ModelQK(lm.model, lm.family)
         self.inputs = capture.LayerInputs(lm.model, lm.family)  # hooks attached per batch, when needed
         self.oom_splits = 0
+        self.store_layers = resolve_layers(cfg.activations.layers, lm.model.config.num_hidden_layers)
 
     # ------------------------------------------------------------------ reading
     def read_shard(self, shard: Shard):
@@ -84,7 +87,8 @@ class Extractor:
 
     @torch.inference_mode()
     def run_batch(self, batch: list[Window], stats: dict):
-        """Forward one batch, feeding ``stats``; returns (per-window categories, mask, norms (N, L+1), DimMoments)."""
+        """Forward one batch, feeding ``stats``; returns (per-window categories, mask, norms (N, L+1), DimMoments,
+        extra), extra holding ``surprisal`` (B, T) and the stored layers' hidden states ``acts`` {layer: (B, T, d)}."""
         a = self.cfg.analyses
         ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)
         per_window = [self.cats.window(w.ids) for w in batch]
@@ -107,19 +111,22 @@ class Extractor:
             recorder = AttentionRecorder(self.mqk, valid, one_hot(role.to(dev), len(ROLE), valid), consumers,
                                          mass=stats.get("mass"), inputs=inputs)
             stack.enter_context(capture.recording(recorder))
-            need_hidden = a.residual_norms or a.dim_moments  # else the L+1 hidden states are not kept
+            need_hidden = a.residual_norms or a.dim_moments or bool(self.store_layers)  # else not kept
             out = self.lm.model(input_ids=ids.to(dev), attention_mask=valid, output_hidden_states=need_hidden)
         hs = [h.to("cpu") for h in out.hidden_states] if need_hidden else None
         norms = residual_norms(hs, mask) if a.residual_norms else None
         moments = DimMoments.from_batch(hs, mask, role, type8) if a.dim_moments else None
-        return per_window, mask, norms, moments
+        extra = {"acts": {layer: hs[layer] for layer in self.store_layers}}
+        if self.lm.lm_head is not None:
+            extra["surprisal"] = token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask)
+        return per_window, mask, norms, moments, extra
 
     # ------------------------------------------------------------------ one shard
     def process(self, shard: Shard, layout: RunLayout, plan_hash: str) -> dict:
         t0 = time.perf_counter()
         windows, docs, rejects = self.read_shard(shard)
         batches = make_batches(windows, self.cfg.batching)
-        acc = ShardResults(self.cfg.analyses, self.new_stats())
+        acc = ShardResults(self.cfg.analyses, self.new_stats(), self.cfg.activations)
         splits_before = self.oom_splits
         for batch in batches:
             for sub, result in self.run_batch_resilient(batch):
@@ -166,14 +173,15 @@ class Extractor:
 class ShardResults:
     """Everything one shard produces, accumulated batch by batch, then written as tables."""
 
-    def __init__(self, analyses, stats: dict):
-        self.a, self.stats = analyses, stats
+    def __init__(self, analyses, stats: dict, activations=None):
+        self.a, self.stats, self.act_cfg = analyses, stats, activations
         self.moments = None
         self.tok_cols: dict[str, list] = {k: [] for k in TOKENS_SCHEMA.names}
         self.norm_rows: list = []
+        self.act_rows: list = []
         self.n_tokens = self.n_padded = 0
 
-    def add(self, batch, per_window, mask, norms, moments, stats) -> None:
+    def add(self, batch, per_window, mask, norms, moments, extra, stats) -> None:
         lengths = [len(w.ids) for w in batch]
         self.n_tokens += sum(lengths)
         self.n_padded += len(batch) * max(lengths) - sum(lengths)
@@ -183,8 +191,13 @@ class ShardResults:
             self.stats[name] = self.stats[name].merge(part)
         keys = []
         cols = self.tok_cols
-        for w, (texts, roles, t8s) in zip(batch, per_window):
+        surprisal = extra.get("surprisal")
+        for i, (w, (texts, roles, t8s)) in enumerate(zip(batch, per_window)):
             T = len(w.ids)
+            s = surprisal[i, :T].tolist() if surprisal is not None else [None] * T
+            s = [None if v != v else v for v in s]  # NaN (no context) -> null
+            if extra["acts"] and window_sampled(self.act_cfg, w.doc_id, w.window):
+                self.act_rows.append((w, texts, t8s, s, {layer: h[i, :T] for layer, h in extra["acts"].items()}))
             keys.append(np.stack([np.full(T, w.doc_id), np.full(T, w.window), np.arange(T)], 1))
             if self.a.tokens:
                 cols["doc_id"] += [w.doc_id] * T
@@ -195,6 +208,7 @@ class ShardResults:
                 cols["role"] += [ROLE[r] for r in roles]
                 cols["type8"] += [TYPE8[t] for t in t8s]
                 cols["source"] += [w.source] * T
+                cols["surprisal"] += s
         if norms is not None:
             self.norm_rows.append((np.concatenate(keys), norms.numpy()))
 
@@ -205,6 +219,8 @@ class ShardResults:
             writer.write("tokens", pa.table(self.tok_cols, schema=TOKENS_SCHEMA))
         if self.a.residual_norms:
             writer.write("residual_norms", _norm_table(self.norm_rows))
+        if self.act_cfg is not None and self.act_cfg.layers:
+            writer.write("activations", activation_table(self.act_rows, self.act_cfg.dtype))
         for stats in [self.moments, *self.stats.values()]:
             if stats is not None:
                 for name, table in stats.to_tables().items():
@@ -228,7 +244,7 @@ def _norm_table(norm_rows) -> pa.Table:
 
 TOKENS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
                            ("token_id", pa.int32()), ("token", pa.string()), ("role", pa.string()),
-                           ("type8", pa.string()), ("source", pa.string())])
+                           ("type8", pa.string()), ("source", pa.string()), ("surprisal", pa.float32())])
 NORMS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
                           ("layer", pa.int16()), ("norm", pa.float64())])
 DOCUMENTS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("file", pa.string()), ("record", pa.int64()),

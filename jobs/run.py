@@ -72,6 +72,25 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str) -> No
                                         "shards": [asdict(s) for s in shards], "created": time.time()})
 
 
+def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
+    """Print the store's size per token and an upper bound for the documents about to run."""
+    from transformers import AutoConfig
+
+    from actlake.config import resolve_model_path
+    from actlake.storage.activations import bytes_per_token, resolve_layers
+
+    hf = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), revision=cfg.model.revision,
+                                    trust_remote_code=cfg.model.trust_remote_code)
+    a, t = cfg.activations, cfg.tokenization
+    layers = resolve_layers(a.layers, hf.num_hidden_layers)
+    per_token = bytes_per_token(len(layers), hf.hidden_size, a.dtype)
+    windows = 1 if t.overflow == "truncate" else t.max_windows_per_doc
+    bound = n_docs * windows * t.max_length * a.fraction * per_token
+    print(f"activation store: hidden states {layers}, d = {hf.hidden_size}, {a.dtype}: {per_token:,} bytes per token "
+          f"before compression; at most {bound / 2**30:,.2f} GiB for {n_docs:,} documents "
+          f"(fraction {a.fraction:g} of windows)", flush=True)
+
+
 def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None) -> RunResult:
     """Run a job to completion (resuming a run directory), reduce, and build the report.
 
@@ -88,6 +107,8 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     prepare_run_dir(cfg, layout, shards, phash)
     shutil.rmtree(layout.staging, ignore_errors=True)  # leftovers of attempts that died mid-write
     pending = [s for s in shards if read_record(layout, s.shard_id, phash) is None]
+    if cfg.activations.layers and pending:
+        announce_activation_store(cfg, sum(s.end - s.start for s in pending))
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
     ran: list[dict] = []
     if pending:

@@ -35,7 +35,7 @@ class ShardWorker:
         self.cfg = parse_config(cfg_dict)
         self.layout = RunLayout(__import__("pathlib").Path(run_dir))
         self.plan_hash = plan_hash
-        self.extractor = Extractor(self.cfg, load_model(self.cfg.model))
+        self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
         self.pid = os.getpid()
 
     def process(self, shard_dict: dict) -> dict:

@@ -50,6 +50,21 @@ def _quote(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+def _fixed_size_casts(table_dir: Path) -> list[str]:
+    """Parquet has no fixed-size list; columns written as one (Arrow schema kept in the file) become FLOAT[d]."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    first = next(iter(sorted(table_dir.rglob("*.parquet"))), None)
+    if first is None:
+        return []
+    out = []
+    for f in pq.read_schema(first):
+        if pa.types.is_fixed_size_list(f.type) and f.type.list_size > 0:
+            out.append(f'CAST("{f.name}" AS FLOAT[{f.type.list_size}]) AS "{f.name}"')
+    return out
+
+
 def open_run(run_dir: str | os.PathLike, memory_limit: str = "2GB", threads: int | None = None):
     """A DuckDB connection with a view per table of the run; file access limited to the run."""
     import duckdb
@@ -61,7 +76,9 @@ def open_run(run_dir: str | os.PathLike, memory_limit: str = "2GB", threads: int
     con = duckdb.connect(":memory:")
     for t in tables:
         glob = str(layout.tables / t / "**" / "*.parquet")
-        con.execute(f'CREATE VIEW "{t}" AS SELECT * FROM read_parquet({_quote(glob)}, hive_partitioning = true, union_by_name = true)')
+        cast = _fixed_size_casts(layout.tables / t)
+        select = f"* REPLACE ({', '.join(cast)})" if cast else "*"
+        con.execute(f'CREATE VIEW "{t}" AS SELECT {select} FROM read_parquet({_quote(glob)}, hive_partitioning = true, union_by_name = true)')
     for name, sql in VIEWS.items():
         try:
             con.execute(f"CREATE VIEW {name} AS {sql}")

@@ -42,7 +42,7 @@ def _bpe_tokenizer(out: Path, bos_prefix: bool):
 def make_tiny_model(family: str, out: Path) -> Path:
     """Save a tiny randomly initialised model of ``family`` with a tokenizer to ``out``."""
     import torch
-    from transformers import AutoModel, AutoTokenizer, BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig
 
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,8 @@ def make_tiny_model(family: str, out: Path) -> Path:
                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, attention_bias=True)
         else:
             raise ValueError(family)
-    model = AutoModel.from_config(cfg)
+    # causal families keep their LM head (surprisal); AutoModel loads the base model from it
+    model = AutoModel.from_config(cfg) if family == "bert" else AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # make attention less uniform than the tiny init gives
         for name, p in model.named_parameters():
             if p.dim() == 2:

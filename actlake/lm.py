@@ -1,0 +1,185 @@
+"""A small causal LM of the Pythia architecture (GPT-NeoX), trained on a Pile-format corpus.
+
+The driver tokenizes the corpus once into a token stream (documents joined by EOS; a hash of the
+document number holds some out for evaluation) saved in the run directory; Ray Train workers
+draw windows from it, seeded by (seed, step, rank), so a resumed run draws the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("actlake.lm")
+
+EOS = "<|endoftext|>"
+PAD = "<|padding|>"
+
+
+def iter_texts(cfg) -> "Iterator[tuple[int, str]]":  # noqa: F821
+    """(document number, text) over the corpus files in order; bad records are skipped (and counted)."""
+    from actlake.config import resolve_corpus_files
+    from actlake.corpus.readers import Reject, file_format, iter_items
+
+    c, n = cfg.corpus, 0
+    for path in resolve_corpus_files(cfg):
+        for item in iter_items(path, file_format(path, c.format), 0, 2**62, c.text_field, c.source_field, c.hf_split):
+            if isinstance(item, Reject):
+                continue
+            yield n, item.text
+            n += 1
+            if c.max_docs and n >= c.max_docs:
+                return
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
+    """A byte-level BPE tokenizer (GPT-NeoX style, EOS doubles as BOS), saved with save_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD, unk_token=None)
+    fast.save_pretrained(out)
+    return fast
+
+
+def held_out(doc: int, fraction: float) -> bool:
+    digest = hashlib.blake2b(f"eval:{doc}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def build_token_streams(cfg, out: Path) -> dict:
+    """Tokenizer + train/eval token streams (uint32 .npy) under ``out``; returns their sizes."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    docs = list(iter_texts(cfg))
+    if not docs:
+        from actlake.errors import CorpusError
+
+        raise CorpusError("the corpus has no usable documents")
+    if cfg.tokenizer.path:
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+        tok.save_pretrained(out / "tokenizer")
+    else:
+        tok = train_tokenizer([t for _, t in docs], cfg.tokenizer.vocab_size, out / "tokenizer")
+    eos = tok.eos_token_id
+    streams = {"train": [], "eval": []}
+    for n, text in docs:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        streams["eval" if held_out(n, cfg.training.eval_fraction) else "train"] += [*ids, eos]
+    sizes = {}
+    for split, ids in streams.items():
+        np.save(out / f"{split}.npy", np.asarray(ids, dtype=np.uint32))
+        sizes[split] = len(ids)
+    sizes["vocab_size"] = len(tok)
+    sizes["documents"] = len(docs)
+    return sizes
+
+
+def lr_at(step: int, t) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, length) windows at random offsets of the stream."""
+    starts = rng.integers(0, len(stream) - length, size=n)
+    return np.stack([stream[s : s + length] for s in starts]).astype(np.int64)
+
+
+def build_model(cfg, vocab_size: int, tokenizer):
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    m, t = cfg.model, cfg.training
+    torch.manual_seed(t.seed)
+    config = GPTNeoXConfig(vocab_size=vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                           num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
+                           rotary_pct=m.rotary_pct, max_position_embeddings=max(2048, t.seq_len),
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+                           hidden_dropout=0.0, attention_dropout=0.0)
+    return GPTNeoXForCausalLM(config)
+
+
+def train_loop(config: dict) -> None:
+    """Ray Train loop: ``config`` has job (LMConfig as dict), data (folder of the streams), trial, run_dir."""
+    import ray.train
+    import torch
+    from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+    from actlake.config import parse_config
+    from actlake.jobs.training import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint, worker_setup
+    from actlake.predictive_config import LMConfig
+
+    cfg = parse_config(config["job"], where="train-lm config", root=LMConfig)
+    t = cfg.training
+    rank, world, device = worker_setup(config)
+    data = Path(config["data"])
+    tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
+    train, held = np.load(data / "train.npy"), np.load(data / "eval.npy")
+    ck_root = Path(config["run_dir"]) / "checkpoints" / config["trial"]
+    latest = latest_checkpoint(ck_root)
+    if latest is None:
+        model, start, curve = build_model(cfg, len(tokenizer), tokenizer), 0, []
+    else:
+        model = GPTNeoXForCausalLM.from_pretrained(latest[1] / "model")
+        state = torch.load(latest[1] / STATE_FILE, weights_only=False)
+        start, curve = state["step"], state["curve"]
+        log.info("train-lm: resuming from step %d", start)
+    model = ray.train.torch.prepare_model(model)
+    raw = model.module if hasattr(model, "module") else model
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    if latest is not None:
+        opt.load_state_dict(state["optimizer"])
+    eval_x = torch.from_numpy(windows(held, 32, t.seq_len, np.random.default_rng([t.seed, 10**9])))
+
+    def eval_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            out = raw(input_ids=eval_x.to(device), labels=eval_x.to(device))
+        model.train()
+        return out.loss.item()
+
+    def checkpoint(step: int) -> None:
+        def write(folder: Path) -> None:
+            raw.save_pretrained(folder / "model")
+            torch.save({"step": step, "optimizer": opt.state_dict(), "curve": curve}, folder / STATE_FILE)
+
+        save_checkpoint(ck_root, step, write)
+        prune_checkpoints(ck_root, keep_steps=set())
+
+    model.train()
+    for step in range(start, t.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, t)
+        x = torch.from_numpy(windows(train, t.batch_size, t.seq_len, np.random.default_rng([t.seed, step, rank])))
+        x = x.to(device)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        done = step + 1
+        if done % t.eval_every == 0 or done == t.steps:
+            row = {"step": done, "train_loss": loss.item(), "eval_loss": eval_loss(), "lr": lr_at(step, t)}
+            curve.append(row)
+            ray.train.report(row)
+            if rank == 0:
+                log.info("train-lm step %d/%d: train loss %.3f, held-out loss %.3f (perplexity %.1f)", done, t.steps,
+                         row["train_loss"], row["eval_loss"], math.exp(row["eval_loss"]))
+        if rank == 0 and (done % t.checkpoint_every == 0 or done == t.steps):
+            checkpoint(done)

@@ -1,0 +1,221 @@
+"""Configs of ``actlake train-lm`` (a small causal LM) and ``actlake train-predictor`` (seed 003)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+from actlake.config import CorpusConfig
+from actlake.synthetic.config import TrainResourcesConfig
+
+
+@dataclass
+class RunOutputConfig:
+    dir: str = "runs"
+    """Parent folder of run directories."""
+    run_id: Optional[str] = None
+    """Run directory name. Default: the config's name plus a hash of its contents (a rerun resumes)."""
+    report: bool = True
+    """Render ``report/report.html`` at the end (train-predictor)."""
+
+
+def _run_id(cfg, exclude: tuple[str, ...]) -> str:
+    d = asdict(cfg)
+    for k in ("output", "resources", "name", "source_file", *exclude):
+        d.pop(k, None)
+    h = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+    return cfg.output.run_id or f"{cfg.name}-{h}"
+
+
+# --------------------------------------------------------------------------- train-lm
+
+
+@dataclass
+class LMTokenizerConfig:
+    path: Optional[str] = None
+    """Existing tokenizer folder to use; null: train a byte-level BPE tokenizer on the corpus."""
+    vocab_size: int = 4096
+    """Vocabulary of the trained tokenizer (special tokens included)."""
+
+
+@dataclass
+class LMArchConfig:
+    hidden_size: int = 128
+    """Residual width."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads."""
+    intermediate_size: int = 512
+    """MLP width."""
+    rotary_pct: float = 0.25
+    """Fraction of each head rotated by RoPE (Pythia: 0.25)."""
+
+
+@dataclass
+class LMTrainingConfig:
+    steps: int = 1200
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Windows per step (per worker)."""
+    seq_len: int = 128
+    """Tokens per training window."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    warmup_steps: int = 100
+    """Linear warm-up steps."""
+    eval_every: int = 100
+    """Steps between held-out evaluations."""
+    checkpoint_every: int = 200
+    """Steps between resume checkpoints (only the newest is kept)."""
+    eval_fraction: float = 0.05
+    """Documents held out for evaluation (chosen by a hash of the document number)."""
+    seed: int = 0
+    """Seeds initialisation and batches (a resumed run draws the same batches)."""
+
+
+@dataclass
+class LMConfig:
+    name: str = "lm"
+    """Job name; part of the default run id."""
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    tokenizer: LMTokenizerConfig = field(default_factory=LMTokenizerConfig)
+    model: LMArchConfig = field(default_factory=LMArchConfig)
+    training: LMTrainingConfig = field(default_factory=LMTrainingConfig)
+    output: RunOutputConfig = field(default_factory=RunOutputConfig)
+    resources: TrainResourcesConfig = field(default_factory=TrainResourcesConfig)
+    source_file: Optional[str] = field(default=None, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("source_file", None)
+        return d
+
+    @property
+    def run_id(self) -> str:
+        return _run_id(self, ())
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.dir).resolve() / self.run_id
+
+    def check(self, err) -> None:
+        t, m = self.training, self.model
+        if m.hidden_size % m.num_heads:
+            err(("model", "num_heads"), f"hidden_size ({m.hidden_size}) must be divisible by num_heads ({m.num_heads})")
+        for key in ("steps", "batch_size", "eval_every", "checkpoint_every"):
+            if getattr(t, key) < 1:
+                err(("training", key), "must be at least 1")
+        if t.seq_len < 8:
+            err(("training", "seq_len"), f"must be at least 8, got {t.seq_len}")
+        if not 0 < t.eval_fraction < 0.5:
+            err(("training", "eval_fraction"), f"must be in (0, 0.5), got {t.eval_fraction}")
+        if self.tokenizer.path is None and self.tokenizer.vocab_size < 300:
+            err(("tokenizer", "vocab_size"), "must be at least 300 (256 bytes + merges + specials)")
+
+    def check_files(self) -> None:
+        from actlake.config import resolve_corpus_files
+
+        resolve_corpus_files(self)
+
+
+# --------------------------------------------------------------------------- train-predictor
+
+
+@dataclass
+class PredictorSettings:
+    n_heads: Optional[int] = None
+    """Attention heads of the predictor; null: 4x one attention layer of the analysed model (2x heads, 2x head size)."""
+    head_dim: Optional[int] = None
+    """Head size of the predictor; null: see n_heads."""
+    steps: int = 2000
+    """Optimizer steps per layer."""
+    batch_size: int = 32
+    """Windows per step."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps: int = 100
+    """Linear warm-up steps."""
+    eval_every: int = 100
+    """Steps between evaluations (a point of the learning curves)."""
+    checkpoint_every: int = 500
+    """Steps between resume checkpoints (only the newest is kept)."""
+    eval_fraction: float = 0.2
+    """Windows held out for evaluation (by a hash of doc id and window), never trained on."""
+    seed: int = 0
+    """Seeds initialisation and batch order."""
+
+
+@dataclass
+class ProbeSettings:
+    enabled: bool = True
+    """Fit the linear probes after training."""
+    tasks: list[Literal["source", "type8"]] = field(default_factory=lambda: ["source", "type8"])
+    """``source``: the document's source label; ``type8``: the type of the token at the window's last position."""
+    source_caps: list[int] = field(default_factory=lambda: [4000, 500, 500])
+    """Per-class caps (train, val, test) for the source task."""
+    type8_totals: list[int] = field(default_factory=lambda: [40000, 5000, 5000])
+    """Totals (train, val, test) for the type8 task."""
+    Cs: list[float] = field(default_factory=lambda: [0.01, 0.1, 1.0])
+    """Inverse regularisation strengths tried; the best on validation is scored on test."""
+    seed: int = 0
+    """Seeds the splits."""
+
+
+@dataclass
+class PredictorJobConfig:
+    name: str = "predictor"
+    """Job name; part of the default run id."""
+    store: str = "runs/predictive-extract"
+    """Run directory of an ``actlake run`` with an activation store (``activations.layers``)."""
+    layers: list[int] = field(default_factory=list)
+    """Hidden-state layers to train predictors for; empty: every layer in the store."""
+    predictor: PredictorSettings = field(default_factory=PredictorSettings)
+    probes: ProbeSettings = field(default_factory=ProbeSettings)
+    output: RunOutputConfig = field(default_factory=RunOutputConfig)
+    resources: TrainResourcesConfig = field(default_factory=TrainResourcesConfig)
+    source_file: Optional[str] = field(default=None, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("source_file", None)
+        return d
+
+    @property
+    def run_id(self) -> str:
+        return _run_id(self, ("probes",))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.dir).resolve() / self.run_id
+
+    def check(self, err) -> None:
+        p, q = self.predictor, self.probes
+        for key in ("steps", "batch_size", "eval_every", "checkpoint_every"):
+            if getattr(p, key) < 1:
+                err(("predictor", key), "must be at least 1")
+        if (p.n_heads is None) != (p.head_dim is None):
+            err(("predictor", "n_heads"), "set both n_heads and head_dim, or neither")
+        if not 0 < p.eval_fraction < 1:
+            err(("predictor", "eval_fraction"), f"must be in (0, 1), got {p.eval_fraction}")
+        for key in ("source_caps", "type8_totals"):
+            v = getattr(q, key)
+            if len(v) != 3 or min(v) < 1:
+                err(("probes", key), f"must be three positive counts (train, val, test), got {v}")
+        if not q.Cs or min(q.Cs) <= 0:
+            err(("probes", "Cs"), f"must be positive numbers, got {q.Cs}")
+
+    def check_files(self) -> None:
+        from actlake.errors import ConfigError
+
+        tables = Path(self.store) / "tables" / "activations"
+        if not tables.is_dir():
+            raise ConfigError(f"{self.source_file}: 'store': {Path(self.store).resolve()} has no activation store "
+                              "(run an extraction with activations.layers set first)")

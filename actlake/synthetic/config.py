@@ -1,0 +1,210 @@
+"""Config of ``actlake train-synthetic``: a factored process, a small model, training, the analysis.
+
+Parsed by the same YAML machinery as extraction jobs (unknown keys, wrong types and bad values
+are errors naming the file, key and line).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+
+@dataclass
+class VariantConfig:
+    x: Optional[float] = None
+    """Mess3 x of this variant (default: the factor's)."""
+    alpha: Optional[float] = None
+    """Mess3 or Bloch-walk alpha of this variant (default: the factor's)."""
+    beta: Optional[float] = None
+    """Bloch-walk beta of this variant (default: the factor's)."""
+
+
+@dataclass
+class FactorConfig:
+    kind: Literal["mess3", "bloch_walk", "matrices"] = "mess3"
+    """Process of this factor: Mess3, Bloch walk, or any GHMM given by ``matrices``."""
+    x: Optional[float] = None
+    """Mess3 x (stay probability 1 - 2x); default 0.15 as in the paper."""
+    alpha: Optional[float] = None
+    """Mess3 alpha (default 0.6) or Bloch-walk alpha (default 1.0)."""
+    beta: Optional[float] = None
+    """Bloch-walk beta (default 3.0)."""
+    matrices: Optional[list[list[list[float]]]] = None
+    """``kind: matrices``: T(x) for every token x, a V x S x S nested list."""
+    eta0: Optional[list[float]] = None
+    """``kind: matrices``: initial belief (default: the stationary one)."""
+    variants: list[VariantConfig] = field(default_factory=list)
+    """Hidden dependency: one parameter set per sub-token of the previous factor, chosen by that sub-token at each step. Empty: independent."""
+
+
+def _three_mess3() -> list[FactorConfig]:
+    return [FactorConfig(), FactorConfig(), FactorConfig()]
+
+
+@dataclass
+class ProcessConfig:
+    factors: list[FactorConfig] = field(default_factory=_three_mess3)
+    """The factors; the joint token is their radix encoding (factor 0 most significant)."""
+    noise: float = 0.0
+    """epsilon: probability that the emitted joint token is replaced by a uniform one."""
+
+
+@dataclass
+class SyntheticModelConfig:
+    arch: Literal["transformer", "rnn", "lstm"] = "transformer"
+    """GPT-2-style transformer (transformers' GPT2LMHeadModel), or a recurrent network."""
+    n_layers: int = 4
+    """Transformer blocks (or recurrent layers)."""
+    d_model: int = 64
+    """Residual width (hidden size of the recurrent layers)."""
+    n_heads: int = 4
+    """Attention heads (transformer)."""
+    d_mlp: int = 256
+    """MLP width (transformer)."""
+    context: int = 8
+    """Tokens per sequence; the model reads [BOS, x1 .. x(context-1)] and predicts x1 .. x(context)."""
+
+
+@dataclass
+class SyntheticTrainingConfig:
+    steps: int = 2000
+    """Optimizer steps; every step draws fresh sequences from the process."""
+    batch_size: int = 512
+    """Sequences per step (per worker)."""
+    lr: float = 5e-4
+    """AdamW learning rate (constant, as in the paper)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    n_checkpoints: int = 12
+    """Checkpoints kept for the analysis, log-spaced over the steps (step 0 included)."""
+    checkpoint_every: int = 250
+    """Steps between resume checkpoints (only the newest is kept)."""
+    eval_every: int = 50
+    """Steps between evaluations of the loss on a fixed held-out set."""
+    eval_sequences: int = 2048
+    """Held-out sequences for the evaluation loss and the Bayes-optimal loss."""
+    seed: int = 0
+    """Seeds the model initialisation and every batch (a resumed run draws the same batches)."""
+
+
+@dataclass
+class SweepConfig:
+    noise: list[float] = field(default_factory=list)
+    """One trial per epsilon (overrides process.noise); empty: just process.noise."""
+    arch: list[Literal["transformer", "rnn", "lstm"]] = field(default_factory=list)
+    """One trial per architecture (overrides model.arch); empty: just model.arch."""
+
+
+@dataclass
+class SyntheticAnalysisConfig:
+    enabled: bool = True
+    """Run the analysis over the checkpoints after training."""
+    sequences: int = 2000
+    """Sampled sequences whose final-residual activations are analysed (BOS dropped, positions pooled)."""
+    vary_one_sequences: int = 400
+    """Sequences per factor for the vary-one subspaces."""
+    random_models: int = 3
+    """Randomly initialised models giving the overlap band."""
+    threshold: float = 0.95
+    """Explained-variance fraction defining the effective dimension."""
+    scatter_points: int = 600
+    """Points per factor kept for the belief-simplex scatter."""
+    seed: int = 1234
+    """Seeds the analysis sequences (the same for every checkpoint)."""
+
+
+@dataclass
+class SyntheticOutputConfig:
+    dir: str = "runs"
+    """Parent folder of run directories."""
+    run_id: Optional[str] = None
+    """Run directory name. Default: the config's name plus a hash of its contents (a rerun resumes)."""
+    report: bool = True
+    """Render ``report/report.html`` at the end."""
+
+
+@dataclass
+class TrainResourcesConfig:
+    address: Optional[str] = None
+    """Ray address. None: ``RAY_ADDRESS`` if set, else an embedded local Ray on 127.0.0.1."""
+    num_workers: int = 1
+    """Ray Train workers per trial (data parallel; each draws its own batches)."""
+    cpus_per_worker: float = 1
+    """CPUs per Ray Train worker (torch threads)."""
+    use_gpu: bool = False
+    """One GPU per Ray Train worker."""
+
+
+@dataclass
+class SyntheticConfig:
+    name: str = "synthetic"
+    """Job name; part of the default run id."""
+    process: ProcessConfig = field(default_factory=ProcessConfig)
+    model: SyntheticModelConfig = field(default_factory=SyntheticModelConfig)
+    training: SyntheticTrainingConfig = field(default_factory=SyntheticTrainingConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    analysis: SyntheticAnalysisConfig = field(default_factory=SyntheticAnalysisConfig)
+    output: SyntheticOutputConfig = field(default_factory=SyntheticOutputConfig)
+    resources: TrainResourcesConfig = field(default_factory=TrainResourcesConfig)
+    source_file: Optional[str] = field(default=None, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("source_file", None)
+        return d
+
+    @property
+    def run_id(self) -> str:
+        d = self.to_dict()
+        for k in ("output", "resources", "name", "analysis"):
+            d.pop(k)
+        h = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+        return self.output.run_id or f"{self.name}-{h}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.dir).resolve() / self.run_id
+
+    def trials(self) -> list[dict]:
+        """One mapping per trial: name, noise, arch."""
+        noises = self.sweep.noise or [self.process.noise]
+        archs = self.sweep.arch or [self.model.arch]
+        out = []
+        for arch in archs:
+            for eps in noises:
+                name = arch if len(archs) > 1 else ""
+                name += (f"{'-' if name else ''}eps{eps:g}") if self.sweep.noise else ""
+                out.append({"name": name or arch, "noise": eps, "arch": arch})
+        return out
+
+    def check(self, err) -> None:
+        m, t, a = self.model, self.training, self.analysis
+        if not self.process.factors:
+            err(("process", "factors"), "at least one factor is needed")
+        for i, f in enumerate(self.process.factors):
+            if f.kind == "matrices" and f.matrices is None:
+                err(("process", "factors", i, "kind"), "kind 'matrices' needs 'matrices'")
+            if f.kind != "matrices" and (f.matrices is not None or f.eta0 is not None):
+                err(("process", "factors", i, "matrices"), f"only for kind 'matrices' (this factor is {f.kind})")
+            if f.variants and i == 0:
+                err(("process", "factors", 0, "variants"), "factor 0 has no previous factor to depend on")
+        for eps in [self.process.noise, *self.sweep.noise]:
+            if not 0.0 <= eps <= 1.0:
+                err(("process", "noise"), f"must be in [0, 1], got {eps}")
+        if m.context < 2:
+            err(("model", "context"), f"must be at least 2, got {m.context}")
+        if m.arch == "transformer" and m.d_model % m.n_heads:
+            err(("model", "n_heads"), f"d_model ({m.d_model}) must be divisible by n_heads ({m.n_heads})")
+        for key in ("steps", "batch_size", "eval_every", "checkpoint_every", "eval_sequences"):
+            if getattr(t, key) < 1:
+                err(("training", key), "must be at least 1")
+        if t.n_checkpoints < 2:
+            err(("training", "n_checkpoints"), "must be at least 2 (the first and the last step)")
+        if not 0 < a.threshold < 1:
+            err(("analysis", "threshold"), f"must be in (0, 1), got {a.threshold}")
+        if self.output.run_id is not None and (not self.output.run_id or "/" in self.output.run_id):
+            err(("output", "run_id"), f"not a valid folder name: {self.output.run_id!r}")

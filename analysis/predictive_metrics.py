@@ -1,0 +1,171 @@
+"""Metrics of the predictable/novel decomposition (METHODS §6): R², Spearman, macro-F1.
+
+Own numpy implementations, so results do not depend on library versions; the unit
+tests check each against its reference (sklearn ``r2_score(multioutput="variance_weighted")``,
+``scipy.stats.spearmanr``, sklearn ``f1_score(average="macro")``).
+All computations are float64. Also: per-dimension standardisation of hidden states.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actlake.errors import ConfigError
+
+
+class DimMoments:
+    """Mergeable per-dimension count/mean/M2 over rows, float64 (Chan et al.'s pairwise merge)."""
+
+    def __init__(self, d: int):
+        self.count = 0
+        """number of rows seen."""
+        self.mean = np.zeros(d)
+        """(d,) running mean."""
+        self.m2 = np.zeros(d)
+        """(d,) sum of squared deviations from the mean."""
+
+    def update(self, x: np.ndarray) -> None:
+        """Add rows x (n, d); two-pass within the batch, so large means do not cancel."""
+        x = np.asarray(x, dtype=np.float64).reshape(-1, self.mean.shape[0])
+        n_b = x.shape[0]
+        if n_b == 0:
+            return
+        mean_b = x.mean(0)
+        m2_b = ((x - mean_b) ** 2).sum(0)
+        n = self.count + n_b
+        delta = mean_b - self.mean
+        self.mean = self.mean + delta * (n_b / n)
+        self.m2 = self.m2 + m2_b + delta * delta * (self.count * n_b / n)
+        self.count = n
+
+    @property
+    def variance(self) -> np.ndarray:
+        """(d,) population variance (ddof=0); NaN before any row."""
+        return self.m2 / self.count if self.count else np.full_like(self.m2, np.nan)
+
+
+def _numpy(x, dtype) -> np.ndarray:
+    """A numpy copy/view of an array or (any-device) torch tensor."""
+    return np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, dtype=dtype)
+
+
+def fit_standardisation(h_iter, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """Per-dimension mean and std (float64, population) over the valid tokens of an iterable.
+
+    Items are h (B, T, d) or (h, valid) with valid (B, T) bool. std below ``eps`` is set to 1.
+    """
+    mom = None
+    for item in h_iter:
+        h, valid = item if isinstance(item, (tuple, list)) else (item, None)
+        h = _numpy(h, np.float64)
+        if h.ndim != 3 or (valid is not None and np.shape(valid) != h.shape[:2]):
+            raise ConfigError(f"fit_standardisation expects h (B, T, d) and valid (B, T), got {h.shape}"
+                              f" and {None if valid is None else tuple(np.shape(valid))}")
+        mom = mom or DimMoments(h.shape[-1])
+        mom.update(h.reshape(-1, h.shape[-1]) if valid is None else h[_numpy(valid, bool)])
+    if mom is None or mom.count < 2:
+        raise ConfigError("fit_standardisation: fewer than 2 valid tokens in the training set")
+    std = np.sqrt(mom.variance)
+    return mom.mean.copy(), np.where(std < eps, 1.0, std)
+
+
+def _as_2d(y: np.ndarray, name: str) -> np.ndarray:
+    y = np.asarray(y, dtype=np.float64)
+    if y.ndim == 0:
+        raise ConfigError(f"{name} must have at least one dimension, got a scalar")
+    return y.reshape(-1, 1) if y.ndim == 1 else y.reshape(-1, y.shape[-1])
+
+
+def r2_score(y_true: np.ndarray, y_pred: np.ndarray) -> float:
+    """R² = 1 − MSE / Var with Var the mean per-dimension (population) variance of y_true.
+
+    Arrays (..., d): every leading index is one sample, the last axis the dimensions.
+    Equals sklearn ``r2_score(y_true, y_pred, multioutput="variance_weighted")`` on the
+    (n, d) flattening (not "uniform_average", which averages per-dimension R²).
+    Returns NaN when the targets have zero variance.
+    """
+    t, p = _as_2d(y_true, "y_true"), _as_2d(y_pred, "y_pred")
+    if t.shape != p.shape:
+        raise ConfigError(f"r2_score: y_true {np.shape(y_true)} and y_pred {np.shape(y_pred)} differ in shape")
+    if t.shape[0] < 2:
+        raise ConfigError(f"r2_score needs at least 2 samples, got {t.shape[0]}")
+    var = t.var(axis=0).mean()
+    mse = ((t - p) ** 2).mean()
+    return float(1.0 - mse / var) if var > 0 else float("nan")
+
+
+def rankdata_average(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n of a 1-D array, ties given the average of their ranks (scipy's "average")."""
+    x = np.asarray(x)
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    new_group = np.r_[True, xs[1:] != xs[:-1]]  # (n,)
+    group_of_sorted = np.cumsum(new_group) - 1
+    starts = np.r_[np.flatnonzero(new_group), x.size]  # (G+1,)
+    avg = (starts[:-1] + starts[1:] - 1) / 2.0 + 1.0  # (G,) mean of ranks start+1..end
+    ranks = np.empty(x.size, dtype=np.float64)
+    ranks[order] = avg[group_of_sorted]
+    return ranks
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's rank correlation (average ranks for ties) of two 1-D arrays.
+
+    Equals ``scipy.stats.spearmanr(x, y).statistic``; NaN when either input is constant.
+    Inputs must be finite (mask them first).
+    """
+    x, y = np.asarray(x, dtype=np.float64).ravel(), np.asarray(y, dtype=np.float64).ravel()
+    if x.shape != y.shape:
+        raise ConfigError(f"spearman: x has {x.size} values, y has {y.size}")
+    if x.size < 2:
+        raise ConfigError(f"spearman needs at least 2 pairs, got {x.size}")
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ConfigError("spearman: inputs contain NaN or inf; select the valid pairs first")
+    rx = rankdata_average(x) - (x.size + 1) / 2.0
+    ry = rankdata_average(y) - (y.size + 1) / 2.0
+    den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
+    return float((rx * ry).sum() / den) if den > 0 else float("nan")
+
+
+def spearman_by_position(norms: np.ndarray, surprisal: np.ndarray, valid: np.ndarray | None = None,
+                         min_pairs: int = 3) -> np.ndarray:
+    """Spearman between ‖r‖ and surprisal at each position over windows.
+
+    norms, surprisal, valid: (N, P). Returns (P,) float64; NaN where fewer than
+    ``min_pairs`` valid finite pairs or a constant column.
+    """
+    norms, surprisal = np.asarray(norms, dtype=np.float64), np.asarray(surprisal, dtype=np.float64)
+    if norms.ndim != 2 or norms.shape != surprisal.shape:
+        raise ConfigError(f"spearman_by_position: norms {norms.shape} and surprisal {surprisal.shape} "
+                          "must both be (N, P)")
+    ok = np.isfinite(norms) & np.isfinite(surprisal)  # (N, P)
+    if valid is not None:
+        if np.shape(valid) != norms.shape:
+            raise ConfigError(f"spearman_by_position: valid {np.shape(valid)} must be {norms.shape}")
+        ok &= np.asarray(valid, dtype=bool)
+    out = np.full(norms.shape[1], np.nan)
+    for p in range(norms.shape[1]):
+        sel = ok[:, p]
+        if sel.sum() >= max(min_pairs, 2):
+            out[p] = spearman(norms[sel, p], surprisal[sel, p])
+    return out
+
+
+def macro_f1(y_true, y_pred, labels=None) -> float:
+    """Unweighted mean over labels of F1 = 2TP / (2TP + FP + FN); 0 for a label never true nor predicted.
+
+    ``labels`` defaults to the sorted union of y_true and y_pred. Equals sklearn
+    ``f1_score(y_true, y_pred, labels=labels, average="macro", zero_division=0)``.
+    """
+    t, p = np.asarray(y_true).ravel(), np.asarray(y_pred).ravel()
+    if t.shape != p.shape:
+        raise ConfigError(f"macro_f1: y_true has {t.size} labels, y_pred has {p.size}")
+    if t.size == 0:
+        raise ConfigError("macro_f1: no samples")
+    labs = np.unique(np.concatenate([t, p])) if labels is None else np.asarray(list(labels))
+    scores = []
+    for c in labs:
+        tp = np.sum((t == c) & (p == c))
+        den = 2 * tp + np.sum((t != c) & (p == c)) + np.sum((t == c) & (p != c))
+        scores.append(2.0 * tp / den if den else 0.0)
+    return float(np.mean(scores))

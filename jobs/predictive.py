@@ -1,0 +1,84 @@
+"""``actlake train-predictor``: one predictor per layer of an activation store (Ray Train trials), probes, report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from actlake.errors import ConfigError, StorageError
+from actlake.predictive_config import PredictorJobConfig
+from actlake.storage.layout import RunLayout, write_json_atomic
+
+log = logging.getLogger("actlake.predictive")
+
+
+def store_info(store: str | Path) -> dict:
+    """Layers in the store and the analysed model's attention shape (from the store's run.json)."""
+    from transformers import AutoConfig
+
+    from actlake.config import resolve_model_path
+    from actlake.storage.sql import query
+
+    root = Path(store).resolve()
+    layers = [r["layer"] for r in query(root, "SELECT DISTINCT layer FROM activations ORDER BY layer").to_pylist()]
+    run = json.loads((root / "run.json").read_text())
+    hf = AutoConfig.from_pretrained(resolve_model_path(run["config"]["model"]["name_or_path"]))
+    heads = hf.num_attention_heads
+    return {"layers": layers, "model_heads": (heads, hf.hidden_size // heads), "model": run["config"]["model"]["name_or_path"]}
+
+
+def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, report: bool | None = None) -> dict:
+    from actlake.jobs.run import init_ray
+    from actlake.jobs.training import Resources, Trial, run_trials
+    from actlake.predictive import train_loop
+
+    t0 = time.perf_counter()
+    cfg.store = str(Path(cfg.store).resolve())  # Ray Train workers run in their own working directory
+    info = store_info(cfg.store)
+    layers = cfg.layers or info["layers"]
+    missing = sorted(set(layers) - set(info["layers"]))
+    if missing:
+        raise ConfigError(f"{cfg.source_file}: 'layers': {missing} not in the store {cfg.store} "
+                          f"(it holds hidden states {info['layers']})")
+    layout = RunLayout(cfg.run_dir)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in cfg.to_dict().items() if k in ("store", "layers", "predictor")}
+    if layout.run_json.exists() and json.loads(layout.run_json.read_text()).get("settings") != settings:
+        raise StorageError(f"{layout.root} holds a predictor run with other settings; pick a new output.run_id "
+                           "or delete the folder")
+    write_json_atomic(layout.run_json, {"run_id": layout.root.name, "kind": "predictor", "settings": settings,
+                                        "store": str(Path(cfg.store).resolve()), "model": info["model"]})
+    shutil.rmtree(layout.staging, ignore_errors=True)
+    r = cfg.resources
+    started = init_ray(address or r.address)
+    try:
+        trials = [Trial(f"layer{layer}", train_loop, {"job": cfg.to_dict(), "layer": layer,
+                                                      "model_heads": list(info["model_heads"])}) for layer in layers]
+        log.info("training %d predictor(s): layers %s", len(trials), layers)
+        run_trials(trials, layout.root, Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    report_path = None
+    if cfg.output.report if report is None else report:
+        from actlake.predictive_report import build_predictive_report
+
+        report_path = str(build_predictive_report(layout.root))
+    summary = {"kind": "predictor", "layers": layers, "wall_seconds": time.perf_counter() - t0, "report": report_path}
+    write_json_atomic(layout.summary_json, summary)
+    return dict(summary, run_dir=str(layout.root))
+
+
+SUMMARY_SQL = """
+    SELECT s.layer, round(s.r2, 3) AS r2, round(s.mse, 4) AS mse, round(s.spearman, 3) AS spearman_r_surprisal,
+           s.n_eval_windows AS eval_windows
+    FROM predictor_summary s ORDER BY s.layer"""
+PROBE_SQL = """
+    SELECT task, layer, """ + ", ".join(
+    f"max(CASE WHEN representation = '{r}' THEN round(macro_f1, 3) END) AS \"{r}\"" for r in ("h", "h_hat", "r", "h_hat+r")
+) + """ FROM probe_scores GROUP BY task, layer ORDER BY task, layer"""

@@ -1,0 +1,172 @@
+"""Training on Ray Train: one TorchTrainer per trial, trials in parallel, checkpoints we own.
+
+A trial is a training loop (a module-level function taking one config mapping) run by
+``ray.train.torch.TorchTrainer``; several trials (a sweep, one predictor per layer) run as
+parallel Ray tasks, each starting its own trainer. Checkpoints are folders under the run
+directory, ``checkpoints/<trial>/step-NNNNNNNN/``, written under a temporary name and renamed into
+place, so a restarted trial resumes from the newest whole one and a reader never sees half of
+one. On a cluster the run directory must be on storage every node sees (as for extraction).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from actlake.errors import ActlakeError
+
+log = logging.getLogger("actlake.training")
+
+STATE_FILE = "trainer_state.pt"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_path(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Whole checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        if p.name.startswith("step-") and (p / STATE_FILE).is_file():
+            out.append((int(p.name[5:]), p))
+    return sorted(out)
+
+
+def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
+    cks = list_checkpoints(root)
+    return cks[-1] if cks else None
+
+
+def save_checkpoint(root: Path, step: int, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp_folder)``, then rename the folder to ``step-NNNNNNNN`` (replacing one)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{step:08d}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        final = checkpoint_path(root, step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def prune_checkpoints(root: Path, keep_steps: set[int], keep_last: int = 1) -> None:
+    """Delete checkpoints whose step is not in ``keep_steps``, except the newest ``keep_last``."""
+    cks = list_checkpoints(root)
+    for step, path in cks[: max(len(cks) - keep_last, 0)]:
+        if step not in keep_steps:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def log_spaced_steps(total: int, n: int) -> list[int]:
+    """About ``n`` steps from 0 to ``total``, evenly spaced in log(1 + step), always with 0 and total."""
+    if total <= 0:
+        return [0]
+    pts = {0, total}
+    for i in range(1, n):
+        pts.add(int(round(math.expm1(math.log1p(total) * i / (n - 1)))))
+    return sorted(p for p in pts if 0 <= p <= total)
+
+
+# --------------------------------------------------------------------------- trials
+
+
+@dataclass
+class Trial:
+    name: str
+    """Trial name: the folder under checkpoints/ and the value of the ``trial`` column."""
+    loop: Callable[[dict], None]
+    """Module-level training loop run on every Ray Train worker."""
+    config: dict = field(default_factory=dict)
+    """Passed to ``loop`` (plain data: it travels to the workers)."""
+
+
+@dataclass
+class Resources:
+    num_workers: int = 1
+    """Ray Train workers per trial (data parallel)."""
+    cpus_per_worker: float = 1
+    """CPUs reserved per worker; torch uses as many threads."""
+    use_gpu: bool = False
+    """One GPU per worker."""
+
+
+class TrainingError(ActlakeError):
+    """A training trial failed; the message names the trial and the first error line."""
+
+
+def _fit(trial: Trial, run_dir: str, resources: Resources) -> dict:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    cfg = dict(trial.config, trial=trial.name, run_dir=run_dir, cpus_per_worker=resources.cpus_per_worker)
+    trainer = TorchTrainer(
+        trial.loop,
+        train_loop_config=cfg,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=resources.num_workers, use_gpu=resources.use_gpu,
+            resources_per_worker={"CPU": resources.cpus_per_worker}),
+        run_config=ray.train.RunConfig(name=f"{trial.name}-{uuid.uuid4().hex[:6]}",
+                                       storage_path=str(Path(run_dir) / "_ray_train"),
+                                       failure_config=ray.train.FailureConfig(max_failures=2)),
+    )
+    result = trainer.fit()
+    if result.error:
+        raise result.error
+    return dict(result.metrics or {})
+
+
+def run_trials(trials: list[Trial], run_dir: Path, resources: Resources) -> dict[str, dict]:
+    """Run every trial (in parallel as far as the cluster's CPUs/GPUs allow); last metrics per trial."""
+    import ray
+
+    names = [t.name for t in trials]
+    if len(set(names)) != len(names):
+        raise TrainingError(f"trial names must be unique, got {names}")
+    run_dir = str(Path(run_dir).resolve())
+    remote_fit = ray.remote(num_cpus=0)(_fit)
+    pending = {remote_fit.remote(t, run_dir, resources): t.name for t in trials}
+    results: dict[str, dict] = {}
+    t0 = time.time()
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        name = pending.pop(done[0])
+        try:
+            results[name] = ray.get(done[0])
+        except Exception as e:  # a failed trial: stop the others, name it
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise TrainingError(f"trial {name!r} failed: {first}") from None
+        log.info("trial %s finished (%d of %d) after %.0fs", name, len(results), len(trials), time.time() - t0)
+    return results
+
+
+def worker_setup(config: dict):
+    """In a training loop: threads, the worker's rank and device. Returns (rank, world_size, device)."""
+    import ray.train
+    import torch
+
+    torch.set_num_threads(max(1, int(config.get("cpus_per_worker", 1))))
+    ctx = ray.train.get_context()
+    device = ray.train.torch.get_device() if torch.cuda.is_available() else torch.device("cpu")
+    return ctx.get_world_rank(), ctx.get_world_size(), device

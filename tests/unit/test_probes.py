@@ -1,0 +1,116 @@
+"""Linear probes and splits (METHODS §6): caps, disjointness, separable vs random labels, macro-F1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actlake.analysis.predictive_metrics import macro_f1
+from actlake.analysis.probes import fit_probe, split_per_class, split_total
+from actlake.errors import ConfigError
+
+torch.set_num_threads(1)
+
+
+def imbalanced_labels() -> np.ndarray:
+    labels = np.array(["a"] * 1000 + ["b"] * 50 + ["c"] * 5 + ["d"] * 140)
+    return np.random.default_rng(0).permutation(labels)
+
+
+def assert_disjoint(*parts):
+    allidx = np.concatenate(parts)
+    assert np.unique(allidx).size == allidx.size
+
+
+def test_split_per_class_respects_caps_and_is_disjoint():
+    y = imbalanced_labels()
+    caps = (100, 20, 20)
+    tr, va, te = split_per_class(y, caps, np.random.default_rng(1))
+    assert_disjoint(tr, va, te)
+    for part, cap in zip((tr, va, te), caps):
+        _, counts = np.unique(y[part], return_counts=True)
+        assert (counts <= cap).all()
+    assert [np.sum(y[p] == "a") for p in (tr, va, te)] == [100, 20, 20]  # enough samples: the caps
+    assert [np.sum(y[p] == "d") for p in (tr, va, te)] == [100, 20, 20]  # exactly sum(caps)
+    assert [np.sum(y[p] == "b") for p in (tr, va, te)] == [36, 7, 7]  # 50 split 100:20:20
+    assert sum(np.sum(y[p] == "c") for p in (tr, va, te)) <= 5
+    again = split_per_class(y, caps, 1)  # a seed gives the same as a Generator of that seed
+    assert all(np.array_equal(a, b) for a, b in zip((tr, va, te), again))
+
+
+def test_split_total_sizes_and_disjoint():
+    y = imbalanced_labels()
+    tr, va, te = split_total(y, (800, 100, 100), rng=0)
+    assert (tr.size, va.size, te.size) == (800, 100, 100)
+    assert_disjoint(tr, va, te)
+    tr, va, te = split_total(y, (4000, 500, 500), rng=0)  # only 1195: shrunk in proportion
+    assert (va.size, te.size) == (119, 119) and tr.size == 1195 - 238
+    assert_disjoint(tr, va, te)
+
+
+@pytest.mark.parametrize("caps", [(1, 2), (1, -2, 3), (1.5, 1, 1)])
+def test_bad_caps_raise(caps):
+    with pytest.raises(ConfigError, match="caps"):
+        split_per_class(np.zeros(10), caps, 0)
+
+
+def test_separable_data_gives_macro_f1_one():
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 4, 1200)
+    centres = rng.standard_normal((4, 8)) * 10.0
+    X = centres[y] + rng.standard_normal((1200, 8))
+    res = fit_probe(X, y, split_per_class(y, (150, 50, 50), rng))
+    assert res.macro_f1 > 0.99 and res.val_macro_f1 > 0.99
+    assert res.classes == [0, 1, 2, 3] and res.n_train == 600 and res.n_test == 200 and res.n_val == 200
+
+
+def test_random_labels_give_chance():
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 4, 3000)
+    X = rng.standard_normal((3000, 10))
+    res = fit_probe(X, y, split_total(y, (2000, 400, 600), rng))
+    assert 0.15 < res.macro_f1 < 0.35, res.macro_f1  # chance is 1/4 for 4 balanced classes
+
+
+def test_fit_probe_matches_sklearn_pipeline():
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import f1_score
+    from sklearn.preprocessing import StandardScaler
+
+    rng = np.random.default_rng(2)
+    y = rng.integers(0, 3, 900)
+    X = (rng.standard_normal((900, 6)) + 0.6 * np.eye(3, 6)[y]) * 10.0 ** np.arange(-2, 4)  # scales differ
+    split = split_per_class(y, (200, 50, 50), rng)
+    res = fit_probe(X, y, split, Cs=(0.001, 0.1, 10.0))
+    assert res.C in (0.001, 0.1, 10.0) and res.val_macro_f1 == max(res.val_by_C.values())
+    tr, va, te = split
+    sc = StandardScaler().fit(X[tr])
+    clf = LogisticRegression(C=res.C, class_weight="balanced", max_iter=1000).fit(sc.transform(X[tr]), y[tr])
+    assert res.macro_f1 == pytest.approx(f1_score(y[te], clf.predict(sc.transform(X[te])), average="macro"), abs=1e-9)
+
+
+def test_fit_probe_errors():
+    y = np.array([0, 0, 1, 1, 0, 1])
+    X = np.zeros((6, 2))
+    with pytest.raises(ConfigError, match="X must be"):
+        fit_probe(X[:5], y, ([0, 2], [1], [3]))
+    with pytest.raises(ConfigError, match="2 classes"):
+        fit_probe(X, y, ([0, 1], [2], [3]))
+    with pytest.raises(ConfigError, match="disjoint"):
+        fit_probe(X, y, ([0, 2], [2], [3]))
+    with pytest.raises(ConfigError, match=r"\[0, 6\)"):
+        fit_probe(X, y, ([0, 2], [1], [9]))
+
+
+@pytest.mark.parametrize("labels", [None, [0, 1, 2, 3, 9]])
+def test_macro_f1_matches_sklearn(labels):
+    from sklearn.metrics import f1_score
+
+    rng = np.random.default_rng(0)
+    t = rng.integers(0, 4, 500)
+    p = np.where(rng.random(500) < 0.6, t, rng.integers(0, 5, 500))  # label 4 only predicted
+    expected = f1_score(t, p, labels=labels, average="macro", zero_division=0)
+    assert macro_f1(t, p, labels) == pytest.approx(expected, rel=1e-12)
+    s_t, s_p = np.array(list("abcab")), np.array(list("abbac"))
+    assert macro_f1(s_t, s_p) == pytest.approx(f1_score(s_t, s_p, average="macro"), rel=1e-12)
