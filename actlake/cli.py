@@ -176,6 +176,8 @@ def _cmd_sql(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command.startswith("train-"):  # parallel trials log alike; Ray's dedup would hide all but one
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     for noisy in ("httpx", "urllib3", "filelock"):

@@ -67,15 +67,15 @@ def train_loop(config: dict) -> None:
     cfg = predictor_config(job, h.shape[2], tuple(config["model_heads"]))
     trainer = PredictorTrainer(cfg, mean, std, seed=p.seed, device=device)
     ck_root = run_dir / "checkpoints" / config["trial"]
-    latest, curve = latest_checkpoint(ck_root), []
+    latest, curve, resumes = latest_checkpoint(ck_root), [], []
     if latest is not None:
         state = torch.load(latest[1] / STATE_FILE, weights_only=False)
         trainer.load_state_dict(state["trainer"])
-        curve = state["curve"]
+        curve, resumes = state["curve"], state["resumes"] + [trainer.step]
         log.info("layer %d: resuming from step %d", layer, trainer.step)
 
     def checkpoint() -> None:
-        save_checkpoint(ck_root, trainer.step, lambda f: torch.save({"trainer": trainer.state_dict(), "curve": curve},
+        save_checkpoint(ck_root, trainer.step, lambda f: torch.save({"trainer": trainer.state_dict(), "curve": curve, "resumes": resumes},
                                                                     f / STATE_FILE))
         prune_checkpoints(ck_root, keep_steps=set())
 
@@ -92,10 +92,11 @@ def train_loop(config: dict) -> None:
         if rank == 0 and (step % p.checkpoint_every == 0 or step == p.steps):
             checkpoint()
     if rank == 0:
-        finish_layer(job, layer, trainer, curve, (h, valid, meta), ev, run_dir)
+        finish_layer(job, layer, trainer, curve, (h, valid, meta), ev, run_dir, resumes)
 
 
-def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarray, run_dir: Path) -> None:
+def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarray, run_dir: Path,
+                 resumes: list[int]) -> None:
     """Final evaluation tables and probes of one layer."""
     import pyarrow as pa
     import torch
@@ -121,7 +122,11 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
         "predictor_summary": pa.Table.from_pylist([{
             "mse": res.mse, "r2": res.r2, "target_variance": res.var, "spearman": overall, "n_eval_tokens": int(ok.sum()),
             "n_train_windows": int((~ev).sum()), "n_eval_windows": int(ev.sum()), "steps": trainer.step,
-            "n_heads": trainer.cfg.n_heads, "head_dim": trainer.cfg.head_dim}]),
+            "n_heads": trainer.cfg.n_heads, "head_dim": trainer.cfg.head_dim, "resumed_from": resumes}],
+            schema=pa.schema([("mse", pa.float64()), ("r2", pa.float64()), ("target_variance", pa.float64()),
+                              ("spearman", pa.float64()), ("n_eval_tokens", pa.int64()), ("n_train_windows", pa.int64()),
+                              ("n_eval_windows", pa.int64()), ("steps", pa.int64()), ("n_heads", pa.int32()),
+                              ("head_dim", pa.int32()), ("resumed_from", pa.list_(pa.int64()))])),
         "predictor_tokens": _token_table(meta, ev, norms, surprisal),
     }
     if job.probes.enabled:

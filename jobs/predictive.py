@@ -53,7 +53,7 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
                                         "store": str(Path(cfg.store).resolve()), "model": info["model"]})
     shutil.rmtree(layout.staging, ignore_errors=True)
     r = cfg.resources
-    started = init_ray(address or r.address)
+    started = init_ray(address or r.address, dashboard=True)
     try:
         trials = [Trial(f"layer{layer}", train_loop, {"job": cfg.to_dict(), "layer": layer,
                                                       "model_heads": list(info["model_heads"])}) for layer in layers]

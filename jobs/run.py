@@ -30,8 +30,11 @@ class RunResult:
     report: str | None
 
 
-def init_ray(address: str | None) -> bool:
-    """Connect to ``address`` / RAY_ADDRESS, or start an embedded Ray bound to 127.0.0.1. True if we started it."""
+def init_ray(address: str | None, dashboard: bool = False) -> bool:
+    """Connect to ``address`` / RAY_ADDRESS, or start an embedded Ray bound to 127.0.0.1. True if we started it.
+
+    ``dashboard``: start the embedded Ray with its dashboard, whose state API Ray Train's
+    controller polls (without it, Ray Train logs a warning every second)."""
     import ray
 
     if ray.is_initialized():
@@ -40,7 +43,7 @@ def init_ray(address: str | None) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True,
+        ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=True,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     return True
 

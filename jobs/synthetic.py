@@ -51,7 +51,7 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     shutil.rmtree(layout.staging, ignore_errors=True)
     trials = cfg.trials()
     r = cfg.resources
-    started = init_ray(address or r.address)
+    started = init_ray(address or r.address, dashboard=True)
     try:
         if train:
             log.info("training %d trial(s): %s", len(trials), ", ".join(t["name"] for t in trials))

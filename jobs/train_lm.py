@@ -40,7 +40,7 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     print(f"train-lm: {sizes['documents']:,} documents, {sizes['train']:,} training and {sizes['eval']:,} held-out "
           f"tokens, vocabulary {sizes['vocab_size']:,}", flush=True)
     r = cfg.resources
-    started = init_ray(address or r.address)
+    started = init_ray(address or r.address, dashboard=True)
     try:
         run_trials([Trial(TRIAL, lm.train_loop, {"job": cfg.to_dict(), "data": str(data)})], layout.root,
                    Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))

@@ -118,6 +118,7 @@ def _fit(trial: Trial, run_dir: str, resources: Resources) -> dict:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # workers keep the job's working directory (relative paths)
     cfg = dict(trial.config, trial=trial.name, run_dir=run_dir, cpus_per_worker=resources.cpus_per_worker)
     trainer = TorchTrainer(
         trial.loop,
@@ -143,11 +144,20 @@ def run_trials(trials: list[Trial], run_dir: Path, resources: Resources) -> dict
     if len(set(names)) != len(names):
         raise TrainingError(f"trial names must be unique, got {names}")
     run_dir = str(Path(run_dir).resolve())
-    remote_fit = ray.remote(num_cpus=0)(_fit)
-    pending = {remote_fit.remote(t, run_dir, resources): t.name for t in trials}
+    # Ray Train's helpers query the state API of "the" cluster; name ours (other Ray instances may run here)
+    gcs = ray.get_runtime_context().gcs_address
+    remote_fit = ray.remote(num_cpus=0)(_fit).options(runtime_env={"env_vars": {"RAY_ADDRESS": gcs}})
+    queue = list(trials)
+    slots = concurrent_trials(resources)
+    log.info("%d trial(s), up to %d at once (%d worker(s) x %g CPU%s each)", len(trials), slots, resources.num_workers,
+             resources.cpus_per_worker, " + 1 GPU" if resources.use_gpu else "")
+    pending: dict = {}
     results: dict[str, dict] = {}
     t0 = time.time()
-    while pending:
+    while pending or queue:
+        while queue and len(pending) < slots:
+            t = queue.pop(0)
+            pending[remote_fit.remote(t, run_dir, resources)] = t.name
         done, _ = ray.wait(list(pending), num_returns=1)
         name = pending.pop(done[0])
         try:
@@ -159,6 +169,18 @@ def run_trials(trials: list[Trial], run_dir: Path, resources: Resources) -> dict
             raise TrainingError(f"trial {name!r} failed: {first}") from None
         log.info("trial %s finished (%d of %d) after %.0fs", name, len(results), len(trials), time.time() - t0)
     return results
+
+
+def concurrent_trials(resources: Resources) -> int:
+    """Trials whose worker groups fit in the cluster at once (at least 1), so none waits for resources
+    until Ray Train's start-up timeout."""
+    import ray
+
+    total = ray.cluster_resources()
+    fit = int(total.get("CPU", 1) // max(resources.cpus_per_worker * resources.num_workers, 1e-9))
+    if resources.use_gpu:
+        fit = min(fit, int(total.get("GPU", 0) // resources.num_workers))
+    return max(1, fit)
 
 
 def worker_setup(config: dict):

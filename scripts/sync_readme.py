@@ -1,12 +1,14 @@
-"""Rewrite README.md's configuration reference from the config dataclasses (tests check it is current)."""
+"""Rewrite README.md's configuration references from the config dataclasses (tests check they are current)."""
 
 from pathlib import Path
 
-from actlake.config import reference_markdown
+from actlake.config import reference_blocks
 
 readme = Path(__file__).resolve().parents[1] / "README.md"
 text = readme.read_text()
-head, rest = text.split("<!-- config-reference:start -->")
-_, tail = rest.split("<!-- config-reference:end -->")
-readme.write_text(f"{head}<!-- config-reference:start -->\n{reference_markdown()}\n<!-- config-reference:end -->{tail}")
+for marker, markdown in reference_blocks().items():
+    head, rest = text.split(f"<!-- {marker}:start -->")
+    _, tail = rest.split(f"<!-- {marker}:end -->")
+    text = f"{head}<!-- {marker}:start -->\n{markdown}\n<!-- {marker}:end -->{tail}"
+readme.write_text(text)
 print(f"updated {readme}")

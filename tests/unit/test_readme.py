@@ -2,15 +2,17 @@
 
 from pathlib import Path
 
-from actlake.config import reference_markdown
+from actlake.config import reference_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_config_reference_is_current():
+def test_config_references_are_current():
     text = (ROOT / "README.md").read_text()
-    block = text.split("<!-- config-reference:start -->")[1].split("<!-- config-reference:end -->")[0].strip()
-    assert block == reference_markdown().strip(), "README is stale: run python scripts/sync_readme.py"
+    for marker, markdown in reference_blocks().items():
+        assert f"<!-- {marker}:start -->" in text, f"README lacks the {marker} block"
+        block = text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0].strip()
+        assert block == markdown.strip(), f"README {marker} is stale: run python scripts/sync_readme.py"
 
 
 def test_readme_commands_exist_and_ci_calls_the_test_command():

@@ -1,0 +1,157 @@
+"""train-lm and train-predictor end to end on real Ray Train: metrics equal scikit-learn / SciPy on the
+job's own arrays, and a predictor whose worker is killed resumes from its checkpoint with the same curve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actlake.config import parse_config
+from actlake.jobs.run import run_job
+from actlake.predictive_config import LMConfig, PredictorJobConfig
+from actlake.storage.sql import open_run
+from tests.conftest import job_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+OFF = {f"analyses.{k}": False for k in ("residual_norms", "dim_moments", "attention_mass", "contributions",
+                                         "weighted_contributions", "geometry", "attention_by_distance")}
+
+
+@pytest.fixture(scope="module")
+def store(tiny_models, sample_corpus, tmp_path_factory, ray_local):
+    out = tmp_path_factory.mktemp("store")
+    cfg = job_config(tiny_models["gpt_neox"], sample_corpus, out, **OFF, **{
+        "corpus.max_docs": 40, "tokenization.max_windows_per_doc": 3, "activations.layers": [1, 2],
+        "output.run_id": "store"})
+    return run_job(cfg).run_dir
+
+
+def _predictor_cfg(store, out: Path, run_id: str, **predictor):
+    p = {"steps": 60, "batch_size": 8, "eval_every": 20, "checkpoint_every": 20, "warmup_steps": 5, "lr": 0.003,
+         "eval_fraction": 0.3, **predictor}
+    return parse_config({"name": "p", "store": str(store), "layers": [1, 2], "predictor": p,
+                         "probes": {"source_caps": [30, 8, 8], "type8_totals": [60, 15, 15]},
+                         "output": {"dir": str(out), "run_id": run_id, "report": True},
+                         "resources": {"num_workers": 1, "cpus_per_worker": 1}}, root=PredictorJobConfig)
+
+
+def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_local):
+    from scipy.stats import spearmanr
+    from sklearn.metrics import r2_score
+
+    from actlake.analysis.predictor import PredictorTrainer
+    from actlake.jobs.predictive import run_predictor_job
+    from actlake.jobs.training import latest_checkpoint
+    from actlake.predictive import held_out
+    from actlake.storage.activations import read_windows
+
+    res = run_predictor_job(_predictor_cfg(store, tmp_path, "metrics"))
+    assert Path(res["report"]).is_file()
+    con = open_run(res["run_dir"])
+    for layer in (1, 2):
+        summary = con.execute("SELECT r2, spearman, steps FROM predictor_summary WHERE layer = ?", [layer]).fetchone()
+        assert summary[2] == 60
+        toks = con.execute("SELECT residual_norm, surprisal, position FROM predictor_tokens WHERE layer = ?",
+                           [layer]).fetchnumpy()
+        assert summary[1] == pytest.approx(spearmanr(toks["residual_norm"], toks["surprisal"]).statistic, abs=1e-9)
+        for pos, rho in con.execute("SELECT position, spearman FROM predictor_position WHERE layer = ? AND n_tokens > 3",
+                                    [layer]).fetchall():
+            sel = toks["position"] == pos
+            assert rho == pytest.approx(spearmanr(toks["residual_norm"][sel], toks["surprisal"][sel]).statistic, abs=1e-9)
+        # R²: the final checkpoint's predictions on the held-out windows, scored by scikit-learn
+        h, valid, meta = read_windows(open_run(store), layer)
+        ev = held_out(meta["doc_id"], meta["window_index"], 0.3)
+        state = torch.load(latest_checkpoint(Path(res["run_dir"]) / "checkpoints" / f"layer{layer}")[1]
+                           / "trainer_state.pt", weights_only=False)["trainer"]
+        trainer = PredictorTrainer.__new__(PredictorTrainer)
+        trainer = PredictorTrainer(*_trainer_args(state))
+        trainer.load_state_dict(state)
+        pred = trainer.predict(torch.from_numpy(h[ev]), torch.from_numpy(valid[ev]))  # (N, T-1, d)
+        target = h[ev][:, 1:]
+        ok = valid[ev][:, 1:] & valid[ev][:, :-1]
+        assert summary[0] == pytest.approx(r2_score(target[ok], pred[ok], multioutput="variance_weighted"), abs=1e-5)
+    f1 = con.execute("SELECT count(*), min(macro_f1), max(macro_f1) FROM probe_scores").fetchone()
+    assert f1[0] == 2 * 2 * 4 and 0 <= f1[1] <= f1[2] <= 1  # layers x tasks x representations
+
+
+def _trainer_args(state):
+    from actlake.analysis.predictor import PredictorConfig
+
+    return PredictorConfig(**state["cfg"]), np.asarray(state["mean"]), np.asarray(state["std"])
+
+
+def _ray_train_workers() -> list[int]:
+    import psutil
+
+    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ray_local):
+    from actlake.jobs.predictive import run_predictor_job
+
+    kw = {"steps": 400, "checkpoint_every": 20, "eval_every": 40}
+    clean = run_predictor_job(dataclass_no_probes(_predictor_cfg(store, tmp_path, "clean", **kw)))
+    cfg = dataclass_no_probes(_predictor_cfg(store, tmp_path, "killed", **kw))
+    ck = Path(cfg.run_dir) / "checkpoints"
+    killed = []
+
+    def killer():
+        deadline = time.time() + 120
+        while time.time() < deadline and not killed:
+            if any(ck.glob("layer*/step-*")):
+                for pid in _ray_train_workers():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    res = run_predictor_job(cfg)
+    t.join()
+    assert killed, "no Ray Train worker was found to kill"
+    a, b = open_run(clean["run_dir"]), open_run(res["run_dir"])
+    q = "SELECT layer, step, train_mse, mse, r2 FROM predictor_curve ORDER BY layer, step"
+    ca, cb = a.execute(q).fetchall(), b.execute(q).fetchall()
+    assert [r[:2] for r in ca] == [r[:2] for r in cb]
+    np.testing.assert_allclose(np.array([r[2:] for r in cb]), np.array([r[2:] for r in ca]), rtol=1e-5, atol=1e-8)
+    resumed = [r[0] for r in b.execute("SELECT resumed_from FROM predictor_summary").fetchall()]
+    assert any(len(x) > 0 and 0 < x[0] < 400 for x in resumed)  # really continued from a mid-run checkpoint
+
+
+def dataclass_no_probes(cfg):
+    cfg.probes.enabled = False
+    cfg.output.report = False
+    return cfg
+
+
+def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ray_local):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actlake.jobs.train_lm import train_lm
+
+    cfg = parse_config({
+        "name": "lm", "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")]},
+        "tokenizer": {"vocab_size": 400},
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
+        "training": {"steps": 60, "batch_size": 8, "seq_len": 32, "lr": 0.003, "warmup_steps": 5, "eval_every": 20,
+                     "checkpoint_every": 20, "eval_fraction": 0.2},
+        "output": {"dir": str(tmp_path), "run_id": "lm"}, "resources": {"num_workers": 1, "cpus_per_worker": 1}},
+        root=LMConfig)
+    res = train_lm(cfg)
+    model = AutoModelForCausalLM.from_pretrained(res["model"])
+    tok = AutoTokenizer.from_pretrained(res["model"])
+    assert model.config.model_type == "gpt_neox" and len(tok) == model.config.vocab_size == 400
+    curve = open_run(Path(tmp_path) / "lm").execute("SELECT step, eval_loss FROM lm_curve ORDER BY step").fetchall()
+    assert [s for s, _ in curve] == [20, 40, 60]
+    assert curve[-1][1] < np.log(400) - 0.5  # well below the uniform-prediction loss
+    again = train_lm(cfg)  # a rerun resumes at the last step: nothing more to train, same model
+    assert again["step"] == 60
