@@ -209,6 +209,9 @@ class PredictorJobConfig:
             v = getattr(q, key)
             if len(v) != 3 or min(v) < 1:
                 err(("probes", key), f"must be three positive counts (train, val, test), got {v}")
+        if self.resources.num_workers != 1:
+            err(("resources", "num_workers"), "must be 1: each layer's predictor trains on one worker; layers run "
+                "as parallel trials")
         if not q.Cs or min(q.Cs) <= 0:
             err(("probes", "Cs"), f"must be positive numbers, got {q.Cs}")
 

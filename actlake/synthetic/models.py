@@ -81,8 +81,8 @@ def load_model(folder: str | Path) -> nn.Module:
 
 
 def logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) -> (B, T, V)."""
-    if isinstance(model, RecurrentLM):
+    """(B, T) -> (B, T, V); ``model`` may be wrapped in DistributedDataParallel."""
+    if isinstance(getattr(model, "module", model), RecurrentLM):
         return model(input_ids)
     return model(input_ids=input_ids).logits
 

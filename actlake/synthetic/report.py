@@ -93,7 +93,7 @@ def _scatter_chart(con):
     df = pd.DataFrame(recs)
     return alt.Chart(df).mark_circle(size=10, opacity=0.7).encode(
         x=alt.X("x:Q", axis=None), y=alt.Y("y:Q", axis=None), color=alt.Color("colour:N", scale=None),
-    ).properties(width=170, height=150).facet(row=alt.Row("which:N", title=None),
+    ).properties(width=170, height=150).facet(row=alt.Row("which:N", title=None, sort=["true belief"]),
                                               column=alt.Column("factor:O", title=f"trial {trial}, last step: factor"))
 
 

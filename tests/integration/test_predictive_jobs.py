@@ -18,6 +18,7 @@ from actlake.jobs.run import run_job
 from actlake.predictive_config import LMConfig, PredictorJobConfig
 from actlake.storage.sql import open_run
 from tests.conftest import job_config
+from tests.integration.browser import CHROMIUM, open_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -54,7 +55,10 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_loca
     from actlake.storage.activations import read_windows
 
     res = run_predictor_job(_predictor_cfg(store, tmp_path, "metrics"))
-    assert Path(res["report"]).is_file()
+    if CHROMIUM:  # Figures 1-6 draw offline in a real browser
+        seen = open_report(res["report"])
+        assert seen["errors"] == [] and len(seen["charts"]) == 6 and min(seen["marks"]) > 3
+        assert all(u.startswith("file://") for u in seen["requests"])
     con = open_run(res["run_dir"])
     for layer in (1, 2):
         summary = con.execute("SELECT r2, spearman, steps FROM predictor_summary WHERE layer = ?", [layer]).fetchone()
@@ -71,7 +75,6 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_loca
         ev = held_out(meta["doc_id"], meta["window_index"], 0.3)
         state = torch.load(latest_checkpoint(Path(res["run_dir"]) / "checkpoints" / f"layer{layer}")[1]
                            / "trainer_state.pt", weights_only=False)["trainer"]
-        trainer = PredictorTrainer.__new__(PredictorTrainer)
         trainer = PredictorTrainer(*_trainer_args(state))
         trainer.load_state_dict(state)
         pred = trainer.predict(torch.from_numpy(h[ev]), torch.from_numpy(valid[ev]))  # (N, T-1, d)
@@ -99,8 +102,8 @@ def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ra
     from actlake.jobs.predictive import run_predictor_job
 
     kw = {"steps": 400, "checkpoint_every": 20, "eval_every": 40}
-    clean = run_predictor_job(dataclass_no_probes(_predictor_cfg(store, tmp_path, "clean", **kw)))
-    cfg = dataclass_no_probes(_predictor_cfg(store, tmp_path, "killed", **kw))
+    clean = run_predictor_job(_without_probes(_predictor_cfg(store, tmp_path, "clean", **kw)))
+    cfg = _without_probes(_predictor_cfg(store, tmp_path, "killed", **kw))
     ck = Path(cfg.run_dir) / "checkpoints"
     killed = []
 
@@ -127,7 +130,7 @@ def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ra
     assert any(len(x) > 0 and 0 < x[0] < 400 for x in resumed)  # really continued from a mid-run checkpoint
 
 
-def dataclass_no_probes(cfg):
+def _without_probes(cfg):
     cfg.probes.enabled = False
     cfg.output.report = False
     return cfg

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 
 from actlake.jobs.run import run_job
 from tests.conftest import job_config
+from tests.integration.browser import needs_chromium, open_report
 
 pytestmark = pytest.mark.integration
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
@@ -34,28 +30,10 @@ def test_report_files(report_run):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-@pytest.mark.skipif(CHROMIUM is None and os.environ.get("CI") != "true", reason="chromium not installed (CI installs it)")
+@needs_chromium
 def test_report_renders_in_headless_chromium(report_run):
-    from playwright.sync_api import sync_playwright
-
-    errors, requests = [], []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        try:
-            page = browser.new_page()
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("request", lambda r: requests.append(r.url))
-            page.goto(f"file://{report_run.report}")
-            page.wait_for_function(
-                "[...document.querySelectorAll('.chart')].every(c => c.querySelector('svg'))", timeout=30000)
-            charts = page.eval_on_selector_all(".chart", "els => els.map(e => [e.id, e.querySelectorAll('svg').length])")
-            marks = page.eval_on_selector_all(".chart svg", "els => els.map(e => e.querySelectorAll('path, circle, rect').length)")
-            table1 = page.eval_on_selector_all("table.t1 tr", "rows => rows.length")
-        finally:
-            browser.close()
+    seen = open_report(report_run.report)
+    errors, charts, marks, table1, requests = (seen[k] for k in ("errors", "charts", "marks", "table_rows", "requests"))
     assert errors == []
     ids = {i for i, _ in charts}
     assert {"chart-dim_means", "chart-attention_mass", "chart-residual_norms", "chart-outlier_dims_by_category",

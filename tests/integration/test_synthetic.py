@@ -11,6 +11,7 @@ import pytest
 from actlake.config import parse_config
 from actlake.storage.sql import open_run
 from actlake.synthetic.config import SyntheticConfig
+from tests.integration.browser import CHROMIUM, open_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,6 +49,10 @@ def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
     assert dims == [(2, 2)]  # one Mess3 factor: d - 1 = 2 both ways
     ov = con.execute("SELECT overlap FROM factor_overlap WHERE factor_i = 0 AND factor_j = 0").fetchall()
     assert np.allclose([o for (o,) in ov], 1.0)  # a subspace overlaps itself fully
+    if CHROMIUM:  # the report draws every chart offline in a real browser
+        seen = open_report(res.report)
+        assert seen["errors"] == [] and len(seen["charts"]) == 5 and min(seen["marks"]) > 3
+        assert all(u.startswith("file://") for u in seen["requests"])
 
 
 def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local):
