@@ -130,7 +130,7 @@ def top_outlier_dims(con, k: int = 3) -> list[int]:
 
 def contribution_layers(con) -> list[int]:
     """First, middle and last attention layer (seed 001 shows layers 2, 6 and 12 of 12)."""
-    n = con.execute("SELECT max(layer) + 1 FROM contributions").fetchone()[0]
+    n = con.execute("SELECT max(layer) + 1 FROM contributions").fetchall()[0][0]
     return sorted({min(1, n - 1), n // 2, n - 1})
 
 

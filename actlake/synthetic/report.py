@@ -51,7 +51,7 @@ def _r2_chart(con):
 def _overlap_chart(con):
     import altair as alt
 
-    trial = con.execute("SELECT min(trial) FROM factor_overlap").fetchone()[0]
+    trial = con.execute("SELECT min(trial) FROM factor_overlap").fetchall()[0][0]
     steps = [r[0] for r in con.execute(
         "SELECT DISTINCT step FROM factor_overlap WHERE kind = 'checkpoint' AND trial = ? ORDER BY step", [trial]).fetchall()]
     pick = sorted({steps[0], steps[len(steps) // 2], steps[-1]})
@@ -80,7 +80,7 @@ def _scatter_chart(con):
     import altair as alt
     import pandas as pd
 
-    trial = con.execute("SELECT min(trial) FROM belief_scatter").fetchone()[0]
+    trial = con.execute("SELECT min(trial) FROM belief_scatter").fetchall()[0][0]
     rows = con.execute("""SELECT step, factor, "true", pred FROM belief_scatter
                           WHERE trial = ? AND step = (SELECT max(step) FROM belief_scatter WHERE trial = ?)""",
                        [trial, trial]).fetchall()
@@ -131,7 +131,7 @@ def build_synthetic_report(run_dir: str | Path) -> Path:
             ("curves", "Learning curves: held-out loss and the Bayes-optimal loss (dashed)", _curve_chart(con)),
         ]
         band = con.execute("""SELECT min(overlap), max(overlap) FROM factor_overlap
-                              WHERE kind = 'random' AND factor_i <> factor_j""").fetchone()
+                              WHERE kind = 'random' AND factor_i <> factor_j""").fetchall()[0]
     finally:
         con.close()
     header = (f"<p>Overlap band of randomly initialised models (off-diagonal): "

@@ -52,7 +52,7 @@ def test_bert_has_no_surprisal_and_asking_for_it_is_an_error(minilm_path, sample
 
     res = run_job(job_config(minilm_path, sample_corpus, tmp_path, **LIGHT))
     con = open_run(res.run_dir)
-    assert con.execute("SELECT count(surprisal) FROM tokens").fetchone()[0] == 0
+    assert con.execute("SELECT count(surprisal) FROM tokens").fetchall()[0][0] == 0
     with pytest.raises(ModelLoadError, match="surprisal needs a causal LM"):
         load_model(ModelConfig(name_or_path=minilm_path), lm_head=True)
 
@@ -67,9 +67,9 @@ def test_activation_store_round_trips_through_duckdb(dtype, tol, tiny_models, sa
     res = run_job(cfg)
     con = open_run(res.run_dir)
     all_windows = _windows(con)
-    stored = con.execute("SELECT count(DISTINCT (doc_id, window_index)) FROM activations").fetchone()[0]
+    stored = con.execute("SELECT count(DISTINCT (doc_id, window_index)) FROM activations").fetchall()[0][0]
     assert 0 < stored < len(all_windows)  # a sample, not everything
-    typ = con.execute("SELECT typeof(h) FROM activations LIMIT 1").fetchone()[0]
+    typ = con.execute("SELECT typeof(h) FROM activations LIMIT 1").fetchall()[0][0]
     assert typ == "FLOAT[32]"  # a fixed-size array in SQL, whatever the stored precision
     model = AutoModel.from_pretrained(path).eval()
     n_layers = model.config.num_hidden_layers

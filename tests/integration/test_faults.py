@@ -122,7 +122,7 @@ def test_killed_workers_leave_the_same_tables_and_readers_see_whole_shards(minil
     final = dict(open_run(res.run_dir).execute("SELECT shard, count(*) FROM tokens GROUP BY shard").fetchall())
     assert any(seen) and all(counts[s] == final[s] for counts in seen for s in counts)  # whole shards only
     con = open_run(res.run_dir)
-    n, distinct = con.execute("SELECT count(*), count(DISTINCT (doc_id, window_index, position)) FROM tokens").fetchone()
+    n, distinct = con.execute("SELECT count(*), count(DISTINCT (doc_id, window_index, position)) FROM tokens").fetchall()[0]
     assert n == distinct
     assert_same(snapshot(res.run_dir), clean_tables)
     # the cluster is whole again: every CPU free once the job's actors are gone
@@ -219,8 +219,8 @@ def test_bad_records_are_counted_and_the_rest_equals_a_clean_corpus(minilm_path,
     rejects = open_run(d.run_dir).execute("SELECT record, reason FROM rejects ORDER BY record").fetchall()
     assert rejects == [(2, "malformed_json"), (5, "invalid_utf8"), (7, "empty_text"), (9, "empty_text")]
     # the over-long document is cut into at most max_windows_per_doc windows, not dropped
-    assert open_run(d.run_dir).execute("SELECT n_windows, cut FROM documents WHERE source = 'Long'").fetchone() == (2, True)
-    assert d.totals["cut_docs"] == open_run(d.run_dir).execute("SELECT count(*) FROM documents WHERE cut").fetchone()[0] >= 1
+    assert open_run(d.run_dir).execute("SELECT n_windows, cut FROM documents WHERE source = 'Long'").fetchall()[0] == (2, True)
+    assert d.totals["cut_docs"] == open_run(d.run_dir).execute("SELECT count(*) FROM documents WHERE cut").fetchall()[0][0] >= 1
     # same documents (ids differ by the skipped lines): compare text-level results
     q = "SELECT source, window_index, position, token_id FROM tokens ORDER BY ALL"
     assert open_run(d.run_dir).execute(q).fetchall() == open_run(c.run_dir).execute(q).fetchall()

@@ -58,7 +58,7 @@ def _check_against_reference(run_dir, model_path):
     for layer, head, q, k, m in rows:
         table[layer, head, ROLE.index(q), ROLE.index(k)] = m
     np.testing.assert_allclose(table, mass, rtol=1e-4, atol=1e-4)
-    n_tokens = con.execute("SELECT count(*) FROM tokens").fetchone()[0]
+    n_tokens = con.execute("SELECT count(*) FROM tokens").fetchall()[0][0]
     np.testing.assert_allclose(table.sum((2, 3)), n_tokens, rtol=1e-6)  # every query's weights sum to 1
 
 
@@ -163,7 +163,7 @@ def test_parquet_and_hf_dataset_corpora_give_the_same_tokens_as_jsonl(fmt, tiny_
     other = run_job(job_config(tiny_models["bert"], tmp_path / "c", tmp_path / "b", **over))
     q = "SELECT doc_id, window_index, position, token_id, source FROM tokens ORDER BY ALL"
     assert open_run(base.run_dir).sql(q).fetchall() == open_run(other.run_dir).sql(q).fetchall()
-    assert open_run(other.run_dir).execute("SELECT count(*) FROM documents").fetchone()[0] == 6
+    assert open_run(other.run_dir).execute("SELECT count(*) FROM documents").fetchall()[0][0] == 6
 
 
 def test_attention_only_run_skips_hidden_states_and_gives_the_same_attention_tables(tiny_models, sample_corpus,

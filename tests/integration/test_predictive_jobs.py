@@ -61,7 +61,7 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_loca
         assert all(u.startswith("file://") for u in seen["requests"])
     con = open_run(res["run_dir"])
     for layer in (1, 2):
-        summary = con.execute("SELECT r2, spearman, steps FROM predictor_summary WHERE layer = ?", [layer]).fetchone()
+        summary = con.execute("SELECT r2, spearman, steps FROM predictor_summary WHERE layer = ?", [layer]).fetchall()[0]
         assert summary[2] == 60
         toks = con.execute("SELECT residual_norm, surprisal, position FROM predictor_tokens WHERE layer = ?",
                            [layer]).fetchnumpy()
@@ -81,7 +81,7 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_loca
         target = h[ev][:, 1:]
         ok = valid[ev][:, 1:] & valid[ev][:, :-1]
         assert summary[0] == pytest.approx(r2_score(target[ok], pred[ok], multioutput="variance_weighted"), abs=1e-5)
-    f1 = con.execute("SELECT count(*), min(macro_f1), max(macro_f1) FROM probe_scores").fetchone()
+    f1 = con.execute("SELECT count(*), min(macro_f1), max(macro_f1) FROM probe_scores").fetchall()[0]
     assert f1[0] == 2 * 2 * 4 and 0 <= f1[1] <= f1[2] <= 1  # layers x tasks x representations
 
 
