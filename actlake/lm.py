@@ -7,12 +7,13 @@ draw windows from it, seeded by (seed, step, rank), so a resumed run draws the s
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from pathlib import Path
 
 import numpy as np
+
+from actlake.hashing import unit_hash
 
 log = logging.getLogger("actlake.lm")
 
@@ -53,8 +54,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
 
 
 def held_out(doc: int, fraction: float) -> bool:
-    digest = hashlib.blake2b(f"eval:{doc}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
+    return unit_hash(f"eval:{doc}") < fraction
 
 
 def build_token_streams(cfg, out: Path) -> dict:

@@ -9,11 +9,12 @@ layer's tables: curve, per-position MSE and Spearman, per-token ‖r‖ next to 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 import numpy as np
+
+from actlake.hashing import unit_hash
 
 log = logging.getLogger("actlake.predictive")
 
@@ -22,11 +23,8 @@ REPRESENTATIONS = ("h", "h_hat", "r", "h_hat+r")
 
 def held_out(doc_ids, windows, fraction: float) -> np.ndarray:
     """(N,) bool: evaluation windows, a deterministic function of (doc_id, window_index)."""
-    out = []
-    for d, w in zip(doc_ids, windows):
-        digest = hashlib.blake2b(f"predictor-eval:{int(d)}:{int(w)}".encode(), digest_size=8).digest()
-        out.append(int.from_bytes(digest, "little") / 2**64 < fraction)
-    return np.array(out, dtype=bool)
+    return np.array([unit_hash(f"predictor-eval:{int(d)}:{int(w)}") < fraction for d, w in zip(doc_ids, windows)],
+                    dtype=bool)
 
 
 def predictor_config(job, d: int, model_heads: tuple[int, int]):
@@ -79,12 +77,13 @@ def train_loop(config: dict) -> None:
                                                                     f / STATE_FILE))
         prune_checkpoints(ck_root, keep_steps=set())
 
+    last_eval = None
     while trainer.step < p.steps:
         idx = trainer.sample_indices(len(tr_h), p.batch_size)
         loss = trainer.train_step(tr_h[idx], tr_v[idx])
         step = trainer.step
         if step % p.eval_every == 0 or step == p.steps:
-            res = trainer.evaluate(ev_h, ev_v)
+            res = last_eval = trainer.evaluate(ev_h, ev_v)
             curve.append({"step": step, "train_mse": loss, "mse": res.mse, "r2": res.r2})
             ray.train.report(dict(curve[-1], layer=layer))
             if rank == 0:
@@ -92,21 +91,21 @@ def train_loop(config: dict) -> None:
         if rank == 0 and (step % p.checkpoint_every == 0 or step == p.steps):
             checkpoint()
     if rank == 0:
-        finish_layer(job, layer, trainer, curve, (h, valid, meta), ev, run_dir, resumes)
+        if last_eval is None:  # resumed after the final step; the loop evaluates at the final step otherwise
+            last_eval = trainer.evaluate(ev_h, ev_v)
+        finish_layer(job, layer, trainer, curve, (h, valid, meta), ev, run_dir, resumes, last_eval)
 
 
 def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarray, run_dir: Path,
-                 resumes: list[int]) -> None:
-    """Final evaluation tables and probes of one layer."""
+                 resumes: list[int], res) -> None:
+    """Final evaluation tables (from ``res``, the evaluation at the last step) and probes of one layer."""
     import pyarrow as pa
-    import torch
 
     from actlake.analysis.predictive_metrics import spearman, spearman_by_position
     from actlake.storage.layout import RunLayout
     from actlake.storage.parquet_io import write_parquet_atomic
 
     h, valid, meta = data
-    res = trainer.evaluate(torch.from_numpy(h[ev]), torch.from_numpy(valid[ev]))
     norms = res.residual_norm  # (Ne, T-1): ‖r‖ of the state at positions 1..T-1
     surprisal = meta["surprisal"][ev][:, 1:]  # (Ne, T-1): s of the token at the same position
     ok = np.isfinite(norms) & np.isfinite(surprisal)

@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
 from actlake.config import CorpusConfig
-from actlake.synthetic.config import TrainResourcesConfig
-
-
-@dataclass
-class RunOutputConfig:
-    dir: str = "runs"
-    """Parent folder of run directories."""
-    run_id: Optional[str] = None
-    """Run directory name. Default: the config's name plus a hash of its contents (a rerun resumes)."""
-    report: bool = True
-    """Render ``report/report.html`` at the end (train-predictor)."""
-
-
-def _run_id(cfg, exclude: tuple[str, ...]) -> str:
-    d = asdict(cfg)
-    for k in ("output", "resources", "name", "source_file", *exclude):
-        d.pop(k, None)
-    h = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
-    return cfg.output.run_id or f"{cfg.name}-{h}"
+from actlake.train_config import RunOutputConfig, TrainJob, TrainResourcesConfig
 
 
 # --------------------------------------------------------------------------- train-lm
@@ -80,7 +60,7 @@ class LMTrainingConfig:
 
 
 @dataclass
-class LMConfig:
+class LMConfig(TrainJob):
     name: str = "lm"
     """Job name; part of the default run id."""
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
@@ -90,19 +70,6 @@ class LMConfig:
     output: RunOutputConfig = field(default_factory=RunOutputConfig)
     resources: TrainResourcesConfig = field(default_factory=TrainResourcesConfig)
     source_file: Optional[str] = field(default=None, metadata={"internal": True})
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("source_file", None)
-        return d
-
-    @property
-    def run_id(self) -> str:
-        return _run_id(self, ())
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.output.dir).resolve() / self.run_id
 
     def check(self, err) -> None:
         t, m = self.training, self.model
@@ -170,7 +137,9 @@ class ProbeSettings:
 
 
 @dataclass
-class PredictorJobConfig:
+class PredictorJobConfig(TrainJob):
+    RUN_ID_EXCLUDE = ("probes",)
+
     name: str = "predictor"
     """Job name; part of the default run id."""
     store: str = "runs/predictive-extract"
@@ -182,19 +151,6 @@ class PredictorJobConfig:
     output: RunOutputConfig = field(default_factory=RunOutputConfig)
     resources: TrainResourcesConfig = field(default_factory=TrainResourcesConfig)
     source_file: Optional[str] = field(default=None, metadata={"internal": True})
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("source_file", None)
-        return d
-
-    @property
-    def run_id(self) -> str:
-        return _run_id(self, ("probes",))
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.output.dir).resolve() / self.run_id
 
     def check(self, err) -> None:
         p, q = self.predictor, self.probes

@@ -7,12 +7,11 @@ sampled by a hash of (seed, doc_id, window_index), so the sample does not depend
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pyarrow as pa
 
 from actlake.errors import ConfigError
+from actlake.hashing import unit_hash
 
 META_BYTES = 48
 """Approximate bytes per row besides the vector (ids, token text, labels; before compression)."""
@@ -34,8 +33,7 @@ def window_sampled(cfg, doc_id: int, window: int) -> bool:
     """Deterministic Bernoulli(fraction) draw for one window."""
     if cfg is None or cfg.fraction >= 1.0:
         return True
-    digest = hashlib.blake2b(f"{cfg.seed}:{doc_id}:{window}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < cfg.fraction
+    return unit_hash(f"{cfg.seed}:{doc_id}:{window}") < cfg.fraction
 
 
 def bytes_per_token(n_layers_stored: int, d: int, dtype: str) -> int:
@@ -104,5 +102,5 @@ def read_windows(con, layer: int, where: str = "") -> tuple:
     meta = {"doc_id": doc[starts], "window_index": win[starts], "source": [source[s] for s in starts],
             "type8": np.full((N, T), None, dtype=object), "surprisal": np.full((N, T), np.nan, np.float32)}
     meta["type8"][w_idx, pos] = type8
-    meta["surprisal"][w_idx, pos] = np.nan_to_num(surprisal.astype(np.float32), nan=np.nan)
+    meta["surprisal"][w_idx, pos] = surprisal
     return h, valid, meta

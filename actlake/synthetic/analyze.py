@@ -17,6 +17,9 @@ import numpy as np
 
 log = logging.getLogger("actlake.synthetic")
 
+STORED_SEQUENCES = 500
+"""Sequences whose activations go to the ``activations`` table, per checkpoint."""
+
 TABLES = ("factored_dimension", "factored_fit", "factor_overlap", "belief_scatter", "activations")
 
 
@@ -36,8 +39,8 @@ def _model_rows(model, data: dict, dims: list[int], threshold: float) -> dict:
     """Every measurement of one model on the analysis data."""
     from actlake.analysis import factored as F
 
-    acts, _ = _acts(model, data["tokens"], data["bos"])
-    out = {"effective_dim": F.effective_dimension(acts, threshold), "fits": [], "preds": []}
+    acts, pos = _acts(model, data["tokens"], data["bos"])
+    out = {"effective_dim": F.effective_dimension(acts, threshold), "fits": [], "preds": [], "acts": (acts, pos)}
     for i, b in enumerate(data["factor_beliefs"]):
         fit = F.affine_fit(acts, b)
         out["fits"].append((f"factor{i}", fit.r2, fit.rmse))
@@ -102,8 +105,8 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
                                     "overlap": float(m["overlap"][i, j])} for i in range(n) for j in range(n)]
         if kind == "checkpoint" and step in (0, last):
             rows["belief_scatter"] += _scatter_rows(step, data["factor_beliefs"], m["preds"], cfg.analysis.scatter_points)
-        if kind == "checkpoint":
-            acts, pos = _acts(model, data["tokens"][: min(500, len(data["tokens"]))], data["bos"])
+        if kind == "checkpoint":  # the first STORED_SEQUENCES sequences' rows (sequence-major order)
+            acts, pos = (a[: STORED_SEQUENCES * (cfg.model.context - 1)] for a in m["acts"])
             rows["activations"] += [{"step": step, "row": r, "position": int(p), "act": a.astype(np.float32).tolist()}
                                     for r, (p, a) in enumerate(zip(pos, acts))]
         log.info("trial %s %s %d: effective dim %d, R2 %s", name, kind, step, m["effective_dim"],

@@ -6,11 +6,10 @@ are errors naming the file, key and line).
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Literal, Optional
+
+from actlake.train_config import RunOutputConfig, TrainJob, TrainResourcesConfig
 
 
 @dataclass
@@ -118,29 +117,7 @@ class SyntheticAnalysisConfig:
 
 
 @dataclass
-class SyntheticOutputConfig:
-    dir: str = "runs"
-    """Parent folder of run directories."""
-    run_id: Optional[str] = None
-    """Run directory name. Default: the config's name plus a hash of its contents (a rerun resumes)."""
-    report: bool = True
-    """Render ``report/report.html`` at the end."""
-
-
-@dataclass
-class TrainResourcesConfig:
-    address: Optional[str] = None
-    """Ray address. None: ``RAY_ADDRESS`` if set, else an embedded local Ray on 127.0.0.1."""
-    num_workers: int = 1
-    """Ray Train workers per trial (data parallel; each draws its own batches)."""
-    cpus_per_worker: float = 1
-    """CPUs per Ray Train worker (torch threads)."""
-    use_gpu: bool = False
-    """One GPU per Ray Train worker."""
-
-
-@dataclass
-class SyntheticConfig:
+class SyntheticConfig(TrainJob):
     name: str = "synthetic"
     """Job name; part of the default run id."""
     process: ProcessConfig = field(default_factory=ProcessConfig)
@@ -148,26 +125,11 @@ class SyntheticConfig:
     training: SyntheticTrainingConfig = field(default_factory=SyntheticTrainingConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     analysis: SyntheticAnalysisConfig = field(default_factory=SyntheticAnalysisConfig)
-    output: SyntheticOutputConfig = field(default_factory=SyntheticOutputConfig)
+    output: RunOutputConfig = field(default_factory=RunOutputConfig)
     resources: TrainResourcesConfig = field(default_factory=TrainResourcesConfig)
     source_file: Optional[str] = field(default=None, metadata={"internal": True})
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("source_file", None)
-        return d
-
-    @property
-    def run_id(self) -> str:
-        d = self.to_dict()
-        for k in ("output", "resources", "name", "analysis"):
-            d.pop(k)
-        h = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
-        return self.output.run_id or f"{self.name}-{h}"
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.output.dir).resolve() / self.run_id
+    RUN_ID_EXCLUDE = ("analysis",)
 
     def trials(self) -> list[dict]:
         """One mapping per trial: name, noise, arch."""
