@@ -112,6 +112,8 @@ class AnalysesConfig:
     """Mean ||q||, ||k||, cos(q, k) per key category and the key-normalised attention mass."""
     attention_by_distance: bool = True
     """Mean attention weight per relative position m - n (needs explicit attention weights)."""
+    attention_weights: Literal["auto", "explicit", "fused"] = "auto"
+    """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: fused on a GPU when no enabled analysis needs the weights, else explicit."""
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 
@@ -351,6 +353,12 @@ def _check_values(cfg: JobConfig, err) -> None:
         err(("corpus", "format"), "format 'hf' needs corpus.hf_dataset")
     if cfg.corpus.max_docs is not None and cfg.corpus.max_docs < 1:
         err(("corpus", "max_docs"), "must be at least 1")
+    a = cfg.analyses
+    if a.attention_weights == "fused":
+        for name in ("weighted_contributions", "attention_by_distance"):
+            if getattr(a, name) and (name != "weighted_contributions" or a.contributions):
+                err(("analyses", "attention_weights"), f"'fused' computes no attention weights, which analyses.{name} "
+                    f"needs: set analyses.{name}: false or attention_weights: explicit/auto")
     if not 0.0 < cfg.activations.fraction <= 1.0:
         err(("activations", "fraction"), f"must be in (0, 1], got {cfg.activations.fraction}")
     if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):

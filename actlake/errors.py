@@ -27,3 +27,7 @@ class StorageError(ActlakeError):
 
 class QueryError(ActlakeError):
     """A SQL query was refused or failed."""
+
+
+class AnalysisError(ActlakeError):
+    """Captured tensors do not fit what an analysis assumes (e.g. an attention mask it cannot describe)."""

@@ -1,7 +1,8 @@
 """Mean attention weight as a function of relative position m - n (METHODS.md §4).
 
-Needs the weights themselves (a fused kernel cannot group by m - n), computed a
-block of queries at a time; summed over the batch first, then along diagonals.
+Needs the weights themselves (a fused kernel cannot group by m - n): the
+``distance`` product of :mod:`actlake.analysis.attention_weights`, summed over the
+batch block by block, then along diagonals.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from actlake.analysis import grid
-from actlake.analysis.layer_qk import LayerQK, diagonal_sums
+from actlake.analysis.layer_qk import LayerQK
 
 
 @dataclass
@@ -38,10 +38,8 @@ class AttentionByDistance:
         T = lq.query.shape[2]
         if T > self.max_len:
             raise ValueError(f"window of {T} tokens is longer than the distance profile's {self.max_len}")
-        for m0, m1, alpha in lq.attention_chunks():
-            block = torch.zeros(alpha.shape[1], T, T, dtype=torch.float64, device=alpha.device)
-            block[:, m0:m1] = alpha.sum(0).double()  # (H, T, T) summed over sequences
-            self.attn[lq.layer] += diagonal_sums(block, self.max_len).cpu().numpy()
+        off = self.max_len - T  # the batch's m - n = 0 sits at index T - 1, ours at max_len - 1
+        self.attn[lq.layer, :, off : off + 2 * T - 1] += lq.product("distance").cpu().numpy()
         self.pairs[lq.layer] += lq.batch.pairs_by_distance(self.max_len).cpu().numpy()
 
     def merge(self, o: "AttentionByDistance") -> "AttentionByDistance":

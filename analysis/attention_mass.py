@@ -1,9 +1,10 @@
 """Attention mass by query and key category per layer and head (METHODS.md §2).
 
 mass(l, h, cq, ck) = sum over valid queries m of category cq of sum over valid
-keys n of category ck of alpha_mn. The weights alpha are never materialised: the
-mass each query gives each key category is the attention output for V = the
-one-hot key-category matrix, one extra fused kernel call on a (T, C) value.
+keys n of category ck of alpha_mn. The mass each query gives each key category is
+the ``mass`` product of :mod:`actlake.analysis.attention_weights`: read off the
+explicit weights, or, without them, the attention output for V = the one-hot
+key-category matrix (one fused kernel call on a (T, C) value).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import torch
-import torch.nn.functional as F
 
 from actlake.analysis import grid
 from actlake.categories import ROLE
@@ -34,27 +34,6 @@ def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
     return key if rep == 1 else key.repeat_interleave(rep, dim=1)
 
 
-def per_query_category_mass(query, key, scaling, pair_mask, key_onehot) -> torch.Tensor:
-    """(B, H, T, C): for each query, the attention it gives to each key category.
-
-    One fused kernel call with V = the one-hot key categories, zero-padded to the head size:
-    kernels such as the CPU flash kernel need V as wide as q and k, and fall back to a
-    materialising path otherwise.
-    """
-    q = query.float()
-    k = expand_kv(key, q.shape[1]).float()
-    B, H, T, E = q.shape
-    C = key_onehot.shape[-1]
-    outs = []
-    for c0 in range(0, C, E):
-        cols = key_onehot[..., c0 : c0 + E].float()
-        v = torch.zeros(B, T, E, device=q.device)
-        v[..., : cols.shape[-1]] = cols
-        out = F.scaled_dot_product_attention(q, k, v[:, None].expand(B, H, T, E), attn_mask=pair_mask, scale=float(scaling))
-        outs.append(out[..., : cols.shape[-1]])
-    return torch.nan_to_num(torch.cat(outs, dim=-1), nan=0.0)
-
-
 @dataclass
 class AttentionMass:
     TABLES = ("attention_mass",)
@@ -73,7 +52,7 @@ class AttentionMass:
 
     def add_layer(self, lq) -> None:
         """Accumulate one layer of one batch (a :class:`~actlake.analysis.layer_qk.LayerQK`)."""
-        per_q = lq.per_query_mass().double()  # (B, H, T, C)
+        per_q = lq.product("mass").double()  # (B, H, T, C), zero on invalid queries
         q_oh = lq.query_onehot.double()
         self.mass[lq.layer] += torch.einsum("bhtk,btq->hqk", per_q, q_oh).cpu().numpy()
         self.n_queries[lq.layer] += q_oh.sum((0, 1)).cpu().numpy()

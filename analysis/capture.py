@@ -2,10 +2,14 @@
 
 transformers routes every supported architecture's attention through
 ``ALL_ATTENTION_FUNCTIONS``. We register ``actlake_sdpa`` and ``actlake_eager``:
-each calls the real kernel unchanged and, while a :class:`Recorder` is active,
-first hands the recorder that layer's post-rotary ``q`` (B, H, T, d_h), ``k``
-(B, H_kv, T, d_h) and the softmax scale. Nothing is stored between layers unless
-the recorder keeps it. Outside ``recording()`` the wrapper is a pass-through.
+outside ``recording()`` each is the real kernel, unchanged. While a
+:class:`Recorder` is active, each first hands the recorder that layer's post-rotary
+``q`` (B, H, T, d_h), ``k`` (B, H_kv, T, d_h), the softmax scale and the model's
+attention mask. A recorder that computes the layer's attention weights anyway may
+return the attention output (B, H, T, d_h) from them; the SDPA wrapper then returns
+it instead of running the kernel a second time (the eager kernel always runs: its
+callers may ask for the weights). Nothing is stored between layers unless the
+recorder keeps it.
 """
 
 from __future__ import annotations
@@ -21,9 +25,17 @@ _ACTIVE: ContextVar["Recorder | None"] = ContextVar("actlake_recorder", default=
 PREFIX = "actlake_"
 
 
+REPLACEABLE_UNLESS = ("position_bias", "cache", "softcap", "s_aux", "sinks")
+"""Kernel arguments that change what the kernel computes beyond mask, scale and q k v: with any of them
+set, the kernel always runs itself."""
+
+
 class Recorder(Protocol):
-    def on_attention(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
-        """Called once per layer, before the kernel runs."""
+    def on_attention(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float,
+                     attention_mask: torch.Tensor | None, is_causal: bool,
+                     value: torch.Tensor | None) -> torch.Tensor | None:
+        """Called once per layer, before the kernel. ``value`` is given when the recorder may return the
+        attention output (B, H, T, d_h) in place of the kernel's; return None to let the kernel run."""
 
 
 def _base_kernel(name: str, module) -> Callable:
@@ -41,7 +53,15 @@ def _make_wrapper(base: str) -> Callable:
         if rec is None:
             return kernel(module, query, key, value, attention_mask, **kwargs)
         scaling = kwargs.get("scaling")
-        rec.on_attention(module, query, key, query.shape[-1] ** -0.5 if scaling is None else scaling)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        is_causal = kwargs.get("is_causal")  # what SDPA does without a mask; eager then masks nothing
+        is_causal = (base == "sdpa" and query.shape[2] > 1
+                     and (getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)))
+        replaceable = (base == "sdpa" and not module.training and not kwargs.get("dropout")
+                       and all(kwargs.get(k) is None for k in REPLACEABLE_UNLESS))
+        out = rec.on_attention(module, query, key, scaling, attention_mask, is_causal, value if replaceable else None)
+        if out is not None:
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None  # (B, T, H, d_h), as the kernel returns
         return kernel(module, query, key, value, attention_mask, **kwargs)
 
     attention.__name__ = f"{PREFIX}{base}"

@@ -21,15 +21,6 @@ from actlake.analysis.layer_qk import LayerQK
 from actlake.categories import ROLE
 
 
-def key_norm_scale(lq: LayerQK) -> torch.Tensor:
-    """(B, H, T) factor that gives every valid key the mean key norm of its sequence and head."""
-    k = lq.key_per_query_head
-    norms = k.norm(dim=-1)  # (B, H, T)
-    v = lq.valid[:, None, :].to(norms.dtype)
-    mean = (norms * v).sum(-1, keepdim=True) / v.sum(-1, keepdim=True).clamp(min=1)
-    return torch.where(norms > 0, mean / norms.clamp(min=1e-30), torch.ones_like(norms)) * v + (1 - v)
-
-
 @dataclass
 class Geometry:
     TABLES = ("attention_geometry",)
@@ -58,25 +49,26 @@ class Geometry:
 
     def add_layer(self, lq: LayerQK) -> None:
         l, k_oh = lq.layer, lq.key_onehot
-        valid = lq.valid.to(lq.query.dtype)
+        valid = lq.batch.validf
         q = lq.query * valid[:, None, :, None]  # (B, H, T, d_h)
         k = lq.key_per_query_head
-        qn, kn = q.norm(dim=-1), k.norm(dim=-1)  # (B, H, T)
+        qn, kn = q.norm(dim=-1), lq.key_norms  # (B, H, T)
         per_key = lq.queries_per_key()  # (B, T)
         self.n_pairs[l] += torch.einsum("bt,btc->c", per_key, k_oh).cpu().numpy()
         self.q_norm[l] += torch.einsum("bht,btc->hc", lq.sum_over_queries(qn).double(), k_oh).cpu().numpy()
-        self.k_norm[l] += torch.einsum("bht,bt,btc->hc", kn.double(), per_key, k_oh).cpu().numpy()
+        self.k_norm[l] += torch.einsum("bht,btc->hc", kn.double() * per_key[:, None], k_oh).cpu().numpy()
         q_unit = q / qn.clamp(min=1e-30)[..., None]
-        k_unit = k / kn.clamp(min=1e-30)[..., None]
-        cos_sum = (lq.sum_over_queries(q_unit) * k_unit).sum(-1)  # (B, H, T)
+        if lq.causal:  # at each key, the sum of the unit queries that see it, dotted with the key
+            dots = (lq.sum_over_queries(q_unit) * k).sum(-1)
+        else:  # every key of a sequence sees the same queries
+            dots = torch.matmul(k, q_unit.sum(2)[..., None])[..., 0]
+        cos_sum = dots / kn.clamp(min=1e-30)  # (B, H, T)
         self.cos[l] += torch.einsum("bht,btc->hc", cos_sum.double(), k_oh).cpu().numpy()
         self.n_queries[l] += float(lq.valid.sum())
 
-        # mass per key category, as computed and with keys at their mean norm: fused kernel, one-hot V
-        valid64 = lq.valid.double()
-        self.mass[l] += torch.einsum("bhtc,bt->hc", lq.per_query_mass().double(), valid64).cpu().numpy()
-        scaled = lq.per_query_mass(key_scale=key_norm_scale(lq))
-        self.mass_keynorm[l] += torch.einsum("bhtc,bt->hc", scaled.double(), valid64).cpu().numpy()
+        # mass per key category, as computed and with keys at their mean norm (zero on invalid queries)
+        self.mass[l] += lq.product("mass").double().sum((0, 2)).cpu().numpy()
+        self.mass_keynorm[l] += lq.product("mass_keynorm").double().sum((0, 2)).cpu().numpy()
 
     def merge(self, o: "Geometry") -> "Geometry":
         return Geometry(*(getattr(self, f) + getattr(o, f) for f in self.__dataclass_fields__))

@@ -2,7 +2,8 @@
 
 :class:`BatchInfo` holds what is the same for every layer of a batch (masks,
 categories, pair counts) and computes each once; :class:`LayerQK` adds one
-layer's tensors and caches its explicit attention weights for all analyses.
+layer's tensors and computes the products of its attention weights the analyses
+read, all in one pass (:mod:`actlake.analysis.attention_weights`).
 """
 
 from __future__ import annotations
@@ -27,14 +28,41 @@ class BatchInfo:
 
     @cached_property
     def pair_mask(self) -> torch.Tensor:
-        """(B, 1, T, T) bool: query m may attend to key n."""
+        """(B, 1, T, T) bool: key n is a real token the query at m may see (n <= m when causal).
+        Query validity is not part of it: statistics weight queries by ``valid``."""
         return allowed_pairs(self.valid, self.causal)
 
     @cached_property
-    def additive_mask(self) -> torch.Tensor:
-        """(B, 1, T, T) float32: 0 where allowed, -inf elsewhere."""
+    def weight_mask(self) -> torch.Tensor:
+        """(B, 1, T, T) bool: the pairs whose weights are computed. ``pair_mask`` on valid queries; every
+        key for padded or excluded queries, so no softmax row is empty (their weights are then dropped)."""
+        return self.pair_mask | ~self.valid.bool()[:, None, :, None]
+
+    @cached_property
+    def weight_mask_additive(self) -> torch.Tensor:
+        """(B, 1, T, T) float32: 0 on ``weight_mask``, -inf elsewhere."""
         zero = torch.zeros((), dtype=torch.float32, device=self.valid.device)
-        return torch.where(self.pair_mask, zero, torch.tensor(float("-inf"), device=self.valid.device))
+        return torch.where(self.weight_mask, zero, torch.tensor(float("-inf"), device=self.valid.device))
+
+    @cached_property
+    def needs_mask(self) -> list[bool]:
+        """Per sequence: does ``weight_mask`` exclude any pair? (Not for a bidirectional, unpadded one.)"""
+        if self.causal:
+            return [True] * self.valid.shape[0]
+        return (~self.valid.bool().all(1)).tolist()
+
+    @cached_property
+    def has_invalid(self) -> list[bool]:
+        """Per sequence: any padded or excluded token?"""
+        return (~self.valid.bool().all(1)).tolist()
+
+    @cached_property
+    def lengths(self) -> list[int] | None:
+        """Per sequence, its number of valid tokens when they are a prefix (right padding, nothing
+        excluded), else None."""
+        n = self.valid.sum(1)
+        prefix = torch.arange(self.valid.shape[1], device=self.valid.device)[None] < n[:, None]
+        return n.tolist() if bool((prefix == self.valid.bool()).all()) else None
 
     @cached_property
     def validf(self) -> torch.Tensor:
@@ -102,6 +130,14 @@ class LayerQK:
     cos: torch.Tensor | None = None
     """(B, T, rot) rotary cos (None without RoPE)."""
     sin: torch.Tensor | None = None
+    needs: frozenset = frozenset()
+    """Products of the attention weights the analyses will read (computed together, once)."""
+    method: str = "explicit"
+    """``explicit``: weights in blocks; ``fused``: one-hot V through the fused kernel when that suffices."""
+    value: torch.Tensor | None = None
+    """(B, H_kv, T, d_h) float32 value, for the ``output`` product."""
+    max_elements: int | None = None
+    """Attention weights per explicit block (None: the device default)."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     # shortcuts to the batch
@@ -121,68 +157,39 @@ class LayerQK:
             self._cache["k"] = expand_kv(self.key, self.n_heads)
         return self._cache["k"]
 
+    @property
+    def key_norms(self) -> torch.Tensor:
+        """(B, H, T) ||k'_n|| per query head."""
+        if "key_norms" not in self._cache:
+            self._cache["key_norms"] = self.key_per_query_head.norm(dim=-1)
+        return self._cache["key_norms"]
+
     def sum_over_queries(self, per_query: torch.Tensor) -> torch.Tensor:
         return self.batch.sum_over_queries(per_query)
 
     def queries_per_key(self) -> torch.Tensor:
         return self.batch.queries_per_key
 
-    def pair_mask(self) -> torch.Tensor:
-        return self.batch.pair_mask
+    def product(self, name: str) -> torch.Tensor:
+        """One of :data:`~actlake.analysis.attention_weights.PRODUCTS` of this layer's attention weights.
 
-    def per_query_mass(self, key_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, H, T, C) attention each query gives each key category (one fused kernel call with
-        V = one-hot categories); ``key_scale`` (B, H, T) rescales each key first."""
-        from actlake.analysis.attention_mass import per_query_category_mass
+        The first request computes every product in ``needs`` (plus this one) in a single pass
+        (explicit blocks, or the fused kernel when ``method == "fused"`` and that suffices).
+        """
+        from actlake.analysis import attention_weights as aw
 
-        if key_scale is None and "per_query_mass" in self._cache:
-            return self._cache["per_query_mass"]
-        k = self.key_per_query_head if key_scale is None else self.key_per_query_head * key_scale[..., None]
-        out = per_query_category_mass(self.query, k, self.scaling, self.batch.pair_mask, self.key_onehot)
-        if key_scale is None:
-            self._cache["per_query_mass"] = out
-        return out
-
-    def attention_chunks(self, key_scale: torch.Tensor | None = None, max_elements: int = 1 << 24):
-        """Explicit attention weights by query block: yields (m0, m1, alpha (B, H, m1 - m0, T)), zero on
-        padded queries. ``key_scale`` (B, H, T) multiplies each key (so each logit) first. When one block
-        holds the whole layer, the logits and the plain weights are kept for the next caller."""
-        B, H, T, _ = self.query.shape
-        step = max(1, max_elements // max(1, B * H * T))
-        if step < T:
-            return self._chunks(key_scale, step)
-        if key_scale is not None:
-            scores = self._scores() * key_scale[:, :, None, :]
-            return iter([(0, T, self._softmax(scores, 0, T))])
-        if "alpha" not in self._cache:
-            self._cache["alpha"] = self._softmax(self._scores().clone(), 0, T)
-        return iter([(0, T, self._cache["alpha"])])
-
-    def _scores(self) -> torch.Tensor:
-        """(B, H, T, T) scaled scores, unmasked (kept: the key-normalised weights reuse them)."""
-        if "scores" not in self._cache:
-            self._cache["scores"] = torch.matmul(self.query, self.key_per_query_head.transpose(-1, -2)).mul_(self.scaling)
-        return self._cache["scores"]
-
-    def _softmax(self, logits, m0, m1):
-        """Masked softmax of a fresh ``logits`` tensor, in place; rows of padded queries zeroed."""
-        logits.add_(self.batch.additive_mask[:, :, m0:m1])
-        alpha = torch.softmax(logits, dim=-1)
-        return alpha.mul_(self.batch.validf[:, None, m0:m1, None])
-
-    def _chunks(self, key_scale, step):
-        k = self.key_per_query_head
-        if key_scale is not None:
-            k = k * key_scale[..., None]
-        T = self.query.shape[2]
-        for m0 in range(0, T, step):
-            m1 = min(T, m0 + step)
-            logits = torch.matmul(self.query[:, :, m0:m1], k.transpose(-1, -2)).mul_(self.scaling)
-            yield m0, m1, self._softmax(logits, m0, m1)
+        if name not in self._cache:
+            todo = (set(self.needs) | {name}) - self._cache.keys()
+            if self.method == "fused" and not todo & aw.EXPLICIT_ONLY:
+                self._cache.update(aw.fused_products(self, todo))
+            else:
+                self._cache.update(aw.explicit_products(self, todo, self.value, self.max_elements))
+        return self._cache[name]
 
     def select(self, rows: slice) -> "LayerQK":
         """The same layer for a subset of the batch's sequences."""
         cut = lambda t: None if t is None else t[rows]
         return LayerQK(self.layer, self.query[rows], self.key[rows], self.scaling, self.batch.select(rows),
-                       cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin))
+                       cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin), self.needs, self.method,
+                       cut(self.value), self.max_elements)
 

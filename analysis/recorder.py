@@ -7,9 +7,11 @@ from typing import Callable
 import torch
 
 from actlake.analysis.attention_mass import AttentionMass
+from actlake.analysis.attention_weights import EXPLICIT_ONLY
 from actlake.analysis.capture import LayerInputs, attention_modules
 from actlake.analysis.layer_qk import BatchInfo, LayerQK
 from actlake.architectures import blocks, key_weights
+from actlake.errors import AnalysisError
 
 
 class ModelQK:
@@ -35,39 +37,56 @@ class ModelQK:
 class AttentionRecorder:
     """Receives q and k from the attention wrapper; builds LayerQK and calls ``consumers``.
 
-    ``mass``: attention mass per query and key category (one fused call with one-hot V).
+    ``mass``: attention mass per query and key category.
     ``inputs``: active :class:`LayerInputs` when consumers need x / RoPE (contributions).
+    ``needs``: products of the attention weights the consumers read (:mod:`attention_weights`), computed
+    together once per layer. ``method``: ``explicit`` (weights in blocks), ``fused`` (one-hot V through
+    the fused kernel when ``needs`` allows) or ``auto`` (fused on a GPU when ``needs`` allows, else explicit).
+    ``reuse_attention``: when the weights are computed explicitly anyway, hand the model its attention
+    output from them instead of running the SDPA kernel a second time.
     """
 
     def __init__(self, mqk: ModelQK, valid: torch.Tensor, role_onehot: torch.Tensor,
                  consumers: list[Callable[[LayerQK], None]], mass: AttentionMass | None = None,
-                 inputs: LayerInputs | None = None):
+                 inputs: LayerInputs | None = None, needs=frozenset(), method: str = "auto",
+                 reuse_attention: bool = True):
         self.mqk, self.valid, self.onehot = mqk, valid, role_onehot
         self.consumers, self.mass, self.inputs = consumers, mass, inputs
+        self.needs = frozenset(needs) | ({"mass"} if mass is not None else frozenset())
+        self.method, self.reuse_attention = method, reuse_attention
         self._batch: dict = {}  # device -> BatchInfo (one per device with device_map)
+        self.replaced_layers = 0
+        """Attention calls whose output came from the analyses' weights (the kernel did not run)."""
+        self._checked_masks: list = []  # (mask, is_causal, BatchInfo) already compared (refs keep ids unique)
 
-    def on_attention(self, module, query, key, scaling):
+    def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None):
         layer = self.mqk.layer_of[id(module)]
         dev = query.device  # with device_map, each layer's analyses run where that layer lives
         if dev not in self._batch:
             oh = self.onehot.to(dev)
             self._batch[dev] = BatchInfo(self.valid.to(dev), self.mqk.family.causal, oh, oh)
-        f32 = lambda t: t.detach().to(torch.float32).contiguous()
+        f32 = lambda t: t.detach().to(torch.float32).contiguous()  # blocks of q and k are read many times
         q, k, batch = f32(query), f32(key), self._batch[dev]
+        self._check_mask(layer, batch, attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
         x = f32(self.inputs.x[layer]) if self.inputs is not None else None
-        finite = torch.isfinite(q).all(-1).all(1) & torch.isfinite(k).all(-1).all(1)  # (B, T)
-        if x is not None:
-            finite &= torch.isfinite(x).all(-1)
-        bad = batch.valid.bool() & ~finite
-        if bad.any():  # inf/NaN (e.g. fp16 overflow): those tokens leave this layer's statistics
+        bad = self._nonfinite_tokens(batch, q, k, x)  # (B, T) bool, or None when every value is finite
+        any_bad = bad is not None and bool(bad.any())
+        if any_bad:  # inf/NaN (e.g. fp16 overflow): those tokens leave this layer's statistics
             keep = (~bad).to(batch.key_onehot.dtype)
             batch = BatchInfo(batch.valid * (~bad), batch.causal, batch.key_onehot * keep[..., None],
                               batch.query_onehot * keep[..., None])
             clean = lambda t: torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
             q, k, x = clean(q), clean(k), (clean(x) if x is not None else None)
-        if self.mass is not None:
+        if self.mass is not None and any_bad:
             self.mass.nonfinite[layer] += float(bad.sum())
-        lq = LayerQK(layer, q, k, float(scaling), batch)
+        method = self.method
+        if method == "auto":
+            method = "fused" if dev.type == "cuda" and not self.needs & EXPLICIT_ONLY else "explicit"
+        # the kernel's output can come from our weights only when they are the model's: no token left out
+        replace = (value is not None and self.reuse_attention and method == "explicit" and bool(self.needs)
+                   and not any_bad)
+        lq = LayerQK(layer, q, k, float(scaling), batch, needs=self.needs | ({"output"} if replace else frozenset()),
+                     method=method, value=f32(value) if replace else None)
         if self.mass is not None:
             self.mass.add_layer(lq)
         if self.inputs is not None:
@@ -79,3 +98,41 @@ class AttentionRecorder:
                 lq.cos, lq.sin = (t.detach().float().expand(B, T, -1) for t in rope)
         for consume in self.consumers:
             consume(lq)
+        if not replace:
+            return None
+        self.replaced_layers += 1
+        return lq.product("output")
+
+    @staticmethod
+    def _nonfinite_tokens(batch: BatchInfo, q, k, x) -> torch.Tensor | None:
+        """Real tokens whose q, k or x hold inf/NaN. One sum per tensor first (inf and NaN survive it);
+        the per-token test runs only when a sum is not finite."""
+        sums = q.sum() + k.sum() + (x.sum() if x is not None else 0.0)
+        if bool(torch.isfinite(sums)):
+            return None
+        finite = torch.isfinite(q).all(-1).all(1) & torch.isfinite(k).all(-1).all(1)  # (B, T)
+        if x is not None:
+            finite &= torch.isfinite(x).all(-1)
+        return batch.valid.bool() & ~finite
+
+    def _check_mask(self, layer: int, batch: BatchInfo, attention_mask, is_causal: bool) -> None:
+        """The pairs the model attends (on real queries) must be the pairs the statistics count."""
+        if any(m is attention_mask and c == is_causal and b is batch for m, c, b in self._checked_masks):
+            return  # models build one mask per forward pass: compared at the first layer
+        T = batch.valid.shape[1]
+        if attention_mask is None:
+            model = torch.ones(1, 1, T, T, dtype=torch.bool, device=batch.valid.device)
+            model = model.tril() if is_causal else model
+        elif attention_mask.dtype == torch.bool:
+            model = attention_mask
+        else:  # additive: 0 where attended, a large negative number elsewhere
+            model = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        model = model[..., -T:, -T:].to(batch.valid.device)
+        differ = (model != batch.pair_mask).any(1) & batch.valid.bool()[:, :, None]  # (B, T, T) on real queries
+        if bool(differ.any()):
+            raise AnalysisError(
+                f"attention layer {layer}: the model's attention mask differs from "
+                f"{'causal + ' if batch.causal else ''}padding on {int(differ.sum())} query-key pairs (a sliding window "
+                "shorter than the window? tokenization.max_length must not exceed it); the attention statistics "
+                "would not describe what the model attends to")
+        self._checked_masks.append((attention_mask, is_causal, batch))

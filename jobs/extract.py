@@ -109,7 +109,8 @@ class Extractor:
         with contextlib.ExitStack() as stack:
             inputs = stack.enter_context(self.inputs) if "contributions" in stats else None
             recorder = AttentionRecorder(self.mqk, valid, one_hot(role.to(dev), len(ROLE), valid), consumers,
-                                         mass=stats.get("mass"), inputs=inputs)
+                                         mass=stats.get("mass"), inputs=inputs, needs=attention_products(a),
+                                         method=a.attention_weights)
             stack.enter_context(capture.recording(recorder))
             need_hidden = a.residual_norms or a.dim_moments or bool(self.store_layers)  # else not kept
             out = self.lm.model(input_ids=ids.to(dev), attention_mask=valid, output_hidden_states=need_hidden)
@@ -168,6 +169,20 @@ class Extractor:
             yield from self.run_batch_resilient(batch[half:], depth + 1)
             return
         yield batch, (*result, stats)
+
+
+def attention_products(a) -> frozenset:
+    """Products of the attention weights (``analysis.attention_weights``) the enabled analyses read."""
+    needs = set()
+    if a.attention_mass or a.geometry:
+        needs.add("mass")
+    if a.geometry:
+        needs.add("mass_keynorm")
+    if a.contributions and a.weighted_contributions:
+        needs.add("weighted_qsum")
+    if a.attention_by_distance:
+        needs.add("distance")
+    return frozenset(needs)
 
 
 class ShardResults:

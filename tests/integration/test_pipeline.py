@@ -176,3 +176,24 @@ def test_attention_only_run_skips_hidden_states_and_gives_the_same_attention_tab
     assert "residual_norms" not in tables and "dim_moments" not in tables and "contributions" in tables
     q = "SELECT * FROM attention_mass ORDER BY ALL"
     assert open_run(full.run_dir).execute(q).fetchall() == open_run(lean.run_dir).execute(q).fetchall()
+
+
+def test_fused_attention_weights_give_the_same_mass_and_geometry_tables(tiny_models, sample_corpus, tmp_path, ray_local):
+    """analyses.attention_weights: fused (one-hot V through the kernel, the model's own SDPA output)
+    against the default explicit weights (whose output replaces the kernel's): same tables."""
+    over = {"corpus.max_docs": 6}
+    explicit = run_job(job_config(tiny_models["llama"], sample_corpus, tmp_path / "explicit", **over))
+    fused = run_job(job_config(tiny_models["llama"], sample_corpus, tmp_path / "fused", **over,
+                               **{"analyses.attention_weights": "fused", "analyses.weighted_contributions": False,
+                                  "analyses.attention_by_distance": False}))
+    for table, keys, cols in (
+            ("attention_mass", "layer, head, query_category, key_category", "mass"),
+            ("attention_geometry", "layer, head, key_category", "mass, mass_keynorm, cos_sum, k_norm_sum"),
+            ("contributions", "layer, head, key_category, query_category, dim", "contribution_sum, bias_sum")):
+        q = f"SELECT {cols} FROM {table} ORDER BY {keys}"
+        a = np.array(open_run(explicit.run_dir).execute(q).fetchall(), dtype=float)
+        b = np.array(open_run(fused.run_dir).execute(q).fetchall(), dtype=float)
+        assert a.shape == b.shape and len(a) > 0
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    tables = {p.name for p in (Path(fused.run_dir) / "tables").iterdir()}
+    assert "attention_by_distance" not in tables

@@ -28,6 +28,14 @@ def test_wrong_type_and_bad_choice(tmp_path):
         load_config(_write(tmp_path, "model: [\n"), check_files=False)
 
 
+def test_fused_attention_weights_refuse_analyses_that_need_the_weights(tmp_path):
+    p = _write(tmp_path, "analyses:\n  attention_weights: fused\n")
+    with pytest.raises(ConfigError, match=r"line 2.*analyses.attention_weights.*weighted_contributions"):
+        load_config(p, check_files=False)
+    ok = "analyses:\n  attention_weights: fused\n  weighted_contributions: false\n  attention_by_distance: false\n"
+    assert load_config(_write(tmp_path, ok), check_files=False).analyses.attention_weights == "fused"
+
+
 def test_missing_corpus_file_and_model_folder(tmp_path):
     p = _write(tmp_path, f"corpus:\n  paths: [{tmp_path}/nothing/*.jsonl]\n")
     with pytest.raises(ConfigError, match=r"corpus.paths\[0\]: no file matches"):

@@ -1,0 +1,86 @@
+"""One pass over explicit attention weights (and the fused one-hot-V path) against explicit softmax
+weights built the plain way, with padding, causality, grouped-query heads and every block size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actlake.analysis.attention_mass import expand_kv
+from actlake.analysis.attention_weights import PRODUCTS, explicit_products, fused_products, key_norm_scale
+from actlake.analysis.layer_qk import BatchInfo, LayerQK
+from actlake.categories import one_hot
+
+
+def _layer(causal: bool, h_kv: int = 2, seed: int = 0, hole: bool = False):
+    """Padding at the ends; ``hole``: a token excluded mid-sequence too (as non-finite ones are)."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, T, d, C = 3, 4, 9, 8, 5
+    q = torch.randn(B, H, T, d, generator=g) * 2
+    k = torch.randn(B, h_kv, T, d, generator=g) * 2
+    v = torch.randn(B, h_kv, T, d, generator=g)
+    valid = torch.ones(B, T, dtype=torch.long)
+    valid[1, 6:] = 0
+    valid[2, 3:] = 0
+    if hole:
+        valid[0, 2] = 0
+    onehot = one_hot(torch.randint(0, C, (B, T), generator=g), C, valid)
+    return LayerQK(0, q, k, d ** -0.5, BatchInfo(valid, causal, onehot, onehot)), v
+
+
+def _reference(lq, v, key_scale=None):
+    """Weights the plain way: full (B, H, T, T) logits, masked, softmax; padded query rows zeroed."""
+    k = expand_kv(lq.key, lq.n_heads).double()
+    if key_scale is not None:
+        k = k * key_scale[..., None].double()
+    logits = torch.matmul(lq.query.double(), k.transpose(-1, -2)) * lq.scaling
+    logits = logits.masked_fill(~lq.batch.pair_mask, float("-inf"))
+    alpha = torch.softmax(logits, -1)
+    out = torch.matmul(alpha, expand_kv(v, lq.n_heads).double())  # valid query rows only are compared
+    return torch.nan_to_num(alpha) * lq.valid[:, None, :, None], out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h_kv,hole", [(4, False), (2, False), (2, True)])
+@pytest.mark.parametrize("max_elements", [None, 4 * 9 * 9 * 2, 4 * 9 * 2, 1])
+def test_explicit_products_equal_plain_softmax_weights(causal, h_kv, hole, max_elements):
+    """max_elements: one block; two sequences a block; two queries a block; one query a block."""
+    lq, v = _layer(causal, h_kv, hole=hole)
+    got = explicit_products(lq, PRODUCTS, v, max_elements)
+    alpha, out = _reference(lq, v)
+    oh = lq.key_onehot.double()[:, None]
+    torch.testing.assert_close(got["mass"].double(), torch.matmul(alpha, oh), rtol=1e-5, atol=1e-6)
+    alpha_kn, _ = _reference(lq, v, key_norm_scale(lq))
+    torch.testing.assert_close(got["mass_keynorm"].double(), torch.matmul(alpha_kn, oh), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["weighted_qsum"].double(), torch.matmul(alpha.transpose(-1, -2), lq.query.double()),
+                               rtol=1e-5, atol=1e-5)
+    B, H, T, _ = alpha.shape
+    dist = torch.zeros(H, 2 * T - 1, dtype=torch.float64)
+    for m in range(T):
+        for n in range(T):
+            dist[:, m - n + T - 1] += alpha[:, :, m, n].sum(0)
+    torch.testing.assert_close(got["distance"], dist, rtol=1e-6, atol=1e-6)
+    if not hole:  # the output is the model's only where the statistics' mask is the model's
+        real = lq.valid.bool()[:, None, :, None].expand_as(out)
+        torch.testing.assert_close(got["output"].double()[real], out[real], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_one_hot_value_mass_equals_explicit(causal):
+    lq, _ = _layer(causal, h_kv=2, seed=3)
+    fused = fused_products(lq, {"mass", "mass_keynorm"})
+    explicit = explicit_products(lq, {"mass", "mass_keynorm"})
+    for name in ("mass", "mass_keynorm"):
+        torch.testing.assert_close(fused[name], explicit[name], rtol=1e-5, atol=1e-6)
+    assert torch.all(fused["mass"][2, :, 3:] == 0)  # padded queries give nothing
+    with pytest.raises(ValueError, match="explicit"):
+        fused_products(lq, {"distance"})
+
+
+def test_products_are_computed_once_and_together():
+    lq, _ = _layer(True)
+    lq.needs = frozenset({"mass", "distance"})
+    lq.product("mass")
+    assert {"mass", "distance"} <= lq._cache.keys() and "weighted_qsum" not in lq._cache
+    lq.product("weighted_qsum")  # not declared: a second pass computes only it
+    assert "weighted_qsum" in lq._cache
