@@ -5,7 +5,9 @@ sum_j C_j(m, n) = S(m, n) - q'_m . R_n b_K  (the bias term moves no attention we
 
 Sums over all valid pairs with the key in category c never build the T x T x d tensor:
 sum_{n in c} x_n * W_K R_n^T (sum_{m valid for n} q'_m), an O(T d d_h) computation per head.
-The attention-weighted variant replaces the inner sum by sum_m alpha_mn q'_m.
+The attention-weighted variant replaces the inner sum by sum_m alpha_mn q'_m. For
+bidirectional attention without RoPE the inner sum is the same for every key of a
+sequence, and the whole sum is (sum_{n in c} x_n) * W_K (sum_m q_m): per sequence.
 """
 
 from __future__ import annotations
@@ -31,28 +33,49 @@ def _kv_expanded(lq: LayerQK, t: torch.Tensor) -> torch.Tensor:
     return t.repeat_interleave(rep, dim=0) if rep > 1 else t
 
 
-def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[torch.Tensor]:
-    """For each (B, H, T, d_h) ``qsum``: (H, C, d) float64, the sum over keys n in category c of
-    x_n * W_K R_n^T qsum(n).
+def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each (B, H, T, d_h) ``qsum``: ((H, C, d), (H, C)) float64, the sums over keys n in category c
+    of x_n * W_K R_n^T qsum(n) and of the bias term (R_n^T qsum(n)) . b_K.
 
-    Never builds the (B, H, T, d) tensor: per category, M = X_c^T [Q_c ...] (H, d, k d_h) is one
-    GEMM over that category's tokens for all ``qsums`` at once, then C_j = sum_k W_K[j, k] M[j, k].
-    Cost O(T d d_h) per head and qsum, the order of one projection.
+    Never builds the (B, H, T, d) tensor: per category, M = X_c^T [Q_c ...] (d, H * k * d_h) is one
+    GEMM over that category's tokens for all heads and ``qsums`` at once, then
+    C_j = sum_k W_K[j, k] M[j, k] per head. Cost O(T d d_h) per head and qsum, the order of one projection.
     """
-    q = torch.cat(qsums, dim=-1)
+    q = torch.cat(qsums, dim=-1) if len(qsums) > 1 else qsums[0]  # (B, H, T, k * d_h)
     if lq.cos is not None:
         q = torch.cat([unrotate(p, lq.cos, lq.sin) for p in q.split(qsums[0].shape[-1], dim=-1)], dim=-1)
-    H, d, dh = lq.n_heads, lq.x.shape[-1], qsums[0].shape[-1]
-    w = _kv_expanded(lq, lq.w_key).double()  # (H, d, d_h)
+    B, H, T, kd = q.shape
+    d, dh, k = lq.x.shape[-1], qsums[0].shape[-1], len(qsums)
+    C = lq.key_onehot.shape[-1]
+    w = _kv_expanded(lq, lq.w_key)  # (H, d, d_h)
     x = lq.x.reshape(-1, d)  # (B*T, d)
-    q = q.permute(1, 0, 2, 3).reshape(H, -1, q.shape[-1])  # (H, B*T, k * d_h)
-    outs = [torch.zeros(H, lq.key_onehot.shape[-1], d, dtype=torch.float64, device=x.device) for _ in qsums]
+    q = q.transpose(1, 2).reshape(B * T, H * kd)  # token-major: (B*T, H * k * d_h)
+    m = x.new_zeros(C, d, H * kd)  # (C, d, H * k * d_h)
+    q_by_cat = q.new_zeros(C, H * kd)  # sum of qsum over the category's keys: what the bias term needs
     for c, idx in enumerate(lq.batch.key_category_index):
         if idx.numel():
-            m = torch.matmul(x[idx].T[None], q[:, idx]).double()  # (H, d, k * d_h)
-            for i, out in enumerate(outs):
-                out[:, c] = (m[..., i * dh : (i + 1) * dh] * w).sum(-1)
-    return outs
+            qc = q[idx]
+            torch.mm(x[idx].T, qc, out=m[c])
+            q_by_cat[c] = qc.sum(0)
+    # C_j = sum_k W_K[j, k] M[j, k] per head and qsum (32 terms: float32 is as exact as the GEMM)
+    per_dim = (m.view(C, d, H, k, dh) * w.transpose(0, 1)[None, :, :, None]).sum(-1)  # (C, d, H, k)
+    per_dim = per_dim.permute(3, 2, 0, 1).double()  # (k, H, C, d)
+    bias = torch.zeros(k, H, C, dtype=torch.float64, device=x.device)
+    if lq.b_key is not None:
+        bk = _kv_expanded(lq, lq.b_key).double()  # (H, d_h)
+        bias = torch.einsum("chik,hk->ihc", q_by_cat.view(C, H, k, dh).double(), bk)
+    return list(zip(per_dim, bias))
+
+
+def contributions_per_sequence(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
+    """(H, C, d) float64 as :func:`contributions_by_category` for a ``qsum`` (B, H, d_h) that is the same
+    at every key of a sequence (bidirectional attention without RoPE): then the sum over keys in c is
+    (sum_{n in c} x_n) * W_K qsum, one (C, d) sum per sequence instead of a GEMM over tokens."""
+    w = _kv_expanded(lq, lq.w_key).double()  # (H, d, d_h)
+    # per sequence (at most one window of tokens) float32 sums are exact enough; float64 from here
+    x_by_cat = torch.bmm(lq.key_onehot.transpose(1, 2).to(lq.x.dtype), lq.x).double()  # (B, C, d)
+    u = torch.einsum("bhk,hdk->bhd", qsum.double(), w)  # (B, H, d): W_K qsum per sequence
+    return (x_by_cat[:, None] * u[:, :, None]).sum(0)  # (H, C, d); elementwise: tiny batched GEMMs are slow
 
 
 def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
@@ -106,30 +129,36 @@ class Contributions:
 
     def add_layer(self, lq: LayerQK, weighted: bool = True) -> None:
         """Accumulate one layer; ``weighted`` adds the attention-weighted sums (explicit weights)."""
-        k_oh = lq.key_onehot  # (B, T, C)
+        l, k_oh = lq.layer, lq.key_onehot  # (B, T, C)
         valid = lq.batch.validf
-        qsums = []  # per query group: at each key n, the sum of q'_m over the queries that may attend to it
+        # bidirectional without RoPE: every key of a sequence is seen by the same queries
+        per_sequence = not lq.causal and lq.cos is None
+        general = []  # (query group or None for weighted, qsum (B, H, T, d_h)) for the per-token path
         for g, group in enumerate(self.query_groups):
             qmask = valid if group == "all" else lq.query_onehot[..., ROLE.index(group)].to(torch.float32)
-            qsums.append(lq.sum_over_queries(lq.query * qmask[:, None, :, None]))  # (B, H, T, d_h)
             counts = (lq.queries_per_key() if group == "all"
                       else lq.sum_over_queries(qmask.double()[:, None, :])[:, 0] * lq.valid)  # (B, T)
-            self.n_pairs[lq.layer, g] += torch.einsum("bt,btc->c", counts.double(), k_oh).cpu().numpy()
+            self.n_pairs[l, g] += torch.einsum("bt,btc->c", counts.double(), k_oh).cpu().numpy()
+            q = lq.query * qmask[:, None, :, None]  # (B, H, T, d_h), zero outside the group
+            if per_sequence:
+                qsum = q.sum(2)  # (B, H, d_h)
+                self.contrib[l, :, g] += contributions_per_sequence(lq, qsum).cpu().numpy()
+                bias = bias_term(lq, qsum[:, :, None]).double()[..., 0]  # (B, H)
+                self.bias[l, :, g] += torch.einsum("bh,btc->hc", bias, k_oh).cpu().numpy()
+            else:  # at each key n, the sum of q'_m over the queries that may attend to it
+                general.append((g, lq.sum_over_queries(q)))
         if weighted:
-            asum = torch.zeros_like(lq.query)  # (B, H, T, d_h): sum_m alpha_mn q'_m at each key n
-            for m0, m1, alpha in lq.attention_chunks():
-                asum += torch.matmul(alpha.transpose(-1, -2), lq.query[:, :, m0:m1])
-            qsums.append(asum)
-        sums = contributions_by_category(lq, *qsums)
-        for g, qsum in enumerate(qsums):
-            bias = torch.einsum("bht,btc->hc", bias_term(lq, qsum).double(), k_oh).cpu().numpy()
-            if g < len(self.query_groups):
-                self.contrib[lq.layer, :, g] += sums[g].cpu().numpy()
-                self.bias[lq.layer, :, g] += bias
-            else:
-                self.weighted[lq.layer] += sums[g].cpu().numpy()
-                self.weighted_bias[lq.layer] += bias
-        self.n_queries[lq.layer] += float(lq.valid.sum())
+            general.append((None, lq.product("weighted_qsum")))
+        if general:
+            sums = contributions_by_category(lq, *(qsum for _, qsum in general))
+            for (g, _), (s, bias) in zip(general, sums):
+                if g is None:
+                    self.weighted[l] += s.cpu().numpy()
+                    self.weighted_bias[l] += bias.cpu().numpy()
+                else:
+                    self.contrib[l, :, g] += s.cpu().numpy()
+                    self.bias[l, :, g] += bias.cpu().numpy()
+        self.n_queries[l] += float(lq.valid.sum())
 
     def merge(self, other: "Contributions") -> "Contributions":
         assert self.query_groups == other.query_groups

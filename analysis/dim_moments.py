@@ -14,19 +14,19 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
-from actlake.analysis.moments import Moments
+from actlake.analysis.moments import GroupSums, Moments
 from actlake.categories import SCHEMES
 
 GROUPS: tuple[tuple[str, str], ...] = tuple((s, c) for s, cats in SCHEMES.items() for c in cats)
 """(scheme, category) of each group index."""
 
 
-def group_membership(valid: torch.Tensor, role: torch.Tensor, type8: torch.Tensor) -> torch.Tensor:
-    """(B, T) masks and ids -> (B, T, G) 0/1 membership in each group of GROUPS."""
-    cols = [valid.to(torch.float64).unsqueeze(-1)]
-    for ids, n in ((role, len(SCHEMES["role"])), (type8, len(SCHEMES["type8"]))):
-        cols.append(torch.nn.functional.one_hot(ids.clamp(min=0), n).to(torch.float64) * valid.unsqueeze(-1))
-    return torch.cat(cols, dim=-1)
+def group_ids(valid: torch.Tensor, role: torch.Tensor, type8: torch.Tensor) -> torch.Tensor:
+    """(B, T) masks and ids -> (B, T, 3) the group (index into GROUPS) of each token in each scheme;
+    len(GROUPS) (no group) on padding."""
+    n_role = len(SCHEMES["role"])
+    ids = torch.stack([torch.zeros_like(role), 1 + role.clamp(min=0), 1 + n_role + type8.clamp(min=0)], dim=-1)
+    return torch.where(valid.bool()[..., None], ids, len(GROUPS))
 
 
 @dataclass
@@ -42,14 +42,20 @@ class DimMoments:
     @classmethod
     def from_batch(cls, hidden_states, valid, role, type8) -> "DimMoments":
         """hidden_states: L+1 tensors (B, T, d); valid/role/type8: (B, T)."""
-        member = group_membership(valid, role, type8).reshape(-1, len(GROUPS))  # (B*T, G)
+        ids = group_ids(valid, role, type8).reshape(-1, 3)  # (B*T, 3)
+        work = GroupSums(ids, len(GROUPS), hidden_states[0].shape[-1])  # shared by the layers
         per_layer, nonfinite = [], []
         for h in hidden_states:
             x = h.reshape(-1, h.shape[-1])  # (B*T, d)
-            finite = torch.isfinite(x).all(-1)
-            nonfinite.append(float(((~finite) & valid.reshape(-1).bool()).sum()))
-            keep = finite.to(torch.float64).unsqueeze(-1)
-            per_layer.append(Moments.from_groups(torch.where(finite.unsqueeze(-1), x, 0), member * keep))
+            layer_ids, layer_work, bad = ids, work, 0.0
+            if not bool(torch.isfinite(x.sum())):  # inf/NaN somewhere (a sum keeps them): find the tokens
+                finite = torch.isfinite(x).all(-1)
+                bad = float(((~finite) & valid.reshape(-1).bool()).sum())
+                layer_ids = torch.where(finite[:, None], ids, len(GROUPS))
+                layer_work = GroupSums(layer_ids, len(GROUPS), x.shape[-1])
+                x = torch.where(finite[:, None], x, 0)
+            nonfinite.append(bad)
+            per_layer.append(Moments.from_groups(x, layer_ids, len(GROUPS), layer_work))
         stack = lambda name: np.stack([getattr(m, name) for m in per_layer])
         return cls(Moments(stack("count"), stack("mean"), stack("m2"), stack("max_abs")), np.array(nonfinite))
 

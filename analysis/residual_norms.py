@@ -7,5 +7,5 @@ import torch
 
 def residual_norms(hidden_states, valid: torch.Tensor) -> torch.Tensor:
     """L+1 tensors (B, T, d) -> (N_valid, L+1) float64 norms, rows in (batch, position) order."""
-    norms = torch.stack([h.double().norm(dim=-1) for h in hidden_states], dim=-1)  # (B, T, L+1)
+    norms = torch.stack([torch.linalg.vector_norm(h, dim=-1, dtype=torch.float64) for h in hidden_states], dim=-1)  # (B, T, L+1)
     return norms[valid.bool()]

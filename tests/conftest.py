@@ -71,10 +71,12 @@ def make_tiny_model(family: str, out: Path) -> Path:
             raise ValueError(family)
     # causal families keep their LM head (surprisal); AutoModel loads the base model from it
     model = AutoModel.from_config(cfg) if family == "bert" else AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # make attention less uniform than the tiny init gives
+    with torch.no_grad():  # make attention less uniform than the tiny init gives; biases non-zero
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(out)
     return out
 

@@ -67,13 +67,26 @@ def test_contributions_sum_to_the_models_scores(family, tiny_models):
                 torch.testing.assert_close(C.sum(-1) + bias, S, rtol=1e-4, atol=1e-4)
 
 
+def _key_bias(lq, b, h):
+    """(T, d_h) float64: R_n b_K for every key position n of sequence b (zeros without a key bias)."""
+    T, dh = lq.query.shape[2], lq.query.shape[3]
+    if lq.b_key is None:
+        return torch.zeros(T, dh, dtype=torch.float64)
+    bk = lq.b_key[h // (lq.n_heads // lq.b_key.shape[0])][None, None, None].expand(1, 1, T, -1)
+    if lq.cos is not None:
+        bk = rotate(bk, lq.cos[b : b + 1], lq.sin[b : b + 1])
+    return bk[0, 0].double()
+
+
 def _brute_force(lq, alpha):
     """Loops over sequences, heads and valid pairs."""
     H, C = lq.n_heads, len(ROLE)
     d = lq.x.shape[-1]
     contrib = np.zeros((H, len(QUERY_GROUPS_BY_ROLE), C, d))
+    bias = np.zeros((H, len(QUERY_GROUPS_BY_ROLE), C))
     pairs = np.zeros((len(QUERY_GROUPS_BY_ROLE), C))
     weighted = np.zeros((H, C, d))
+    weighted_bias = np.zeros((H, C))
     qn = np.zeros((H, C)); kn = np.zeros((H, C)); cos = np.zeros((H, C))
     kcat = lq.key_onehot.argmax(-1)
     for b in range(lq.query.shape[0]):
@@ -82,20 +95,24 @@ def _brute_force(lq, alpha):
             Cb = pairwise_contributions(lq, b, h).numpy()
             q = lq.query[b, h].double()
             k = lq.key_per_query_head[b, h].double()
+            bk = _key_bias(lq, b, h)
             for m in range(n_valid):
                 for n in range(n_valid):
                     if lq.causal and n > m:
                         continue
                     c = int(kcat[b, n])
+                    pair_bias = float(q[m] @ bk[n])
                     for g, group in enumerate(QUERY_GROUPS_BY_ROLE):
                         if group == "all" or ROLE.index(group) == int(kcat[b, m]):
                             contrib[h, g, c] += Cb[m, n]
+                            bias[h, g, c] += pair_bias
                             if h == 0:
                                 pairs[g, c] += 1
                     weighted[h, c] += float(alpha[b, h, m, n]) * Cb[m, n]
+                    weighted_bias[h, c] += float(alpha[b, h, m, n]) * pair_bias
                     qn[h, c] += float(q[m].norm()); kn[h, c] += float(k[n].norm())
                     cos[h, c] += float(q[m] @ k[n] / (q[m].norm() * k[n].norm()))
-    return contrib, pairs, weighted, qn, kn, cos
+    return contrib, bias, pairs, weighted, weighted_bias, qn, kn, cos
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -109,8 +126,12 @@ def test_factorised_aggregates_equal_brute_force(family, tiny_models):
         dist = AttentionByDistance.zeros(len(layers), lq.n_heads, 16)
         dist.add_layer(lq)
         alpha = out.attentions[lq.layer].double()  # the model's own weights (eager)
-        contrib, pairs, weighted, qn, kn, cos = _brute_force(lq, alpha)
+        contrib, bias, pairs, weighted, weighted_bias, qn, kn, cos = _brute_force(lq, alpha)
         np.testing.assert_allclose(stats.contrib[lq.layer], contrib, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(stats.bias[lq.layer], bias, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(stats.weighted_bias[lq.layer], weighted_bias, rtol=1e-4, atol=1e-4)
+        if lq.b_key is not None:
+            assert np.abs(bias).max() > 1e-3  # the bias term is really exercised
         np.testing.assert_array_equal(stats.n_pairs[lq.layer], pairs)
         np.testing.assert_allclose(stats.weighted[lq.layer], weighted, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(geo.n_pairs[lq.layer], pairs[0])

@@ -16,10 +16,12 @@ def _random_batch(seed, B=3, T=7, d=5, L1=3):
 
 def test_moments_match_numpy_and_merge_halves():
     x = torch.randn(200, 6, dtype=torch.float64) * 5 + 2
+    # two partitions: group 0 holds every value, group 1 every third (2: none)
+    ids = torch.stack([torch.zeros(200, dtype=torch.long), torch.where(torch.arange(200) % 3 == 0, 1, 2)], 1)
     groups = torch.stack([torch.ones(200), (torch.arange(200) % 3 == 0).double()], 1)
-    whole = Moments.from_groups(x, groups)
-    a = Moments.from_groups(x[:77], groups[:77])
-    b = Moments.from_groups(x[77:], groups[77:])
+    whole = Moments.from_groups(x, ids, 2)
+    a = Moments.from_groups(x[:77], ids[:77], 2)
+    b = Moments.from_groups(x[77:], ids[77:], 2)
     for merged in (a.merge(b), b.merge(a)):
         np.testing.assert_allclose(merged.count, whole.count)
         np.testing.assert_allclose(merged.mean, whole.mean, rtol=1e-12)
@@ -44,6 +46,22 @@ def test_dim_moments_halves_equal_whole_and_roundtrip_arrow():
     np.testing.assert_array_equal(back.moments.count, whole.moments.count)
     # the 'all' group counts every valid token
     assert whole.moments.count[0, GROUPS.index(("all", "all"))] == valid.sum()
+    # every group of every scheme against its members, picked the plain way
+    from actlake.categories import ROLE, TYPE8
+
+    for layer, h in enumerate(hs):
+        for g, (scheme, cat) in enumerate(GROUPS):
+            pick = valid.bool()
+            if scheme == "role":
+                pick &= role == ROLE.index(cat)
+            elif scheme == "type8":
+                pick &= type8 == TYPE8.index(cat)
+            sel = h[pick].double().numpy()
+            assert whole.moments.count[layer, g] == len(sel)
+            if len(sel):
+                np.testing.assert_allclose(whole.moments.mean[layer, g], sel.mean(0), rtol=1e-10, atol=1e-12)
+                np.testing.assert_allclose(whole.moments.m2[layer, g], sel.var(0) * len(sel), rtol=1e-8, atol=1e-10)
+                np.testing.assert_array_equal(whole.moments.max_abs[layer, g], np.abs(sel).max(0))
 
 
 def test_nonfinite_tokens_are_counted_and_excluded():
