@@ -90,3 +90,51 @@ def test_a_worker_that_cannot_load_the_model_fails_the_job_with_the_reason(tiny_
     cfg = job_config(out, sample_corpus, tmp_path / "runs", **{"corpus.max_docs": 4})
     with pytest.raises(ActlakeError, match="allow_pickle"):
         run_job(cfg)
+
+
+def test_minilm_in_bfloat16_gives_the_float32_tables_within_the_stated_tolerance(minilm_path, sample_corpus):
+    """The README's bf16 tolerances, on the real model and real text: every attention table and the
+    outlier moments of a bf16 run against a float32 run of the same windows."""
+    import numpy as np
+
+    from actlake.batching import Window, document_windows
+    from actlake.config import TokenizationConfig, parse_config
+    from actlake.corpus.readers import Record, iter_items
+    from actlake.jobs.extract import Extractor
+
+    def run(dtype):
+        lm = load_model(ModelConfig(name_or_path=minilm_path, dtype=dtype))
+        path = str(sorted(sample_corpus.glob("*.jsonl"))[0])
+        windows = []
+        for item in iter_items(path, "jsonl", 0, 12, "text", "meta.pile_set_name"):
+            if isinstance(item, Record):
+                ids = document_windows(lm.tokenizer, item.text, TokenizationConfig(max_length=64))[0][0]
+                windows.append(Window(len(windows), 0, ids, item.source))
+        ex = Extractor(parse_config({"name": "t", "model": {"name_or_path": minilm_path, "dtype": dtype},
+                                     "tokenization": {"max_length": 64}, "analyses": {"tokens": False}}), lm)
+        stats = ex.new_stats()
+        with torch.inference_mode():
+            moments = ex.run_batch(windows, stats)[3]
+        return stats, moments
+
+    (a, ma), (b, mb) = run("float32"), run("bfloat16")
+    per_query = lambda s: s["mass"].mass.sum(2) / s["mass"].n_queries.sum(1)[:, None, None]
+    assert np.abs(per_query(a) - per_query(b)).max() < 0.01  # attention per query, absolute
+    ga, gb = a["geometry"], b["geometry"]
+    keynorm = lambda g: g.mass_keynorm / g.n_queries[:, None, None]
+    assert np.abs(keynorm(ga) - keynorm(gb)).max() < 0.01
+    cos = lambda g: g.cos / np.maximum(g.n_pairs[:, None], 1)
+    assert np.abs(cos(ga) - cos(gb)).max() < 0.01
+    assert np.nanmax(np.abs(ga.k_norm - gb.k_norm) / np.abs(ga.k_norm)) < 0.02
+    ca, cb = a["contributions"], b["contributions"]
+
+    def rel_to_layer_max(x, y):  # |difference| relative to the layer's largest |value|
+        return (np.abs(x - y) / np.abs(x).reshape(len(x), -1).max(1).reshape((-1,) + (1,) * (x.ndim - 1))).max()
+
+    mean_c = lambda c: c.contrib[:, :, 0] / np.maximum(c.n_pairs[:, 0][:, None, :, None], 1)
+    assert rel_to_layer_max(mean_c(ca), mean_c(cb)) < 0.02
+    assert rel_to_layer_max(ca.weighted, cb.weighted) < 0.03
+    assert rel_to_layer_max(ma.moments.mean[:, 0], mb.moments.mean[:, 0]) < 0.03
+    da, db = a["distance"], b["distance"]
+    dist = lambda d: d.attn / np.maximum(d.pairs[:, None], 1)
+    assert np.abs(dist(da) - dist(db)).max() < 0.01
