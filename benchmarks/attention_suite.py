@@ -22,7 +22,8 @@ start's tokenization):
 
 Timing: one process, batch by batch, every variant in turn on the same batch (the order rotating),
 --rounds times; each variant's time on a batch is its best round. A shared machine's slow phases
-then hit every variant alike. Peak memory: each variant once more in a process of its own.
+then hit every variant alike. Peak memory: each variant once more in a process of its own. Every
+process keeps freed heap for the next batch as a shard worker does (``keep_freed_heap``).
 Prints tokens/s, time per token against plain, naive against suite, and peak RSS.
 """
 
@@ -153,9 +154,11 @@ def _timing(args, names) -> dict:
     import torch
 
     from actlake.config import ModelConfig
+    from actlake.jobs.worker import keep_freed_heap
     from actlake.model import load_model
 
     torch.set_num_threads(args.threads)
+    keep_freed_heap()
     lm = load_model(ModelConfig())
     eager = load_model(ModelConfig(attn_implementation="eager")) if "naive" in names else None
     batches = _windows(args, lm.tokenizer)
@@ -206,9 +209,11 @@ def _peak_memory(name: str, args, queue) -> None:
     import torch
 
     from actlake.config import ModelConfig
+    from actlake.jobs.worker import keep_freed_heap
     from actlake.model import load_model
 
     torch.set_num_threads(args.threads)
+    keep_freed_heap()
     lm = load_model(ModelConfig(attn_implementation="eager" if name == "naive" else "sdpa"))
     batches = _windows(args, lm.tokenizer)
     loaded = _peak_rss_mb()
