@@ -2,7 +2,7 @@ import numpy as np
 import torch
 
 from actlake.analysis.dim_moments import GROUPS, DimMoments
-from actlake.analysis.moments import Moments
+from actlake.analysis.moments import GroupSums, Moments
 
 
 def _random_batch(seed, B=3, T=7, d=5, L1=3):
@@ -31,6 +31,22 @@ def test_moments_match_numpy_and_merge_halves():
     np.testing.assert_allclose(whole.mean[1], sel.mean(0), rtol=1e-12)
     np.testing.assert_allclose(whole.variance[1], sel.var(0), rtol=1e-10)
     np.testing.assert_allclose(whole.max_abs[1], np.abs(sel).max(0))
+
+
+def test_group_sums_in_row_blocks_equal_the_plain_sums():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1100, 9, generator=g) * 4 - 3
+    ids = torch.stack([torch.where(torch.arange(1100) < 1050, 0, 4), torch.randint(1, 5, (1100,), generator=g)], 1)
+    member = torch.nn.functional.one_hot(ids, 5)[..., :4].sum(1).double()  # (N, G)
+    for rows in (1, 64, 512, 5000):  # partial last blocks, one block
+        count, sums, sq = GroupSums(ids, 4, 9, rows=rows).sums(x)
+        torch.testing.assert_close(count, member.sum(0))
+        torch.testing.assert_close(sums, member.T @ x.double(), rtol=1e-12, atol=1e-9)
+        torch.testing.assert_close(sq, member.T @ x.double() ** 2, rtol=1e-12, atol=1e-9)
+    top = GroupSums(ids, 4, 9).max_abs(x)  # group 0: one group over a subset of rows; others grouped
+    for k in range(4):
+        pick = member[:, k] > 0
+        torch.testing.assert_close(top[k], x[pick].abs().amax(0) if pick.any() else torch.zeros(9), rtol=0, atol=0)
 
 
 def test_dim_moments_halves_equal_whole_and_roundtrip_arrow():
