@@ -59,7 +59,7 @@ def _padded_onehot(onehot: torch.Tensor, width: int) -> torch.Tensor:
 def explicit_products(lq, names, value: torch.Tensor | None = None, max_elements: int | None = None) -> dict:
     """The requested products from explicit weights, block by block.
 
-    ``value`` (B, H_kv, T, d_h) float32 is needed for ``output``. ``max_elements`` bounds a block of
+    ``value`` (B, H_kv, T, d_v) float32 is needed for ``output``. ``max_elements`` bounds a block of
     weights (default :func:`block_elements`).
     """
     names = set(names)
@@ -88,7 +88,8 @@ class _ExplicitPass:
         new = self.q.new_empty
         self.mass_in_output = {"output", "mass"} <= names
         if "output" in names:
-            self.v = expand_kv(value, H)  # (B, H, T, d_h)
+            self.v = expand_kv(value, H)  # (B, H, T, d_v)
+            self.dv = self.v.shape[-1]  # value heads may be narrower or wider than query heads
             if self.mass_in_output:
                 onehot8 = _padded_onehot(lq.key_onehot, 8)
                 self.v = torch.cat([self.v, onehot8[:, None].expand(B, H, T, onehot8.shape[-1])], dim=-1)
@@ -168,13 +169,13 @@ class _ExplicitPass:
             buf[s, :, m] = torch.matmul(a, self.onehot16[s, None])
 
     def _results(self) -> dict:
-        names, dh, C = self.names, self.dh, self.C
+        names, C = self.names, self.C
         valid_q = self.batch.validf[:, None, :, None]  # padded / excluded queries give nothing
         out: dict[str, torch.Tensor] = {}
         if "output" in names:
-            out["output"] = self.out_v[..., :dh]
+            out["output"] = self.out_v[..., : self.dv]
         if "mass" in names:
-            mass = self.out_v[..., dh : dh + C] if self.mass_in_output else self.mass_buf[..., :C]
+            mass = self.out_v[..., self.dv : self.dv + C] if self.mass_in_output else self.mass_buf[..., :C]
             out["mass"] = mass * valid_q
         if "mass_keynorm" in names:
             out["mass_keynorm"] = self.keynorm_buf[..., :C] * valid_q

@@ -60,7 +60,7 @@ class BatchInfo:
     def lengths(self) -> list[int] | None:
         """Per sequence, its number of valid tokens when they are a prefix (right padding, nothing
         excluded), else None."""
-        n = self.valid.sum(1)
+        n = self.valid.sum(1).long()  # whole counts whatever the mask's dtype
         prefix = torch.arange(self.valid.shape[1], device=self.valid.device)[None] < n[:, None]
         return n.tolist() if bool((prefix == self.valid.bool()).all()) else None
 

@@ -12,18 +12,32 @@ from actlake.analysis.layer_qk import BatchInfo, LayerQK
 from actlake.categories import one_hot
 
 
-def _layer(causal: bool, h_kv: int = 2, seed: int = 0, hole: bool = False):
-    """Padding at the ends; ``hole``: a token excluded mid-sequence too (as non-finite ones are)."""
+def _valid(kind: str) -> torch.Tensor:
+    """(B, T) masks. ends: right padding; hole: also a token excluded mid-sequence (as non-finite ones
+    are); edges: left padding, an all-padded sequence, a single valid token; one_token: T = 1;
+    ends_float: ends as a float mask."""
+    if kind == "one_token":
+        return torch.ones(2, 1, dtype=torch.long)
+    valid = torch.ones(3, 9, dtype=torch.long)
+    if kind == "edges":
+        valid[0, :3] = 0
+        valid[1] = 0
+        valid[2, 1:] = 0
+        return valid
+    valid[1, 6:] = 0
+    valid[2, 3:] = 0
+    if kind == "hole":
+        valid[0, 2] = 0
+    return valid.float() if kind == "ends_float" else valid
+
+
+def _layer(causal: bool, h_kv: int = 2, seed: int = 0, kind: str = "ends"):
     g = torch.Generator().manual_seed(seed)
-    B, H, T, d, C = 3, 4, 9, 8, 5
+    valid = _valid(kind)
+    (B, T), H, d, C = valid.shape, 4, 8, 5
     q = torch.randn(B, H, T, d, generator=g) * 2
     k = torch.randn(B, h_kv, T, d, generator=g) * 2
     v = torch.randn(B, h_kv, T, d, generator=g)
-    valid = torch.ones(B, T, dtype=torch.long)
-    valid[1, 6:] = 0
-    valid[2, 3:] = 0
-    if hole:
-        valid[0, 2] = 0
     onehot = one_hot(torch.randint(0, C, (B, T), generator=g), C, valid)
     return LayerQK(0, q, k, d ** -0.5, BatchInfo(valid, causal, onehot, onehot)), v
 
@@ -41,11 +55,12 @@ def _reference(lq, v, key_scale=None):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("h_kv,hole", [(4, False), (2, False), (2, True)])
+@pytest.mark.parametrize("h_kv,kind", [(4, "ends"), (2, "ends"), (2, "hole"), (2, "ends_float"), (2, "edges"),
+                                        (1, "one_token")])
 @pytest.mark.parametrize("max_elements", [None, 4 * 9 * 9 * 2, 4 * 9 * 2, 1])
-def test_explicit_products_equal_plain_softmax_weights(causal, h_kv, hole, max_elements):
-    """max_elements: one block; two sequences a block; two queries a block; one query a block."""
-    lq, v = _layer(causal, h_kv, hole=hole)
+def test_explicit_products_equal_plain_softmax_weights(causal, h_kv, kind, max_elements):
+    """max_elements (T = 9): one block; two sequences a block; two queries a block; one query a block."""
+    lq, v = _layer(causal, h_kv, kind=kind)
     got = explicit_products(lq, PRODUCTS, v, max_elements)
     alpha, out = _reference(lq, v)
     oh = lq.key_onehot.double()[:, None]
@@ -60,7 +75,8 @@ def test_explicit_products_equal_plain_softmax_weights(causal, h_kv, hole, max_e
         for n in range(T):
             dist[:, m - n + T - 1] += alpha[:, :, m, n].sum(0)
     torch.testing.assert_close(got["distance"], dist, rtol=1e-6, atol=1e-6)
-    if not hole:  # the output is the model's only where the statistics' mask is the model's
+    assert not any(torch.isnan(t).any() for t in got.values())
+    if kind != "hole":  # the output is the model's only where the statistics' mask is the model's
         real = lq.valid.bool()[:, None, :, None].expand_as(out)
         torch.testing.assert_close(got["output"].double()[real], out[real], rtol=1e-5, atol=1e-6)
 
@@ -84,3 +100,16 @@ def test_products_are_computed_once_and_together():
     assert {"mass", "distance"} <= lq._cache.keys() and "weighted_qsum" not in lq._cache
     lq.product("weighted_qsum")  # not declared: a second pass computes only it
     assert "weighted_qsum" in lq._cache
+
+
+def test_value_heads_of_another_size():
+    """The output takes the value's width and the masses riding along with it stay right."""
+    lq, _ = _layer(False, h_kv=2, seed=5)
+    v = torch.randn(*lq.key.shape[:3], 5)  # d_v = 5 < d_h = 8
+    got = explicit_products(lq, {"output", "mass"}, v)
+    alpha, out = _reference(lq, v)
+    real = lq.valid.bool()[:, None, :, None].expand_as(out)
+    assert got["output"].shape == out.shape
+    torch.testing.assert_close(got["output"].double()[real], out[real], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["mass"].double(), torch.matmul(alpha, lq.key_onehot.double()[:, None]),
+                               rtol=1e-5, atol=1e-6)
