@@ -1,6 +1,7 @@
 """Attention-internals suite vs the plain forward pass vs the naive way, on the same batches.
 
     .venv/bin/python benchmarks/attention_suite.py [--docs 400] [--max-length 128] [--threads 2] [--rounds 3]
+    .venv/bin/python benchmarks/attention_suite.py --marginal --no-memory   # what each analysis costs
 
 Variants, on identical batches of all-MiniLM-L6-v2 windows from the sample corpus (the quick
 start's tokenization):
@@ -19,6 +20,9 @@ start's tokenization):
              alpha_mn: the same sums as the suite's contributions (checked against them). Run on
              --naive-batches batches evenly spaced over the length-sorted batches, compared per
              token with the suite on those same batches.
+
+With ``--marginal``: plain, suite and ``minus-<analysis>`` (the suite without that one analysis)
+for each analysis of :data:`MARGINAL`; the suite's time minus each is what that analysis costs.
 
 Timing: one process, batch by batch, every variant in turn on the same batch (the order rotating),
 --rounds times; each variant's time on a batch is its best round. A shared machine's slow phases
@@ -40,6 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("plain", "suite", "attention", "fused")
+MARGINAL = ("weighted_contributions", "contributions", "geometry", "attention_by_distance", "dim_moments",
+            "residual_norms")
+"""Analyses whose cost ``--marginal`` measures (``minus-contributions`` drops the weighted sums too)."""
 
 
 def _windows(args, tok):
@@ -66,6 +73,8 @@ def _extractor(name: str, lm, max_length: int):
     from actlake.jobs.extract import Extractor
 
     analyses = {"tokens": False}
+    if name.startswith("minus-"):
+        analyses[name.removeprefix("minus-")] = False
     if name == "attention":
         analyses.update(residual_norms=False, dim_moments=False)
     if name == "fused":
@@ -233,9 +242,11 @@ def main(argv=None) -> int:
     p.add_argument("--naive-batches", type=int, default=4)
     p.add_argument("--variants", default=",".join(VARIANTS + ("naive",)))
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory runs")
+    p.add_argument("--marginal", action="store_true",
+                   help="instead of --variants: plain, suite and the suite without each analysis in turn")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    names = args.variants.split(",")
+    names = ["plain", "suite", *(f"minus-{a}" for a in MARGINAL)] if args.marginal else args.variants.split(",")
     results = _timing(args, names)
     if not args.no_memory:
         ctx = mp.get_context("spawn")
@@ -248,16 +259,23 @@ def main(argv=None) -> int:
             results[name]["rss_after_load_mb"], results[name]["peak_rss_mb"] = q.get()
             proc.join()
     print()
+    w = max(9, *map(len, names))
     for name in names:
         res = results[name]
         res["tokens_per_s"] = res["tokens"] / res["seconds"]
         mem = f"; peak RSS {res['peak_rss_mb']:,.0f} MB ({res['rss_after_load_mb']:,.0f} MB after loading)" if "peak_rss_mb" in res else ""
-        print(f"{name:>9}: {res['tokens']:>8,} tokens in {res['seconds']:7.2f}s = {res['tokens_per_s']:9,.0f} tokens/s{mem}")
+        print(f"{name:>{w}}: {res['tokens']:>8,} tokens in {res['seconds']:7.2f}s = {res['tokens_per_s']:9,.0f} tokens/s{mem}")
     print(f"\npadded tokens / real tokens: {results['padded_fraction']:.3f}")
     if "plain" in names:
         for name in names:
             if name not in ("plain", "naive"):
-                print(f"{name:>9} / plain forward: {results[name]['seconds'] / results['plain']['seconds']:.2f}x time per token")
+                print(f"{name:>{w}} / plain forward: {results[name]['seconds'] / results['plain']['seconds']:.2f}x time per token")
+    if "plain" in names and "suite" in names:
+        for name in names:
+            if name.startswith("minus-"):
+                cost = results["suite"]["seconds"] - results[name]["seconds"]
+                print(f"{name.removeprefix('minus-'):>{w}} costs {cost:6.2f}s = {cost / results['plain']['seconds']:6.1%} "
+                      "of the plain forward pass (suite minus the suite without it)")
     naive = results.get("naive")
     if naive:
         if naive["plain_seconds_same_batches"]:
