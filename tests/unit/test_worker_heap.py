@@ -37,6 +37,5 @@ def _second_round_faults(mode: str) -> int:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
 def test_freed_heap_is_kept_for_the_next_batch():
     default = _second_round_faults("default")  # 6,144 on 4 KiB pages; fewer with transparent huge pages
-    if default == 0:
-        pytest.skip("this glibc keeps the freed block by itself")
-    assert _second_round_faults("keep") * 10 < default
+    kept = _second_round_faults("keep")
+    assert kept <= default // 10, (kept, default)  # a glibc that keeps the block by itself: both 0
