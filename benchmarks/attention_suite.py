@@ -27,7 +27,8 @@ for each analysis of :data:`MARGINAL`; the suite's time minus each is what that 
 Timing: one process, batch by batch, every variant in turn on the same batch (the order rotating),
 --rounds times; each variant's time on a batch is its best round. A shared machine's slow phases
 then hit every variant alike. Peak memory: each variant once more in a process of its own. Every
-process keeps freed heap for the next batch as a shard worker does (``keep_freed_heap``).
+process keeps freed heap for the next batch as a shard worker does (``keep_freed_heap``), unless
+``--default-heap`` leaves glibc's defaults. Minor page faults per batch are counted in the last round.
 Prints tokens/s, time per token against plain, naive against suite, and peak RSS.
 """
 
@@ -167,7 +168,8 @@ def _timing(args, names) -> dict:
     from actlake.model import load_model
 
     torch.set_num_threads(args.threads)
-    keep_freed_heap()
+    if not args.default_heap:
+        keep_freed_heap()
     lm = load_model(ModelConfig())
     eager = load_model(ModelConfig(attn_implementation="eager")) if "naive" in names else None
     batches = _windows(args, lm.tokenizer)
@@ -175,6 +177,7 @@ def _timing(args, names) -> dict:
     picks = sorted({round(i * (len(batches) - 1) / max(1, n - 1)) for i in range(n)})
     runners = _runners(names, lm, eager, batches, args.max_length)
     best = {name: [float("inf")] * len(batches) for name in names}
+    faults = dict.fromkeys(names, 0)  # minor page faults in the last round (naive: its only one)
     with torch.inference_mode():
         for run in runners.values():
             run(len(batches) - 1)  # warm-up on the longest batch
@@ -185,9 +188,11 @@ def _timing(args, names) -> dict:
                 for name in names[k:] + names[:k]:
                     if name == "naive" and (i not in picks or r > 0):
                         continue
-                    t0 = time.perf_counter()
+                    f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
                     runners[name](i)
                     best[name][i] = min(best[name][i], time.perf_counter() - t0)
+                    if r == args.rounds - 1 or name == "naive":  # naive runs in the first round only
+                        faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
             print(f"round {r + 1}/{args.rounds}: {time.perf_counter() - t_round:.0f} s", flush=True)
         check = _naive_matches_suite(lm, batches, picks, args.max_length) if "naive" in names else None
     tokens = [sum(len(w.ids) for w in b) for b in batches]
@@ -195,7 +200,8 @@ def _timing(args, names) -> dict:
     for name in names:
         idx = picks if name == "naive" else range(len(batches))
         seconds = sum(best[name][i] for i in idx)
-        out[name] = {"tokens": sum(tokens[i] for i in idx), "seconds": seconds}
+        out[name] = {"tokens": sum(tokens[i] for i in idx), "seconds": seconds,
+                     "faults_per_batch": faults[name] / len(idx)}
         if name == "naive":
             out[name]["suite_seconds_same_batches"] = sum(best["suite"][i] for i in idx) if "suite" in names else None
             out[name]["plain_seconds_same_batches"] = sum(best["plain"][i] for i in idx) if "plain" in names else None
@@ -222,7 +228,8 @@ def _peak_memory(name: str, args, queue) -> None:
     from actlake.model import load_model
 
     torch.set_num_threads(args.threads)
-    keep_freed_heap()
+    if not args.default_heap:
+        keep_freed_heap()
     lm = load_model(ModelConfig(attn_implementation="eager" if name == "naive" else "sdpa"))
     batches = _windows(args, lm.tokenizer)
     loaded = _peak_rss_mb()
@@ -242,6 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--naive-batches", type=int, default=4)
     p.add_argument("--variants", default=",".join(VARIANTS + ("naive",)))
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory runs")
+    p.add_argument("--default-heap", action="store_true",
+                   help="leave glibc's heap defaults (freed tensors go back to the OS) instead of keeping freed heap")
     p.add_argument("--marginal", action="store_true",
                    help="instead of --variants: plain, suite and the suite without each analysis in turn")
     args = p.parse_args(argv)
@@ -264,7 +273,8 @@ def main(argv=None) -> int:
         res = results[name]
         res["tokens_per_s"] = res["tokens"] / res["seconds"]
         mem = f"; peak RSS {res['peak_rss_mb']:,.0f} MB ({res['rss_after_load_mb']:,.0f} MB after loading)" if "peak_rss_mb" in res else ""
-        print(f"{name:>{w}}: {res['tokens']:>8,} tokens in {res['seconds']:7.2f}s = {res['tokens_per_s']:9,.0f} tokens/s{mem}")
+        print(f"{name:>{w}}: {res['tokens']:>8,} tokens in {res['seconds']:7.2f}s = {res['tokens_per_s']:9,.0f} tokens/s; "
+              f"{res['faults_per_batch']:,.0f} minor page faults per batch{mem}")
     print(f"\npadded tokens / real tokens: {results['padded_fraction']:.3f}")
     if "plain" in names:
         for name in names:

@@ -15,8 +15,8 @@ def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 3
 
     By default glibc maps large tensors (beyond a threshold it adjusts as it goes) straight from the
     OS and returns them when freed, or trims the freed top of the heap, so every batch pays the page
-    faults of its working set again: about 8 % of a CPU worker's time with all-MiniLM-L6-v2
-    (``benchmarks/attention_suite.py``). Blocks below ``mmap_threshold`` (32 MiB, the largest
+    faults of its working set again: about 6 % of a CPU worker's time with all-MiniLM-L6-v2
+    (``benchmarks/attention_suite.py`` with and without ``--default-heap``). Blocks below ``mmap_threshold`` (32 MiB, the largest
     threshold glibc's own adjustment reaches) now come from the heap, and its free top is only
     returned beyond ``trim_threshold``; :func:`release_free_memory` still hands everything free back
     after each shard. True when glibc took both settings.
