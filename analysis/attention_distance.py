@@ -9,26 +9,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+import torch
 import pyarrow as pa
 
 from actlake.analysis import grid
 from actlake.analysis.layer_qk import LayerQK
+from actlake.analysis.stats import SumStats, np64, tensor, zeros
 
 
 @dataclass
-class AttentionByDistance:
+class AttentionByDistance(SumStats):
     TABLES = ("attention_by_distance",)
     """Reduced table names (partials: ``<name>_by_shard``)."""
 
-    attn: np.ndarray
+    attn: torch.Tensor
     """(L, H, 2T-1) summed attention weight at m - n = i - (T - 1)."""
-    pairs: np.ndarray
+    pairs: torch.Tensor
     """(L, 2T-1) valid pairs at each m - n."""
 
     @classmethod
-    def zeros(cls, n_layers: int, n_heads: int, max_len: int) -> "AttentionByDistance":
-        return cls(np.zeros((n_layers, n_heads, 2 * max_len - 1)), np.zeros((n_layers, 2 * max_len - 1)))
+    def zeros(cls, n_layers: int, n_heads: int, max_len: int, device=None) -> "AttentionByDistance":
+        return cls(zeros(n_layers, n_heads, 2 * max_len - 1, device=device), zeros(n_layers, 2 * max_len - 1, device=device))
 
     @property
     def max_len(self) -> int:
@@ -39,16 +40,13 @@ class AttentionByDistance:
         if T > self.max_len:
             raise ValueError(f"window of {T} tokens is longer than the distance profile's {self.max_len}")
         off = self.max_len - T  # the batch's m - n = 0 sits at index T - 1, ours at max_len - 1
-        self.attn[lq.layer, :, off : off + 2 * T - 1] += lq.product("distance").cpu().numpy()
-        self.pairs[lq.layer] += lq.batch.pairs_by_distance(self.max_len).cpu().numpy()
-
-    def merge(self, o: "AttentionByDistance") -> "AttentionByDistance":
-        return AttentionByDistance(self.attn + o.attn, self.pairs + o.pairs)
+        self.attn[lq.layer, :, off : off + 2 * T - 1] += lq.product("distance")
+        self.pairs[lq.layer] += lq.batch.pairs_by_distance(self.max_len)
 
     def to_arrow(self) -> pa.Table:
         L, H, D = self.attn.shape
         t = grid.to_arrow([("layer", L), ("head", H), ("distance_index", D)],
-                          {"attn_sum": self.attn, "n_pairs": self.pairs[:, None].repeat(H, 1)})
+                          {"attn_sum": np64(self.attn), "n_pairs": np64(self.pairs)[:, None].repeat(H, 1)})
         distance = pa.compute.subtract(t["distance_index"], pa.scalar(self.max_len - 1, pa.int32()))
         return t.append_column("distance", distance).drop_columns(["distance_index"])
 
@@ -57,7 +55,7 @@ class AttentionByDistance:
         max_len = -int(pa.compute.min(t["distance"]).as_py()) + 1
         t = t.append_column("distance_index", pa.compute.add(t["distance"], pa.scalar(max_len - 1, pa.int32())))
         v = grid.from_arrow(t, [("layer", 0), ("head", 0), ("distance_index", 2 * max_len - 1)], {"attn_sum": 3, "n_pairs": 3})
-        return cls(v["attn_sum"], v["n_pairs"][:, 0])
+        return cls(tensor(v["attn_sum"]), tensor(v["n_pairs"][:, 0]))
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"attention_by_distance": self.to_arrow()}

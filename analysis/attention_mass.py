@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
+from actlake.analysis.stats import SumStats, np64, tensor, zeros
 from actlake.categories import ROLE
 
 
@@ -35,42 +35,40 @@ def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 @dataclass
-class AttentionMass:
+class AttentionMass(SumStats):
     TABLES = ("attention_mass",)
     """Reduced table names (partials: ``<name>_by_shard``)."""
 
-    mass: np.ndarray
+    mass: torch.Tensor
     """(L, H, Cq, Ck) summed attention weight from queries of category cq to keys of category ck."""
-    n_queries: np.ndarray
+    n_queries: torch.Tensor
     """(L, Cq) valid queries of each category (the same for every head)."""
-    nonfinite: np.ndarray
+    nonfinite: torch.Tensor
     """(L,) tokens left out of every attention statistic of that layer: their q, k or x held inf/NaN."""
 
     @classmethod
-    def zeros(cls, n_layers: int, n_heads: int, n_cat: int = len(ROLE)) -> "AttentionMass":
-        return cls(np.zeros((n_layers, n_heads, n_cat, n_cat)), np.zeros((n_layers, n_cat)), np.zeros(n_layers))
+    def zeros(cls, n_layers: int, n_heads: int, n_cat: int = len(ROLE), device=None) -> "AttentionMass":
+        return cls(zeros(n_layers, n_heads, n_cat, n_cat, device=device), zeros(n_layers, n_cat, device=device),
+                   zeros(n_layers, device=device))
 
     def add_layer(self, lq) -> None:
         """Accumulate one layer of one batch (a :class:`~actlake.analysis.layer_qk.LayerQK`)."""
         per_q = lq.product("mass").double()  # (B, H, T, C), zero on invalid queries
         q_oh = lq.query_onehot.double()
-        self.mass[lq.layer] += torch.einsum("bhtk,btq->hqk", per_q, q_oh).cpu().numpy()
-        self.n_queries[lq.layer] += q_oh.sum((0, 1)).cpu().numpy()
-
-    def merge(self, other: "AttentionMass") -> "AttentionMass":
-        return AttentionMass(self.mass + other.mass, self.n_queries + other.n_queries, self.nonfinite + other.nonfinite)
+        self.mass[lq.layer] += torch.einsum("bhtk,btq->hqk", per_q, q_oh)
+        self.n_queries[lq.layer] += q_oh.sum((0, 1))
 
     def to_arrow(self) -> pa.Table:
         L, H = self.mass.shape[:2]
         axes = [("layer", L), ("query_category", ROLE), ("head", H), ("key_category", ROLE)]
-        return grid.to_arrow(axes, {"nonfinite_tokens": self.nonfinite, "n_queries": self.n_queries,
-                                    "mass": self.mass.transpose(0, 2, 1, 3)})
+        return grid.to_arrow(axes, {"nonfinite_tokens": np64(self.nonfinite), "n_queries": np64(self.n_queries),
+                                    "mass": np64(self.mass).transpose(0, 2, 1, 3)})
 
     @classmethod
     def from_arrow(cls, t: pa.Table) -> "AttentionMass":
         axes = [("layer", 0), ("query_category", ROLE), ("head", 0), ("key_category", ROLE)]
         v = grid.from_arrow(t, axes, {"nonfinite_tokens": 1, "n_queries": 2, "mass": 4})
-        return cls(v["mass"].transpose(0, 2, 1, 3).copy(), v["n_queries"], v["nonfinite_tokens"])
+        return cls(tensor(v["mass"].transpose(0, 2, 1, 3)), tensor(v["n_queries"]), tensor(v["nonfinite_tokens"]))
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"attention_mass": self.to_arrow()}

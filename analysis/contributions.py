@@ -21,6 +21,7 @@ import torch
 from actlake.analysis import grid
 from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.rope import unrotate
+from actlake.analysis.stats import SumStats, np64, tensor, zeros
 from actlake.categories import ROLE
 
 QUERY_GROUPS_ALL = ("all",)
@@ -103,29 +104,29 @@ def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
 
 
 @dataclass
-class Contributions:
+class Contributions(SumStats):
     TABLES = ("contributions",)
     """Reduced table names (partials: ``<name>_by_shard``)."""
 
-    contrib: np.ndarray
+    contrib: torch.Tensor
     """(L, H, G, C, d) sum over valid pairs (query in group g, key in category c) of C_j."""
-    bias: np.ndarray
+    bias: torch.Tensor
     """(L, H, G, C) sum over the same pairs of q'_m . R_n b_K."""
-    n_pairs: np.ndarray
+    n_pairs: torch.Tensor
     """(L, G, C) number of valid pairs."""
-    weighted: np.ndarray
+    weighted: torch.Tensor
     """(L, H, C, d) sum over queries and keys in c of alpha_mn C_j(m, n)."""
-    weighted_bias: np.ndarray
+    weighted_bias: torch.Tensor
     """(L, H, C) sum of alpha_mn q'_m . R_n b_K."""
-    n_queries: np.ndarray
+    n_queries: torch.Tensor
     """(L,) valid queries (the weighted sums are over them)."""
     query_groups: tuple[str, ...] = QUERY_GROUPS_ALL
 
     @classmethod
-    def zeros(cls, n_layers, n_heads, d, query_groups=QUERY_GROUPS_ALL) -> "Contributions":
+    def zeros(cls, n_layers, n_heads, d, query_groups=QUERY_GROUPS_ALL, device=None) -> "Contributions":
         L, H, G, C = n_layers, n_heads, len(query_groups), len(ROLE)
-        return cls(np.zeros((L, H, G, C, d)), np.zeros((L, H, G, C)), np.zeros((L, G, C)),
-                   np.zeros((L, H, C, d)), np.zeros((L, H, C)), np.zeros(L), tuple(query_groups))
+        z = lambda *s: zeros(*s, device=device)
+        return cls(z(L, H, G, C, d), z(L, H, G, C), z(L, G, C), z(L, H, C, d), z(L, H, C), z(L), tuple(query_groups))
 
     def add_layer(self, lq: LayerQK, weighted: bool = True) -> None:
         """Accumulate one layer; ``weighted`` adds the attention-weighted sums (explicit weights)."""
@@ -138,13 +139,13 @@ class Contributions:
             qmask = valid if group == "all" else lq.query_onehot[..., ROLE.index(group)].to(torch.float32)
             counts = (lq.queries_per_key() if group == "all"
                       else lq.sum_over_queries(qmask.double()[:, None, :])[:, 0] * lq.valid)  # (B, T)
-            self.n_pairs[l, g] += torch.einsum("bt,btc->c", counts.double(), k_oh).cpu().numpy()
+            self.n_pairs[l, g] += torch.einsum("bt,btc->c", counts.double(), k_oh)
             q = lq.query * qmask[:, None, :, None]  # (B, H, T, d_h), zero outside the group
             if per_sequence:
                 qsum = q.sum(2)  # (B, H, d_h)
-                self.contrib[l, :, g] += contributions_per_sequence(lq, qsum).cpu().numpy()
+                self.contrib[l, :, g] += contributions_per_sequence(lq, qsum)
                 bias = bias_term(lq, qsum[:, :, None]).double()[..., 0]  # (B, H)
-                self.bias[l, :, g] += torch.einsum("bh,btc->hc", bias, k_oh).cpu().numpy()
+                self.bias[l, :, g] += torch.einsum("bh,btc->hc", bias, k_oh)
             else:  # at each key n, the sum of q'_m over the queries that may attend to it
                 general.append((g, lq.sum_over_queries(q)))
         if weighted:
@@ -153,34 +154,33 @@ class Contributions:
             sums = contributions_by_category(lq, *(qsum for _, qsum in general))
             for (g, _), (s, bias) in zip(general, sums):
                 if g is None:
-                    self.weighted[l] += s.cpu().numpy()
-                    self.weighted_bias[l] += bias.cpu().numpy()
+                    self.weighted[l] += s
+                    self.weighted_bias[l] += bias
                 else:
-                    self.contrib[l, :, g] += s.cpu().numpy()
-                    self.bias[l, :, g] += bias.cpu().numpy()
-        self.n_queries[l] += float(lq.valid.sum())
+                    self.contrib[l, :, g] += s
+                    self.bias[l, :, g] += bias
+        self.n_queries[l] += valid.sum()
 
     def merge(self, other: "Contributions") -> "Contributions":
         assert self.query_groups == other.query_groups
-        return Contributions(self.contrib + other.contrib, self.bias + other.bias, self.n_pairs + other.n_pairs,
-                             self.weighted + other.weighted, self.weighted_bias + other.weighted_bias,
-                             self.n_queries + other.n_queries, self.query_groups)
+        return super().merge(other)
 
     def _axes(self, L, H, d):
         return [("layer", L), ("head", H), ("key_category", ROLE), ("query_group", self.query_groups), ("dim", d)]
 
     def to_arrow(self) -> pa.Table:
         L, H, G, C, d = self.contrib.shape
+        n = {f: np64(getattr(self, f)) for f in self._tensor_fields()}
         # weighted values belong to query group 'all' only
         wq = np.zeros((L, H, C, G, d))
-        wq[:, :, :, 0] = self.weighted
+        wq[:, :, :, 0] = n["weighted"]
         wb = np.zeros((L, H, C, G))
-        wb[:, :, :, 0] = self.weighted_bias
+        wb[:, :, :, 0] = n["weighted_bias"]
         t = grid.to_arrow(self._axes(L, H, d), {
-            "n_pairs": self.n_pairs.transpose(0, 2, 1)[:, None].repeat(H, 1),
-            "bias_sum": self.bias.transpose(0, 1, 3, 2), "weighted_bias_sum": wb,
-            "contribution_sum": self.contrib.transpose(0, 1, 3, 2, 4), "weighted_sum": wq,
-            "n_queries": self.n_queries,
+            "n_pairs": n["n_pairs"].transpose(0, 2, 1)[:, None].repeat(H, 1),
+            "bias_sum": n["bias"].transpose(0, 1, 3, 2), "weighted_bias_sum": wb,
+            "contribution_sum": n["contrib"].transpose(0, 1, 3, 2, 4), "weighted_sum": wq,
+            "n_queries": n["n_queries"],
         })
         return t.rename_columns(["query_category" if c == "query_group" else c for c in t.column_names])
 
@@ -191,9 +191,9 @@ class Contributions:
         axes = [("layer", 0), ("head", 0), ("key_category", ROLE), ("query_group", groups), ("dim", 0)]
         v = grid.from_arrow(t, axes, {"n_pairs": 4, "bias_sum": 4, "weighted_bias_sum": 4,
                                       "contribution_sum": 5, "weighted_sum": 5, "n_queries": 1})
-        return cls(v["contribution_sum"].transpose(0, 1, 3, 2, 4).copy(), v["bias_sum"].transpose(0, 1, 3, 2).copy(),
-                   v["n_pairs"][:, 0].transpose(0, 2, 1).copy(), v["weighted_sum"][:, :, :, 0].copy(),
-                   v["weighted_bias_sum"][:, :, :, 0].copy(), v["n_queries"], groups)
+        return cls(tensor(v["contribution_sum"].transpose(0, 1, 3, 2, 4)), tensor(v["bias_sum"].transpose(0, 1, 3, 2)),
+                   tensor(v["n_pairs"][:, 0].transpose(0, 2, 1)), tensor(v["weighted_sum"][:, :, :, 0]),
+                   tensor(v["weighted_bias_sum"][:, :, :, 0]), tensor(v["n_queries"]), groups)
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"contributions": self.to_arrow()}

@@ -15,6 +15,7 @@ import torch
 
 from actlake.analysis import grid
 from actlake.analysis.moments import GroupSums, Moments
+from actlake.analysis.stats import np64, tensor
 from actlake.categories import SCHEMES
 
 GROUPS: tuple[tuple[str, str], ...] = tuple((s, c) for s, cats in SCHEMES.items() for c in cats)
@@ -36,31 +37,44 @@ class DimMoments:
 
     moments: Moments
     """Shape (L+1, G, d)."""
-    nonfinite: np.ndarray
+    nonfinite: torch.Tensor
     """(L+1,) tokens left out per layer because their vector held inf or NaN."""
+    unchecked = None
+    """Device scalar from ``from_batch(exact_nonfinite=False)``: layers holding an inf/NaN that was not
+    looked for (then these moments are wrong and the batch must be redone)."""
 
     @classmethod
-    def from_batch(cls, hidden_states, valid, role, type8) -> "DimMoments":
-        """hidden_states: L+1 tensors (B, T, d); valid/role/type8: (B, T)."""
-        ids = group_ids(valid, role, type8).reshape(-1, 3)  # (B*T, 3)
-        work = GroupSums(ids, len(GROUPS), hidden_states[0].shape[-1])  # shared by the layers
-        per_layer, nonfinite = [], []
-        for h in hidden_states:
+    def from_batch(cls, hidden_states, valid, role, type8, exact_nonfinite: bool = True) -> "DimMoments":
+        """hidden_states: L+1 tensors (B, T, d) on the model's device; valid/role/type8: (B, T) (the host's).
+
+        ``exact_nonfinite``: look for inf/NaN in each layer and leave those tokens out (a host sync per
+        layer). False: assume every value is finite and record in :attr:`unchecked` (a device scalar)
+        how many layers were not; the caller reads it once per batch and recomputes with True if any.
+        """
+        dev = hidden_states[0].device
+        host_ids = group_ids(valid, role, type8).reshape(-1, 3)  # (B*T, 3)
+        work = GroupSums(host_ids, len(GROUPS), hidden_states[0].shape[-1], device=dev)  # shared by the layers
+        ids = work.ids
+        per_layer, nonfinite = [], torch.zeros(len(hidden_states), dtype=torch.float64, device=dev)
+        unchecked = torch.zeros((), dtype=torch.float64, device=dev)
+        for layer, h in enumerate(hidden_states):
             x = h.reshape(-1, h.shape[-1])  # (B*T, d)
-            layer_ids, layer_work, bad = ids, work, 0.0
-            if not bool(torch.isfinite(x.sum())):  # inf/NaN somewhere (a sum keeps them): find the tokens
+            layer_ids, layer_work = ids, work
+            if not exact_nonfinite:
+                unchecked += (~torch.isfinite(x.sum(dtype=torch.float32))).double()
+            elif not bool(torch.isfinite(x.sum())):  # inf/NaN somewhere (a sum keeps them): find the tokens
                 finite = torch.isfinite(x).all(-1)
-                bad = float(((~finite) & valid.reshape(-1).bool()).sum())
+                nonfinite[layer] = ((~finite) & valid.to(dev).reshape(-1).bool()).sum()
                 layer_ids = torch.where(finite[:, None], ids, len(GROUPS))
-                layer_work = GroupSums(layer_ids, len(GROUPS), x.shape[-1])
+                layer_work = GroupSums(layer_ids, len(GROUPS), x.shape[-1], device=dev)
                 x = torch.where(finite[:, None], x, 0)
-            nonfinite.append(bad)
             per_layer.append(Moments.from_groups(x, layer_ids, len(GROUPS), layer_work))
-        stack = lambda name: np.stack([getattr(m, name) for m in per_layer])
-        return cls(Moments(stack("count"), stack("mean"), stack("m2"), stack("max_abs")), np.array(nonfinite))
+        out = cls(Moments.stack(per_layer), nonfinite)
+        out.unchecked = unchecked
+        return out
 
     def merge(self, other: "DimMoments") -> "DimMoments":
-        return DimMoments(self.moments.merge(other.moments), self.nonfinite + other.nonfinite)
+        return DimMoments(self.moments.merge(other.moments), self.nonfinite + other.nonfinite.to(self.nonfinite.device))
 
     def axes(self) -> list:
         L1, G, d = self.moments.mean.shape
@@ -68,8 +82,8 @@ class DimMoments:
 
     def to_arrow(self) -> pa.Table:
         m = self.moments
-        t = grid.to_arrow(self.axes(), {"count": m.count, "mean": m.mean, "m2": m.m2, "max_abs": m.max_abs,
-                                        "nonfinite_tokens": self.nonfinite})
+        t = grid.to_arrow(self.axes(), {"count": np64(m.count), "mean": np64(m.mean), "m2": np64(m.m2),
+                                        "max_abs": np64(m.max_abs), "nonfinite_tokens": np64(self.nonfinite)})
         g = t["group"].to_numpy()
         schemes = np.array([s for s, _ in GROUPS])[g]
         cats = np.array([c for _, c in GROUPS])[g]
@@ -83,7 +97,7 @@ class DimMoments:
         t = t.append_column("group", pa.array(group, pa.int32()))
         v = grid.from_arrow(t, [("layer", 0), ("group", len(GROUPS)), ("dim", 0)],
                             {"count": 2, "mean": 3, "m2": 3, "max_abs": 3, "nonfinite_tokens": 1})
-        return cls(Moments(v["count"], v["mean"], v["m2"], v["max_abs"]), v["nonfinite_tokens"])
+        return cls(Moments(*(tensor(v[k]) for k in ("count", "mean", "m2", "max_abs"))), tensor(v["nonfinite_tokens"]))
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"dim_moments": self.to_arrow()}

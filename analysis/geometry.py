@@ -12,39 +12,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
 from actlake.analysis.layer_qk import LayerQK
+from actlake.analysis.stats import SumStats, np64, tensor, zeros
 from actlake.categories import ROLE
 
 
 @dataclass
-class Geometry:
+class Geometry(SumStats):
     TABLES = ("attention_geometry",)
     """Reduced table names (partials: ``<name>_by_shard``)."""
 
-    n_pairs: np.ndarray
+    n_pairs: torch.Tensor
     """(L, C) valid pairs with the key in category c."""
-    q_norm: np.ndarray
+    q_norm: torch.Tensor
     """(L, H, C) sum over those pairs of ||q'_m||."""
-    k_norm: np.ndarray
+    k_norm: torch.Tensor
     """(L, H, C) sum over those pairs of ||k'_n||."""
-    cos: np.ndarray
+    cos: torch.Tensor
     """(L, H, C) sum over those pairs of cos(q'_m, k'_n)."""
-    mass: np.ndarray
+    mass: torch.Tensor
     """(L, H, C) attention mass received by keys of category c (ordinary softmax)."""
-    mass_keynorm: np.ndarray
+    mass_keynorm: torch.Tensor
     """(L, H, C) the same with every key rescaled to its sequence's mean key norm."""
-    n_queries: np.ndarray
+    n_queries: torch.Tensor
     """(L,) valid queries."""
 
     @classmethod
-    def zeros(cls, n_layers: int, n_heads: int) -> "Geometry":
+    def zeros(cls, n_layers: int, n_heads: int, device=None) -> "Geometry":
         L, H, C = n_layers, n_heads, len(ROLE)
-        z = lambda *s: np.zeros(s)
+        z = lambda *s: zeros(*s, device=device)
         return cls(z(L, C), z(L, H, C), z(L, H, C), z(L, H, C), z(L, H, C), z(L, H, C), z(L))
 
     def add_layer(self, lq: LayerQK) -> None:
@@ -54,38 +54,36 @@ class Geometry:
         k = lq.key_per_query_head
         qn, kn = q.norm(dim=-1), lq.key_norms  # (B, H, T)
         per_key = lq.queries_per_key()  # (B, T)
-        self.n_pairs[l] += torch.einsum("bt,btc->c", per_key, k_oh).cpu().numpy()
-        self.q_norm[l] += torch.einsum("bht,btc->hc", lq.sum_over_queries(qn).double(), k_oh).cpu().numpy()
-        self.k_norm[l] += torch.einsum("bht,btc->hc", kn.double() * per_key[:, None], k_oh).cpu().numpy()
+        self.n_pairs[l] += torch.einsum("bt,btc->c", per_key, k_oh)
+        self.q_norm[l] += torch.einsum("bht,btc->hc", lq.sum_over_queries(qn).double(), k_oh)
+        self.k_norm[l] += torch.einsum("bht,btc->hc", kn.double() * per_key[:, None], k_oh)
         q_unit = q / qn.clamp(min=1e-30)[..., None]
         if lq.causal:  # at each key, the sum of the unit queries that see it, dotted with the key
             dots = (lq.sum_over_queries(q_unit) * k).sum(-1)
         else:  # every key of a sequence sees the same queries
             dots = torch.matmul(k, q_unit.sum(2)[..., None])[..., 0]
         cos_sum = dots / kn.clamp(min=1e-30)  # (B, H, T)
-        self.cos[l] += torch.einsum("bht,btc->hc", cos_sum.double(), k_oh).cpu().numpy()
-        self.n_queries[l] += float(lq.valid.sum())
+        self.cos[l] += torch.einsum("bht,btc->hc", cos_sum.double(), k_oh)
+        self.n_queries[l] += lq.batch.validf.sum()
 
         # mass per key category, as computed and with keys at their mean norm (zero on invalid queries)
-        self.mass[l] += lq.product("mass").double().sum((0, 2)).cpu().numpy()
-        self.mass_keynorm[l] += lq.product("mass_keynorm").double().sum((0, 2)).cpu().numpy()
-
-    def merge(self, o: "Geometry") -> "Geometry":
-        return Geometry(*(getattr(self, f) + getattr(o, f) for f in self.__dataclass_fields__))
+        self.mass[l] += lq.product("mass").double().sum((0, 2))
+        self.mass_keynorm[l] += lq.product("mass_keynorm").double().sum((0, 2))
 
     def to_arrow(self) -> pa.Table:
         L, H, C = self.q_norm.shape
+        n = {f: np64(getattr(self, f)) for f in self._tensor_fields()}
         return grid.to_arrow([("layer", L), ("head", H), ("key_category", ROLE)], {
-            "n_pairs": self.n_pairs[:, None].repeat(H, 1), "q_norm_sum": self.q_norm, "k_norm_sum": self.k_norm,
-            "cos_sum": self.cos, "mass": self.mass, "mass_keynorm": self.mass_keynorm,
-            "n_queries": self.n_queries[:, None, None].repeat(H, 1).repeat(C, 2)})
+            "n_pairs": n["n_pairs"][:, None].repeat(H, 1), "q_norm_sum": n["q_norm"], "k_norm_sum": n["k_norm"],
+            "cos_sum": n["cos"], "mass": n["mass"], "mass_keynorm": n["mass_keynorm"],
+            "n_queries": n["n_queries"][:, None, None].repeat(H, 1).repeat(C, 2)})
 
     @classmethod
     def from_arrow(cls, geo: pa.Table) -> "Geometry":
         g = grid.from_arrow(geo, [("layer", 0), ("head", 0), ("key_category", ROLE)],
                             {k: 3 for k in ("n_pairs", "q_norm_sum", "k_norm_sum", "cos_sum", "mass", "mass_keynorm", "n_queries")})
-        return cls(g["n_pairs"][:, 0], g["q_norm_sum"], g["k_norm_sum"], g["cos_sum"], g["mass"], g["mass_keynorm"],
-                   g["n_queries"][:, 0, 0])
+        return cls(*map(tensor, (g["n_pairs"][:, 0], g["q_norm_sum"], g["k_norm_sum"], g["cos_sum"], g["mass"],
+                                 g["mass_keynorm"], g["n_queries"][:, 0, 0])))
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"attention_geometry": self.to_arrow()}

@@ -14,6 +14,11 @@ from functools import cached_property
 import torch
 
 from actlake.analysis.attention_mass import allowed_pairs, expand_kv
+from actlake.analysis.device import to_device
+
+HOST_FACTS = ("needs_mask", "has_invalid", "lengths", "key_category_index")
+"""Facts about a batch that depend on its values and steer Python code: computed from host tensors
+(:meth:`BatchInfo.to`), so that no layer waits for the device to answer them."""
 
 
 @dataclass(eq=False)
@@ -41,8 +46,8 @@ class BatchInfo:
     @cached_property
     def weight_mask_additive(self) -> torch.Tensor:
         """(B, 1, T, T) float32: 0 on ``weight_mask``, -inf elsewhere."""
-        zero = torch.zeros((), dtype=torch.float32, device=self.valid.device)
-        return torch.where(self.weight_mask, zero, torch.tensor(float("-inf"), device=self.valid.device))
+        zero = torch.zeros(self.weight_mask.shape, dtype=torch.float32, device=self.valid.device)
+        return zero.masked_fill_(~self.weight_mask, float("-inf"))
 
     @cached_property
     def needs_mask(self) -> list[bool]:
@@ -98,6 +103,16 @@ class BatchInfo:
             counts = (self.pair_mask[:, 0] & self.valid.bool()[:, :, None]).to(torch.float64).sum(0)  # (T, T)
             cache[max_len] = diagonal_sums(counts[None], max_len)[0]
         return cache[max_len]
+
+    def to(self, device) -> "BatchInfo":
+        """This batch on ``device``, with :data:`HOST_FACTS` computed here (on the host tensors) and carried
+        over: the device copy never has to be read back to steer the analyses."""
+        out = BatchInfo(to_device(self.valid, device), self.causal, to_device(self.key_onehot, device),
+                        to_device(self.query_onehot, device))
+        for name in HOST_FACTS:
+            value = getattr(self, name)
+            out.__dict__[name] = [to_device(t, device) for t in value] if name == "key_category_index" else value
+        return out
 
     def select(self, rows: slice) -> "BatchInfo":
         return BatchInfo(self.valid[rows], self.causal, self.key_onehot[rows], self.query_onehot[rows])

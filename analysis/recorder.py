@@ -37,6 +37,8 @@ class ModelQK:
 class AttentionRecorder:
     """Receives q and k from the attention wrapper; builds LayerQK and calls ``consumers``.
 
+    ``valid`` (B, T) and ``role_onehot`` (B, T, C): the batch, preferably as host tensors (whatever
+    steers Python code is computed from them, so no layer waits for the device).
     ``mass``: attention mass per query and key category.
     ``inputs``: active :class:`LayerInputs` when consumers need x / RoPE (contributions).
     ``needs``: products of the attention weights the consumers read (:mod:`attention_weights`), computed
@@ -44,41 +46,55 @@ class AttentionRecorder:
     the fused kernel when ``needs`` allows) or ``auto`` (fused on a GPU when ``needs`` allows, else explicit).
     ``reuse_attention``: when the weights are computed explicitly anyway, hand the model its attention
     output from them instead of running the SDPA kernel a second time.
+    ``strict``: check each layer's mask and look for inf/NaN tokens as it comes (both read a value back
+    from the device, once per layer). False: assume both are fine and count on the device what
+    contradicts it (:meth:`problems`); the caller reads that once per batch and, if it is not zero,
+    runs the batch again strictly. Statistics of a batch with problems are wrong and must be dropped.
     """
 
     def __init__(self, mqk: ModelQK, valid: torch.Tensor, role_onehot: torch.Tensor,
                  consumers: list[Callable[[LayerQK], None]], mass: AttentionMass | None = None,
                  inputs: LayerInputs | None = None, needs=frozenset(), method: str = "auto",
-                 reuse_attention: bool = True):
-        self.mqk, self.valid, self.onehot = mqk, valid, role_onehot
-        self.consumers, self.mass, self.inputs = consumers, mass, inputs
+                 reuse_attention: bool = True, strict: bool = True):
+        self.mqk, self.consumers, self.mass, self.inputs = mqk, consumers, mass, inputs
+        self.host = BatchInfo(valid.cpu(), mqk.family.causal, role_onehot.cpu(), role_onehot.cpu())
         self.needs = frozenset(needs) | ({"mass"} if mass is not None else frozenset())
-        self.method, self.reuse_attention = method, reuse_attention
+        self.method, self.reuse_attention, self.strict = method, reuse_attention, strict
         self._batch: dict = {}  # device -> BatchInfo (one per device with device_map)
+        self._problems: dict = {}  # device -> (2,) float64: mismatched mask pairs, layers with inf/NaN
         self.replaced_layers = 0
         """Attention calls whose output came from the analyses' weights (the kernel did not run)."""
         self._checked_masks: list = []  # (mask, is_causal, BatchInfo) already compared (refs keep ids unique)
+
+    def problems(self) -> list[torch.Tensor]:
+        """Per device, (2,) float64 on it: query-key pairs where the model's mask differed from the one the
+        statistics assume, and layers holding inf/NaN in q, k or x. Always zero when ``strict``."""
+        return list(self._problems.values())
 
     def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None):
         layer = self.mqk.layer_of[id(module)]
         dev = query.device  # with device_map, each layer's analyses run where that layer lives
         if dev not in self._batch:
-            oh = self.onehot.to(dev)
-            self._batch[dev] = BatchInfo(self.valid.to(dev), self.mqk.family.causal, oh, oh)
+            self._batch[dev] = self.host.to(dev)
+            self._problems[dev] = torch.zeros(2, dtype=torch.float64, device=dev)
         f32 = lambda t: t.detach().to(torch.float32).contiguous()  # blocks of q and k are read many times
         q, k, batch = f32(query), f32(key), self._batch[dev]
-        self._check_mask(layer, batch, attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
         x = f32(self.inputs.x[layer]) if self.inputs is not None else None
-        bad = self._nonfinite_tokens(batch, q, k, x)  # (B, T) bool, or None when every value is finite
-        any_bad = bad is not None and bool(bad.any())
+        self._check_mask(layer, batch, attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
+        any_bad = False
+        if not self.strict:  # counted here, handled by the caller once per batch
+            self._problems[dev][1] += (~torch.isfinite(_total(q, k, x))).double()
+        else:
+            bad = self._nonfinite_tokens(batch, q, k, x)  # (B, T) bool, or None when every value is finite
+            any_bad = bad is not None and bool(bad.any())
         if any_bad:  # inf/NaN (e.g. fp16 overflow): those tokens leave this layer's statistics
             keep = (~bad).to(batch.key_onehot.dtype)
             batch = BatchInfo(batch.valid * (~bad), batch.causal, batch.key_onehot * keep[..., None],
                               batch.query_onehot * keep[..., None])
             clean = lambda t: torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
             q, k, x = clean(q), clean(k), (clean(x) if x is not None else None)
-        if self.mass is not None and any_bad:
-            self.mass.nonfinite[layer] += float(bad.sum())
+            if self.mass is not None:
+                self.mass.nonfinite[layer] += bad.sum()
         method = self.method
         if method == "auto":
             method = "fused" if dev.type == "cuda" and not self.needs & EXPLICIT_ONLY else "explicit"
@@ -107,8 +123,7 @@ class AttentionRecorder:
     def _nonfinite_tokens(batch: BatchInfo, q, k, x) -> torch.Tensor | None:
         """Real tokens whose q, k or x hold inf/NaN. One sum per tensor first (inf and NaN survive it);
         the per-token test runs only when a sum is not finite."""
-        sums = q.sum() + k.sum() + (x.sum() if x is not None else 0.0)
-        if bool(torch.isfinite(sums)):
+        if bool(torch.isfinite(_total(q, k, x))):
             return None
         finite = torch.isfinite(q).all(-1).all(1) & torch.isfinite(k).all(-1).all(1)  # (B, T)
         if x is not None:
@@ -116,7 +131,8 @@ class AttentionRecorder:
         return batch.valid.bool() & ~finite
 
     def _check_mask(self, layer: int, batch: BatchInfo, attention_mask, is_causal: bool) -> None:
-        """The pairs the model attends (on real queries) must be the pairs the statistics count."""
+        """The pairs the model attends (on real queries) must be the pairs the statistics count. Strict:
+        raise at once; else count the differing pairs on the device (the strict rerun raises)."""
         if any(m is attention_mask and c == is_causal and b is batch for m, c, b in self._checked_masks):
             return  # models build one mask per forward pass: compared at the first layer
         T = batch.valid.shape[1]
@@ -129,10 +145,18 @@ class AttentionRecorder:
             model = attention_mask > torch.finfo(attention_mask.dtype).min / 2
         model = model[..., -T:, -T:].to(batch.valid.device)
         differ = (model != batch.pair_mask).any(1) & batch.valid.bool()[:, :, None]  # (B, T, T) on real queries
-        if bool(differ.any()):
+        self._checked_masks.append((attention_mask, is_causal, batch))
+        if not self.strict:
+            self._problems[batch.valid.device][0] += differ.sum()
+        elif bool(differ.any()):
             raise AnalysisError(
                 f"attention layer {layer}: the model's attention mask differs from "
                 f"{'causal + ' if batch.causal else ''}padding on {int(differ.sum())} query-key pairs (a sliding window "
                 "shorter than the window? tokenization.max_length must not exceed it); the attention statistics "
                 "would not describe what the model attends to")
-        self._checked_masks.append((attention_mask, is_causal, batch))
+
+
+def _total(q, k, x) -> torch.Tensor:
+    """Sum of every value of q, k (and x): finite exactly when none of them holds inf or NaN (short of an
+    overflow of the sum itself, which then only costs a strict rerun)."""
+    return q.sum() + k.sum() + (x.sum() if x is not None else 0.0)

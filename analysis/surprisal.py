@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from actlake.analysis.device import to_device
+
 CHUNK_TOKENS = 1024
 """Tokens whose logits are formed at once."""
 
@@ -15,22 +17,27 @@ CHUNK_TOKENS = 1024
 @torch.no_grad()
 def token_surprisal(head: torch.nn.Module, last_hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
                     chunk: int = CHUNK_TOKENS) -> torch.Tensor:
-    """(B, T, d), (B, T), (B, T) -> (B, T) float32 surprisal; NaN at position 0 and at padding.
+    """(B, T, d) on the model's device, (B, T), (B, T) on the host -> (B, T) float32 surprisal on the
+    model's device; NaN at position 0 and at padding.
 
-    Position t is scored from the hidden state at t - 1 (the prediction of token t).
+    Position t is scored from the hidden state at t - 1 (the prediction of token t). Which tokens are
+    scored is decided on the host, so nothing waits for the device.
     """
     B, T, _ = last_hidden.shape
-    out = torch.full((B, T), float("nan"), dtype=torch.float32)
+    dev = last_hidden.device
+    out = torch.full((B, T), float("nan"), dtype=torch.float32, device=dev)
     if T < 2:
         return out
-    valid = (mask[:, 1:] & mask[:, :-1]).to(last_hidden.device)  # (B, T-1): predicted token and context real
-    rows, cols = valid.nonzero(as_tuple=True)
-    h = last_hidden[:, :-1][rows, cols]  # (N, d)
-    target = ids.to(last_hidden.device)[:, 1:][rows, cols]  # (N,)
-    nll = torch.empty(len(rows), dtype=torch.float32, device=last_hidden.device)
-    for s in range(0, len(rows), chunk):
+    valid = mask[:, 1:].bool() & mask[:, :-1].bool()  # (B, T-1): predicted token and context real
+    scored = valid.reshape(-1).nonzero().flatten()  # (N,) indices into (B, T-1)
+    flat = to_device(scored, dev)
+    into_out = to_device(scored // (T - 1) * T + scored % (T - 1) + 1, dev)  # the same tokens' indices into (B, T)
+    h = last_hidden[:, :-1].reshape(B * (T - 1), -1)[flat]  # (N, d)
+    target = to_device(ids[:, 1:].reshape(-1), dev)[flat]  # (N,)
+    nll = torch.empty(flat.shape[0], dtype=torch.float32, device=dev)
+    for s in range(0, flat.shape[0], chunk):
         logits = head(h[s : s + chunk]).float()  # (n, V)
         lp = torch.log_softmax(logits, dim=-1)
         nll[s : s + chunk] = -lp.gather(1, target[s : s + chunk, None])[:, 0]
-    out[rows.cpu(), cols.cpu() + 1] = nll.cpu()
+    out.view(-1)[into_out] = nll
     return out

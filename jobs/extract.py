@@ -6,12 +6,14 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from actlake.analysis import capture
+from actlake.analysis.device import to_device, to_host
 from actlake.analysis.attention_distance import AttentionByDistance
 from actlake.analysis.attention_mass import AttentionMass
 from actlake.analysis.contributions import QUERY_GROUPS_ALL, QUERY_GROUPS_BY_ROLE, Contributions
@@ -69,27 +71,37 @@ class Extractor:
         return windows, docs, rejects
 
     # ------------------------------------------------------------------ one batch
-    def new_stats(self) -> dict:
-        """Fresh per-shard accumulators for the enabled attention analyses."""
+    def new_stats(self, device=None) -> dict:
+        """Fresh accumulators for the enabled attention analyses, on ``device`` (default: the model's)."""
         a, m = self.cfg.analyses, self.mqk
         d = self.lm.model.config.hidden_size
+        dev = self.lm.device if device is None else device
         stats = {}
         if a.attention_mass:
-            stats["mass"] = AttentionMass.zeros(m.n_layers, m.n_heads)
+            stats["mass"] = AttentionMass.zeros(m.n_layers, m.n_heads, device=dev)
         if a.contributions:
             groups = QUERY_GROUPS_BY_ROLE if a.contributions_by_query_category else QUERY_GROUPS_ALL
-            stats["contributions"] = Contributions.zeros(m.n_layers, m.n_heads, d, groups)
+            stats["contributions"] = Contributions.zeros(m.n_layers, m.n_heads, d, groups, device=dev)
         if a.geometry:
-            stats["geometry"] = Geometry.zeros(m.n_layers, m.n_heads)
+            stats["geometry"] = Geometry.zeros(m.n_layers, m.n_heads, device=dev)
         if a.attention_by_distance:
-            stats["distance"] = AttentionByDistance.zeros(m.n_layers, m.n_heads, self.cfg.tokenization.max_length)
+            stats["distance"] = AttentionByDistance.zeros(m.n_layers, m.n_heads, self.cfg.tokenization.max_length,
+                                                          device=dev)
         return stats
 
     @torch.inference_mode()
-    def run_batch(self, batch: list[Window], stats: dict):
-        """Forward one batch, feeding ``stats``; returns (per-window categories, mask, norms (N, L+1), DimMoments,
-        extra), extra holding ``surprisal`` (B, T) and the stored layers' hidden states ``acts`` {layer: (B, T, d)}."""
+    def run_batch(self, batch: list[Window], strict: bool | None = None) -> "BatchResult":
+        """Forward one batch and compute every enabled statistic of it on the model's device.
+
+        ``strict`` (default: on a CPU) checks masks and inf/NaN layer by layer, reading values back from
+        the device as it goes. Otherwise nothing is read back until the end, where one small read (the
+        batch's only synchronisation) says whether a check failed; then the batch is run again strictly,
+        which gives the exact exclusions or the error. Per-token outputs come back to pinned host memory
+        without blocking, and are complete when this returns.
+        """
         a = self.cfg.analyses
+        strict = self.lm.device.type != "cuda" if strict is None else strict
+        stats = self.new_stats()
         ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)
         per_window = [self.cats.window(w.ids) for w in batch]
         role = torch.zeros_like(ids)
@@ -98,7 +110,6 @@ class Extractor:
             role[i, : len(r)] = torch.tensor(r)
             type8[i, : len(t)] = torch.tensor(t)
         dev = self.lm.device
-        valid = mask.to(dev)
         consumers = []
         if "contributions" in stats:
             weighted = a.weighted_contributions
@@ -108,19 +119,32 @@ class Extractor:
                 consumers.append(stats[name].add_layer)
         with contextlib.ExitStack() as stack:
             inputs = stack.enter_context(self.inputs) if "contributions" in stats else None
-            recorder = AttentionRecorder(self.mqk, valid, one_hot(role.to(dev), len(ROLE), valid), consumers,
+            recorder = AttentionRecorder(self.mqk, mask, one_hot(role, len(ROLE), mask), consumers,
                                          mass=stats.get("mass"), inputs=inputs, needs=attention_products(a),
-                                         method=a.attention_weights)
+                                         method=a.attention_weights, strict=strict)
             stack.enter_context(capture.recording(recorder))
             need_hidden = a.residual_norms or a.dim_moments or bool(self.store_layers)  # else not kept
-            out = self.lm.model(input_ids=ids.to(dev), attention_mask=valid, output_hidden_states=need_hidden)
-        hs = [h.to("cpu") for h in out.hidden_states] if need_hidden else None
-        norms = residual_norms(hs, mask) if a.residual_norms else None
-        moments = DimMoments.from_batch(hs, mask, role, type8) if a.dim_moments else None
-        extra = {"acts": {layer: hs[layer] for layer in self.store_layers}}
+            out = self.lm.model(input_ids=to_device(ids, dev), attention_mask=to_device(mask, dev),
+                                output_hidden_states=need_hidden)
+        hs = out.hidden_states if need_hidden else None
+        result = BatchResult(batch, per_window, mask, stats)
+        if a.residual_norms:
+            result.norms = to_host(residual_norms(hs))
+        if a.dim_moments:
+            result.moments = DimMoments.from_batch(hs, mask, role, type8, exact_nonfinite=strict)
+        if self.store_layers:
+            keep = [i for i, w in enumerate(batch) if window_sampled(self.cfg.activations, w.doc_id, w.window)]
+            rows = to_device(torch.tensor(keep, dtype=torch.long), hs[0].device)
+            result.acts = {layer: (keep, to_host(hs[layer][rows])) for layer in self.store_layers}
         if self.lm.lm_head is not None:
-            extra["surprisal"] = token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask)
-        return per_window, mask, norms, moments, extra
+            result.surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask))
+        if not strict:
+            checks = recorder.problems() + ([result.moments.unchecked] if result.moments is not None else [])
+            found = [float(t.sum()) for t in checks]  # the batch's one synchronisation (per device)
+            if any(found):
+                log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
+                return self.run_batch(batch, strict=True)
+        return result
 
     # ------------------------------------------------------------------ one shard
     def process(self, shard: Shard, layout: RunLayout, plan_hash: str) -> dict:
@@ -130,8 +154,8 @@ class Extractor:
         acc = ShardResults(self.cfg.analyses, self.new_stats(), self.cfg.activations)
         splits_before = self.oom_splits
         for batch in batches:
-            for sub, result in self.run_batch_resilient(batch):
-                acc.add(sub, *result)
+            for result in self.run_batch_resilient(batch):
+                acc.add(result)
         writer = ShardWriter(layout, shard.shard_id, plan_hash)
         try:
             acc.write(writer, docs, rejects)
@@ -149,11 +173,10 @@ class Extractor:
         """Run a batch; on out-of-memory, split it in halves and retry (at most MAX_OOM_SPLITS deep).
 
         Each attempt accumulates into fresh statistics, handed back only when it succeeded, so a
-        failed attempt leaves nothing behind. Yields (windows, run_batch result) pairs.
+        failed attempt leaves nothing behind. Yields :class:`BatchResult`.
         """
-        stats = self.new_stats()
         try:
-            result = self.run_batch(batch, stats)
+            result = self.run_batch(batch)
         except RuntimeError as e:  # torch.OutOfMemoryError is one; other backends only say so in the text
             if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)):
                 raise
@@ -168,7 +191,28 @@ class Extractor:
             yield from self.run_batch_resilient(batch[:half], depth + 1)
             yield from self.run_batch_resilient(batch[half:], depth + 1)
             return
-        yield batch, (*result, stats)
+        yield result
+
+
+@dataclass
+class BatchResult:
+    """One batch's outputs. Per-token values are (B, T, ...) host tensors (padding included; ``mask``
+    says which tokens are real); statistics stay on the model's device."""
+
+    batch: list[Window]
+    per_window: list
+    """Per window: (token texts, role ids, type8 ids)."""
+    mask: torch.Tensor
+    """(B, T) 1 for real tokens (the host's)."""
+    stats: dict
+    """The attention analyses' accumulators for this batch."""
+    norms: torch.Tensor | None = None
+    """(B, T, L+1) float64 residual norms."""
+    moments: DimMoments | None = None
+    surprisal: torch.Tensor | None = None
+    """(B, T) float32, NaN where undefined."""
+    acts: dict = field(default_factory=dict)
+    """Stored layers: {layer: (rows of the batch sampled, (n, T, d) hidden states of those rows)}."""
 
 
 def attention_products(a) -> frozenset:
@@ -196,24 +240,25 @@ class ShardResults:
         self.act_rows: list = []
         self.n_tokens = self.n_padded = 0
 
-    def add(self, batch, per_window, mask, norms, moments, extra, stats) -> None:
+    def add(self, r: "BatchResult") -> None:
+        """Take one batch's results (host tensors complete, statistics on the device)."""
+        batch = r.batch
         lengths = [len(w.ids) for w in batch]
         self.n_tokens += sum(lengths)
         self.n_padded += len(batch) * max(lengths) - sum(lengths)
-        if moments is not None:
-            self.moments = moments if self.moments is None else self.moments.merge(moments)
-        for name, part in stats.items():
+        if r.moments is not None:
+            self.moments = r.moments if self.moments is None else self.moments.merge(r.moments)
+        for name, part in r.stats.items():
             self.stats[name] = self.stats[name].merge(part)
-        keys = []
         cols = self.tok_cols
-        surprisal = extra.get("surprisal")
-        for i, (w, (texts, roles, t8s)) in enumerate(zip(batch, per_window)):
+        surprisal = r.surprisal.numpy() if r.surprisal is not None else None
+        acts = {layer: dict(zip(keep, h.unbind(0))) for layer, (keep, h) in r.acts.items()}
+        for i, (w, (texts, roles, t8s)) in enumerate(zip(batch, r.per_window)):
             T = len(w.ids)
             s = surprisal[i, :T].tolist() if surprisal is not None else [None] * T
             s = [None if v != v else v for v in s]  # NaN (no context) -> null
-            if extra["acts"] and window_sampled(self.act_cfg, w.doc_id, w.window):
-                self.act_rows.append((w, texts, t8s, s, {layer: h[i, :T] for layer, h in extra["acts"].items()}))
-            keys.append(np.stack([np.full(T, w.doc_id), np.full(T, w.window), np.arange(T)], 1))
+            if acts and i in next(iter(acts.values())):
+                self.act_rows.append((w, texts, t8s, s, {layer: by_row[i][:T] for layer, by_row in acts.items()}))
             if self.a.tokens:
                 cols["doc_id"] += [w.doc_id] * T
                 cols["window_index"] += [w.window] * T
@@ -224,8 +269,11 @@ class ShardResults:
                 cols["type8"] += [TYPE8[t] for t in t8s]
                 cols["source"] += [w.source] * T
                 cols["surprisal"] += s
-        if norms is not None:
-            self.norm_rows.append((np.concatenate(keys), norms.numpy()))
+        if r.norms is not None:
+            valid = r.mask.bool()  # (B, T): rows in (batch, position) order, as the keys below
+            keys = np.stack([np.repeat([w.doc_id for w in batch], lengths), np.repeat([w.window for w in batch], lengths),
+                             np.concatenate([np.arange(n) for n in lengths])], 1)
+            self.norm_rows.append((keys, r.norms[valid].numpy()))
 
     def write(self, writer, docs, rejects) -> None:
         writer.write("documents", pa.Table.from_pylist(docs, schema=DOCUMENTS_SCHEMA))
@@ -236,7 +284,7 @@ class ShardResults:
             writer.write("residual_norms", _norm_table(self.norm_rows))
         if self.act_cfg is not None and self.act_cfg.layers:
             writer.write("activations", activation_table(self.act_rows, self.act_cfg.dtype))
-        for stats in [self.moments, *self.stats.values()]:
+        for stats in [self.moments, *self.stats.values()]:  # on the model's device until here
             if stats is not None:
                 for name, table in stats.to_tables().items():
                     writer.write(f"{name}_by_shard", table)

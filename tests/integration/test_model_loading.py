@@ -112,10 +112,9 @@ def test_minilm_in_bfloat16_gives_the_float32_tables_within_the_stated_tolerance
                 windows.append(Window(len(windows), 0, ids, item.source))
         ex = Extractor(parse_config({"name": "t", "model": {"name_or_path": minilm_path, "dtype": dtype},
                                      "tokenization": {"max_length": 64}, "analyses": {"tokens": False}}), lm)
-        stats = ex.new_stats()
         with torch.inference_mode():
-            moments = ex.run_batch(windows, stats)[3]
-        return stats, moments
+            result = ex.run_batch(windows)
+        return result.stats, result.moments
 
     (a, ma), (b, mb) = run("float32"), run("bfloat16")
     per_query = lambda s: s["mass"].mass.sum(2) / s["mass"].n_queries.sum(1)[:, None, None]
@@ -129,6 +128,7 @@ def test_minilm_in_bfloat16_gives_the_float32_tables_within_the_stated_tolerance
     ca, cb = a["contributions"], b["contributions"]
 
     def rel_to_layer_max(x, y):  # |difference| relative to the layer's largest |value|
+        x, y = np.asarray(x), np.asarray(y)
         return (np.abs(x - y) / np.abs(x).reshape(len(x), -1).max(1).reshape((-1,) + (1,) * (x.ndim - 1))).max()
 
     mean_c = lambda c: c.contrib[:, :, 0] / np.maximum(c.n_pairs[:, 0][:, None, :, None], 1)

@@ -42,9 +42,9 @@ def test_mass_equals_explicit_softmax_weights(causal, h_kv, method):
 
 def test_merge_and_arrow_roundtrip():
     a = AttentionMass.zeros(2, 3)
-    a.mass[:] = np.random.default_rng(0).random(a.mass.shape)
+    a.mass[:] = torch.from_numpy(np.random.default_rng(0).random(tuple(a.mass.shape)))
     a.n_queries[:] = 7
-    a.nonfinite[:] = [2, 0]
+    a.nonfinite[:] = torch.tensor([2.0, 0.0])
     b = AttentionMass.from_arrow(a.to_arrow())
     np.testing.assert_array_equal(b.nonfinite, a.nonfinite)
     np.testing.assert_array_equal(b.mass, a.mass)

@@ -87,7 +87,7 @@ def test_nonfinite_tokens_are_counted_and_excluded():
     hs[1][1, 3, 0] = float("nan")
     stats = DimMoments.from_batch(hs, valid, role, type8)
     assert stats.nonfinite.tolist() == [0, 2, 0]
-    assert np.isfinite(stats.moments.mean).all()
+    assert torch.isfinite(stats.moments.mean).all()
     x = hs[1].reshape(-1, hs[1].shape[-1])
     keep = torch.isfinite(x).all(-1)
     np.testing.assert_allclose(stats.moments.mean[1, 0], x[keep].double().mean(0).numpy(), rtol=1e-12)

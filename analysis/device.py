@@ -1,0 +1,28 @@
+"""Moving tensors between the host and the model's device without stalling the device.
+
+On CUDA, host -> device copies go through pinned memory with ``non_blocking=True`` and device ->
+host copies land in pinned buffers, also without blocking: the host reads them only after the one
+synchronisation point of a batch (see :meth:`actlake.jobs.extract.Extractor.run_batch`). On a CPU
+every function here is the identity (or a plain copy), so CPU code paths are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` (on the host) on ``device``; on CUDA through pinned memory, without blocking the host."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host. From CUDA: an asynchronous copy into pinned memory, valid only after the
+    device is next synchronised (reading it earlier reads garbage)."""
+    if t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
