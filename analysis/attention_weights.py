@@ -27,6 +27,8 @@ import torch.nn.functional as F
 PRODUCTS = ("mass", "mass_keynorm", "weighted_qsum", "distance", "output")
 EXPLICIT_ONLY = frozenset({"weighted_qsum", "distance", "output"})
 """Products only the explicit pass gives."""
+FLASH = frozenset({"output", "mass", "mass_keynorm", "weighted_qsum"})
+"""Products :func:`flash_products` gives (causal attention, right padding, 16-bit q and k on CUDA)."""
 
 
 def block_elements(device: torch.device) -> int:
@@ -46,6 +48,17 @@ def _distance_index(T: int, device) -> torch.Tensor:
     """(T, T) long: m - n + T - 1 for query m and key n."""
     m = torch.arange(T, device=device)
     return m[:, None] - m[None, :] + (T - 1)
+
+
+def diagonal_sums_from(rows: torch.Tensor) -> torch.Tensor:
+    """(H, M, T) weights of queries m0 .. m0 + M - 1 -> (H, M + T - 1): entry c sums the weights with
+    m - n = m0 + c - (T - 1), i.e. the block's part of the distance profile from index m0 on. Each row,
+    reversed and padded, is read with a stride one shorter than its length (the "skew" of a matrix),
+    which lines up the diagonals as columns: no scatter, no atomics."""
+    H, M, T = rows.shape
+    padded = F.pad(rows.flip(-1), (0, M))  # (H, M, T + M): row i, column c holds the weight at n = T - 1 - c
+    skewed = padded.reshape(H, -1)[:, : M * (T + M - 1)].reshape(H, M, T + M - 1)  # row i shifted right by i
+    return skewed.sum(1, dtype=torch.float64)
 
 
 def _padded_onehot(onehot: torch.Tensor, width: int) -> torch.Tensor:
@@ -117,8 +130,11 @@ class _ExplicitPass:
             dist = self.q.new_zeros(self.H, m.stop - m0, T) if "distance" in self.names else None
             for s0 in range(0, self.B, self.sb):
                 self._block(slice(s0, min(self.B, s0 + self.sb)), m, dist)
-            if dist is not None:
+            if dist is not None and dist.device.type == "cpu":
                 self.distance.index_add_(1, self.diag[m].reshape(-1), dist.reshape(self.H, -1).double())
+            elif dist is not None:  # on a GPU, index_add_ into 2T - 1 bins is atomics contending
+                span = diagonal_sums_from(dist)
+                self.distance[:, m0 : m0 + span.shape[1]] += span
         return self._results()
 
     def _block(self, s: slice, m: slice, dist) -> None:
@@ -184,6 +200,60 @@ class _ExplicitPass:
         if "distance" in names:
             out["distance"] = self.distance
         return out
+
+
+def flash_products(lq, names) -> dict:
+    """``FLASH`` products from FlashAttention kernels, without the T x T weights in memory.
+
+    For causal attention over right-padded windows on CUDA, with q, k, v in the model's 16-bit dtype
+    (``lq.native``): every valid query sees only valid keys, so the causal kernel needs no mask.
+
+    - ``output``: the kernel's forward pass (what the model's SDPA call computes);
+    - ``weighted_qsum``: the kernel's backward pass with dO = q on valid queries gives
+      dV_n = sum_m alpha_mn q_m, exactly the sum wanted (dQ and dK are computed and dropped);
+    - ``mass``: the forward pass with V = the one-hot key categories (METHODS.md §2);
+    - ``mass_keynorm``: the same with keys rescaled to their sequence's mean norm, in float16 (the
+      rescaled keys are not exact in bfloat16; 2^-11 relative instead of 2^-8).
+
+    Outputs are rounded to the kernel's dtype (bfloat16: 2^-9 relative per entry), then summed in
+    float64 by the analyses; padded queries give nothing.
+    """
+    from actlake.analysis.attention_mass import expand_kv
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    q, k, v = lq.native
+    H, C = q.shape[1], lq.key_onehot.shape[-1]
+    k = expand_kv(k, H)
+    valid = lq.batch.validf[:, None, :, None]
+    scale = float(lq.scaling)
+    out = {}
+    if {"output", "weighted_qsum"} & set(names):
+        v = expand_kv(v, H) if v is not None else torch.zeros_like(q)
+        o, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = flash(q, k, v, 0.0, True, False, scale=scale)
+        out["output"] = o
+        if "weighted_qsum" in names:
+            grad = q * valid.to(q.dtype)
+            _, _, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                grad, q, k, v, o, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+            out["weighted_qsum"] = dv.float()
+    if {"mass", "mass_keynorm"} & set(names):
+        B, _, T, dh = q.shape
+        onehot = torch.zeros(B, T, dh, dtype=q.dtype, device=q.device)
+        onehot[..., :C] = lq.key_onehot
+        if "mass" in names:
+            o = flash(q, k, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
+            out["mass"] = o[..., :C].float() * valid
+        if "mass_keynorm" in names:
+            k16 = (k.float() * key_norm_scale(lq)[..., None]).half()
+            o = flash(q.half(), k16, onehot.half()[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
+            out["mass_keynorm"] = o[..., :C].float() * valid
+    return {n: out[n] for n in names}
+
+
+def flash_applies(lq_query: torch.Tensor, batch) -> bool:
+    """Whether :func:`flash_products` can serve this layer: CUDA, 16-bit q, causal, right padding."""
+    return (lq_query.device.type == "cuda" and lq_query.dtype in (torch.bfloat16, torch.float16)
+            and batch.causal and batch.lengths is not None and lq_query.shape[-1] <= 256)
 
 
 def fused_products(lq, names) -> dict:

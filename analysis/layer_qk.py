@@ -76,12 +76,16 @@ class BatchInfo:
     def sum_over_queries(self, per_query: torch.Tensor) -> torch.Tensor:
         """For each key n, the sum of ``per_query`` (B, H, T, ...) over the queries m that may attend to n.
 
-        Bidirectional: all valid queries. Causal: valid queries m >= n (a reverse cumulative sum).
-        ``per_query`` must already be zero on padded queries.
+        Bidirectional: all valid queries. Causal: valid queries m >= n (a reverse cumulative sum; on a
+        GPU one product with an upper-triangular matrix of ones, which tensor cores run far faster
+        than a scan). ``per_query`` must already be zero on padded queries.
         """
-        if self.causal:
+        if not self.causal:
+            return per_query.sum(2, keepdim=True).expand_as(per_query)
+        if per_query.device.type == "cpu":
             return per_query.flip(2).cumsum(2).flip(2)
-        return per_query.sum(2, keepdim=True).expand_as(per_query)
+        cache = self.__dict__.setdefault("_upper", {})
+        return reverse_cumsum_by_product(per_query, cache)
 
     @cached_property
     def queries_per_key(self) -> torch.Tensor:
@@ -116,6 +120,17 @@ class BatchInfo:
 
     def select(self, rows: slice) -> "BatchInfo":
         return BatchInfo(self.valid[rows], self.causal, self.key_onehot[rows], self.query_onehot[rows])
+
+
+def reverse_cumsum_by_product(per_query: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+    """(B, H, T, ...) -> the same, summed over positions m >= n at each n: one product with a (T, T)
+    upper-triangular matrix of ones (kept in ``cache`` per dtype)."""
+    T = per_query.shape[2]
+    cache = {} if cache is None else cache
+    if per_query.dtype not in cache:
+        cache[per_query.dtype] = torch.ones(T, T, dtype=per_query.dtype, device=per_query.device).triu()
+    x = per_query.reshape(*per_query.shape[:3], -1)  # (B, H, T, X)
+    return torch.matmul(cache[per_query.dtype], x).reshape(per_query.shape)
 
 
 def diagonal_sums(a: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -153,6 +168,8 @@ class LayerQK:
     """(B, H_kv, T, d_h) float32 value, for the ``output`` product."""
     max_elements: int | None = None
     """Attention weights per explicit block (None: the device default)."""
+    native: tuple | None = None
+    """(query, key, value) as the model's kernel received them (its dtype), for ``method == "flash"``."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     # shortcuts to the batch
@@ -189,13 +206,19 @@ class LayerQK:
         """One of :data:`~actlake.analysis.attention_weights.PRODUCTS` of this layer's attention weights.
 
         The first request computes every product in ``needs`` (plus this one) in a single pass
-        (explicit blocks, or the fused kernel when ``method == "fused"`` and that suffices).
+        (explicit blocks, or the fused kernel when ``method == "fused"`` and that suffices; with
+        ``method == "flash"``, FlashAttention kernels for all but the distance profile).
         """
         from actlake.analysis import attention_weights as aw
 
         if name not in self._cache:
             todo = (set(self.needs) | {name}) - self._cache.keys()
-            if self.method == "fused" and not todo & aw.EXPLICIT_ONLY:
+            if self.method == "flash":
+                self._cache.update(aw.flash_products(self, todo & aw.FLASH))
+                todo -= aw.FLASH
+            if not todo:
+                pass
+            elif self.method == "fused" and not todo & aw.EXPLICIT_ONLY:
                 self._cache.update(aw.fused_products(self, todo))
             else:
                 self._cache.update(aw.explicit_products(self, todo, self.value, self.max_elements))
@@ -205,6 +228,6 @@ class LayerQK:
         """The same layer for a subset of the batch's sequences."""
         cut = lambda t: None if t is None else t[rows]
         return LayerQK(self.layer, self.query[rows], self.key[rows], self.scaling, self.batch.select(rows),
-                       cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin), self.needs, self.method,
-                       cut(self.value), self.max_elements)
+                       cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin), self.needs,
+                       "explicit" if self.method == "flash" else self.method, cut(self.value), self.max_elements)
 

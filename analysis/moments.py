@@ -71,19 +71,27 @@ class GroupSums:
     for the device. Sums: the (G, N) membership matrix times [x | x * x] (N, 2d) in float64, ``rows``
     tokens at a time (on a CPU 512, so the float64 block stays in cache: twice as fast as one product
     over the batch; on a GPU one product). Maxima: one grouped max per partition of the ids, a plain
-    max for a partition with one group.
+    max for a partition with one group; with ``segmented`` (default on a GPU, where grouped atomics
+    are slow) the rows sorted by group on the host, then one segmented max per partition.
     """
 
-    def __init__(self, ids: torch.Tensor, n_groups: int, d: int, rows: int | None = None, device=None):
+    def __init__(self, ids: torch.Tensor, n_groups: int, d: int, rows: int | None = None, device=None,
+                 segmented: bool | None = None):
         device = torch.device(device) if device is not None else ids.device
+        segmented = device.type != "cpu" if segmented is None else segmented
         rows = rows or (512 if device.type == "cpu" else 1 << 16)
         self.single = []  # per partition: (its one group, the rows in it or None for all) or None
+        self.segments = []  # per partition of several groups, on a GPU: (row order by group, rows per group)
         host_ids = ids.cpu()
         for s in range(ids.shape[1]):
             groups = torch.unique(host_ids[:, s])
             groups = groups[groups != n_groups]
             if len(groups) != 1:
                 self.single.append(None)
+                if segmented:
+                    order = torch.argsort(host_ids[:, s], stable=True)
+                    counts = torch.bincount(host_ids[:, s], minlength=n_groups + 1)
+                    self.segments.append((to_device(order, device), to_device(counts, device)))
                 continue
             inside = host_ids[:, s] == groups[0]
             rows_in = None if bool(inside.all()) else to_device(torch.nonzero(inside).flatten(), device)
@@ -110,7 +118,12 @@ class GroupSums:
         """(G, d) largest |x| per group (0 for an empty group), in x's precision (exact)."""
         absx = x.abs()
         out = absx.new_zeros(self.n_groups + 1, x.shape[1])
+        for order, counts in self.segments:  # GPU: rows sorted by group, one segmented max (atomics-free)
+            torch.maximum(out, torch.segment_reduce(absx[order], "max", lengths=counts, axis=0, unsafe=True,
+                                                    initial=0), out=out)
         for s, single in enumerate(self.single):
+            if single is None and self.segments:
+                continue
             if single is None:
                 with warnings.catch_warnings():  # "index_reduce() is in beta": the fastest grouped max here
                     warnings.simplefilter("ignore", UserWarning)

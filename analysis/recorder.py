@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 
 from actlake.analysis.attention_mass import AttentionMass
-from actlake.analysis.attention_weights import EXPLICIT_ONLY
+from actlake.analysis.attention_weights import EXPLICIT_ONLY, flash_applies
 from actlake.analysis.capture import LayerInputs, attention_modules
 from actlake.analysis.layer_qk import BatchInfo, LayerQK
 from actlake.architectures import blocks, key_weights
@@ -96,13 +97,21 @@ class AttentionRecorder:
             if self.mass is not None:
                 self.mass.nonfinite[layer] += bad.sum()
         method = self.method
-        if method == "auto":
+        if method == "auto" and not any_bad and flash_applies(query, batch):
+            method = "flash"
+        elif method == "auto":
             method = "fused" if dev.type == "cuda" and not self.needs & EXPLICIT_ONLY else "explicit"
         # the kernel's output can come from our weights only when they are the model's: no token left out
-        replace = (value is not None and self.reuse_attention and method == "explicit" and bool(self.needs)
-                   and not any_bad)
+        replace = (value is not None and self.reuse_attention and method in ("explicit", "flash")
+                   and bool(self.needs) and not any_bad)
         lq = LayerQK(layer, q, k, float(scaling), batch, needs=self.needs | ({"output"} if replace else frozenset()),
-                     method=method, value=f32(value) if replace else None)
+                     method=method, value=f32(value) if replace and method == "explicit" else None,
+                     native=(query.detach(), key.detach(), value.detach() if value is not None else None))
+        with tf32_when_exact(query):
+            return self._feed(lq, layer, query, x, replace)
+
+    def _feed(self, lq: LayerQK, layer: int, query, x, replace: bool):
+        """Run the analyses on one layer; the attention output when it replaces the kernel's."""
         if self.mass is not None:
             self.mass.add_layer(lq)
         if self.inputs is not None:
@@ -154,6 +163,23 @@ class AttentionRecorder:
                 f"{'causal + ' if batch.causal else ''}padding on {int(differ.sum())} query-key pairs (a sliding window "
                 "shorter than the window? tokenization.max_length must not exceed it); the attention statistics "
                 "would not describe what the model attends to")
+
+
+@contextlib.contextmanager
+def tf32_when_exact(query: torch.Tensor):
+    """On a GPU, float32 products on tensor cores (TF32: 10-bit mantissa inputs, float32 accumulation)
+    while the analyses of a bfloat16 / float16 model run: q, k and x of such a model are exact in TF32,
+    and the attention weights are rounded to 2^-11 relative, below the model's own rounding. Float32
+    models keep full float32 products."""
+    if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _total(q, k, x) -> torch.Tensor:

@@ -113,3 +113,30 @@ def test_value_heads_of_another_size():
     torch.testing.assert_close(got["output"].double()[real], out[real], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["mass"].double(), torch.matmul(alpha, lq.key_onehot.double()[:, None]),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_reverse_cumsum_by_product_equals_the_scan():
+    """The GPU's causal sum over queries (a product with a triangular matrix) against the CPU's scan."""
+    from actlake.analysis.layer_qk import reverse_cumsum_by_product
+
+    g = torch.Generator().manual_seed(5)
+    for shape in ((2, 3, 9, 4), (2, 1, 9)):
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(reverse_cumsum_by_product(x), x.flip(2).cumsum(2).flip(2), rtol=1e-12, atol=1e-12)
+
+
+def test_diagonal_sums_by_skew_equal_the_scatter():
+    """The GPU's distance profile of a block of query rows (skewed rows) against index_add_ by m - n."""
+    from actlake.analysis.attention_weights import diagonal_sums_from
+
+    g = torch.Generator().manual_seed(6)
+    H, T = 3, 11
+    for m0, M in ((0, T), (0, 4), (4, 4), (8, 3)):
+        rows = torch.rand(H, M, T, generator=g)
+        m = torch.arange(m0, m0 + M)
+        index = (m[:, None] - torch.arange(T)[None, :] + T - 1).reshape(-1)
+        want = torch.zeros(H, 2 * T - 1, dtype=torch.float64).index_add_(1, index, rows.reshape(H, -1).double())
+        got = torch.zeros(H, 2 * T - 1, dtype=torch.float64)
+        span = diagonal_sums_from(rows)
+        got[:, m0 : m0 + span.shape[1]] += span
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

