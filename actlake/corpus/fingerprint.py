@@ -69,7 +69,8 @@ def describe_change(old: dict, new: dict) -> str | None:
         if key in old and old.get(key) != new.get(key):
             return f"{key} {old[key]:,}{unit} when planned, now {new.get(key, 0):,}{unit}"
     if old.get("hash_kind") != new.get("hash_kind") or old.get("hash") != new.get("hash"):
-        return "content changed (same size, different hash)"
+        same = "number of rows" if "rows" in old else "size"
+        return f"content changed (same {same}, different hash)"
     if old.get("hash_kind") == "sampled" and old.get("mtime_ns") != new.get("mtime_ns"):
         return "modification time changed (a large file's sampled hash cannot rule out an edit)"
     return None

@@ -63,3 +63,22 @@ def test_plan_hash_ignores_the_files_stat_and_inputs_are_fingerprinted(tmp_path)
     again, inputs2 = plan_with_inputs(cfg)
     assert again != shards and plan_hash(cfg, again) == plan_hash(cfg, shards)
     assert inputs2[str(f)]["hash"] == inputs[str(f)]["hash"]
+
+
+def test_a_hugging_face_dataset_is_fingerprinted_by_its_own_fingerprint(tmp_path):
+    """A dataset saved again with other rows (same count) under the same folder is a changed input."""
+    datasets = __import__("pytest").importorskip("datasets")
+    from actlake.corpus.fingerprint import first_change
+
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"text": ["one doc", "two doc", "three"]}).save_to_disk(folder)
+    cfg = parse_config({"corpus": {"format": "hf", "hf_dataset": str(folder)}, "output": {"dir": str(tmp_path / "runs")},
+                        "sharding": {"docs_per_shard": 2}})
+    shards, inputs = plan_with_inputs(cfg)
+    assert [(s.start, s.end, s.size) for s in shards] == [(0, 2, None), (2, 3, None)]
+    assert inputs[str(folder)]["hash_kind"] == "datasets" and inputs[str(folder)]["rows"] == 3
+    assert first_change(inputs, plan_with_inputs(cfg)[1]) is None
+    datasets.Dataset.from_dict({"text": ["one doc", "2 doc", "three"]}).save_to_disk(str(folder) + ".new")
+    __import__("shutil").rmtree(folder)
+    os.replace(str(folder) + ".new", folder)
+    assert first_change(inputs, plan_with_inputs(cfg)[1]) == (str(folder), "content changed (same number of rows, different hash)")
