@@ -9,7 +9,6 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
-
 from pathlib import Path
 
 from actlake.config import JobConfig
@@ -73,6 +72,10 @@ def _single_machine_ray():
     """
     from ray._private import ray_constants
 
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # another Ray: init_ray checks the address it took
+        log.warning("this Ray has no ray_constants.ENABLE_RAY_CLUSTER; starting it as it is")
+        yield
+        return
     saved = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
