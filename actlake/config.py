@@ -197,9 +197,25 @@ class _LineLoader(yaml.SafeLoader):
     """SafeLoader that remembers the line of every mapping key."""
 
 
+def _refuse_aliases(text: str, where: str) -> None:
+    """Raise ConfigError at the first YAML anchor or alias: a config has no use for them, and aliases
+    let a few hundred bytes expand to billions of nodes (the "billion laughs"). Reads events only,
+    which never expands anything."""
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            kind, name = "alias", f"*{event.anchor}"
+        elif getattr(event, "anchor", None) is not None:
+            kind, name = "anchor", f"&{event.anchor}"
+        else:
+            continue
+        raise ConfigError(f"{where}, line {event.start_mark.line + 1}: YAML {kind} {name} is not allowed in a config "
+                          f"(anchors and aliases are refused; write the value out)")
+
+
 def _compose_with_lines(text: str, where: str):
-    """Parse YAML; return (data, {key path: line number})."""
+    """Parse YAML (refusing anchors and aliases); return (data, {key path: line number})."""
     try:
+        _refuse_aliases(text, where)
         data = yaml.safe_load(text)
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:

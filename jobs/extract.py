@@ -52,15 +52,28 @@ class Extractor:
 
     # ------------------------------------------------------------------ reading
     def read_shard(self, shard: Shard):
+        """Windows, documents and rejects of the shard's records. A record the tokenizer fails on is a
+        ``tokenizer_error`` reject; a file whose size or mtime moved since planning, or while it was
+        read, fails the shard (CorpusError naming it)."""
+        from actlake.corpus.fingerprint import check_stat
+        from actlake.corpus.readers import iter_range
+
         c = self.cfg.corpus
         windows: list[Window] = []
         docs, rejects = [], []
-        for item in iter_items(shard.path, shard.fmt, shard.start, shard.end, c.text_field, c.source_field, c.hf_split):
+        if shard.size is not None:
+            check_stat(shard.path, shard.size, shard.mtime_ns, "since the run planned it")
+        for item in iter_range(shard.path, shard.fmt, shard.start, shard.end, c.text_field, c.source_field, c.hf_split):
             if isinstance(item, Reject):
                 rejects.append({"file": shard.path, "record": item.index, "reason": item.reason, "detail": item.detail})
                 continue
             doc_id = shard.doc_offset + item.index
-            ws, cut = document_windows(self.lm.tokenizer, item.text, self.cfg.tokenization)
+            try:
+                ws, cut = document_windows(self.lm.tokenizer, item.text, self.cfg.tokenization)
+            except Exception as e:  # noqa: BLE001 - whatever the tokenizer raises on one record skips that record
+                rejects.append({"file": shard.path, "record": item.index, "reason": "tokenizer_error",
+                                "detail": f"{type(e).__name__}: {e}"[:200].encode("utf-8", "backslashreplace").decode()})
+                continue
             if not ws:
                 rejects.append({"file": shard.path, "record": item.index, "reason": "too_few_tokens", "detail": ""})
                 continue
@@ -68,6 +81,8 @@ class Extractor:
             docs.append({"doc_id": doc_id, "file": shard.path, "record": item.index, "source": item.source,
                          "n_chars": len(item.text), "n_windows": len(ws), "n_tokens": sum(len(x) for x in ws),
                          "cut": cut})
+        if shard.size is not None:
+            check_stat(shard.path, shard.size, shard.mtime_ns, "while the shard read it")
         return windows, docs, rejects
 
     # ------------------------------------------------------------------ one batch

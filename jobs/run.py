@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from actlake.config import JobConfig
-from actlake.errors import ActlakeError, StorageError
+from actlake.corpus.fingerprint import current_fingerprints, first_change
+from actlake.errors import ActlakeError, CorpusError, StorageError
 from actlake.jobs.dispatch import Dispatcher
-from actlake.jobs.plan import make_plan, plan_hash
+from actlake.jobs.plan import plan_hash, plan_with_inputs
 from actlake.jobs.progress import Progress
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.shards import read_record
@@ -42,10 +45,43 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:
+        return True
+    with _single_machine_ray():
         ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=True,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip not in ("127.0.0.1", "::1"):
+        ray.shutdown()
+        raise ActlakeError(f"the embedded Ray took node address {node_ip}, not 127.0.0.1, so its servers would listen "
+                           f"beyond this machine; refusing to run (this Ray version, {ray.__version__}, needs a new fix)")
     return True
+
+
+@contextlib.contextmanager
+def _single_machine_ray():
+    """Let ``ray.init(_node_ip_address="127.0.0.1")`` keep the loopback address.
+
+    Ray replaces a loopback ``_node_ip_address`` by the machine's outward address
+    (``ray._private.services.resolve_ip_for_localhost``) unless clusters are disabled
+    (``ray_constants.ENABLE_RAY_CLUSTER``, the setting behind ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``,
+    read once when Ray is imported). With the outward address the GCS, raylet and worker gRPC
+    servers listen on every interface (``::``); with 127.0.0.1 every server Ray starts listens on
+    loopback only (tests/integration/test_inputs.py lists them). Set for the duration of
+    ``ray.init`` only: a later connection to a real cluster from this process must see the
+    machine's address again.
+    """
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # another Ray: init_ray checks the address it took
+        log.warning("this Ray has no ray_constants.ENABLE_RAY_CLUSTER; starting it as it is")
+        yield
+        return
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
@@ -61,10 +97,42 @@ def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
     return n, cpus, gpus, int(cpus)
 
 
-def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str) -> None:
+def ensure_output_dir(path: Path) -> None:
+    """Create ``output.dir`` if needed; a one-line StorageError naming it when it is not a writable folder."""
+    import tempfile
+
+    if path.exists() and not path.is_dir():
+        raise StorageError(f"output.dir: {path} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"output.dir: cannot create {path} ({e.strerror or e})") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".actlake-write-test-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise StorageError(f"output.dir: cannot write in {path} ({e.strerror or e})") from None
+
+
+def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, inputs: dict | None = None) -> None:
+    """Create the run directory and its run.json, or check that an existing one is the same run:
+    same inputs (file fingerprints, see actlake/corpus/fingerprint.py) and same plan.
+
+    ``inputs``: the fingerprints planning took (path -> fingerprint); None takes them again."""
+    inputs = plan_with_inputs(cfg)[1] if inputs is None else inputs
+    if layout.root.exists() and not layout.root.is_dir():
+        raise StorageError(f"run directory {layout.root} exists and is not a folder; pick a new output.run_id or remove it")
     layout.root.mkdir(parents=True, exist_ok=True)
     if layout.run_json.exists():
         old = json.loads(layout.run_json.read_text())
+        if "inputs" not in old:
+            raise StorageError(f"{layout.run_json} records no input fingerprints (made by an older actlake), so its "
+                               f"corpus cannot be checked; pick a new output.run_id or delete {layout.root}")
+        changed = first_change(old["inputs"], inputs)
+        if changed:
+            raise CorpusError(f"{changed[0]}: {changed[1]} since run '{layout.root.name}' was planned, so its results "
+                              f"would mix two corpora; pick a new output.run_id (--run-id) or delete {layout.root}")
         if old.get("plan_hash") != phash:
             raise StorageError(
                 f"{layout.root} holds run '{layout.root.name}' with a different config or corpus "
@@ -72,7 +140,15 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str) -> No
             )
         return
     write_json_atomic(layout.run_json, {"run_id": layout.root.name, "plan_hash": phash, "config": cfg.to_dict(),
-                                        "shards": [asdict(s) for s in shards], "created": time.time()})
+                                        "inputs": inputs, "shards": [asdict(s) for s in shards], "created": time.time()})
+
+
+def check_inputs_after_failure(layout: RunLayout, inputs: dict, n_failed: int) -> None:
+    """Raise one CorpusError naming the first input that changed while the run went on, if any."""
+    changed = first_change(inputs, current_fingerprints(inputs))
+    if changed:
+        raise CorpusError(f"{changed[0]}: {changed[1]} while run '{layout.root.name}' was going; {n_failed} shard(s) "
+                          f"failed; pick a new output.run_id (--run-id) or delete {layout.root}")
 
 
 def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
@@ -103,11 +179,12 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
 
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
-    shards = make_plan(cfg)
+    ensure_output_dir(Path(cfg.output.dir).resolve())
+    shards, inputs = plan_with_inputs(cfg)
     if not shards:
         raise ActlakeError("the corpus has no documents: nothing to do")
     phash = plan_hash(cfg, shards)
-    prepare_run_dir(cfg, layout, shards, phash)
+    prepare_run_dir(cfg, layout, shards, phash, inputs)
     shutil.rmtree(layout.staging, ignore_errors=True)  # leftovers of attempts that died mid-write
     pending = [s for s in shards if read_record(layout, s.shard_id, phash) is None]
     if cfg.activations.layers and pending:
@@ -115,7 +192,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
     ran: list[dict] = []
     if pending:
-        ran = _dispatch(cfg, layout, phash, pending, len(shards), address or cfg.resources.address, on_shard)
+        ran = _dispatch(cfg, layout, phash, pending, len(shards), address or cfg.resources.address, on_shard, inputs)
     totals = reduce_run(layout, [s.shard_id for s in shards], phash)
     wall = time.perf_counter() - t0
     tokens_run = sum(r["tokens"] for r in ran)
@@ -130,8 +207,9 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
 
 
-def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None) -> list[dict]:
-    """Run ``pending`` shards on fresh actors; return their summaries. Raises if any shard failed."""
+def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs=None) -> list[dict]:
+    """Run ``pending`` shards on fresh actors; return their summaries. Raises if any shard failed:
+    one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
     import ray
 
     from actlake.jobs.worker import ShardWorker
@@ -157,6 +235,7 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None) -> lis
         for w in workers:
             ray.kill(w)
         if failures:
+            check_inputs_after_failure(layout, inputs or {}, len(failures))
             raise ActlakeError(f"{len(failures)} shard(s) failed; rerun the same run id to retry them:\n  " + "\n  ".join(failures))
         return summaries
     finally:

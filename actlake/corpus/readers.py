@@ -1,9 +1,10 @@
 """Streaming readers: each yields the records of one file in order, by index.
 
-A record that cannot be used (malformed JSON, invalid UTF-8, no text) is yielded
-as a :class:`Reject` with its index, so one bad line never drops a whole file. A
-file that cannot be read at all (truncated ``.zst``, corrupt Parquet) raises
-:class:`CorpusError` naming it.
+A record that cannot be used (malformed JSON, including nesting too deep to parse and
+integers too long to convert, invalid UTF-8, text that cannot be encoded to UTF-8, no
+text) is yielded as a :class:`Reject` with its index, so one bad line never drops a whole
+file. A file that cannot be read at all (truncated ``.zst``, corrupt Parquet), or that
+holds fewer records than the plan's range, raises :class:`CorpusError` naming it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Record:
 class Reject:
     index: int
     reason: str
-    """One of: malformed_json, invalid_utf8, not_an_object, missing_text, empty_text."""
+    """One of: malformed_json, invalid_utf8, invalid_text, not_an_object, missing_text, empty_text
+    (and, from the extractor, too_few_tokens and tokenizer_error)."""
     detail: str
 
 
@@ -108,8 +110,10 @@ def _parse_json_line(index: int, line: bytes, text_field: str, source_field: str
         return Reject(index, "invalid_utf8", f"byte {e.start}: {e.reason}")
     try:
         obj = json.loads(s)
-    except json.JSONDecodeError as e:
-        return Reject(index, "malformed_json", str(e))
+    except RecursionError:
+        return Reject(index, "malformed_json", "nested too deeply to parse")
+    except ValueError as e:  # JSONDecodeError, and integers beyond Python's digit limit
+        return Reject(index, "malformed_json", str(e)[:200])
     if not isinstance(obj, dict):
         return Reject(index, "not_an_object", f"got {type(obj).__name__}")
     text = _get(obj, text_field)
@@ -118,7 +122,21 @@ def _parse_json_line(index: int, line: bytes, text_field: str, source_field: str
     if not text.strip():
         return Reject(index, "empty_text", "")
     source = _get(obj, source_field)
-    return Record(index, text, str(source) if source is not None else "unknown")
+    source = str(source) if source is not None else "unknown"
+    for name, value in ((text_field, text), (source_field, source)):
+        bad = _unencodable(value)
+        if bad:
+            return Reject(index, "invalid_text", f"field {name!r}: {bad}")
+    return Record(index, text, source)
+
+
+def _unencodable(text: str) -> str | None:
+    """Why ``text`` cannot be written as UTF-8 (a lone surrogate from a JSON escape), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"character {e.start}: {e.reason} ({text[e.start]!r})"
+    return None
 
 
 def iter_jsonl(path: str, start: int, end: int, text_field: str, source_field: str) -> Iterator[Item]:
@@ -203,6 +221,7 @@ def count_records(path: str, fmt: str) -> int:
 
 
 def iter_items(path: str, fmt: str, start: int, end: int, text_field: str, source_field: str, hf_split: str = "train") -> Iterator[Item]:
+    """Records ``start <= index < end`` of one input, as many as it has (see :func:`iter_range`)."""
     if fmt == "jsonl":
         return iter_jsonl(path, start, end, text_field, source_field)
     if fmt == "parquet":
@@ -210,3 +229,16 @@ def iter_items(path: str, fmt: str, start: int, end: int, text_field: str, sourc
     if fmt == "hf":
         return iter_hf(path, hf_split, start, end, text_field, source_field)
     raise CorpusError(f"{path}: unknown corpus format {fmt!r}")
+
+
+def iter_range(path: str, fmt: str, start: int, end: int, text_field: str, source_field: str, hf_split: str = "train") -> Iterator[Item]:
+    """Every record ``start <= index < end`` of one input (a shard's range): an input that ends before
+    ``end`` (it shrank after planning) raises CorpusError naming it, the range and what was read."""
+    n = 0
+    for item in iter_items(path, fmt, start, end, text_field, source_field, hf_split):
+        n += 1
+        yield item
+    if n != end - start:
+        got = f"records {start}-{start + n - 1}" if n else "no record"
+        raise CorpusError(f"{path}: planned records {start}-{end - 1} but read {got} ({n} of {end - start}); "
+                          f"the input shrank after planning")

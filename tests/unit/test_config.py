@@ -65,3 +65,85 @@ def test_reference_lists_every_key():
     ref = reference_markdown()
     for key in ("model.name_or_path", "corpus.paths", "tokenization.stride", "batching.max_tokens", "resources.num_workers"):
         assert f"`{key}`" in ref
+
+
+BOMB_CHILD = r"""
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # the old loader's walk grew past 2 GB
+from actlake.config import load_config
+from actlake.errors import ConfigError
+t0 = time.perf_counter()
+try:
+    load_config(sys.argv[1], check_files=False)
+    msg = None
+except ConfigError as e:
+    msg = str(e)
+print(json.dumps({"msg": msg, "seconds": time.perf_counter() - t0,
+                  "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_fast_and_small(tmp_path, capsys):
+    """A real billion-laughs config (9 levels of 9 aliases: 9^9 strings): refused at its first anchor,
+    naming file and line, in well under a second and a few MB, in a child process with 1 GiB of
+    address space (the old loader never finished)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    levels = "abcdefghi"
+    rows = ["name: bomb", f'{levels[0]}: &{levels[0]} [{", ".join(["lol"] * 9)}]']
+    rows += [f"{cur}: &{cur} [{', '.join([f'*{prev}'] * 9)}]" for prev, cur in zip(levels, levels[1:])]
+    p = _write(tmp_path, "\n".join(rows) + "\n")
+    assert len(p.read_bytes()) < 500
+    first_anchor_line = next(i for i, row in enumerate(rows, 1) if "&" in row)
+    proc = subprocess.run([sys.executable, "-c", BOMB_CHILD, str(p)], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["msg"] and str(p) in out["msg"] and f"line {first_anchor_line}" in out["msg"] and "alias" in out["msg"]
+    assert out["seconds"] < 2 and out["maxrss_mb"] < 300, out
+    assert main(["run", str(p)]) == 2  # and on the command line: one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("actlake: error:") and str(p) in err[0]
+
+
+def test_a_merge_key_alias_is_refused_too(tmp_path):
+    p = _write(tmp_path, "model:\n  dtype: float32\ntokenization:\n  <<: *x\n")
+    with pytest.raises(ConfigError, match=r"line 4: YAML alias \*x"):
+        load_config(p, check_files=False)
+
+
+@pytest.mark.parametrize("case", ["file", "below_a_file", "not_writable", "run_dir_is_a_file"])
+def test_output_dir_mistakes_are_one_line(tmp_path, capsys, minilm_path, case):
+    """output.dir that is a file, lies below a file or cannot be written (root writes anywhere but /sys),
+    and a run directory that is a file: one ``actlake: error:`` line naming the path, before Ray starts."""
+    import json
+    import os
+
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "hello there"}) + "\n")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    run_id = None
+    if case == "file":
+        out = blocker
+    elif case == "below_a_file":
+        out = blocker / "runs"
+    elif case == "not_writable":
+        out = tmp_path / "ro"
+        out.mkdir()
+        out.chmod(0o555)
+        if os.geteuid() == 0:
+            out = "/sys"
+    else:
+        out = tmp_path / "runs"
+        out.mkdir()
+        (out / "r1").write_text("a file where the run directory goes")
+        run_id = "r1"
+    cfg = {"model": {"name_or_path": minilm_path}, "corpus": {"paths": [str(tmp_path / "c.jsonl")]},
+           "output": {"dir": str(out), "run_id": run_id, "report": False}}
+    p = _write(tmp_path, json.dumps(cfg))
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("actlake: error:") and str(out) in err[0], err

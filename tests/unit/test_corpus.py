@@ -3,7 +3,7 @@ import json
 import pytest
 import zstandard
 
-from actlake.corpus.readers import Record, Reject, count_records, iter_items
+from actlake.corpus.readers import Record, Reject, count_records, iter_items, iter_range
 from actlake.corpus.sample import write_sample
 from actlake.errors import CorpusError
 
@@ -58,3 +58,66 @@ def test_parquet_reader_and_corrupt_parquet(tmp_path):
     bad.write_bytes(f.read_bytes()[:-30])
     with pytest.raises(CorpusError, match="bad.parquet"):
         count_records(str(bad), "parquet")
+
+
+def test_hostile_records_are_rejects_with_reasons(tmp_path):
+    """Deep nesting (RecursionError), a 5,000-digit integer (ValueError), lone surrogates in the text or
+    the source label (cannot be written as UTF-8): one reject each, the good records around them kept."""
+    good = [json.dumps({"text": f"good {i}", "meta": {"pile_set_name": "A"}}).encode() for i in range(3)]
+    hostile = [(b"[" * 100_000, "malformed_json"), (b"{" * 100_000, "malformed_json"),
+               (b'{"text": "n", "n": ' + b"1" * 5000 + b"}", "malformed_json"),
+               (b'{"text": "\\ud800 lone"}', "invalid_text"),
+               (b'{"text": "fine", "meta": {"pile_set_name": "\\udfff"}}', "invalid_text")]
+    lines = [good[0], *[h for h, _ in hostile], good[1], good[2]]
+    f = tmp_path / "h.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    items = list(iter_items(str(f), "jsonl", 0, len(lines), "text", "meta.pile_set_name"))
+    assert [(i.index, i.reason) for i in items if isinstance(i, Reject)] == [
+        (k + 1, reason) for k, (_, reason) in enumerate(hostile)]
+    assert [i.text for i in items if isinstance(i, Record)] == [json.loads(g)["text"] for g in good]
+    assert all(len(i.detail) <= 200 and i.detail.encode("utf-8") for i in items if isinstance(i, Reject))
+
+
+def test_a_range_beyond_the_end_of_the_file_names_it(tmp_path):
+    """iter_range (a shard's reader) fails when the file has fewer records than the planned range."""
+    f = tmp_path / "short.jsonl"
+    f.write_text("".join(json.dumps({"text": f"d {i}"}) + "\n" for i in range(10)))
+    assert [i.index for i in iter_range(str(f), "jsonl", 6, 10, "text", "meta.pile_set_name")] == [6, 7, 8, 9]
+    with pytest.raises(CorpusError) as e:
+        list(iter_range(str(f), "jsonl", 8, 12, "text", "meta.pile_set_name"))
+    assert str(f) in str(e.value) and "8-11" in str(e.value) and "records 8-9" in str(e.value)
+    with pytest.raises(CorpusError, match="no record"):
+        list(iter_range(str(f), "jsonl", 12, 14, "text", "meta.pile_set_name"))
+
+
+def test_fingerprints_full_and_sampled(tmp_path):
+    """Small files are hashed whole; large ones by head/middle/tail blocks, whose mtime then counts."""
+    import hashlib
+    import os
+
+    from actlake.corpus.fingerprint import FULL_HASH_LIMIT, SAMPLE_BLOCK, describe_change, file_fingerprint
+
+    small = tmp_path / "small.jsonl"
+    small.write_bytes(b"abc\n" * 1000)
+    fp = file_fingerprint(str(small))
+    assert fp["hash_kind"] == "full" and fp["hash"] == hashlib.sha256(small.read_bytes()).hexdigest()
+    big = tmp_path / "big.jsonl"
+    size = FULL_HASH_LIMIT + 3 * SAMPLE_BLOCK + 7
+    with open(big, "wb") as out:
+        out.truncate(size)  # sparse zeros
+    a = file_fingerprint(str(big))
+    assert a["hash_kind"] == "sampled" and a["size"] == size
+    with open(big, "r+b") as out:  # an edit inside the middle block changes the hash
+        out.seek(size // 2)
+        out.write(b"x")
+    b = file_fingerprint(str(big))
+    assert b["hash"] != a["hash"] and "content changed" in describe_change(a, b)
+    st = os.stat(big)  # an edit between the blocks is only seen through the modification time
+    with open(big, "r+b") as out:
+        out.seek(SAMPLE_BLOCK + 10)
+        out.write(b"y")
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    c = file_fingerprint(str(big))
+    assert c["hash"] == b["hash"] and "modification time" in describe_change(b, c)
+    touched = dict(fp, mtime_ns=fp["mtime_ns"] + 1)
+    assert describe_change(fp, touched) is None  # a fully hashed file: same bytes, same input

@@ -1,10 +1,10 @@
-"""The shard plan: deterministic, and record counts cached by file size and mtime."""
+"""The shard plan: deterministic, and record counts cached by the file's fingerprint."""
 
 import json
 import os
 
 from actlake.config import parse_config
-from actlake.jobs.plan import COUNT_CACHE, make_plan, plan_hash
+from actlake.jobs.plan import COUNT_CACHE, make_plan, plan_hash, plan_with_inputs
 
 
 def _cfg(corpus, out, **sharding):
@@ -25,17 +25,60 @@ def test_plan_is_deterministic_and_covers_every_record(tmp_path):
     assert sum(s.end - s.start for s in make_plan(capped)) == 8
 
 
-def test_record_counts_are_cached_by_size_and_mtime(tmp_path):
+def test_record_counts_are_cached_by_fingerprint(tmp_path):
+    """The cache answers for an unchanged file (without reading it again), never for changed content,
+    even when size and mtime are the same."""
     (tmp_path / "c").mkdir()
     f = tmp_path / "c" / "a.jsonl"
     f.write_text("".join(json.dumps({"text": f"d{i}"}) + "\n" for i in range(6)))
     cfg = _cfg(tmp_path / "c", tmp_path / "runs")
+    cache_file = tmp_path / "runs" / COUNT_CACHE
     assert sum(s.end - s.start for s in make_plan(cfg)) == 6
-    cache = json.loads((tmp_path / "runs" / COUNT_CACHE).read_text())
+    cache = json.loads(cache_file.read_text())
     assert cache[str(f)]["records"] == 6
+    written = os.stat(cache_file).st_ino  # the cache is replaced (new inode) whenever it is written
+    assert sum(s.end - s.start for s in make_plan(cfg)) == 6 and os.stat(cache_file).st_ino == written  # a hit
     st = os.stat(f)
-    f.write_text(f.read_text().replace("\n", " ", 2) + "\n\n")  # same size, fewer/more lines, same mtime
+    text = f.read_text()
+    f.write_text(text.replace("\n", " ", 2))  # two records joined: same size, fewer lines; mtime put back below
+    assert os.path.getsize(f) == st.st_size
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert sum(s.end - s.start for s in make_plan(cfg)) == 6  # the cache answered
-    f.write_text(f.read_text() + json.dumps({"text": "new"}) + "\n")  # size changed: counted again
-    assert sum(s.end - s.start for s in make_plan(cfg)) == len(f.read_text().splitlines())
+    expected = len(f.read_bytes().splitlines())
+    assert expected != 6
+    assert sum(s.end - s.start for s in make_plan(cfg)) == expected  # counted again: the content hash moved
+    assert json.loads(cache_file.read_text())[str(f)]["records"] == expected
+
+
+def test_plan_hash_ignores_the_files_stat_and_inputs_are_fingerprinted(tmp_path):
+    """A file touched with the same bytes keeps its plan hash; every planned file has a fingerprint."""
+    (tmp_path / "c").mkdir()
+    f = tmp_path / "c" / "a.jsonl"
+    f.write_text("".join(json.dumps({"text": f"d{i}"}) + "\n" for i in range(5)))
+    cfg = _cfg(tmp_path / "c", tmp_path / "runs")
+    shards, inputs = plan_with_inputs(cfg)
+    st = os.stat(f)
+    assert set(inputs) == {str(f)} and inputs[str(f)]["size"] == st.st_size and inputs[str(f)]["hash_kind"] == "full"
+    assert all((s.size, s.mtime_ns) == (st.st_size, st.st_mtime_ns) for s in shards)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    again, inputs2 = plan_with_inputs(cfg)
+    assert again != shards and plan_hash(cfg, again) == plan_hash(cfg, shards)
+    assert inputs2[str(f)]["hash"] == inputs[str(f)]["hash"]
+
+
+def test_a_hugging_face_dataset_is_fingerprinted_by_its_own_fingerprint(tmp_path):
+    """A dataset saved again with other rows (same count) under the same folder is a changed input."""
+    datasets = __import__("pytest").importorskip("datasets")
+    from actlake.corpus.fingerprint import first_change
+
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"text": ["one doc", "two doc", "three"]}).save_to_disk(folder)
+    cfg = parse_config({"corpus": {"format": "hf", "hf_dataset": str(folder)}, "output": {"dir": str(tmp_path / "runs")},
+                        "sharding": {"docs_per_shard": 2}})
+    shards, inputs = plan_with_inputs(cfg)
+    assert [(s.start, s.end, s.size) for s in shards] == [(0, 2, None), (2, 3, None)]
+    assert inputs[str(folder)]["hash_kind"] == "datasets" and inputs[str(folder)]["rows"] == 3
+    assert first_change(inputs, plan_with_inputs(cfg)[1]) is None
+    datasets.Dataset.from_dict({"text": ["one doc", "2 doc", "three"]}).save_to_disk(str(folder) + ".new")
+    __import__("shutil").rmtree(folder)
+    os.replace(str(folder) + ".new", folder)
+    assert first_change(inputs, plan_with_inputs(cfg)[1]) == (str(folder), "content changed (same number of rows, different hash)")

@@ -1,0 +1,113 @@
+"""Fingerprints of corpus inputs, so a run never resumes (or goes on) over changed files.
+
+A file's fingerprint is its size, its modification time and a SHA-256 of its content:
+
+- files up to :data:`FULL_HASH_LIMIT` (64 MiB) are hashed whole (``hash_kind: full``);
+- larger files hash their size and three :data:`SAMPLE_BLOCK` (1 MiB) blocks, at the head, the
+  middle and the tail (``hash_kind: sampled``): a few milliseconds for a multi-GB Pile file.
+
+A sampled hash cannot see an edit between its blocks that keeps the size, so for sampled files a
+changed modification time counts as a change too; for fully hashed files the hash decides (a file
+copied or touched with the same bytes is the same input). Hugging Face datasets are fingerprinted
+by the datasets library's own ``_fingerprint`` when the dataset has one, else by name, split and
+config name (``hash_kind: name``), plus their number of rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from actlake.errors import CorpusError
+
+FULL_HASH_LIMIT = 64 << 20
+"""Files up to this size are hashed whole; larger ones by sampled blocks."""
+SAMPLE_BLOCK = 1 << 20
+"""Bytes of each sampled block (head, middle, tail) of a large file."""
+
+
+def _hash_blocks(path: str, size: int) -> tuple[str, str]:
+    """(hash kind, hex SHA-256) of the whole file, or of its size and head/middle/tail blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_LIMIT:
+            while data := f.read(SAMPLE_BLOCK):
+                h.update(data)
+            return "full", h.hexdigest()
+        h.update(size.to_bytes(8, "little"))
+        for offset in (0, size // 2 - SAMPLE_BLOCK // 2, size - SAMPLE_BLOCK):
+            f.seek(offset)
+            h.update(f.read(SAMPLE_BLOCK))
+        return "sampled", h.hexdigest()
+
+
+def file_fingerprint(path: str) -> dict:
+    """Size, mtime and content hash of ``path``; raises CorpusError if it changes while being hashed."""
+    try:
+        before = os.stat(path)
+        kind, digest = _hash_blocks(path, before.st_size)
+        after = os.stat(path)
+    except OSError as e:
+        raise CorpusError(f"{path}: cannot read corpus file ({type(e).__name__}: {e.strerror or e})") from None
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+        raise CorpusError(f"{path}: the file changed while it was being fingerprinted; is something still writing it?")
+    return {"size": after.st_size, "mtime_ns": after.st_mtime_ns, "hash_kind": kind, "hash": digest}
+
+
+def hf_fingerprint(ds, name: str, split: str) -> dict:
+    """A loaded Hugging Face dataset's own fingerprint (or its name, split and config) and row count."""
+    own = getattr(ds, "_fingerprint", None)
+    if own:
+        return {"rows": len(ds), "hash_kind": "datasets", "hash": str(own)}
+    config = getattr(getattr(ds, "info", None), "config_name", None)
+    return {"rows": len(ds), "hash_kind": "name", "hash": f"{name}|{split}|{config}"}
+
+
+def describe_change(old: dict, new: dict) -> str | None:
+    """What differs between two fingerprints of one input, in a few words; None if it is the same input."""
+    for key, unit in (("size", " bytes"), ("rows", " rows")):
+        if key in old and old.get(key) != new.get(key):
+            return f"{key} {old[key]:,}{unit} when planned, now {new.get(key, 0):,}{unit}"
+    if old.get("hash_kind") != new.get("hash_kind") or old.get("hash") != new.get("hash"):
+        same = "number of rows" if "rows" in old else "size"
+        return f"content changed (same {same}, different hash)"
+    if old.get("hash_kind") == "sampled" and old.get("mtime_ns") != new.get("mtime_ns"):
+        return "modification time changed (a large file's sampled hash cannot rule out an edit)"
+    return None
+
+
+def check_stat(path: str, size: int, mtime_ns: int, when: str) -> None:
+    """Raise CorpusError naming ``path`` unless its size and mtime are still ``size`` and ``mtime_ns``."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CorpusError(f"{path}: corpus file gone or unreadable {when} ({e.strerror or e})") from None
+    if st.st_size != size:
+        raise CorpusError(f"{path}: the file changed {when}: size {size:,} bytes when planned, now {st.st_size:,}")
+    if st.st_mtime_ns != mtime_ns:
+        raise CorpusError(f"{path}: the file changed {when}: modification time moved since planning")
+
+
+def first_change(recorded: dict[str, dict], current: dict[str, dict]) -> tuple[str, str] | None:
+    """(input, what changed) for the first input whose fingerprint differs, or that one side lacks; None if all agree."""
+    for path in sorted(recorded.keys() | current.keys()):
+        if path not in current:
+            return path, "no longer in the corpus"
+        if path not in recorded:
+            return path, "new in the corpus"
+        what = describe_change(recorded[path], current[path])
+        if what:
+            return path, what
+    return None
+
+
+def current_fingerprints(recorded: dict[str, dict]) -> dict[str, dict]:
+    """Fingerprints, taken now, of the files in ``recorded`` (hf datasets keep their recorded value:
+    workers check their row count as they read). A file that is gone is left out."""
+    now = {}
+    for path, fp in recorded.items():
+        if fp.get("hash_kind") in ("datasets", "name"):
+            now[path] = fp
+        elif os.path.exists(path):
+            now[path] = file_fingerprint(path)
+    return now

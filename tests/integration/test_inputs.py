@@ -1,0 +1,230 @@
+"""Input safety on real Ray and real files, through the command line (``actlake.cli.main``):
+a changed or shrunk corpus is refused with one line naming the file, hostile records become
+rejects, and the embedded Ray listens on loopback only."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from actlake.cli import main
+from actlake.storage.sql import open_run
+from tests.conftest import job_config
+
+pytestmark = pytest.mark.integration
+
+LIGHT = {"analyses.contributions": False, "analyses.geometry": False, "analyses.attention_by_distance": False,
+         "analyses.residual_norms": False, "corpus.max_docs": None}
+"""Analyses these tests do not look at: off, to keep the jobs small on a 2-core machine."""
+
+
+def _corpus(sample_corpus: Path, folder: Path, n: int) -> tuple[Path, list[bytes]]:
+    """A plain .jsonl file of the first ``n`` sample documents (lines of 00.jsonl and 01.jsonl)."""
+    lines = [l for name in ("00.jsonl", "01.jsonl") for l in (sample_corpus / name).read_bytes().splitlines()][:n]
+    assert len(lines) == n
+    folder.mkdir(parents=True, exist_ok=True)
+    f = folder / "c.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    return f, lines
+
+
+def _config_file(tmp_path: Path, model: str, corpus_dir: Path, **overrides) -> Path:
+    """A job YAML (JSON is YAML) for ``corpus_dir/*.jsonl``."""
+    cfg = job_config(model, corpus_dir, tmp_path / "runs", **{**LIGHT, "corpus.paths": [str(corpus_dir / "*.jsonl")],
+                                                              "output.run_id": "inputs", **overrides})
+    p = tmp_path / "job.yaml"
+    p.write_text(json.dumps(cfg.to_dict()))
+    return p
+
+
+def _run(capsys, config: Path) -> tuple[int, str, str]:
+    """``actlake run CONFIG``: (exit status, stdout, stderr)."""
+    code = main(["run", str(config), "--no-report"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _error_line(err: str) -> str:
+    """The ``actlake: error:`` lines of stderr (log lines are not errors); exactly one expected."""
+    lines = [l for l in err.splitlines() if l.startswith("actlake: error:")]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def test_a_changed_corpus_is_refused_and_the_same_bytes_resume(minilm_path, sample_corpus, tmp_path, capsys, ray_local):
+    """Rewritten with the same number of lines and the same size, mtime put back: only the content
+    hash can tell, and the rerun (finished run, then with shards missing) is refused naming the file."""
+    f, lines = _corpus(sample_corpus, tmp_path / "corpus", 12)
+    config = _config_file(tmp_path, minilm_path, f.parent, **{"sharding.docs_per_shard": 2})
+    code, out, err = _run(capsys, config)
+    assert code == 0, err[-3000:]
+    n_shards = -(-len(lines) // 2)
+    assert f"({n_shards} of {n_shards} shards ran)" in out
+    original, st = f.read_bytes(), os.stat(f)
+    changed = b"\n".join(reversed(lines)) + b"\n"  # same lines, same size, other order: other documents per doc_id
+    assert len(changed) == len(original) and changed != original
+    f.write_bytes(changed)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, out, err = _run(capsys, config)
+    line = _error_line(err)
+    assert code == 2 and str(f) in line and "content changed" in line and "run_id" in line
+    run_dir = tmp_path / "runs" / "inputs"
+    killed = list(range(n_shards // 2, n_shards))  # as if the job had died after half of its shards
+    for s in killed:
+        (run_dir / "_complete" / f"shard-{s:05d}.json").unlink()
+    code, out, err = _run(capsys, config)
+    assert code == 2 and str(f) in _error_line(err)
+    assert not any((run_dir / "_complete" / f"shard-{s:05d}.json").exists() for s in killed)  # nothing ran
+    f.write_bytes(original)  # the same bytes again (a newer mtime): the same input, so the run resumes
+    code, out, err = _run(capsys, config)
+    assert code == 0, err[-3000:]
+    assert f"({len(killed)} of {n_shards} shards ran)" in out
+    docs = open_run(str(run_dir)).execute("SELECT record FROM documents ORDER BY record").fetchall()
+    assert [r for (r,) in docs] == list(range(len(lines)))
+
+
+def test_a_file_that_shrinks_after_planning_fails_the_job_naming_it(minilm_path, sample_corpus, tmp_path, capsys,
+                                                                   ray_local):
+    """24 records cut to 10 once the first shard has committed: the job fails with one line naming
+    the file, instead of publishing what it read."""
+    f, lines = _corpus(sample_corpus, tmp_path / "corpus", 24)
+    config = _config_file(tmp_path, minilm_path, f.parent, **{"sharding.docs_per_shard": 2})
+    first = tmp_path / "runs" / "inputs" / "_complete" / "shard-00000.json"
+    cut, stop = [], threading.Event()
+
+    def cutter():
+        while not stop.is_set() and not first.exists():
+            time.sleep(0.02)
+        if first.exists():
+            f.write_bytes(b"\n".join(lines[:10]) + b"\n")
+            cut.append(len(list(first.parent.glob("*.json"))))
+
+    t = threading.Thread(target=cutter)
+    t.start()
+    try:
+        code, out, err = _run(capsys, config)
+    finally:
+        stop.set()
+        t.join()
+    assert cut and cut[0] < -(-len(lines) // 2), "the job finished before the file could be cut"
+    line = _error_line(err)
+    assert code == 2 and str(f) in line and "size" in line, err[-3000:]
+    assert not (tmp_path / "runs" / "inputs" / "tables" / "documents" / "part-0.parquet").exists()
+
+
+def test_hostile_records_become_rejects_and_the_shard_goes_on(minilm_path, sample_corpus, tmp_path, capsys, ray_local):
+    """A line of 100,000 '[', a 5,000-digit integer and a lone surrogate: three rejects, every good
+    document present."""
+    _, good = _corpus(sample_corpus, tmp_path / "tmp", 9)
+    hostile = {1: (b"[" * 100_000, "malformed_json"),
+               4: (b'{"text": "a number", "n": ' + b"7" * 5000 + b"}", "malformed_json"),
+               7: (b'{"text": "\\ud800"}', "invalid_text")}
+    lines, expected_docs, g = [], [], iter(good)
+    for i in range(len(good) + len(hostile)):
+        if i in hostile:
+            lines.append(hostile[i][0])
+        else:
+            lines.append(next(g))
+            expected_docs.append(i)
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "c.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    code, out, err = _run(capsys, _config_file(tmp_path, minilm_path, folder, **{"sharding.docs_per_shard": 4}))
+    assert code == 0, err[-3000:]
+    con = open_run(str(tmp_path / "runs" / "inputs"))
+    rejects = con.execute("SELECT record, reason FROM rejects ORDER BY record").fetchall()
+    assert rejects == [(i, reason) for i, (_, reason) in sorted(hostile.items())]
+    assert [r for (r,) in con.execute("SELECT record FROM documents ORDER BY record").fetchall()] == expected_docs
+
+
+def test_tokenizer_errors_become_rejects(minilm_path, sample_corpus, tmp_path):
+    """A record the tokenizer raises on (injected: no real text is known to break it once the reader
+    has refused unencodable text) is a ``tokenizer_error`` reject; the shard's other records are read."""
+    from actlake.batching import special_affixes
+    from actlake.jobs.extract import Extractor
+    from actlake.jobs.plan import make_plan
+    from actlake.model import load_model
+
+    f, lines = _corpus(sample_corpus, tmp_path / "corpus", 6)
+    victim = 3
+    lines[victim] = json.dumps({"text": "REFUSE this one"}).encode()
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = job_config(minilm_path, f.parent, tmp_path / "runs", **{**LIGHT, "corpus.paths": [str(f)],
+                                                                   "sharding.docs_per_shard": 10})
+    ex = Extractor(cfg, load_model(cfg.model))
+    real = ex.lm.tokenizer
+
+    class Refusing:
+        """The real tokenizer, raising on one marked text."""
+        _actlake_affixes = special_affixes(real)
+
+        def __call__(self, text, **kwargs):
+            if "REFUSE" in text:
+                raise TypeError("injected tokenizer failure")
+            return real(text, **kwargs)
+
+    ex.lm.tokenizer = Refusing()
+    (shard,) = make_plan(cfg)
+    windows, docs, rejects = ex.read_shard(shard)
+    assert [(r["record"], r["reason"]) for r in rejects] == [(victim, "tokenizer_error")]
+    assert "injected" in rejects[0]["detail"]
+    assert [d["record"] for d in docs] == [i for i in range(len(lines)) if i != victim]
+
+
+LISTENERS = r"""
+import json, sys, time
+import psutil, ray
+from actlake.jobs.run import init_ray
+
+def listeners():
+    me = psutil.Process()
+    procs = {p.pid: p for p in me.children(recursive=True)}
+    procs[me.pid] = me
+    out = []
+    for c in psutil.net_connections(kind="inet"):
+        if c.pid in procs and (c.status == psutil.CONN_LISTEN or (c.type == 2 and not c.raddr)):
+            try:
+                name = " ".join(procs[c.pid].cmdline())[:120]
+            except psutil.Error:
+                name = "?"
+            out.append({"ip": c.laddr.ip, "port": c.laddr.port, "type": int(c.type), "process": name})
+    return out
+
+result = {}
+for dashboard in (False, True):
+    assert init_ray(None, dashboard=dashboard)
+    ray.get(ray.remote(lambda: 1).remote())  # a worker process is up too
+    time.sleep(8)  # agents and monitors open their ports after start-up
+    result[str(dashboard)] = listeners()
+    ray.shutdown()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+def test_the_embedded_ray_listens_on_loopback_only(tmp_path):
+    """``init_ray(None)`` (and with the dashboard, as the training jobs start it): every TCP listener and
+    bound UDP socket of the driver and every process Ray started is on 127.0.0.1 / ::1."""
+    env = dict(os.environ, RAY_ADDRESS="")
+    proc = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    for dashboard, socks in result.items():
+        names = " ".join(s["process"] for s in socks)
+        assert "gcs_server" in names and "raylet" in names, (dashboard, socks)
+        exposed = [s for s in socks if not _is_loopback(s["ip"])]
+        assert exposed == [], (dashboard, exposed)
