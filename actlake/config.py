@@ -113,7 +113,7 @@ class AnalysesConfig:
     attention_by_distance: bool = True
     """Mean attention weight per relative position m - n (needs explicit attention weights)."""
     attention_weights: Literal["auto", "explicit", "fused"] = "auto"
-    """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: fused on a GPU when no enabled analysis needs the weights, else explicit."""
+    """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: on a GPU with a causal 16-bit model, FlashAttention kernels for the output, both masses and the weighted sums (explicit blocks only for attention_by_distance); else fused on a GPU when no enabled analysis needs the weights; else explicit."""
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 
