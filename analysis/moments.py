@@ -72,7 +72,8 @@ class GroupSums:
     tokens at a time (on a CPU 512, so the float64 block stays in cache: twice as fast as one product
     over the batch; on a GPU one product). Maxima: one grouped max per partition of the ids, a plain
     max for a partition with one group; with ``segmented`` (default on a GPU, where grouped atomics
-    are slow) the rows sorted by group on the host, then one segmented max per partition.
+    and ``segment_reduce`` are slow) the rows sorted by group (order found on the host), then a plain
+    max over each group's rows.
     """
 
     def __init__(self, ids: torch.Tensor, n_groups: int, d: int, rows: int | None = None, device=None,
@@ -81,7 +82,7 @@ class GroupSums:
         segmented = device.type != "cpu" if segmented is None else segmented
         rows = rows or (512 if device.type == "cpu" else 1 << 16)
         self.single = []  # per partition: (its one group, the rows in it or None for all) or None
-        self.segments = []  # per partition of several groups, on a GPU: (row order by group, rows per group)
+        self.segments = []  # per partition of several groups, on a GPU: (row order by group, [(group, start, end)])
         host_ids = ids.cpu()
         for s in range(ids.shape[1]):
             groups = torch.unique(host_ids[:, s])
@@ -90,8 +91,9 @@ class GroupSums:
                 self.single.append(None)
                 if segmented:
                     order = torch.argsort(host_ids[:, s], stable=True)
-                    counts = torch.bincount(host_ids[:, s], minlength=n_groups + 1)
-                    self.segments.append((to_device(order, device), to_device(counts, device)))
+                    ends = torch.bincount(host_ids[:, s], minlength=n_groups + 1)[:n_groups].cumsum(0).tolist()
+                    spans = [(g, a, b) for g, (a, b) in enumerate(zip([0] + ends[:-1], ends)) if b > a]
+                    self.segments.append((to_device(order, device), spans))
                 continue
             inside = host_ids[:, s] == groups[0]
             rows_in = None if bool(inside.all()) else to_device(torch.nonzero(inside).flatten(), device)
@@ -118,9 +120,10 @@ class GroupSums:
         """(G, d) largest |x| per group (0 for an empty group), in x's precision (exact)."""
         absx = x.abs()
         out = absx.new_zeros(self.n_groups + 1, x.shape[1])
-        for order, counts in self.segments:  # GPU: rows sorted by group, one segmented max (atomics-free)
-            torch.maximum(out, torch.segment_reduce(absx[order], "max", lengths=counts, axis=0, unsafe=True,
-                                                    initial=0), out=out)
+        for order, spans in self.segments:  # GPU: rows sorted by group, a plain max per group's rows
+            rows = absx[order]
+            for group, a, b in spans:
+                torch.maximum(out[group], rows[a:b].amax(0), out=out[group])
         for s, single in enumerate(self.single):
             if single is None and self.segments:
                 continue

@@ -140,3 +140,23 @@ def test_diagonal_sums_by_skew_equal_the_scatter():
         span = diagonal_sums_from(rows)
         got[:, m0 : m0 + span.shape[1]] += span
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_causal_blocks_of_one_sequence_give_the_plain_softmax_products():
+    """Causal blocks of one sequence each, padded and unpadded: mass and the distance profile equal
+    those of plain softmax weights."""
+    g = torch.Generator().manual_seed(7)
+    B, H, T, d, C = 3, 2, 8, 4, 5
+    q, k = torch.randn(B, H, T, d, generator=g), torch.randn(B, H, T, d, generator=g)
+    valid = torch.ones(B, T, dtype=torch.long)
+    valid[2, 5:] = 0  # one padded sequence: its block takes the other path
+    onehot = one_hot(torch.randint(0, C, (B, T), generator=g), C, valid)
+    lq = LayerQK(0, q, k, d ** -0.5, BatchInfo(valid, True, onehot, onehot))
+    got = explicit_products(lq, {"mass", "distance"}, max_elements=H * T * T)  # one sequence per block
+    w = torch.softmax((q @ k.transpose(-1, -2) * d ** -0.5).masked_fill(~lq.batch.weight_mask, float("-inf")), -1)
+    w = w * valid[:, None, :, None]
+    torch.testing.assert_close(got["mass"], w @ onehot.float()[:, None], rtol=1e-5, atol=1e-6)
+    m = torch.arange(T)
+    index = (m[:, None] - m[None, :] + T - 1).reshape(-1)
+    want = torch.zeros(H, 2 * T - 1, dtype=torch.float64).index_add_(1, index, w.sum(0).reshape(H, -1).double())
+    torch.testing.assert_close(got["distance"], want, rtol=1e-5, atol=1e-6)
