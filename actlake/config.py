@@ -93,6 +93,16 @@ class BatchingConfig:
 
 
 @dataclass
+class CustomAnalysisConfig:
+    analysis: str = ""
+    """Your analysis class, `package.module:ClassName`, a subclass of `actlake.analysis.protocol.Analysis`."""
+    path: Optional[str] = None
+    """A `.py` file or package folder holding it, shipped to every worker (Ray `py_modules`) and importable by the driver; null: already installed everywhere."""
+    args: dict = field(default_factory=dict)
+    """Keyword arguments of the class's `create(spec, **args)`."""
+
+
+@dataclass
 class AnalysesConfig:
     tokens: bool = True
     """Write the ``tokens`` table (one row per token)."""
@@ -114,6 +124,8 @@ class AnalysesConfig:
     """Mean attention weight per relative position m - n (needs explicit attention weights)."""
     attention_weights: Literal["auto", "explicit", "fused"] = "auto"
     """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: on a GPU with a causal 16-bit model, FlashAttention kernels for the output, both masses and the weighted sums (explicit blocks only for attention_by_distance); else fused on a GPU when no enabled analysis needs the weights; else explicit."""
+    custom: list[CustomAnalysisConfig] = field(default_factory=list)
+    """Your own analyses, run and reduced like the built-in ones (README: Your own analysis)."""
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 
@@ -282,6 +294,10 @@ def _convert(value, tp, key: str, err):
         if not isinstance(value, dict):
             err(key, f"expected a mapping, got {value!r}")
         return value  # handled by the caller
+    if tp is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            err(key, f"expected a mapping with string keys, got {value!r}")
+        return dict(value)
     if tp is bool:
         if not isinstance(value, bool):
             err(key, f"expected true or false, got {value!r}")
@@ -375,6 +391,10 @@ def _check_values(cfg: JobConfig, err) -> None:
             if getattr(a, name) and (name != "weighted_contributions" or a.contributions):
                 err(("analyses", "attention_weights"), f"'fused' computes no attention weights, which analyses.{name} "
                     f"needs: set analyses.{name}: false or attention_weights: explicit/auto")
+    for i, c in enumerate(a.custom):
+        module, _, cls = c.analysis.partition(":")
+        if not module or not cls or not all(p.isidentifier() for p in module.split(".") + [cls]):
+            err(("analyses", "custom", i, "analysis"), f"expected 'package.module:ClassName', got {c.analysis!r}")
     if not 0.0 < cfg.activations.fraction <= 1.0:
         err(("activations", "fraction"), f"must be in (0, 1], got {cfg.activations.fraction}")
     if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):
@@ -410,12 +430,29 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
     if check_files and root is JobConfig:
         resolve_corpus_files(cfg)
         resolve_model_path(cfg.model.name_or_path)
+        resolve_custom_paths(cfg, err=lambda key, msg: _fail(where, lines, key, msg))
     elif check_files and hasattr(cfg, "check_files"):
         cfg.check_files()
     return cfg
 
 
 # --------------------------------------------------------------------------- paths
+
+
+def _fail(where: str, lines: dict, key: tuple, msg: str):
+    line = next((lines[key[:i]] for i in range(len(key), 0, -1) if key[:i] in lines), None)
+    raise ConfigError(f"{where}{f', line {line}' if line else ''}: '{'.'.join(map(str, key))}': {msg}")
+
+
+def resolve_custom_paths(cfg: "JobConfig", err) -> None:
+    """Make each ``analyses.custom[].path`` absolute (it must exist here, on the driver)."""
+    for i, c in enumerate(cfg.analyses.custom):
+        if c.path is None:
+            continue
+        p = Path(c.path).expanduser().resolve()
+        if not (p.is_dir() or (p.is_file() and p.suffix == ".py")):
+            err(("analyses", "custom", i, "path"), f"not a .py file or a package folder: {p}")
+        c.path = str(p)
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -13,162 +13,48 @@ from pathlib import Path
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout
 
-OUTLIER_Z = 5.0
-"""|robust z| above which a dimension is marked as an outlier in the report."""
-
-
-def _charts(con) -> list[tuple[str, str, object]]:
-    """(slug, title, altair chart) for every chart whose tables exist."""
+def _blocks(con, analyses) -> list:
+    """Report blocks ((slug, title, Altair chart) or HTML) of the residual norms and of every analysis
+    whose tables exist, in the order of their positions."""
     import altair as alt
 
     alt.data_transformers.disable_max_rows()
     have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    charts = []
-    if "dim_moments" in have:
-        df = con.execute(f"""
-            SELECT layer, dim, mean, robust_z, abs(robust_z) > {OUTLIER_Z} AS outlier FROM outliers ORDER BY layer, dim
-        """).df()
-        c = alt.Chart(df).mark_circle(size=12).encode(
-            x=alt.X("dim:Q", title="dimension"),
-            y=alt.Y("mean:Q", title="mean over all tokens"),
-            color=alt.Color("outlier:N", title=f"|robust z| > {OUTLIER_Z:g}", scale=alt.Scale(range=["#9aa5b1", "#d62728"])),
-            tooltip=["layer", "dim", alt.Tooltip("mean:Q", format=".3f"), alt.Tooltip("robust_z:Q", format=".1f")],
-        ).properties(width=640, height=90).facet(row=alt.Row("layer:O", title="layer (0 = embeddings)"))
-        charts.append(("dim_means", "Fig. 1 (seed 001): per-dimension mean of the residual stream by layer, outliers marked", c))
-    if "attention_mass" in have:
-        df = con.execute("""
-            SELECT layer, key_category, avg(mean_mass) AS mean_mass FROM attention_mass_by_key
-            GROUP BY layer, key_category ORDER BY layer
-        """).df()
-        c = alt.Chart(df).mark_bar().encode(
-            x=alt.X("layer:O", title="layer"),
-            y=alt.Y("mean_mass:Q", title="mean attention per query (avg over heads)", stack="zero"),
-            color=alt.Color("key_category:N", title="key category"),
-            tooltip=["layer", "key_category", alt.Tooltip("mean_mass:Q", format=".3f")],
-        ).properties(width=420, height=260)
-        charts.append(("attention_mass", "Fig. 2 (seed 001): attention mass by key category per layer", c))
+    blocks = []
     if "residual_norms" in have:
-        df = con.execute("""
-            SELECT layer, avg(norm) AS mean, quantile_cont(norm, 0.1) AS p10, quantile_cont(norm, 0.5) AS median,
-                   quantile_cont(norm, 0.9) AS p90 FROM residual_norms GROUP BY layer ORDER BY layer
-        """).df()
-        base = alt.Chart(df).encode(x=alt.X("layer:O", title="layer (0 = embeddings)"))
-        c = (base.mark_area(opacity=0.25).encode(y=alt.Y("p10:Q", title="||h|| (10th-90th percentile band)"), y2="p90:Q")
-             + base.mark_line(point=True).encode(y="median:Q", tooltip=["layer", alt.Tooltip("median:Q", format=".2f"),
-                                                                         alt.Tooltip("mean:Q", format=".2f")])
-             ).properties(width=420, height=260)
-        charts.append(("residual_norms", "Residual-stream norm by layer (median, 10th-90th percentile)", c))
-    if "dim_moments" in have:
-        dims = top_outlier_dims(con)
-        if dims:
-            df = con.execute(f"""
-                SELECT layer, dim, category, mean FROM dim_moments
-                WHERE scheme = 'role' AND dim IN ({", ".join(map(str, dims))}) AND count > 0 ORDER BY layer
-            """).df()
-            c = alt.Chart(df).mark_line(point=True).encode(
-                x=alt.X("layer:O", title="layer"), y=alt.Y("mean:Q", title="mean value"),
-                color=alt.Color("category:N", title="token category"),
-                tooltip=["layer", "dim", "category", alt.Tooltip("mean:Q", format=".3f")],
-            ).properties(width=260, height=200).facet(column=alt.Column("dim:O", title="outlier dimension"))
-            charts.append(("outlier_dims_by_category", "Fig. 3 (seed 001): outlier dimensions' mean value by token category", c))
-    if "contributions" in have:
-        layers = contribution_layers(con)
-        df = con.execute(f"""
-            SELECT layer, head, dim, sum(contribution_sum) / sum(n_pairs) AS mean_c
-            FROM contributions WHERE query_category = 'all' AND layer IN ({", ".join(map(str, layers))})
-            GROUP BY layer, head, dim ORDER BY layer, head, dim
-        """).df()
-        c = alt.Chart(df).mark_circle(size=10, opacity=0.6).encode(
-            x=alt.X("dim:Q", title="dimension j"), y=alt.Y("mean_c:Q", title="mean C_j over all valid pairs"),
-            color=alt.Color("head:N", title="head", legend=None),
-            tooltip=["layer", "head", "dim", alt.Tooltip("mean_c:Q", format=".3f")],
-        ).properties(width=640, height=150).facet(row=alt.Row("layer:O", title="layer"))
-        charts.append(("contributions", "Fig. 4 (seed 001): per-dimension contributions to attention scores, every head", c))
-    if "attention_geometry" in have:
-        df = con.execute("""
-            SELECT layer, key_category, sum(k_norm_sum) / sum(n_pairs) AS mean_k_norm,
-                   sum(q_norm_sum) / sum(n_pairs) AS mean_q_norm, sum(cos_sum) / sum(n_pairs) AS mean_cos,
-                   sum(mass) / sum(n_queries) AS mass, sum(mass_keynorm) / sum(n_queries) AS mass_keynorm
-            FROM attention_geometry WHERE n_pairs > 0 GROUP BY layer, key_category ORDER BY layer
-        """).df()
-        base = alt.Chart(df).encode(x=alt.X("layer:O", title="layer"), color=alt.Color("key_category:N", title="key category"))
-        c = alt.hconcat(
-            base.mark_line(point=True).encode(y=alt.Y("mean_k_norm:Q", title="mean ||k|| over pairs")).properties(width=250, height=200),
-            base.mark_line(point=True).encode(y=alt.Y("mean_cos:Q", title="mean cos(q, k) over pairs")).properties(width=250, height=200),
-        )
-        charts.append(("geometry_norms", "Attention geometry (seed 002): key norm and q-k angle by key category", c))
-        long = df.melt(id_vars=["layer", "key_category"], value_vars=["mass", "mass_keynorm"], var_name="logits", value_name="m")
-        long["logits"] = long["logits"].map({"mass": "as computed", "mass_keynorm": "keys at mean norm"})
-        c = alt.Chart(long).mark_line(point=True).encode(
-            x=alt.X("layer:O", title="layer"), y=alt.Y("m:Q", title="mean attention per query"),
-            color=alt.Color("key_category:N", title="key category"), strokeDash=alt.StrokeDash("logits:N", title="keys"),
-            tooltip=["layer", "key_category", "logits", alt.Tooltip("m:Q", format=".3f")],
-        ).properties(width=520, height=260)
-        charts.append(("keynorm_mass", "How much of each category's attention is key norm: mass with keys rescaled to their mean norm", c))
-    if "attention_by_distance" in have:
-        df = con.execute("""
-            SELECT layer, distance, sum(attn_sum) / sum(n_pairs) AS mean_attention FROM attention_by_distance
-            WHERE n_pairs > 0 AND abs(distance) <= 32 GROUP BY layer, distance ORDER BY layer, distance
-        """).df()
-        c = alt.Chart(df).mark_line().encode(
-            x=alt.X("distance:Q", title="relative position m - n (query minus key)"),
-            y=alt.Y("mean_attention:Q", title="mean attention weight", scale=alt.Scale(type="log")),
-            color=alt.Color("layer:O", title="layer"),
-            tooltip=["layer", "distance", alt.Tooltip("mean_attention:Q", format=".4f")],
-        ).properties(width=520, height=260)
-        charts.append(("attention_by_distance", "Attention by relative position (mean over heads)", c))
-    return charts
+        blocks.append((3, _residual_norms_chart(con)))
+    for cls in analyses:
+        if all(t in have for t in cls.tables):
+            blocks += cls.charts(con)
+    return [block for _, block in sorted(blocks, key=lambda pb: pb[0])]
 
 
-def top_outlier_dims(con, k: int = 3) -> list[int]:
-    """The k dimensions with the largest |robust z| in any layer."""
-    rows = con.execute(f"""
-        SELECT dim FROM outliers WHERE robust_z IS NOT NULL GROUP BY dim ORDER BY max(abs(robust_z)) DESC LIMIT {k}
-    """).fetchall()
-    return [r[0] for r in rows]
+def _residual_norms_chart(con):
+    import altair as alt
+
+    df = con.execute("""
+        SELECT layer, avg(norm) AS mean, quantile_cont(norm, 0.1) AS p10, quantile_cont(norm, 0.5) AS median,
+               quantile_cont(norm, 0.9) AS p90 FROM residual_norms GROUP BY layer ORDER BY layer
+    """).df()
+    base = alt.Chart(df).encode(x=alt.X("layer:O", title="layer (0 = embeddings)"))
+    c = (base.mark_area(opacity=0.25).encode(y=alt.Y("p10:Q", title="||h|| (10th-90th percentile band)"), y2="p90:Q")
+         + base.mark_line(point=True).encode(y="median:Q", tooltip=["layer", alt.Tooltip("median:Q", format=".2f"),
+                                                                     alt.Tooltip("mean:Q", format=".2f")])
+         ).properties(width=420, height=260)
+    return ("residual_norms", "Residual-stream norm by layer (median, 10th-90th percentile)", c)
 
 
-def contribution_layers(con) -> list[int]:
-    """First, middle and last attention layer (seed 001 shows layers 2, 6 and 12 of 12)."""
-    n = con.execute("SELECT max(layer) + 1 FROM contributions").fetchall()[0][0]
-    return sorted({min(1, n - 1), n // 2, n - 1})
-
-
-def _table1_html(con) -> str:
-    """Seed 001 Table 1: mean C_j of the top outlier dimensions by key category, for the chosen layers."""
-    have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    if not {"contributions", "dim_moments"} <= have:
-        return ""
-    dims = top_outlier_dims(con)
-    layers = contribution_layers(con)
-    rows = con.execute(f"""
-        SELECT layer, dim, key_category, sum(contribution_sum) / nullif(sum(n_pairs), 0) AS mean_c
-        FROM contributions WHERE query_category = 'all' AND dim IN ({", ".join(map(str, dims))})
-          AND layer IN ({", ".join(map(str, layers))})
-        GROUP BY layer, dim, key_category ORDER BY layer, dim, key_category
-    """).fetchall()
-    cats = sorted({r[2] for r in rows})
-    grid_: dict = {}
-    for layer, dim, cat, v in rows:
-        grid_.setdefault((layer, dim), {})[cat] = v
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cats)
-    body = "".join(
-        f"<tr><td>{layer}</td><td>{dim}</td>" + "".join(
-            f"<td>{'' if vals.get(c) is None else f'{vals[c]:.3f}'}</td>" for c in cats) + "</tr>"
-        for (layer, dim), vals in sorted(grid_.items()))
-    return ("<section><h2>Table 1 (seed 001): mean contribution C_j of the top outlier dimensions, by key category "
-            "(all heads, all valid pairs)</h2>"
-            f"<table class='t1'><tr><th>layer</th><th>dim</th>{head}</tr>{body}</table>"
-            "<p>SQL: <code>SELECT * FROM contributions_mean WHERE layer = L AND dim = J</code></p></section>")
+NONFINITE = (("dim_moments", "hidden state"), ("attention_mass", "attention layer"))
+"""Tables with a ``nonfinite_tokens`` column per layer, and what their layer is."""
 
 
 def _nonfinite(con) -> str:
     """Tokens left out of the statistics per layer because their vector held inf/NaN."""
     have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    if not {"dim_moments", "attention_mass"} & have:
+    if not {t for t, _ in NONFINITE} & have:
         return "not measured"
     parts = []
-    for table, what in (("dim_moments", "hidden state"), ("attention_mass", "attention layer")):
+    for table, what in NONFINITE:
         if table not in have:
             continue
         rows = con.execute(f"SELECT layer, max(nonfinite_tokens) FROM {table} GROUP BY layer ORDER BY layer").fetchall()
@@ -191,8 +77,13 @@ def _summary_html(layout: RunLayout, nonfinite: str = "") -> str:
     return f"<table class='summary'>{cells}</table>"
 
 
-def build_report(run_dir: str | Path) -> Path:
-    """Write ``report/report.html`` and ``report/<chart>.png``; return the HTML path."""
+def build_report(run_dir: str | Path, analyses=None) -> Path:
+    """Write ``report/report.html`` and ``report/<chart>.png``; return the HTML path.
+
+    ``analyses``: the classes whose charts to draw (the job passes its enabled ones, custom analyses
+    included); default the built-in ones. ``actlake report`` never imports code named in a run folder.
+    """
+    from actlake.analysis.protocol import builtin
     from actlake.storage.sql import open_run
 
     layout = RunLayout(Path(run_dir).resolve())
@@ -200,12 +91,10 @@ def build_report(run_dir: str | Path) -> Path:
         raise StorageError(f"{layout.root}: no reduced tables to report on (did the job finish?)")
     con = open_run(layout.root)
     try:
-        charts = _charts(con)
-        table1 = _table1_html(con)
+        blocks = _blocks(con, list(builtin().values()) if analyses is None else analyses)
         nonfinite = _nonfinite(con)
     finally:
         con.close()
-    blocks = [*charts[:4], table1, *charts[4:]]
     return write_page(layout, blocks, _summary_html(layout, nonfinite))
 
 

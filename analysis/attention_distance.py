@@ -19,8 +19,12 @@ from actlake.analysis.stats import SumStats, np64, tensor, zeros
 
 @dataclass
 class AttentionByDistance(SumStats):
-    TABLES = ("attention_by_distance",)
-    """Reduced table names (partials: ``<name>_by_shard``)."""
+    name = "attention_by_distance"
+    reads = frozenset({"attention", "distance"})
+    tables = ("attention_by_distance",)
+    views = {"attention_by_distance_mean": """
+        SELECT layer, head, distance, n_pairs, attn_sum / nullif(n_pairs, 0) AS mean_attention
+        FROM attention_by_distance WHERE n_pairs > 0"""}
 
     attn: torch.Tensor
     """(L, H, 2T-1) summed attention weight at m - n = i - (T - 1)."""
@@ -30,6 +34,10 @@ class AttentionByDistance(SumStats):
     @classmethod
     def zeros(cls, n_layers: int, n_heads: int, max_len: int, device=None) -> "AttentionByDistance":
         return cls(zeros(n_layers, n_heads, 2 * max_len - 1, device=device), zeros(n_layers, 2 * max_len - 1, device=device))
+
+    @classmethod
+    def create(cls, spec, **options) -> "AttentionByDistance":
+        return cls.zeros(spec.n_layers, spec.n_heads, spec.max_length, device=spec.device)
 
     @property
     def max_len(self) -> int:
@@ -59,6 +67,22 @@ class AttentionByDistance(SumStats):
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"attention_by_distance": self.to_arrow()}
+
+    @classmethod
+    def charts(cls, con) -> list:
+        import altair as alt
+
+        df = con.execute("""
+            SELECT layer, distance, sum(attn_sum) / sum(n_pairs) AS mean_attention FROM attention_by_distance
+            WHERE n_pairs > 0 AND abs(distance) <= 32 GROUP BY layer, distance ORDER BY layer, distance
+        """).df()
+        c = alt.Chart(df).mark_line().encode(
+            x=alt.X("distance:Q", title="relative position m - n (query minus key)"),
+            y=alt.Y("mean_attention:Q", title="mean attention weight", scale=alt.Scale(type="log")),
+            color=alt.Color("layer:O", title="layer"),
+            tooltip=["layer", "distance", alt.Tooltip("mean_attention:Q", format=".4f")],
+        ).properties(width=520, height=260)
+        return [(9, ("attention_by_distance", "Attention by relative position (mean over heads)", c))]
 
     @classmethod
     def from_tables(cls, tables: dict[str, pa.Table]) -> "AttentionByDistance":

@@ -36,8 +36,13 @@ def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 @dataclass
 class AttentionMass(SumStats):
-    TABLES = ("attention_mass",)
-    """Reduced table names (partials: ``<name>_by_shard``)."""
+    name = "attention_mass"
+    reads = frozenset({"attention", "mass"})
+    tables = ("attention_mass",)
+    views = {"attention_mass_by_key": """
+        SELECT layer, head, key_category, sum(mass) AS mass, sum(n_queries) AS n_queries,
+               sum(mass) / sum(n_queries) AS mean_mass
+        FROM attention_mass GROUP BY layer, head, key_category"""}
 
     mass: torch.Tensor
     """(L, H, Cq, Ck) summed attention weight from queries of category cq to keys of category ck."""
@@ -50,6 +55,14 @@ class AttentionMass(SumStats):
     def zeros(cls, n_layers: int, n_heads: int, n_cat: int = len(ROLE), device=None) -> "AttentionMass":
         return cls(zeros(n_layers, n_heads, n_cat, n_cat, device=device), zeros(n_layers, n_cat, device=device),
                    zeros(n_layers, device=device))
+
+    @classmethod
+    def create(cls, spec, **options) -> "AttentionMass":
+        return cls.zeros(spec.n_layers, spec.n_heads, device=spec.device)
+
+    def nonfinite_excluded(self, layer: int, count: torch.Tensor) -> None:
+        """``count`` tokens of ``layer`` left every attention statistic (their q, k or x held inf/NaN)."""
+        self.nonfinite[layer] += count
 
     def add_layer(self, lq) -> None:
         """Accumulate one layer of one batch (a :class:`~actlake.analysis.layer_qk.LayerQK`)."""
@@ -72,6 +85,22 @@ class AttentionMass(SumStats):
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"attention_mass": self.to_arrow()}
+
+    @classmethod
+    def charts(cls, con) -> list:
+        import altair as alt
+
+        df = con.execute("""
+            SELECT layer, key_category, avg(mean_mass) AS mean_mass FROM attention_mass_by_key
+            GROUP BY layer, key_category ORDER BY layer
+        """).df()
+        c = alt.Chart(df).mark_bar().encode(
+            x=alt.X("layer:O", title="layer"),
+            y=alt.Y("mean_mass:Q", title="mean attention per query (avg over heads)", stack="zero"),
+            color=alt.Color("key_category:N", title="key category"),
+            tooltip=["layer", "key_category", alt.Tooltip("mean_mass:Q", format=".3f")],
+        ).properties(width=420, height=260)
+        return [(2, ("attention_mass", "Fig. 2 (seed 001): attention mass by key category per layer", c))]
 
     @classmethod
     def from_tables(cls, tables: dict[str, pa.Table]) -> "AttentionMass":

@@ -105,8 +105,15 @@ def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
 
 @dataclass
 class Contributions(SumStats):
-    TABLES = ("contributions",)
-    """Reduced table names (partials: ``<name>_by_shard``)."""
+    name = "contributions"
+    reads = frozenset({"attention", "layer_inputs", "weighted_qsum"})
+    tables = ("contributions",)
+    views = {"contributions_mean": """
+        SELECT layer, head, query_category, key_category, dim, n_pairs,
+               contribution_sum / nullif(n_pairs, 0) AS mean_contribution,
+               bias_sum / nullif(n_pairs, 0) AS mean_bias_term,
+               CASE WHEN query_category = 'all' THEN weighted_sum / nullif(n_queries, 0) END AS weighted_per_query
+        FROM contributions"""}
 
     contrib: torch.Tensor
     """(L, H, G, C, d) sum over valid pairs (query in group g, key in category c) of C_j."""
@@ -121,6 +128,22 @@ class Contributions(SumStats):
     n_queries: torch.Tensor
     """(L,) valid queries (the weighted sums are over them)."""
     query_groups: tuple[str, ...] = QUERY_GROUPS_ALL
+    weighted_on: bool = True
+    """Accumulate the attention-weighted sums (they need the ``weighted_qsum`` product)."""
+
+    @staticmethod
+    def options_from(analyses_cfg) -> dict:
+        return {"by_query_category": analyses_cfg.contributions_by_query_category,
+                "weighted": analyses_cfg.weighted_contributions}
+
+    @classmethod
+    def create(cls, spec, by_query_category: bool = False, weighted: bool = True) -> "Contributions":
+        groups = QUERY_GROUPS_BY_ROLE if by_query_category else QUERY_GROUPS_ALL
+        out = cls.zeros(spec.n_layers, spec.n_heads, spec.d_model, groups, device=spec.device)
+        out.weighted_on = weighted
+        if not weighted:
+            out.reads = cls.reads - {"weighted_qsum"}
+        return out
 
     @classmethod
     def zeros(cls, n_layers, n_heads, d, query_groups=QUERY_GROUPS_ALL, device=None) -> "Contributions":
@@ -128,8 +151,9 @@ class Contributions(SumStats):
         z = lambda *s: zeros(*s, device=device)
         return cls(z(L, H, G, C, d), z(L, H, G, C), z(L, G, C), z(L, H, C, d), z(L, H, C), z(L), tuple(query_groups))
 
-    def add_layer(self, lq: LayerQK, weighted: bool = True) -> None:
-        """Accumulate one layer; ``weighted`` adds the attention-weighted sums (explicit weights)."""
+    def add_layer(self, lq: LayerQK, weighted: bool | None = None) -> None:
+        """Accumulate one layer; ``weighted`` (default: as created) adds the attention-weighted sums."""
+        weighted = self.weighted_on if weighted is None else weighted
         l, k_oh = lq.layer, lq.key_onehot  # (B, T, C)
         valid = lq.batch.validf
         # bidirectional without RoPE: every key of a sequence is seen by the same queries
@@ -201,3 +225,60 @@ class Contributions(SumStats):
     @classmethod
     def from_tables(cls, tables: dict[str, pa.Table]) -> "Contributions":
         return cls.from_arrow(tables["contributions"])
+
+
+    @classmethod
+    def charts(cls, con) -> list:
+        import altair as alt
+
+        layers = contribution_layers(con)
+        df = con.execute(f"""
+            SELECT layer, head, dim, sum(contribution_sum) / sum(n_pairs) AS mean_c
+            FROM contributions WHERE query_category = 'all' AND layer IN ({", ".join(map(str, layers))})
+            GROUP BY layer, head, dim ORDER BY layer, head, dim
+        """).df()
+        c = alt.Chart(df).mark_circle(size=10, opacity=0.6).encode(
+            x=alt.X("dim:Q", title="dimension j"), y=alt.Y("mean_c:Q", title="mean C_j over all valid pairs"),
+            color=alt.Color("head:N", title="head", legend=None),
+            tooltip=["layer", "head", "dim", alt.Tooltip("mean_c:Q", format=".3f")],
+        ).properties(width=640, height=150).facet(row=alt.Row("layer:O", title="layer"))
+        blocks = [(6, ("contributions", "Fig. 4 (seed 001): per-dimension contributions to attention scores, every head", c))]
+        have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if "outliers" in have:
+            blocks.append((5, table1_html(con)))
+        return blocks
+
+
+def contribution_layers(con) -> list[int]:
+    """First, middle and last attention layer (seed 001 shows layers 2, 6 and 12 of 12)."""
+    n = con.execute("SELECT max(layer) + 1 FROM contributions").fetchall()[0][0]
+    return sorted({min(1, n - 1), n // 2, n - 1})
+
+
+def table1_html(con) -> str:
+    """Seed 001 Table 1: mean C_j of the top outlier dimensions by key category, for the chosen layers."""
+    import html
+
+    from actlake.analysis.dim_moments import top_outlier_dims
+
+    dims = top_outlier_dims(con)
+    layers = contribution_layers(con)
+    rows = con.execute(f"""
+        SELECT layer, dim, key_category, sum(contribution_sum) / nullif(sum(n_pairs), 0) AS mean_c
+        FROM contributions WHERE query_category = 'all' AND dim IN ({", ".join(map(str, dims))})
+          AND layer IN ({", ".join(map(str, layers))})
+        GROUP BY layer, dim, key_category ORDER BY layer, dim, key_category
+    """).fetchall()
+    cats = sorted({r[2] for r in rows})
+    grid_: dict = {}
+    for layer, dim, cat, v in rows:
+        grid_.setdefault((layer, dim), {})[cat] = v
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cats)
+    body = "".join(
+        f"<tr><td>{layer}</td><td>{dim}</td>" + "".join(
+            f"<td>{'' if vals.get(c) is None else f'{vals[c]:.3f}'}</td>" for c in cats) + "</tr>"
+        for (layer, dim), vals in sorted(grid_.items()))
+    return ("<section><h2>Table 1 (seed 001): mean contribution C_j of the top outlier dimensions, by key category "
+            "(all heads, all valid pairs)</h2>"
+            f"<table class='t1'><tr><th>layer</th><th>dim</th>{head}</tr>{body}</table>"
+            "<p>SQL: <code>SELECT * FROM contributions_mean WHERE layer = L AND dim = J</code></p></section>")

@@ -15,6 +15,7 @@ import torch
 
 from actlake.analysis import grid
 from actlake.analysis.moments import GroupSums, Moments
+from actlake.analysis.protocol import Analysis
 from actlake.analysis.stats import np64, tensor
 from actlake.categories import SCHEMES
 
@@ -30,10 +31,23 @@ def group_ids(valid: torch.Tensor, role: torch.Tensor, type8: torch.Tensor) -> t
     return torch.where(valid.bool()[..., None], ids, len(GROUPS))
 
 
+OUTLIER_Z = 5.0
+"""|robust z| above which the report marks a dimension as an outlier."""
+
+
 @dataclass
-class DimMoments:
-    TABLES = ("dim_moments",)
-    """Reduced table names (partials: ``<name>_by_shard``)."""
+class DimMoments(Analysis):
+    name = "dim_moments"
+    reads = frozenset({"hidden_states"})
+    tables = ("dim_moments",)
+    views = {"outliers": """
+        WITH m AS (SELECT layer, dim, mean, count FROM dim_moments WHERE scheme = 'all'),
+             s AS (SELECT layer, median(mean) AS med FROM m GROUP BY layer),
+             d AS (SELECT layer, median(abs(m.mean - s.med)) AS mad FROM m JOIN s USING (layer) GROUP BY layer)
+        SELECT m.layer, m.dim, m.mean, m.count,
+               (m.mean - s.med) / nullif(1.4826 * d.mad, 0) AS robust_z,
+               row_number() OVER (PARTITION BY m.layer ORDER BY abs(m.mean - s.med) DESC) AS rank
+        FROM m JOIN s USING (layer) JOIN d USING (layer)"""}
 
     moments: Moments
     """Shape (L+1, G, d)."""
@@ -42,6 +56,20 @@ class DimMoments:
     unchecked = None
     """Device scalar from ``from_batch(exact_nonfinite=False)``: layers holding an inf/NaN that was not
     looked for (then these moments are wrong and the batch must be redone)."""
+
+    @classmethod
+    def create(cls, spec, **options) -> "DimMoments":
+        L1, G, d, dev = spec.n_layers + 1, len(GROUPS), spec.d_model, spec.device
+        z = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=dev)
+        return cls(Moments(z(L1, G), z(L1, G, d), z(L1, G, d), z(L1, G, d)), z(L1))
+
+    def add_hidden(self, hidden_states, batch) -> None:
+        part = DimMoments.from_batch(hidden_states, batch.valid, batch.role, batch.type8, exact_nonfinite=batch.strict)
+        merged = self.merge(part)
+        self.moments, self.nonfinite, self.unchecked = merged.moments, merged.nonfinite, part.unchecked
+
+    def problems(self) -> list[torch.Tensor]:
+        return [] if self.unchecked is None else [self.unchecked]
 
     @classmethod
     def from_batch(cls, hidden_states, valid, role, type8, exact_nonfinite: bool = True) -> "DimMoments":
@@ -105,3 +133,42 @@ class DimMoments:
     @classmethod
     def from_tables(cls, tables: dict[str, pa.Table]) -> "DimMoments":
         return cls.from_arrow(tables["dim_moments"])
+
+
+    @classmethod
+    def charts(cls, con) -> list:
+        import altair as alt
+
+        df = con.execute(f"""
+            SELECT layer, dim, mean, robust_z, abs(robust_z) > {OUTLIER_Z} AS outlier FROM outliers ORDER BY layer, dim
+        """).df()
+        means = alt.Chart(df).mark_circle(size=12).encode(
+            x=alt.X("dim:Q", title="dimension"),
+            y=alt.Y("mean:Q", title="mean over all tokens"),
+            color=alt.Color("outlier:N", title=f"|robust z| > {OUTLIER_Z:g}", scale=alt.Scale(range=["#9aa5b1", "#d62728"])),
+            tooltip=["layer", "dim", alt.Tooltip("mean:Q", format=".3f"), alt.Tooltip("robust_z:Q", format=".1f")],
+        ).properties(width=640, height=90).facet(row=alt.Row("layer:O", title="layer (0 = embeddings)"))
+        blocks = [(1, ("dim_means", "Fig. 1 (seed 001): per-dimension mean of the residual stream by layer, outliers marked",
+                       means))]
+        dims = top_outlier_dims(con)
+        if dims:
+            df = con.execute(f"""
+                SELECT layer, dim, category, mean FROM dim_moments
+                WHERE scheme = 'role' AND dim IN ({", ".join(map(str, dims))}) AND count > 0 ORDER BY layer
+            """).df()
+            c = alt.Chart(df).mark_line(point=True).encode(
+                x=alt.X("layer:O", title="layer"), y=alt.Y("mean:Q", title="mean value"),
+                color=alt.Color("category:N", title="token category"),
+                tooltip=["layer", "dim", "category", alt.Tooltip("mean:Q", format=".3f")],
+            ).properties(width=260, height=200).facet(column=alt.Column("dim:O", title="outlier dimension"))
+            blocks.append((4, ("outlier_dims_by_category",
+                               "Fig. 3 (seed 001): outlier dimensions' mean value by token category", c)))
+        return blocks
+
+
+def top_outlier_dims(con, k: int = 3) -> list[int]:
+    """The k dimensions with the largest |robust z| in any layer."""
+    rows = con.execute(f"""
+        SELECT dim FROM outliers WHERE robust_z IS NOT NULL GROUP BY dim ORDER BY max(abs(robust_z)) DESC LIMIT {k}
+    """).fetchall()
+    return [r[0] for r in rows]

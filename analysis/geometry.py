@@ -23,8 +23,15 @@ from actlake.categories import ROLE
 
 @dataclass
 class Geometry(SumStats):
-    TABLES = ("attention_geometry",)
-    """Reduced table names (partials: ``<name>_by_shard``)."""
+    name = "geometry"
+    reads = frozenset({"attention", "mass", "mass_keynorm"})
+    tables = ("attention_geometry",)
+    views = {"attention_geometry_mean": """
+        SELECT layer, head, key_category, n_pairs,
+               q_norm_sum / nullif(n_pairs, 0) AS mean_q_norm, k_norm_sum / nullif(n_pairs, 0) AS mean_k_norm,
+               cos_sum / nullif(n_pairs, 0) AS mean_cos, mass / nullif(n_queries, 0) AS mean_mass,
+               mass_keynorm / nullif(n_queries, 0) AS mean_mass_keynorm
+        FROM attention_geometry"""}
 
     n_pairs: torch.Tensor
     """(L, C) valid pairs with the key in category c."""
@@ -46,6 +53,10 @@ class Geometry(SumStats):
         L, H, C = n_layers, n_heads, len(ROLE)
         z = lambda *s: zeros(*s, device=device)
         return cls(z(L, C), z(L, H, C), z(L, H, C), z(L, H, C), z(L, H, C), z(L, H, C), z(L))
+
+    @classmethod
+    def create(cls, spec, **options) -> "Geometry":
+        return cls.zeros(spec.n_layers, spec.n_heads, device=spec.device)
 
     def add_layer(self, lq: LayerQK) -> None:
         l, k_oh = lq.layer, lq.key_onehot
@@ -87,6 +98,32 @@ class Geometry(SumStats):
 
     def to_tables(self) -> dict[str, pa.Table]:
         return {"attention_geometry": self.to_arrow()}
+
+    @classmethod
+    def charts(cls, con) -> list:
+        import altair as alt
+
+        df = con.execute("""
+            SELECT layer, key_category, sum(k_norm_sum) / sum(n_pairs) AS mean_k_norm,
+                   sum(q_norm_sum) / sum(n_pairs) AS mean_q_norm, sum(cos_sum) / sum(n_pairs) AS mean_cos,
+                   sum(mass) / sum(n_queries) AS mass, sum(mass_keynorm) / sum(n_queries) AS mass_keynorm
+            FROM attention_geometry WHERE n_pairs > 0 GROUP BY layer, key_category ORDER BY layer
+        """).df()
+        base = alt.Chart(df).encode(x=alt.X("layer:O", title="layer"), color=alt.Color("key_category:N", title="key category"))
+        norms = alt.hconcat(
+            base.mark_line(point=True).encode(y=alt.Y("mean_k_norm:Q", title="mean ||k|| over pairs")).properties(width=250, height=200),
+            base.mark_line(point=True).encode(y=alt.Y("mean_cos:Q", title="mean cos(q, k) over pairs")).properties(width=250, height=200),
+        )
+        long = df.melt(id_vars=["layer", "key_category"], value_vars=["mass", "mass_keynorm"], var_name="logits", value_name="m")
+        long["logits"] = long["logits"].map({"mass": "as computed", "mass_keynorm": "keys at mean norm"})
+        keynorm = alt.Chart(long).mark_line(point=True).encode(
+            x=alt.X("layer:O", title="layer"), y=alt.Y("m:Q", title="mean attention per query"),
+            color=alt.Color("key_category:N", title="key category"), strokeDash=alt.StrokeDash("logits:N", title="keys"),
+            tooltip=["layer", "key_category", "logits", alt.Tooltip("m:Q", format=".3f")],
+        ).properties(width=520, height=260)
+        return [(7, ("geometry_norms", "Attention geometry (seed 002): key norm and q-k angle by key category", norms)),
+                (8, ("keynorm_mass", "How much of each category's attention is key norm: mass with keys rescaled to "
+                                     "their mean norm", keynorm))]
 
     @classmethod
     def from_tables(cls, tables: dict[str, pa.Table]) -> "Geometry":

@@ -202,6 +202,16 @@ class LayerQK:
     def queries_per_key(self) -> torch.Tensor:
         return self.batch.queries_per_key
 
+    def weights(self) -> torch.Tensor:
+        """(B, H, T, T) float32 attention weights: softmax over the keys each query may see, zero rows for
+        padded or excluded queries. Built whole (O(B H T^2) memory), for analyses that need alpha itself;
+        the built-in ones read :meth:`product` instead."""
+        if "weights" not in self._cache:
+            logits = torch.matmul(self.query * self.scaling, self.key_per_query_head.transpose(-1, -2))
+            logits = logits.masked_fill(~self.batch.weight_mask, float("-inf"))
+            self._cache["weights"] = torch.softmax(logits, -1) * self.batch.validf[:, None, :, None]
+        return self._cache["weights"]
+
     def product(self, name: str) -> torch.Tensor:
         """One of :data:`~actlake.analysis.attention_weights.PRODUCTS` of this layer's attention weights.
 

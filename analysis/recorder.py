@@ -40,7 +40,8 @@ class AttentionRecorder:
 
     ``valid`` (B, T) and ``role_onehot`` (B, T, C): the batch, preferably as host tensors (whatever
     steers Python code is computed from them, so no layer waits for the device).
-    ``mass``: attention mass per query and key category.
+    ``mass``: attention mass per query and key category (fed first, and told of excluded tokens).
+    ``on_excluded``: called (layer, token count) when tokens leave a layer's statistics for inf/NaN.
     ``inputs``: active :class:`LayerInputs` when consumers need x / RoPE (contributions).
     ``needs``: products of the attention weights the consumers read (:mod:`attention_weights`), computed
     together once per layer. ``method``: ``explicit`` (weights in blocks), ``fused`` (one-hot V through
@@ -56,8 +57,9 @@ class AttentionRecorder:
     def __init__(self, mqk: ModelQK, valid: torch.Tensor, role_onehot: torch.Tensor,
                  consumers: list[Callable[[LayerQK], None]], mass: AttentionMass | None = None,
                  inputs: LayerInputs | None = None, needs=frozenset(), method: str = "auto",
-                 reuse_attention: bool = True, strict: bool = True):
+                 reuse_attention: bool = True, strict: bool = True, on_excluded=()):
         self.mqk, self.consumers, self.mass, self.inputs = mqk, consumers, mass, inputs
+        self.on_excluded = list(on_excluded) + ([mass.nonfinite_excluded] if mass is not None else [])
         self.host = BatchInfo(valid.cpu(), mqk.family.causal, role_onehot.cpu(), role_onehot.cpu())
         self.needs = frozenset(needs) | ({"mass"} if mass is not None else frozenset())
         self.method, self.reuse_attention, self.strict = method, reuse_attention, strict
@@ -94,8 +96,8 @@ class AttentionRecorder:
                               batch.query_onehot * keep[..., None])
             clean = lambda t: torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
             q, k, x = clean(q), clean(k), (clean(x) if x is not None else None)
-            if self.mass is not None:
-                self.mass.nonfinite[layer] += bad.sum()
+            for tell in self.on_excluded:
+                tell(layer, bad.sum())
         method = self.method
         if method == "auto" and not any_bad and flash_applies(query, batch):
             method = "flash"

@@ -1,6 +1,6 @@
 """Accumulated statistics that are sums over tokens, kept as float64 tensors on any device.
 
-The attention analyses accumulate one batch at a time on the model's device (no host copy per
+The analyses accumulate one batch at a time on the model's device (no host copy per
 layer); a shard's totals go to the host once, when its tables are written. ``merge`` adds field by
 field, so it is associative and commutative up to float64 rounding: shards reduce in any order.
 """
@@ -12,9 +12,12 @@ import dataclasses
 import numpy as np
 import torch
 
+from actlake.analysis.protocol import Analysis
 
-class SumStats:
-    """Base for dataclasses whose tensor fields are sums; other fields (labels) must agree on merge."""
+
+class SumStats(Analysis):
+    """Base for analyses that are dataclasses whose tensor fields are sums; other fields (labels) must
+    agree on merge."""
 
     def _tensor_fields(self) -> list[str]:
         return [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]

@@ -14,12 +14,8 @@ import torch
 
 from actlake.analysis import capture
 from actlake.analysis.device import to_device, to_host
-from actlake.analysis.attention_distance import AttentionByDistance
-from actlake.analysis.attention_mass import AttentionMass
-from actlake.analysis.contributions import QUERY_GROUPS_ALL, QUERY_GROUPS_BY_ROLE, Contributions
-from actlake.analysis.geometry import Geometry
+from actlake.analysis.protocol import HiddenBatch, ModelSpec, enabled, products
 from actlake.analysis.recorder import AttentionRecorder, ModelQK
-from actlake.analysis.dim_moments import DimMoments
 from actlake.analysis.residual_norms import residual_norms
 from actlake.analysis.surprisal import token_surprisal
 from actlake.batching import Window, collate, document_windows, make_batches
@@ -49,6 +45,10 @@ class Extractor:
         self.inputs = capture.LayerInputs(lm.model, lm.family)  # hooks attached per batch, when needed
         self.oom_splits = 0
         self.store_layers = resolve_layers(cfg.activations.layers, lm.model.config.num_hidden_layers)
+        self.analyses = enabled(cfg.analyses)  # (class, options) per enabled analysis
+        m = self.mqk
+        self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
+                              cfg.tokenization.max_length, lm.device)
 
     # ------------------------------------------------------------------ reading
     def read_shard(self, shard: Shard):
@@ -86,23 +86,9 @@ class Extractor:
         return windows, docs, rejects
 
     # ------------------------------------------------------------------ one batch
-    def new_stats(self, device=None) -> dict:
-        """Fresh accumulators for the enabled attention analyses, on ``device`` (default: the model's)."""
-        a, m = self.cfg.analyses, self.mqk
-        d = self.lm.model.config.hidden_size
-        dev = self.lm.device if device is None else device
-        stats = {}
-        if a.attention_mass:
-            stats["mass"] = AttentionMass.zeros(m.n_layers, m.n_heads, device=dev)
-        if a.contributions:
-            groups = QUERY_GROUPS_BY_ROLE if a.contributions_by_query_category else QUERY_GROUPS_ALL
-            stats["contributions"] = Contributions.zeros(m.n_layers, m.n_heads, d, groups, device=dev)
-        if a.geometry:
-            stats["geometry"] = Geometry.zeros(m.n_layers, m.n_heads, device=dev)
-        if a.attention_by_distance:
-            stats["distance"] = AttentionByDistance.zeros(m.n_layers, m.n_heads, self.cfg.tokenization.max_length,
-                                                          device=dev)
-        return stats
+    def new_stats(self) -> dict:
+        """Fresh accumulators of every enabled analysis, on the model's device: {name: Analysis}."""
+        return {cls.name: cls.create(self.spec, **options) for cls, options in self.analyses}
 
     @torch.inference_mode()
     def run_batch(self, batch: list[Window], strict: bool | None = None) -> "BatchResult":
@@ -125,28 +111,25 @@ class Extractor:
             role[i, : len(r)] = torch.tensor(r)
             type8[i, : len(t)] = torch.tensor(t)
         dev = self.lm.device
-        consumers = []
-        if "contributions" in stats:
-            weighted = a.weighted_contributions
-            consumers.append(lambda lq: stats["contributions"].add_layer(lq, weighted=weighted))
-        for name in ("geometry", "distance"):
-            if name in stats:
-                consumers.append(stats[name].add_layer)
+        attention = [x for x in stats.values() if "attention" in x.reads]
+        hidden = [x for x in stats.values() if "hidden_states" in x.reads]
         with contextlib.ExitStack() as stack:
-            inputs = stack.enter_context(self.inputs) if "contributions" in stats else None
-            recorder = AttentionRecorder(self.mqk, mask, one_hot(role, len(ROLE), mask), consumers,
-                                         mass=stats.get("mass"), inputs=inputs, needs=attention_products(a),
-                                         method=a.attention_weights, strict=strict)
-            stack.enter_context(capture.recording(recorder))
-            need_hidden = a.residual_norms or a.dim_moments or bool(self.store_layers)  # else not kept
+            inputs = stack.enter_context(self.inputs) if any("layer_inputs" in x.reads for x in attention) else None
+            recorder = AttentionRecorder(self.mqk, mask, one_hot(role, len(ROLE), mask), [x.add_layer for x in attention],
+                                         inputs=inputs, needs=products(attention), method=a.attention_weights,
+                                         strict=strict, on_excluded=[x.nonfinite_excluded for x in attention
+                                                                     if hasattr(x, "nonfinite_excluded")])
+            if attention:
+                stack.enter_context(capture.recording(recorder))
+            need_hidden = a.residual_norms or bool(hidden) or bool(self.store_layers)  # else not kept
             out = self.lm.model(input_ids=to_device(ids, dev), attention_mask=to_device(mask, dev),
                                 output_hidden_states=need_hidden)
         hs = out.hidden_states if need_hidden else None
         result = BatchResult(batch, per_window, mask, stats)
         if a.residual_norms:
             result.norms = to_host(residual_norms(hs))
-        if a.dim_moments:
-            result.moments = DimMoments.from_batch(hs, mask, role, type8, exact_nonfinite=strict)
+        for x in hidden:
+            x.add_hidden(hs, HiddenBatch(mask, role, type8, strict))
         if self.store_layers:
             keep = [i for i, w in enumerate(batch) if window_sampled(self.cfg.activations, w.doc_id, w.window)]
             rows = to_device(torch.tensor(keep, dtype=torch.long), hs[0].device)
@@ -154,7 +137,7 @@ class Extractor:
         if self.lm.lm_head is not None:
             result.surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask))
         if not strict:
-            checks = recorder.problems() + ([result.moments.unchecked] if result.moments is not None else [])
+            checks = recorder.problems() + [t for x in stats.values() for t in x.problems()]
             found = [float(t.sum()) for t in checks]  # the batch's one synchronisation (per device)
             if any(found):
                 log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
@@ -212,7 +195,7 @@ class Extractor:
 @dataclass
 class BatchResult:
     """One batch's outputs. Per-token values are (B, T, ...) host tensors (padding included; ``mask``
-    says which tokens are real); statistics stay on the model's device."""
+    says which tokens are real); the analyses' statistics stay on the model's device."""
 
     batch: list[Window]
     per_window: list
@@ -220,28 +203,13 @@ class BatchResult:
     mask: torch.Tensor
     """(B, T) 1 for real tokens (the host's)."""
     stats: dict
-    """The attention analyses' accumulators for this batch."""
+    """{name: Analysis} accumulated over this batch."""
     norms: torch.Tensor | None = None
     """(B, T, L+1) float64 residual norms."""
-    moments: DimMoments | None = None
     surprisal: torch.Tensor | None = None
     """(B, T) float32, NaN where undefined."""
     acts: dict = field(default_factory=dict)
     """Stored layers: {layer: (rows of the batch sampled, (n, T, d) hidden states of those rows)}."""
-
-
-def attention_products(a) -> frozenset:
-    """Products of the attention weights (``analysis.attention_weights``) the enabled analyses read."""
-    needs = set()
-    if a.attention_mass or a.geometry:
-        needs.add("mass")
-    if a.geometry:
-        needs.add("mass_keynorm")
-    if a.contributions and a.weighted_contributions:
-        needs.add("weighted_qsum")
-    if a.attention_by_distance:
-        needs.add("distance")
-    return frozenset(needs)
 
 
 class ShardResults:
@@ -249,7 +217,6 @@ class ShardResults:
 
     def __init__(self, analyses, stats: dict, activations=None):
         self.a, self.stats, self.act_cfg = analyses, stats, activations
-        self.moments = None
         self.tok_cols: dict[str, list] = {k: [] for k in TOKENS_SCHEMA.names}
         self.norm_rows: list = []
         self.act_rows: list = []
@@ -261,8 +228,6 @@ class ShardResults:
         lengths = [len(w.ids) for w in batch]
         self.n_tokens += sum(lengths)
         self.n_padded += len(batch) * max(lengths) - sum(lengths)
-        if r.moments is not None:
-            self.moments = r.moments if self.moments is None else self.moments.merge(r.moments)
         for name, part in r.stats.items():
             self.stats[name] = self.stats[name].merge(part)
         cols = self.tok_cols
@@ -299,10 +264,9 @@ class ShardResults:
             writer.write("residual_norms", _norm_table(self.norm_rows))
         if self.act_cfg is not None and self.act_cfg.layers:
             writer.write("activations", activation_table(self.act_rows, self.act_cfg.dtype))
-        for stats in [self.moments, *self.stats.values()]:  # on the model's device until here
-            if stats is not None:
-                for name, table in stats.to_tables().items():
-                    writer.write(f"{name}_by_shard", table)
+        for analysis in self.stats.values():  # on the model's device until here
+            for name, table in analysis.to_tables().items():
+                writer.write(f"{name}_by_shard", table)
 
 
 def _norm_table(norm_rows) -> pa.Table:

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
-from actlake.analysis.attention_distance import AttentionByDistance
-from actlake.analysis.attention_mass import AttentionMass
-from actlake.analysis.contributions import Contributions
-from actlake.analysis.dim_moments import DimMoments
-from actlake.analysis.geometry import Geometry
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout
 from actlake.storage.parquet_io import verify_parquet, write_parquet_atomic
 from actlake.storage.shards import read_record
 
-MERGEABLE = (DimMoments, AttentionMass, Contributions, Geometry, AttentionByDistance)
-"""Statistics classes; each reduces its ``<table>_by_shard`` partials into ``<table>`` for table in ``cls.TABLES``."""
 
 
 def collect_records(layout: RunLayout, shard_ids: list[int], plan_hash: str) -> list[dict]:
@@ -39,18 +32,20 @@ def merge_partials(layout: RunLayout, records: list[dict], cls):
     """Merge one statistics class over the given shards, in the given order (any order gives the same result)."""
     total = None
     for r in records:
-        tables = {t: pq.read_table(layout.root / r["files"][f"{t}_by_shard"]["path"]) for t in cls.TABLES}
+        tables = {t: pq.read_table(layout.root / r["files"][f"{t}_by_shard"]["path"]) for t in cls.tables}
         stats = cls.from_tables(tables)
         total = stats if total is None else total.merge(stats)
     return total
 
 
-def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, verify: bool = True) -> dict:
+def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses, verify: bool = True) -> dict:
+    """Verify every shard, merge the partials of each analysis in ``analyses`` (the classes of the job's
+    enabled analyses), publish the reduced tables; return the job's totals."""
     records = collect_records(layout, shard_ids, plan_hash)
     if verify:
         verify_records(layout, records)
-    for cls in MERGEABLE:
-        having = [r for r in records if f"{cls.TABLES[0]}_by_shard" in r["files"]]
+    for cls in analyses:
+        having = [r for r in records if f"{cls.tables[0]}_by_shard" in r["files"]]
         if having:
             for table, data in merge_partials(layout, having, cls).to_tables().items():
                 write_parquet_atomic(data, layout.aggregate_file(table), layout.staging)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from actlake.config import JobConfig
 from actlake.corpus.fingerprint import current_fingerprints, first_change
-from actlake.errors import ActlakeError, CorpusError, StorageError
+from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
 from actlake.jobs.dispatch import Dispatcher
 from actlake.jobs.plan import plan_hash, plan_with_inputs
 from actlake.jobs.progress import Progress
@@ -170,14 +170,49 @@ def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
           f"(fraction {a.fraction:g} of windows)", flush=True)
 
 
+def import_custom_analyses(cfg: JobConfig) -> None:
+    """Let the driver import the modules of ``analyses.custom[].path`` (as the workers can, through Ray)."""
+    import sys
+
+    for c in cfg.analyses.custom:
+        if c.path:
+            parent = str(Path(c.path).parent)
+            if parent not in sys.path:
+                sys.path.insert(0, parent)
+
+
+CUSTOM_CODE_LIMIT = 16 << 20
+"""Bytes of custom-analysis code shipped to each worker, at most."""
+
+
+def custom_code(cfg: JobConfig) -> dict[str, bytes]:
+    """The custom analyses' code, ``{path relative to its parent folder: bytes}``, for the workers (Ray
+    accepts local ``py_modules`` only for a whole job, not per actor, so the code travels as an argument)."""
+    files: dict[str, bytes] = {}
+    for c in cfg.analyses.custom:
+        if not c.path:
+            continue
+        root = Path(c.path)
+        members = [root] if root.is_file() else [p for p in root.rglob("*.py") if "__pycache__" not in p.parts]
+        for p in members:
+            files[str(p.relative_to(root.parent))] = p.read_bytes()
+    if sum(map(len, files.values())) > CUSTOM_CODE_LIMIT:
+        raise ConfigError(f"analyses.custom: more than {CUSTOM_CODE_LIMIT >> 20} MiB of code to ship; install it "
+                          "on the workers instead and leave path empty")
+    return files
+
+
 def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None) -> RunResult:
     """Run a job to completion (resuming a run directory), reduce, and build the report.
 
     ``on_shard(summary)`` is called in the driver after each shard commits (summary includes the
     worker's resident memory after the shard, ``worker_rss_mb``)."""
+    from actlake.analysis.protocol import enabled
     from actlake.jobs.reduce import reduce_run
 
     t0 = time.perf_counter()
+    import_custom_analyses(cfg)
+    analyses = [cls for cls, _ in enabled(cfg.analyses)]  # imports custom classes: a bad one fails here
     layout = RunLayout(cfg.run_dir)
     ensure_output_dir(Path(cfg.output.dir).resolve())
     shards, inputs = plan_with_inputs(cfg)
@@ -193,7 +228,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     ran: list[dict] = []
     if pending:
         ran = _dispatch(cfg, layout, phash, pending, len(shards), address or cfg.resources.address, on_shard, inputs)
-    totals = reduce_run(layout, [s.shard_id for s in shards], phash)
+    totals = reduce_run(layout, [s.shard_id for s in shards], phash, analyses)
     wall = time.perf_counter() - t0
     tokens_run = sum(r["tokens"] for r in ran)
     totals.update(wall_seconds=wall, shards_run=len(pending), tokens_run=tokens_run,
@@ -203,7 +238,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     if cfg.output.report if report is None else report:
         from actlake.report import build_report
 
-        report_path = str(build_report(layout.root))
+        report_path = str(build_report(layout.root, analyses))
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
 
 
@@ -217,11 +252,12 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
     started = init_ray(address)
     try:
         n, cpus, gpus, threads = _worker_shape(cfg)
+        code = ray.put(custom_code(cfg))
         n = min(n, len(pending))
         retries = cfg.resources.max_retries
         workers = [
             ShardWorker.options(num_cpus=cpus, num_gpus=gpus, max_restarts=retries, max_task_retries=0)
-            .remote(cfg.to_dict(), str(layout.root), phash, threads)
+            .remote(cfg.to_dict(), str(layout.root), phash, threads, code)
             for _ in range(n)
         ]
         log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU each)", len(pending), n, cpus, gpus)

@@ -46,6 +46,8 @@ def absolute_config(cfg: JobConfig) -> dict:
     d["output"]["dir"] = os.path.abspath(cfg.output.dir)
     d["output"]["run_id"] = cfg.run_id
     d["resources"]["address"] = None  # inside the job, Ray connects to its own cluster
+    for custom in d["analyses"]["custom"]:
+        custom["path"] = None  # the code travels as a py_modules entry of the job (see submit)
     return d
 
 
@@ -82,7 +84,8 @@ def submit(cfg: JobConfig, address: str, submission_id: str | None = None, agent
                 return client_.submit_job(
                     entrypoint="python -m actlake.cli run job.yaml",
                     submission_id=submission_id,
-                    runtime_env={"working_dir": str(work), "py_modules": [str(pkg)],
+                    runtime_env={"working_dir": str(work),
+                                 "py_modules": [str(pkg)] + [c.path for c in cfg.analyses.custom if c.path],
                                  "env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
                     metadata={"actlake_run_id": cfg.run_id},
                 )

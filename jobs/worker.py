@@ -45,9 +45,27 @@ def release_free_memory() -> None:
         pass
 
 
+def install_code(files: dict) -> None:
+    """Write the custom analyses' code (``{relative path: bytes}``) to a private folder on sys.path."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    if not files:
+        return
+    root = Path(tempfile.mkdtemp(prefix="actlake-custom-"))
+    for rel, data in files.items():
+        target = (root / rel).resolve()
+        if root not in target.parents:
+            raise ValueError(f"custom code path escapes its folder: {rel}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    sys.path.insert(0, str(root))
+
+
 @ray.remote
 class ShardWorker:
-    def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int):
+    def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None):
         import torch
 
         from actlake.config import parse_config
@@ -58,6 +76,7 @@ class ShardWorker:
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         keep_freed_heap()
+        install_code(code or {})
         self.cfg = parse_config(cfg_dict)
         self.layout = RunLayout(__import__("pathlib").Path(run_dir))
         self.plan_hash = plan_hash

@@ -12,36 +12,13 @@ from pathlib import Path
 from actlake.errors import QueryError, StorageError
 from actlake.storage.layout import RunLayout
 
-VIEWS = {
-    "outliers": """
-        WITH m AS (SELECT layer, dim, mean, count FROM dim_moments WHERE scheme = 'all'),
-             s AS (SELECT layer, median(mean) AS med FROM m GROUP BY layer),
-             d AS (SELECT layer, median(abs(m.mean - s.med)) AS mad FROM m JOIN s USING (layer) GROUP BY layer)
-        SELECT m.layer, m.dim, m.mean, m.count,
-               (m.mean - s.med) / nullif(1.4826 * d.mad, 0) AS robust_z,
-               row_number() OVER (PARTITION BY m.layer ORDER BY abs(m.mean - s.med) DESC) AS rank
-        FROM m JOIN s USING (layer) JOIN d USING (layer)""",
-    "attention_mass_by_key": """
-        SELECT layer, head, key_category, sum(mass) AS mass, sum(n_queries) AS n_queries,
-               sum(mass) / sum(n_queries) AS mean_mass
-        FROM attention_mass GROUP BY layer, head, key_category""",
-    "contributions_mean": """
-        SELECT layer, head, query_category, key_category, dim, n_pairs,
-               contribution_sum / nullif(n_pairs, 0) AS mean_contribution,
-               bias_sum / nullif(n_pairs, 0) AS mean_bias_term,
-               CASE WHEN query_category = 'all' THEN weighted_sum / nullif(n_queries, 0) END AS weighted_per_query
-        FROM contributions""",
-    "attention_geometry_mean": """
-        SELECT layer, head, key_category, n_pairs,
-               q_norm_sum / nullif(n_pairs, 0) AS mean_q_norm, k_norm_sum / nullif(n_pairs, 0) AS mean_k_norm,
-               cos_sum / nullif(n_pairs, 0) AS mean_cos, mass / nullif(n_queries, 0) AS mean_mass,
-               mass_keynorm / nullif(n_queries, 0) AS mean_mass_keynorm
-        FROM attention_geometry""",
-    "attention_by_distance_mean": """
-        SELECT layer, head, distance, n_pairs, attn_sum / nullif(n_pairs, 0) AS mean_attention
-        FROM attention_by_distance WHERE n_pairs > 0""",
-}
-"""Derived views, created when their source tables exist."""
+def derived_views() -> dict[str, str]:
+    """View name -> SELECT: the views each built-in analysis declares over its tables (created when their
+    source tables exist). Custom analyses' tables get plain views only: querying a run never imports
+    code named in the run folder."""
+    from actlake.analysis.protocol import builtin
+
+    return {name: sql for cls in builtin().values() for name, sql in cls.views.items()}
 
 ALLOWED_STATEMENTS = {"SELECT", "EXPLAIN"}
 
@@ -79,7 +56,7 @@ def open_run(run_dir: str | os.PathLike, memory_limit: str = "2GB", threads: int
         cast = _fixed_size_casts(layout.tables / t)
         select = f"* REPLACE ({', '.join(cast)})" if cast else "*"
         con.execute(f'CREATE VIEW "{t}" AS SELECT {select} FROM read_parquet({_quote(glob)}, hive_partitioning = true, union_by_name = true)')
-    for name, sql in VIEWS.items():
+    for name, sql in derived_views().items():
         try:
             con.execute(f"CREATE VIEW {name} AS {sql}")
         except duckdb.Error:

@@ -136,6 +136,7 @@ def test_out_of_memory_batches_are_split_and_give_the_same_numbers(minilm_path, 
     """Inject torch.OutOfMemoryError for batches of more than 3 windows, in-process."""
     from actlake.jobs.extract import Extractor
     from actlake.jobs.plan import make_plan, plan_hash
+    from actlake.analysis.protocol import enabled
     from actlake.jobs.reduce import reduce_run
     from actlake.jobs.run import prepare_run_dir
     from actlake.model import load_model
@@ -157,7 +158,7 @@ def test_out_of_memory_batches_are_split_and_give_the_same_numbers(minilm_path, 
     layout = RunLayout(cfg.run_dir)
     prepare_run_dir(cfg, layout, shards, phash)
     summaries = [ex.process(s, layout, phash) for s in shards]
-    reduce_run(layout, [s.shard_id for s in shards], phash)
+    reduce_run(layout, [s.shard_id for s in shards], phash, [cls for cls, _ in enabled(cfg.analyses)])
     assert ex.oom_splits > 0 and sum(s["oom_splits"] for s in summaries) == ex.oom_splits
     assert_same(snapshot(cfg.run_dir), clean_tables, rtol=1e-4)
 

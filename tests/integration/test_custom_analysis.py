@@ -1,0 +1,85 @@
+"""Your own analysis from the config: the README's example runs through a real job on real Ray, lands
+exactly once, is reduced, and its table equals an independent computation from eager attention weights."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from actlake.categories import ROLE
+from actlake.cli import main
+from actlake.storage.sql import query
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "configs" / "attention_entropy.py"
+
+
+def test_the_readme_shows_the_example_file():
+    block = re.search(r"```python\n(\"\"\"Attention entropy per head.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block and block.group(1) == EXAMPLE.read_text()
+    assert len(EXAMPLE.read_text().splitlines()) <= 40
+
+
+def _reference_entropy(model_path, run_dir):
+    """Sum of -sum_n alpha log alpha over queries, per (layer, head, query role), window by window."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(model_path, attn_implementation="eager").eval()
+    rows = query(run_dir, "SELECT doc_id, window_index, token_id, role FROM tokens ORDER BY doc_id, window_index, position")
+    windows: dict = {}
+    for doc, win, tid, role in zip(*(rows[c].to_pylist() for c in ("doc_id", "window_index", "token_id", "role"))):
+        windows.setdefault((doc, win), []).append((tid, ROLE.index(role)))
+    total, count = None, None
+    with torch.no_grad():
+        for toks in windows.values():
+            att = torch.stack(model(input_ids=torch.tensor([[t for t, _ in toks]]), output_attentions=True).attentions)
+            att = att[:, 0].double()  # (L, H, T, T)
+            entropy = -(att * att.clamp(min=1e-30).log()).sum(-1)  # (L, H, T)
+            onehot = torch.nn.functional.one_hot(torch.tensor([r for _, r in toks]), len(ROLE)).double()  # (T, C)
+            e, n = torch.einsum("lht,tc->lhc", entropy, onehot).numpy(), onehot.sum(0).numpy()
+            total, count = (e, n) if total is None else (total + e, count + n)
+    return total, count
+
+
+def test_a_custom_analysis_runs_reduces_and_is_queryable(minilm_path, sample_corpus, tmp_path, ray_local):
+    cfg = {"name": "custom", "model": {"name_or_path": minilm_path},
+           "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 12},
+           "tokenization": {"max_length": 48, "max_windows_per_doc": 2}, "sharding": {"docs_per_shard": 6},
+           "batching": {"max_tokens": 512}, "output": {"dir": str(tmp_path / "runs"), "report": False},
+           "resources": {"num_workers": 1, "cpus_per_worker": 1},
+           "analyses": {"contributions": False, "geometry": False, "attention_by_distance": False,
+                        "custom": [{"analysis": "attention_entropy:AttentionEntropy", "path": str(EXAMPLE)}]}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(path), "--run-id", "r"]) == 0
+    run = tmp_path / "runs" / "r"
+    assert sorted(p.name for p in (run / "tables" / "attention_entropy_by_shard").iterdir()) == ["shard=00000", "shard=00001"]
+    got = query(run, "SELECT layer, head, query_category, entropy_sum, n_queries FROM attention_entropy")
+    want, count = _reference_entropy(minilm_path, run)
+    table = np.zeros_like(want)
+    n = np.zeros((want.shape[0], len(ROLE)))
+    for layer, head, cat, e, q in zip(*(got[c].to_pylist() for c in got.column_names)):
+        table[layer, head, ROLE.index(cat)] = e
+        n[layer, ROLE.index(cat)] = q
+    np.testing.assert_allclose(table, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(n, np.broadcast_to(count, n.shape))
+    assert main(["run", str(path), "--run-id", "r"]) == 0  # a rerun skips both shards and reduces again
+    again = query(run, "SELECT sum(entropy_sum) AS s FROM attention_entropy")["s"][0].as_py()
+    assert again == pytest.approx(float(want.sum()), rel=1e-4)
+
+
+def test_a_class_that_is_not_an_analysis_is_refused_in_one_line(minilm_path, sample_corpus, tmp_path, capsys):
+    cfg = {"name": "bad", "model": {"name_or_path": minilm_path}, "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")]},
+           "output": {"dir": str(tmp_path / "runs")},
+           "analyses": {"custom": [{"analysis": "collections:OrderedDict"}]}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "analyses.custom[0].analysis" in err[0] and "not a subclass" in err[0]
