@@ -1,4 +1,4 @@
-"""Progress: a one-line bar on a terminal, plain log lines otherwise."""
+"""Shard progress: a tqdm bar on a terminal, one log line per shard otherwise."""
 
 from __future__ import annotations
 
@@ -11,27 +11,21 @@ log = logging.getLogger("actlake.progress")
 
 class Progress:
     def __init__(self, total: int, skipped: int = 0, stream=None):
-        self.total, self.done, self.tokens = total, skipped, 0
-        self.start = time.monotonic()
-        self.stream = stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.started_at = skipped
+        from tqdm import tqdm
+
+        self.total, self.done, self.tokens, self.start = total, skipped, 0, time.monotonic()
+        # disable=None: a bar only when the stream is a terminal
+        self.bar = tqdm(total=total, initial=skipped, unit="shard", file=stream or sys.stderr, disable=None,
+                        dynamic_ncols=True, desc="shards")
 
     def update(self, summary: dict) -> None:
-        self.done += 1
         self.tokens += summary.get("tokens", 0)
         elapsed = time.monotonic() - self.start
-        rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        ran = self.done - self.started_at
-        left = self.total - self.done
-        eta = elapsed / ran * left if ran else float("nan")
-        msg = f"shards {self.done}/{self.total}  {rate:,.0f} tokens/s  ETA {eta:,.0f}s"
-        if self.tty:
-            width = 30
-            filled = int(width * self.done / max(1, self.total))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {msg}   ")
-            self.stream.flush()
-            if self.done == self.total:
-                self.stream.write("\n")
-        else:
-            log.info(msg)
+        rate = f"{self.tokens / elapsed if elapsed > 0 else 0.0:,.0f} tokens/s"
+        self.bar.set_postfix_str(rate, refresh=False)
+        self.bar.update(1)
+        self.done += 1
+        if self.bar.disable:  # a disabled bar counts nothing
+            log.info("shards %d/%d  %s", self.done, self.total, rate)
+        if self.done >= self.total:
+            self.bar.close()

@@ -95,7 +95,8 @@ def test_minilm_matches_output_attentions_and_reruns_are_idempotent(minilm_path,
 def test_merge_order_does_not_change_aggregates(minilm_path, sample_corpus, tmp_path, ray_local):
     import json
 
-    from actlake.jobs.reduce import MERGEABLE, merge_partials
+    from actlake.analysis.protocol import builtin
+    from actlake.jobs.reduce import merge_partials
     from actlake.storage.layout import RunLayout
 
     res = run_job(job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 24, "sharding.docs_per_shard": 6}))
@@ -103,10 +104,10 @@ def test_merge_order_does_not_change_aggregates(minilm_path, sample_corpus, tmp_
     records = [json.loads(p.read_text()) for p in sorted(layout.complete.glob("shard-*.json"))]
     assert len(records) == res.shards_total >= 4
     orders = [records[::-1], [records[2], records[0], *records[3:], records[1]]]
-    for cls in MERGEABLE:
+    for cls in builtin().values():
         forward = merge_partials(layout, records, cls).to_tables()
         others = [merge_partials(layout, o, cls).to_tables() for o in orders]
-        others.append({t: pq.read_table(layout.aggregate_file(t)) for t in cls.TABLES})  # what the job published
+        others.append({t: pq.read_table(layout.aggregate_file(t)) for t in cls.tables})  # what the job published
         for other in others:
             for name, table in forward.items():
                 for col in table.column_names:
