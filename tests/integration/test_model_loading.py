@@ -117,7 +117,7 @@ def test_minilm_in_bfloat16_gives_the_float32_tables_within_the_stated_tolerance
         return result.stats, result.stats["dim_moments"]
 
     (a, ma), (b, mb) = run("float32"), run("bfloat16")
-    per_query = lambda s: s["mass"].mass.sum(2) / s["mass"].n_queries.sum(1)[:, None, None]
+    per_query = lambda s: s["attention_mass"].mass.sum(2) / s["attention_mass"].n_queries.sum(1)[:, None, None]
     assert np.abs(per_query(a) - per_query(b)).max() < 0.01  # attention per query, absolute
     ga, gb = a["geometry"], b["geometry"]
     keynorm = lambda g: g.mass_keynorm / g.n_queries[:, None, None]
@@ -135,6 +135,6 @@ def test_minilm_in_bfloat16_gives_the_float32_tables_within_the_stated_tolerance
     assert rel_to_layer_max(mean_c(ca), mean_c(cb)) < 0.02
     assert rel_to_layer_max(ca.weighted, cb.weighted) < 0.03
     assert rel_to_layer_max(ma.moments.mean[:, 0], mb.moments.mean[:, 0]) < 0.03
-    da, db = a["distance"], b["distance"]
+    da, db = a["attention_by_distance"], b["attention_by_distance"]
     dist = lambda d: d.attn / np.maximum(d.pairs[:, None], 1)
     assert np.abs(dist(da) - dist(db)).max() < 0.01
