@@ -191,13 +191,19 @@ def iter_jsonl(path: str, start: int, end: int, text_field: str, source_field: s
         lines, first = _lines(entry.file, entry.offset, stats, ENTRY_CHUNK), entry.record
     if start >= end:
         return
-    for index, line in enumerate(lines, first):
-        if index < start:
-            stats.records_skipped += 1
-            continue
-        yield _parse_json_line(index, line.rstrip(b"\r\n"), text_field, source_field)
-        if index >= end - 1:  # stop before the next line: no decoding past the range
-            return
+    try:
+        for index, line in enumerate(lines, first):
+            if index < start:
+                stats.records_skipped += 1
+                continue
+            yield _parse_json_line(index, line.rstrip(b"\r\n"), text_field, source_field)
+            if index >= end - 1:  # stop before the next line: no decoding past the range
+                return
+    except CorpusError as e:
+        if entry is None or entry.file == path:
+            raise
+        raise CorpusError(f"{path}: its seekable copy is damaged ({e}); delete {entry.file} and its .json "
+                          f"index, and plan again to rebuild it") from None
 
 
 def _row_item(index: int, row: dict, text_field: str, source_field: str) -> Item:

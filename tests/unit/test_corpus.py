@@ -247,3 +247,22 @@ def test_a_streamed_hugging_face_dataset_is_planned_by_its_files_and_read_in_ful
         assert [i.index for i in got] == list(range(len(want))) and stats.rows_decoded == len(want)
         assert [(getattr(i, "text", None), getattr(i, "source", None)) for i in got] == [
             (t, src) if t.strip() else (None, None) for t, src in want]
+
+
+def test_a_damaged_seekable_copy_names_the_input_and_the_copy(tmp_path):
+    """A flipped byte in the .zst copy fails its frame checksum; a truncated copy ends inside a frame:
+    either way one CorpusError naming the input and the copy, never wrong records."""
+    from actlake.corpus.index import build_index, load_points
+    from actlake.corpus.readers import Entry
+
+    raw = b"\n".join(_pile_lines(200)) + b"\n"
+    f = tmp_path / "d.jsonl.zst"
+    f.write_bytes(zstandard.ZstdCompressor().compress(raw))
+    points = load_points(build_index(str(f), "jsonl", 16, "h", str(tmp_path / "idx"))["index"])
+    copy = points["file"]
+    good = open(copy, "rb").read()
+    for damaged in (good[: points["points"][5] + 50], good[:points["points"][5] + 30] + bytes([good[points["points"][5] + 30] ^ 1]) + good[points["points"][5] + 31:]):
+        open(copy, "wb").write(damaged)
+        with pytest.raises(CorpusError) as e:
+            list(iter_range(str(f), "jsonl", 80, 96, "text", "meta.pile_set_name", entry=Entry(copy, points["points"][5], 80)))
+        assert str(f) in str(e.value) and copy in str(e.value)
