@@ -38,33 +38,36 @@ def _words(rng: random.Random) -> list[str]:
     return ["".join(rng.choices(letters, weights=range(26, 0, -1), k=rng.randint(1, 10))) for _ in range(20000)]
 
 
-def generate(folder: Path, files: int, mb: int, seed: int = 0) -> list[Path]:
-    """``files`` single-frame .jsonl.zst files of about ``mb`` MB of jsonl each (reused when present)."""
+def generate(folder: Path, files: int, mb: int, workers: int, seed: int = 0) -> list[Path]:
+    """``files`` single-frame .jsonl.zst files of about ``mb`` MB of jsonl each, written by ``workers``
+    processes (reused when present)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = [folder / f"{i:02d}.jsonl.zst" for i in range(files)]
+    todo = [(p, mb, seed * 1000 + i) for i, p in enumerate(out) if not p.exists()]
+    with ProcessPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+        list(pool.map(_generate_file, todo))
+    return out
+
+
+def _generate_file(args) -> None:
+    """One single-frame .jsonl.zst file (as The Pile's files are) of about ``mb`` MB of jsonl."""
     import zstandard
 
-    folder.mkdir(parents=True, exist_ok=True)
+    path, mb, seed = args
+    vocab = _words(random.Random(0))
     rng = random.Random(seed)
-    vocab = _words(rng)
     cum = list(itertools.accumulate(1 / (k + 1) for k in range(len(vocab))))
-    out = []
-    for i in range(files):
-        path = folder / f"{i:02d}.jsonl.zst"
-        out.append(path)
-        if path.exists():
-            continue
-        cctx = zstandard.ZstdCompressor(level=3)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f, cctx.stream_writer(f) as w:  # one frame, as The Pile's files
-            size = 0
-            while size < mb << 20:
-                n_words = max(5, int(rng.lognormvariate(math.log(600), 0.9)))
-                doc = {"text": " ".join(rng.choices(vocab, cum_weights=cum, k=n_words)),
-                       "meta": {"pile_set_name": rng.choice(SOURCES)}}
-                line = (json.dumps(doc) + "\n").encode()
-                w.write(line)
-                size += len(line)
-        os.replace(tmp, path)
-    return out
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f, zstandard.ZstdCompressor(level=3).stream_writer(f) as w:
+        size = 0
+        while size < mb << 20:
+            n_words = max(5, int(rng.lognormvariate(math.log(600), 0.9)))
+            doc = {"text": " ".join(rng.choices(vocab, cum_weights=cum, k=n_words)),
+                   "meta": {"pile_set_name": rng.choice(SOURCES)}}
+            line = (json.dumps(doc) + "\n").encode()
+            w.write(line)
+            size += len(line)
+    os.replace(tmp, path)
 
 
 def _read_shard(args) -> tuple[int, int, int, int]:
@@ -125,6 +128,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default="/tmp/actlake-corpus-scale")
     ap.add_argument("--naive", action="store_true", help="the previous read path (decode from each file's start)")
     ap.add_argument("--tokenize", action="store_true")
+    ap.add_argument("--plan-only", action="store_true", help="plan (twice) and stop: compare planning times")
     args = ap.parse_args(argv)
     from dataclasses import asdict
 
@@ -132,7 +136,7 @@ def main(argv=None) -> None:
 
     root = Path(args.dir)
     t0 = time.perf_counter()
-    files = generate(root / f"corpus-{args.files}x{args.mb}", args.files, args.mb)
+    files = generate(root / f"corpus-{args.files}x{args.mb}", args.files, args.mb, args.workers)
     gen_s = time.perf_counter() - t0
     jsonl_bytes = sum(sum(len(c) for c in decoded_chunks(str(f))) for f in files)
     zst_bytes = sum(f.stat().st_size for f in files)
@@ -141,6 +145,10 @@ def main(argv=None) -> None:
     shards, plan_s = plan(files, out, args.docs_per_shard, args.naive, args.workers)
     replan_s = None if args.naive else plan(files, out, args.docs_per_shard, args.naive, args.workers)[1]
     index_bytes = sum(p.stat().st_size for p in (out / "_corpus_index").glob("*")) if not args.naive else 0
+    if args.plan_only:
+        print(json.dumps({"path": "naive (before)" if args.naive else "entry points (after)", "zst_MB": zst_bytes / 1e6,
+                          "plan_s": round(plan_s, 2), "replan_s": replan_s and round(replan_s, 2)}))
+        return
     t0 = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         results = list(pool.map(_read_shard, [(asdict(s), args.naive, args.tokenize) for s in shards], chunksize=4))
