@@ -120,3 +120,20 @@ def test_jsonl_shards_start_at_entry_points_built_once_in_parallel(tmp_path, mon
     assert all(s.entry_record == s.start for s in make_plan(eight))  # 4 divides 8: the same index
     three = parse_config({**parallel.to_dict(), "sharding": {"docs_per_shard": 3, "plan_workers": 1}})
     assert all(s.entry_record == s.start for s in make_plan(three))  # a new index, every 3 records
+
+
+def test_corpus_index_command_builds_what_the_first_run_would(tmp_path, capsys, monkeypatch):
+    """``actlake corpus index CONFIG`` counts and indexes the files; a plan afterwards indexes nothing."""
+    from actlake.cli import main
+    from actlake.corpus import index
+
+    (tmp_path / "c").mkdir()
+    f = tmp_path / "c" / "a.jsonl"
+    f.write_text("".join(json.dumps({"text": f"d{i}"}) + "\n" for i in range(7)))
+    cfg = _cfg(tmp_path / "c", tmp_path / "runs")
+    config = tmp_path / "job.yaml"
+    config.write_text(json.dumps(cfg.to_dict()))
+    assert main(["corpus", "index", str(config)]) == 0
+    assert f"{f}: 7 records in 3 shards" in capsys.readouterr().out
+    monkeypatch.setattr(index, "build_index", None)
+    assert [s.entry_record for s in make_plan(cfg)] == [0, 3, 6]
