@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("out_dir")
     cs.add_argument("--docs", type=int, default=400, help="number of documents (default 400)")
     cs.add_argument("--files", type=int, default=2, help="number of files (default 2)")
+    ci = csub.add_parser("index", help="count a job's corpus files and build their entry points now (in parallel), "
+                                        "as its first run would")
+    ci.add_argument("config", help="job YAML")
 
     ts = sub.add_parser("train-synthetic", help="train on a factored process (Ray Train), analyse checkpoints, report")
     ts.add_argument("config", help="synthetic job YAML (see configs/synthetic_quick.yaml)")
@@ -174,6 +177,28 @@ def _cmd_sql(args) -> int:
     return 0
 
 
+def _cmd_corpus_index(args) -> int:
+    """Plan the job's corpus (records counted, entry points and seekable copies built, cached in
+    output.dir) and print per file its records and shards, and the seconds it took."""
+    import time
+    from collections import Counter
+
+    from actlake.config import load_config
+    from actlake.jobs.plan import make_plan
+
+    cfg = load_config(args.config)
+    t0 = time.perf_counter()
+    shards = make_plan(cfg)
+    per_file = Counter(s.path for s in shards)
+    records = Counter()
+    for s in shards:
+        records[s.path] += s.end - s.start
+    for path, n in per_file.items():
+        print(f"{path}: {records[path]:,} records in {n:,} shards")
+    print(f"planned {len(shards):,} shards in {time.perf_counter() - t0:.1f} s; index cached in {cfg.output.dir}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command.startswith("train-"):  # parallel trials log alike; Ray's dedup would hide all but one
@@ -228,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(build_report(args.run_dir))
             return 0
+        if args.command == "corpus" and args.corpus_command == "index":
+            return _cmd_corpus_index(args)
         if args.command == "corpus":
             from actlake.corpus.sample import write_sample
 

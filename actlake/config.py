@@ -60,6 +60,8 @@ class CorpusConfig:
     """Hub name or local folder for ``format: hf``."""
     hf_split: str = "train"
     """Split for ``format: hf``."""
+    hf_streaming: bool = False
+    """``format: hf`` only: stream the dataset (``load_dataset(..., streaming=True)``): nothing is downloaded up front or counted; one shard per dataset shard (its files), doc ids ``shard * 2^32 + row``. Not with ``max_docs``."""
     max_docs: Optional[int] = None
     """Use only the first N documents of the corpus (in plan order)."""
 
@@ -81,7 +83,9 @@ class TokenizationConfig:
 @dataclass
 class ShardingConfig:
     docs_per_shard: int = 64
-    """Documents per shard; a shard is the unit of scheduling, retry and resume."""
+    """Documents per shard; a shard is the unit of scheduling, retry and resume. jsonl inputs get an entry point every this many records (see Architecture: reading)."""
+    plan_workers: int = 0
+    """Processes that count and index corpus files in parallel at planning (0: one per CPU core of the driver; 1: in the driver)."""
 
 
 @dataclass
@@ -385,6 +389,12 @@ def _check_values(cfg: JobConfig, err) -> None:
         err(("corpus", "format"), "format 'hf' needs corpus.hf_dataset")
     if cfg.corpus.max_docs is not None and cfg.corpus.max_docs < 1:
         err(("corpus", "max_docs"), "must be at least 1")
+    if cfg.corpus.hf_streaming and cfg.corpus.format != "hf":
+        err(("corpus", "hf_streaming"), "only applies to format 'hf'")
+    if cfg.corpus.hf_streaming and cfg.corpus.max_docs is not None:
+        err(("corpus", "max_docs"), "not supported with hf_streaming (rows are not counted); leave it null")
+    if cfg.sharding.plan_workers < 0:
+        err(("sharding", "plan_workers"), "must be 0 (one per core) or more")
     a = cfg.analyses
     if a.attention_weights == "fused":
         for name in ("weighted_contributions", "attention_by_distance"):

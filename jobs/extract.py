@@ -63,7 +63,9 @@ class Extractor:
         docs, rejects = [], []
         if shard.size is not None:
             check_stat(shard.path, shard.size, shard.mtime_ns, "since the run planned it")
-        for item in iter_range(shard.path, shard.fmt, shard.start, shard.end, c.text_field, c.source_field, c.hf_split):
+        items = iter_range(shard.path, shard.fmt, shard.start, shard.end, c.text_field, c.source_field, c.hf_split,
+                           entry=shard.entry())  # jsonl: from the entry point the plan found, not the file's start
+        for item in items:
             if isinstance(item, Reject):
                 rejects.append({"file": shard.path, "record": item.index, "reason": item.reason, "detail": item.detail})
                 continue

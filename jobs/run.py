@@ -222,7 +222,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     prepare_run_dir(cfg, layout, shards, phash, inputs)
     shutil.rmtree(layout.staging, ignore_errors=True)  # leftovers of attempts that died mid-write
     pending = [s for s in shards if read_record(layout, s.shard_id, phash) is None]
-    if cfg.activations.layers and pending:
+    if cfg.activations.layers and pending and not cfg.corpus.hf_streaming:  # a streamed dataset's rows are not counted
         announce_activation_store(cfg, sum(s.end - s.start for s in pending))
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
     ran: list[dict] = []

@@ -5,6 +5,11 @@ integers too long to convert, invalid UTF-8, text that cannot be encoded to UTF-
 text) is yielded as a :class:`Reject` with its index, so one bad line never drops a whole
 file. A file that cannot be read at all (truncated ``.zst``, corrupt Parquet), or that
 holds fewer records than the plan's range, raises :class:`CorpusError` naming it.
+
+A shard does not decode its file from the start: the plan hands it an :class:`Entry` (from the
+file's index, ``actlake/corpus/index.py``), a byte offset where a record starts — in the file
+itself for plain jsonl, in a seekable multi-frame copy for ``.jsonl.zst`` — and Parquet readers
+start at the row group holding the first record. :class:`ReadStats` counts what a read decoded.
 """
 
 from __future__ import annotations
@@ -36,6 +41,26 @@ class Reject:
 Item = Union[Record, Reject]
 
 
+@dataclass(frozen=True)
+class Entry:
+    """Where to start reading a jsonl input: ``file`` (the input, or its seekable ``.zst`` copy) at
+    byte ``offset`` holds the start of record ``record`` (for ``.zst``, the start of a frame)."""
+
+    file: str
+    offset: int
+    record: int
+
+
+@dataclass
+class ReadStats:
+    """What one read decoded: bytes out of the decompressor (or read, plain files), records split off
+    and dropped before the range, Parquet rows decoded (range included)."""
+
+    bytes_decoded: int = 0
+    records_skipped: int = 0
+    rows_decoded: int = 0
+
+
 def file_format(path: str, declared: str = "auto") -> str:
     if declared != "auto":
         return declared
@@ -54,12 +79,14 @@ def _get(obj, dotted: str):
     return obj
 
 
-def _zst_chunks(path: str, chunk: int = 1 << 20) -> Iterator[bytes]:
-    """Decompressed bytes of every frame; raises if the file ends inside a frame."""
+def _zst_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
+    """Decompressed bytes of every frame from byte ``offset`` (a frame start); raises if the file
+    ends inside a frame. Frames are decompressed one at a time, as the caller asks for more."""
     import zstandard
 
     dctx = zstandard.ZstdDecompressor()
     with open(path, "rb") as f:
+        f.seek(offset)
         dobj = dctx.decompressobj()
         in_frame = False
         while True:
@@ -79,18 +106,26 @@ def _zst_chunks(path: str, chunk: int = 1 << 20) -> Iterator[bytes]:
             raise CorpusError(f"{path}: truncated zstd file (ends inside a frame)")
 
 
-def _raw_chunks(path: str, chunk: int = 1 << 20) -> Iterator[bytes]:
+def _raw_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
     with open(path, "rb") as f:
+        f.seek(offset)
         while data := f.read(chunk):
             yield data
 
 
-def _lines(path: str) -> Iterator[bytes]:
-    """Lines (with their newline) of a plain or zstd-compressed file, streamed."""
-    chunks = _zst_chunks(path) if path.endswith(".zst") else _raw_chunks(path)
+def decoded_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
+    """The bytes of a plain or zstd-compressed file from ``offset`` (a frame start for ``.zst``)."""
+    return _zst_chunks(path, chunk, offset) if path.endswith(".zst") else _raw_chunks(path, chunk, offset)
+
+
+def _lines(path: str, offset: int = 0, stats: ReadStats | None = None, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """Lines (with their newline) of a plain or zstd-compressed file from ``offset``, streamed."""
+    chunks = decoded_chunks(path, chunk, offset)
     rest = b""
     try:
         for data in chunks:
+            if stats is not None:
+                stats.bytes_decoded += len(data)
             parts = (rest + data).split(b"\n")
             rest = parts.pop()
             for part in parts:
@@ -139,39 +174,72 @@ def _unencodable(text: str) -> str | None:
     return None
 
 
-def iter_jsonl(path: str, start: int, end: int, text_field: str, source_field: str) -> Iterator[Item]:
-    """Records ``start <= index < end`` of a jsonl or jsonl.zst file (blank lines count as empty_text)."""
-    for index, line in enumerate(_lines(path)):
-        if index < start:
-            continue
-        if index >= end:
-            break
-        yield _parse_json_line(index, line.rstrip(b"\r\n"), text_field, source_field)
+ENTRY_CHUNK = 64 << 10
+"""Bytes read at a time after seeking to an entry point (a whole-file scan reads 1 MiB at a time)."""
 
 
-def iter_parquet(path: str, start: int, end: int, text_field: str, source_field: str) -> Iterator[Item]:
+def iter_jsonl(path: str, start: int, end: int, text_field: str, source_field: str, entry: Entry | None = None,
+               stats: ReadStats | None = None) -> Iterator[Item]:
+    """Records ``start <= index < end`` of a jsonl or jsonl.zst file (blank lines count as empty_text),
+    read from ``entry`` (its record must be <= start), or from the start of the file without one."""
+    if entry is not None and entry.record > start:
+        raise CorpusError(f"{path}: entry point at record {entry.record} lies after the range's start {start}")
+    stats = ReadStats() if stats is None else stats
+    if entry is None:
+        lines, first = _lines(path, 0, stats), 0
+    else:
+        lines, first = _lines(entry.file, entry.offset, stats, ENTRY_CHUNK), entry.record
+    if start >= end:
+        return
+    try:
+        for index, line in enumerate(lines, first):
+            if index < start:
+                stats.records_skipped += 1
+                continue
+            yield _parse_json_line(index, line.rstrip(b"\r\n"), text_field, source_field)
+            if index >= end - 1:  # stop before the next line: no decoding past the range
+                return
+    except CorpusError as e:
+        if entry is None or entry.file == path:
+            raise
+        raise CorpusError(f"{path}: its seekable copy is damaged ({e}); delete {entry.file} and its .json "
+                          f"index, and plan again to rebuild it") from None
+
+
+def _row_item(index: int, row: dict, text_field: str, source_field: str) -> Item:
+    text = _get(row, text_field)
+    if not isinstance(text, str):
+        return Reject(index, "missing_text", f"column {text_field!r} missing or not a string")
+    if not text.strip():
+        return Reject(index, "empty_text", "")
+    src = _get(row, source_field)
+    return Record(index, text, str(src) if src is not None else "unknown")
+
+
+def iter_parquet(path: str, start: int, end: int, text_field: str, source_field: str,
+                 stats: ReadStats | None = None) -> Iterator[Item]:
+    """Rows ``start <= index < end``: only the row groups that hold them are read (found from the
+    footer's row counts), only the text and source columns, and only the range becomes Python."""
     import pyarrow.parquet as pq
 
+    stats = ReadStats() if stats is None else stats
     try:
         pf = pq.ParquetFile(path)
         top = text_field.split(".")[0]
         src_top = source_field.split(".")[0]
         cols = [c for c in dict.fromkeys([top, src_top]) if c in pf.schema_arrow.names]
-        index = 0
-        for batch in pf.iter_batches(batch_size=1024, columns=cols):
-            for row in batch.to_pylist():
-                if start <= index < end:
-                    text = _get(row, text_field)
-                    if not isinstance(text, str):
-                        yield Reject(index, "missing_text", f"column {text_field!r} missing or not a string")
-                    elif not text.strip():
-                        yield Reject(index, "empty_text", "")
-                    else:
-                        src = _get(row, source_field)
-                        yield Record(index, text, str(src) if src is not None else "unknown")
-                index += 1
-                if index >= end:
-                    return
+        first = 0  # row index of the current row group's first row
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if first + n > start and first < end:
+                table = pf.read_row_group(g, columns=cols)  # n rows
+                stats.rows_decoded += n
+                lo, hi = max(start, first) - first, min(end, first + n) - first
+                for k, row in enumerate(table.slice(lo, hi - lo).to_pylist()):
+                    yield _row_item(first + lo + k, row, text_field, source_field)
+            first += n
+            if first >= end:
+                return
     except CorpusError:
         raise
     except Exception as e:
@@ -181,22 +249,42 @@ def iter_parquet(path: str, start: int, end: int, text_field: str, source_field:
 def iter_hf(name: str, split: str, start: int, end: int, text_field: str, source_field: str) -> Iterator[Item]:
     ds = load_hf(name, split)
     for index in range(start, min(end, len(ds))):
-        row = ds[index]
-        text = _get(row, text_field)
-        if not isinstance(text, str):
-            yield Reject(index, "missing_text", f"field {text_field!r} missing or not a string")
-        elif not text.strip():
-            yield Reject(index, "empty_text", "")
-        else:
-            src = _get(row, source_field)
-            yield Record(index, text, str(src) if src is not None else "unknown")
+        yield _row_item(index, ds[index], text_field, source_field)
 
 
-def load_hf(name: str, split: str):
+HF_STREAM = "hf_stream"
+"""Shard format of a streamed Hugging Face dataset: the shard is one of the dataset's own shards
+(its files), ``start`` its number and ``end = start + 1``; records are numbered within it."""
+
+
+def iter_hf_stream(name: str, split: str, part: int, text_field: str, source_field: str,
+                   stats: ReadStats | None = None) -> Iterator[Item]:
+    """Every row of dataset shard ``part`` of a streamed dataset (nothing else is downloaded or read)."""
+    stats = ReadStats() if stats is None else stats
+    ds = load_hf_stream(name, split)
+    if not 0 <= part < ds.n_shards:
+        raise CorpusError(f"hf dataset {name!r} (split {split!r}): planned dataset shard {part} but it has "
+                          f"{ds.n_shards}; the dataset changed after planning")
+    try:
+        for index, row in enumerate(ds.shard(num_shards=ds.n_shards, index=part, contiguous=True)):
+            stats.rows_decoded += 1
+            yield _row_item(index, row, text_field, source_field)
+    except CorpusError:
+        raise
+    except Exception as e:
+        raise CorpusError(f"hf dataset {name!r} (split {split!r}) shard {part}: cannot read ({type(e).__name__}: {e})") from None
+
+
+def _datasets():
     try:
         import datasets
     except ImportError:
         raise CorpusError("corpus.format 'hf' needs the datasets library: pip install 'actlake[hf]'") from None
+    return datasets
+
+
+def load_hf(name: str, split: str):
+    datasets = _datasets()
     import os
 
     try:
@@ -206,6 +294,16 @@ def load_hf(name: str, split: str):
         return datasets.load_dataset(name, split=split)
     except Exception as e:
         raise CorpusError(f"hf dataset {name!r} (split {split!r}): cannot load ({type(e).__name__}: {e})") from None
+
+
+def load_hf_stream(name: str, split: str):
+    """``name`` (hub id, or a local folder of data files) as an IterableDataset: nothing is downloaded
+    up front and no row is counted."""
+    datasets = _datasets()
+    try:
+        return datasets.load_dataset(name, split=split, streaming=True)
+    except Exception as e:
+        raise CorpusError(f"hf dataset {name!r} (split {split!r}): cannot open for streaming ({type(e).__name__}: {e})") from None
 
 
 def count_records(path: str, fmt: str) -> int:
@@ -220,25 +318,32 @@ def count_records(path: str, fmt: str) -> int:
     return sum(1 for _ in _lines(path))
 
 
-def iter_items(path: str, fmt: str, start: int, end: int, text_field: str, source_field: str, hf_split: str = "train") -> Iterator[Item]:
-    """Records ``start <= index < end`` of one input, as many as it has (see :func:`iter_range`)."""
+def iter_items(path: str, fmt: str, start: int, end: int, text_field: str, source_field: str, hf_split: str = "train",
+               entry: Entry | None = None, stats: ReadStats | None = None) -> Iterator[Item]:
+    """Records ``start <= index < end`` of one input, as many as it has (see :func:`iter_range`);
+    jsonl inputs start at ``entry`` when given (see :func:`iter_jsonl`). For ``hf_stream``, every row
+    of dataset shard ``start``."""
     if fmt == "jsonl":
-        return iter_jsonl(path, start, end, text_field, source_field)
+        return iter_jsonl(path, start, end, text_field, source_field, entry, stats)
     if fmt == "parquet":
-        return iter_parquet(path, start, end, text_field, source_field)
+        return iter_parquet(path, start, end, text_field, source_field, stats)
     if fmt == "hf":
         return iter_hf(path, hf_split, start, end, text_field, source_field)
+    if fmt == HF_STREAM:
+        return iter_hf_stream(path, hf_split, start, text_field, source_field, stats)
     raise CorpusError(f"{path}: unknown corpus format {fmt!r}")
 
 
-def iter_range(path: str, fmt: str, start: int, end: int, text_field: str, source_field: str, hf_split: str = "train") -> Iterator[Item]:
+def iter_range(path: str, fmt: str, start: int, end: int, text_field: str, source_field: str, hf_split: str = "train",
+               entry: Entry | None = None, stats: ReadStats | None = None) -> Iterator[Item]:
     """Every record ``start <= index < end`` of one input (a shard's range): an input that ends before
-    ``end`` (it shrank after planning) raises CorpusError naming it, the range and what was read."""
+    ``end`` (it shrank after planning) raises CorpusError naming it, the range and what was read.
+    A streamed dataset shard (``hf_stream``) has no planned length: all its rows are its range."""
     n = 0
-    for item in iter_items(path, fmt, start, end, text_field, source_field, hf_split):
+    for item in iter_items(path, fmt, start, end, text_field, source_field, hf_split, entry, stats):
         n += 1
         yield item
-    if n != end - start:
+    if fmt != HF_STREAM and n != end - start:
         got = f"records {start}-{start + n - 1}" if n else "no record"
         raise CorpusError(f"{path}: planned records {start}-{end - 1} but read {got} ({n} of {end - start}); "
                           f"the input shrank after planning")

@@ -179,6 +179,64 @@ def test_tokenizer_errors_become_rejects(minilm_path, sample_corpus, tmp_path):
     assert [d["record"] for d in docs] == [i for i in range(len(lines)) if i != victim]
 
 
+def _documents(run_dir) -> list[tuple]:
+    con = open_run(str(run_dir))
+    return con.execute("SELECT doc_id, file, record, source, n_chars FROM documents ORDER BY doc_id").fetchall()
+
+
+def test_a_job_reads_shards_from_entry_points_and_resumes_only_missing_shards(minilm_path, sample_corpus, tmp_path,
+                                                                              ray_local):
+    """Two single-frame .jsonl.zst files in shards of 6 (most start deep in their file, read from the
+    seekable copies): the documents table holds exactly the records of a plain read of the files;
+    after deleting two completion records, a rerun runs those two shards only and the table is the same."""
+    from actlake.corpus.readers import Record, iter_items
+    from actlake.jobs.run import run_job
+
+    cfg = job_config(minilm_path, sample_corpus, tmp_path / "runs", **{**LIGHT, "sharding.docs_per_shard": 6,
+                                                                       "output.run_id": "entry"})
+    first = run_job(cfg)
+    files = sorted(str(p) for p in sample_corpus.glob("*.jsonl.zst"))
+    expected, offset = [], 0
+    for f in files:
+        items = list(iter_items(f, "jsonl", 0, 10**9, "text", "meta.pile_set_name"))
+        expected += [(offset + i.index, f, i.index, i.source, len(i.text)) for i in items if isinstance(i, Record)]
+        offset += len(items)
+    docs = _documents(first.run_dir)
+    assert docs == expected and first.shards_run == first.shards_total > 4
+    planned = json.loads((Path(first.run_dir) / "run.json").read_text())["shards"]
+    assert all(s["entry_record"] == s["start"] and "_corpus_index" in s["entry_file"] for s in planned)
+    for k in (1, first.shards_total - 2):
+        (Path(first.run_dir) / "_complete" / f"shard-{k:05d}.json").unlink()
+    again = run_job(cfg)
+    assert again.shards_run == 2 and _documents(again.run_dir) == docs
+
+
+def test_a_streamed_hugging_face_dataset_runs_one_shard_per_file(minilm_path, sample_corpus, tmp_path, ray_local):
+    """A local folder of two Parquet files, ``hf_streaming: true``: two shards, and the documents are the
+    files' rows, numbered within their file."""
+    pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actlake.jobs.run import run_job
+
+    rows = [json.loads(l) for l in (sample_corpus / "00.jsonl").read_text().splitlines()][:7]
+    folder = tmp_path / "ds" / "data"
+    folder.mkdir(parents=True)
+    parts = [rows[:4], rows[4:]]
+    for k, part in enumerate(parts):
+        pq.write_table(pa.Table.from_pylist(part), folder / f"train-{k:05d}-of-00002.parquet")
+    cfg = job_config(minilm_path, sample_corpus, tmp_path / "runs", **{**LIGHT, "corpus.format": "hf",
+                     "corpus.hf_dataset": str(tmp_path / "ds"), "corpus.hf_streaming": True, "output.run_id": "stream"})
+    result = run_job(cfg)
+    assert result.shards_total == 2
+    from actlake.jobs.plan import HF_STREAM_STRIDE
+
+    assert [(d, r, src, n) for d, _, r, src, n in _documents(result.run_dir)] == [
+        (k * HF_STREAM_STRIDE + j, j, row["meta"]["pile_set_name"], len(row["text"]))
+        for k, part in enumerate(parts) for j, row in enumerate(part)]
+
+
 LISTENERS = r"""
 import json, sys, time
 import psutil, ray

@@ -121,3 +121,148 @@ def test_fingerprints_full_and_sampled(tmp_path):
     assert c["hash"] == b["hash"] and "modification time" in describe_change(b, c)
     touched = dict(fp, mtime_ns=fp["mtime_ns"] + 1)
     assert describe_change(fp, touched) is None  # a fully hashed file: same bytes, same input
+
+
+def _pile_lines(n: int) -> list[bytes]:
+    """``n`` jsonl lines of varied length, with a blank line, a malformed one and a CRLF ending among them."""
+    import random
+
+    rng = random.Random(7)
+    words = ["alpha", "beta", "gamma", "delta", "résumé", "日本", "zeta"]
+    lines = [json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(1, 60))) + f" #{i}",
+                         "meta": {"pile_set_name": f"S{i % 5}"}}).encode() for i in range(n)]
+    lines[n // 3], lines[n // 2] = b"", b"{broken"
+    lines[n - 5] += b"\r"
+    return lines
+
+
+def _plain(items) -> list[tuple]:
+    return [(type(i).__name__, i.index, getattr(i, "text", None), getattr(i, "source", None), getattr(i, "reason", None))
+            for i in items]
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_a_shard_deep_in_a_file_decodes_only_its_own_records(tmp_path, compressed):
+    """A single-frame .jsonl.zst (as The Pile ships) or a plain .jsonl, indexed every 16 records: a
+    shard near the end decodes its own frame only (no record skipped, a small share of the bytes),
+    and its records equal those of a plain decode of the whole file; the seekable copy decompresses
+    to the original bytes; an entry point before the start skips just the records in between."""
+    from actlake.corpus.index import build_index, load_points
+    from actlake.corpus.readers import Entry, ReadStats
+
+    lines = _pile_lines(2000)
+    raw = b"\n".join(lines)  # no newline after the last record
+    f = tmp_path / ("p.jsonl.zst" if compressed else "p.jsonl")
+    f.write_bytes(zstandard.ZstdCompressor().compress(raw) if compressed else raw)
+    built = build_index(str(f), "jsonl", 16, "h", str(tmp_path / "idx"))
+    points = load_points(built["index"])
+    assert built["records"] == points["records"] == count_records(str(f), "jsonl") == 2000
+    if compressed:
+        copy = zstandard.ZstdDecompressor().stream_reader(open(points["file"], "rb"), read_across_frames=True).read()
+        assert copy == raw and len(points["points"]) == 2000 // 16
+    full = list(iter_items(str(f), "jsonl", 0, 2000, "text", "meta.pile_set_name"))
+    for start, end in ((1600, 1616), (1984, 2000), (0, 16)):
+        i = start // 16
+        stats = ReadStats()
+        got = list(iter_range(str(f), "jsonl", start, end, "text", "meta.pile_set_name",
+                              entry=Entry(points["file"], points["points"][i], i * 16), stats=stats))
+        assert _plain(got) == _plain(full[start:end])
+        own = sum(len(l) + 1 for l in lines[start:end])
+        assert stats.records_skipped == 0 and stats.bytes_decoded <= own + 64 * 1024 and stats.bytes_decoded < len(raw) / 8
+    stats = ReadStats()
+    got = list(iter_range(str(f), "jsonl", 1605, 1630, "text", "meta.pile_set_name",
+                          entry=Entry(points["file"], points["points"][100], 1600), stats=stats))
+    assert _plain(got) == _plain(full[1605:1630]) and stats.records_skipped == 5
+    whole = ReadStats()  # without an entry point a read starts at the file's start, as before
+    list(iter_range(str(f), "jsonl", 1600, 1616, "text", "meta.pile_set_name", stats=whole))
+    assert whole.records_skipped == 1600
+
+
+def test_an_index_counts_records_as_the_readers_do(tmp_path):
+    """Trailing newline or not, blank last lines, fewer records than one piece, an empty file."""
+    from actlake.corpus.index import build_index
+
+    for i, data in enumerate([b"", b"{}\n", b"{}", b"{}\n\n", b"a\nb\nc\nd\n", b"a\nb\nc\nd\ne", b"\n\n\n"]):
+        f = tmp_path / f"e{i}.jsonl"
+        f.write_bytes(data)
+        for every in (1, 2, 3):
+            built = build_index(str(f), "jsonl", every, "h", str(tmp_path / "idx"))
+            n = count_records(str(f), "jsonl")
+            assert built["records"] == n, (data, every)
+            pts = json.loads(open(built["index"]).read())["points"]
+            assert len(pts) == -(-n // every)
+            for k, off in enumerate(pts):
+                assert data[off:].split(b"\n")[0] == data.split(b"\n")[k * every]
+
+
+def test_parquet_reads_only_the_row_groups_of_its_range(tmp_path):
+    """2,000 rows in row groups of 100: a range near the end decodes at most two row groups, and its
+    records equal a plain read of the whole table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actlake.corpus.readers import ReadStats
+
+    texts = [f"doc {i} " * (i % 7) for i in range(2000)]  # every 7th is empty
+    f = tmp_path / "rg.parquet"
+    pq.write_table(pa.table({"text": texts, "meta": [{"pile_set_name": f"S{i % 3}"} for i in range(2000)],
+                             "other": list(range(2000))}), f, row_group_size=100)
+    rows = pq.read_table(f).to_pylist()
+    for start, end in ((1650, 1714), (1900, 2000), (0, 1)):
+        stats = ReadStats()
+        got = list(iter_range(str(f), "parquet", start, end, "text", "meta.pile_set_name", stats=stats))
+        assert [i.index for i in got] == list(range(start, end))
+        assert [(getattr(i, "text", None), getattr(i, "source", None)) for i in got] == [
+            (r["text"], r["meta"]["pile_set_name"]) if r["text"].strip() else (None, None) for r in rows[start:end]]
+        assert stats.rows_decoded <= 200
+
+
+def test_a_streamed_hugging_face_dataset_is_planned_by_its_files_and_read_in_full(tmp_path):
+    """A local folder of Parquet files opened with streaming=True: one shard per file, no row counted at
+    planning; the shards' records are every row of the files, in order."""
+    pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actlake.config import parse_config
+    from actlake.corpus.readers import HF_STREAM, ReadStats
+    from actlake.jobs.plan import make_plan, plan_with_inputs
+
+    folder = tmp_path / "ds" / "data"
+    folder.mkdir(parents=True)
+    expected = []
+    for k in range(3):
+        texts = [f"file {k} doc {j}" if j != 2 else " " for j in range(4 + k)]
+        pq.write_table(pa.table({"text": texts, "meta": [{"pile_set_name": f"F{k}"}] * len(texts)}),
+                       folder / f"train-{k:05d}-of-00003.parquet")
+        expected.append([(t, f"F{k}") for t in texts])
+    cfg = parse_config({"corpus": {"format": "hf", "hf_dataset": str(tmp_path / "ds"), "hf_streaming": True},
+                        "output": {"dir": str(tmp_path / "runs")}})
+    shards, inputs = plan_with_inputs(cfg)
+    assert shards == make_plan(cfg) and [(s.fmt, s.start, s.end) for s in shards] == [(HF_STREAM, k, k + 1) for k in range(3)]
+    assert inputs[str(tmp_path / "ds")]["hash_kind"] == "name"
+    for s, want in zip(shards, expected):
+        stats = ReadStats()
+        got = list(iter_range(s.path, s.fmt, s.start, s.end, "text", "meta.pile_set_name", "train", stats=stats))
+        assert [i.index for i in got] == list(range(len(want))) and stats.rows_decoded == len(want)
+        assert [(getattr(i, "text", None), getattr(i, "source", None)) for i in got] == [
+            (t, src) if t.strip() else (None, None) for t, src in want]
+
+
+def test_a_damaged_seekable_copy_names_the_input_and_the_copy(tmp_path):
+    """A flipped byte in the .zst copy fails its frame checksum; a truncated copy ends inside a frame:
+    either way one CorpusError naming the input and the copy, never wrong records."""
+    from actlake.corpus.index import build_index, load_points
+    from actlake.corpus.readers import Entry
+
+    raw = b"\n".join(_pile_lines(200)) + b"\n"
+    f = tmp_path / "d.jsonl.zst"
+    f.write_bytes(zstandard.ZstdCompressor().compress(raw))
+    points = load_points(build_index(str(f), "jsonl", 16, "h", str(tmp_path / "idx"))["index"])
+    copy = points["file"]
+    good = open(copy, "rb").read()
+    for damaged in (good[: points["points"][5] + 50], good[:points["points"][5] + 30] + bytes([good[points["points"][5] + 30] ^ 1]) + good[points["points"][5] + 31:]):
+        open(copy, "wb").write(damaged)
+        with pytest.raises(CorpusError) as e:
+            list(iter_range(str(f), "jsonl", 80, 96, "text", "meta.pile_set_name", entry=Entry(copy, points["points"][5], 80)))
+        assert str(f) in str(e.value) and copy in str(e.value)

@@ -82,3 +82,58 @@ def test_a_hugging_face_dataset_is_fingerprinted_by_its_own_fingerprint(tmp_path
     __import__("shutil").rmtree(folder)
     os.replace(str(folder) + ".new", folder)
     assert first_change(inputs, plan_with_inputs(cfg)[1]) == (str(folder), "content changed (same number of rows, different hash)")
+
+
+def test_jsonl_shards_start_at_entry_points_built_once_in_parallel(tmp_path, monkeypatch):
+    """Every jsonl shard gets an entry point at its first record, in the file or in the seekable copy of
+    a .zst; the same plan comes from two index processes and from one, and a second plan reads no
+    input (the index is cached by fingerprint); a smaller shard size that the index's spacing does not
+    divide gets a new index."""
+    import zstandard
+
+    from actlake.corpus import index
+    from actlake.corpus.readers import Record, iter_items, iter_range
+
+    (tmp_path / "c").mkdir()
+    for name, n in (("a.jsonl", 23), ("b.jsonl.zst", 17), ("c.jsonl", 9)):
+        data = "".join(json.dumps({"text": f"{name} d{i}"}) + "\n" for i in range(n)).encode()
+        (tmp_path / "c" / name).write_bytes(zstandard.ZstdCompressor().compress(data) if name.endswith(".zst") else data)
+    corpus = {"paths": [str(tmp_path / "c" / "*.jsonl*")]}
+    parallel = parse_config({"corpus": corpus, "output": {"dir": str(tmp_path / "p")}, "sharding": {"docs_per_shard": 4, "plan_workers": 2}})
+    serial = parse_config({"corpus": corpus, "output": {"dir": str(tmp_path / "s")}, "sharding": {"docs_per_shard": 4, "plan_workers": 1}})
+    monkeypatch.setattr(index, "PARALLEL_MIN_BYTES", 0)
+    shards = make_plan(parallel)
+    assert [(s.start, s.end) for s in shards] == [(s.start, s.end) for s in make_plan(serial)]
+    assert plan_hash(parallel, shards) != plan_hash(serial, make_plan(serial))  # configs differ (output.dir)...
+    assert [s.entry_offset for s in shards] == [s.entry_offset for s in make_plan(serial)]  # ...the entry points do not
+    for s in shards:
+        assert s.entry_record == s.start and s.entry_file.endswith(".jsonl.zst") == s.path.endswith(".zst")
+        got = list(iter_range(s.path, s.fmt, s.start, s.end, "text", "meta.pile_set_name", entry=s.entry()))
+        assert got == list(iter_items(s.path, s.fmt, 0, 10**9, "text", "meta.pile_set_name"))[s.start:s.end]
+        assert all(isinstance(i, Record) for i in got)
+    built = {p: os.stat(p).st_ino for p in (tmp_path / "p" / index.INDEX_DIR).iterdir()}
+    monkeypatch.setattr(index, "build_index", None)  # a second plan must not index anything
+    assert make_plan(parallel) == shards
+    assert {p: os.stat(p).st_ino for p in (tmp_path / "p" / index.INDEX_DIR).iterdir()} == built
+    monkeypatch.undo()
+    eight = parse_config({**parallel.to_dict(), "sharding": {"docs_per_shard": 8, "plan_workers": 1}})
+    assert all(s.entry_record == s.start for s in make_plan(eight))  # 4 divides 8: the same index
+    three = parse_config({**parallel.to_dict(), "sharding": {"docs_per_shard": 3, "plan_workers": 1}})
+    assert all(s.entry_record == s.start for s in make_plan(three))  # a new index, every 3 records
+
+
+def test_corpus_index_command_builds_what_the_first_run_would(tmp_path, capsys, monkeypatch):
+    """``actlake corpus index CONFIG`` counts and indexes the files; a plan afterwards indexes nothing."""
+    from actlake.cli import main
+    from actlake.corpus import index
+
+    (tmp_path / "c").mkdir()
+    f = tmp_path / "c" / "a.jsonl"
+    f.write_text("".join(json.dumps({"text": f"d{i}"}) + "\n" for i in range(7)))
+    cfg = _cfg(tmp_path / "c", tmp_path / "runs")
+    config = tmp_path / "job.yaml"
+    config.write_text(json.dumps(cfg.to_dict()))
+    assert main(["corpus", "index", str(config)]) == 0
+    assert f"{f}: 7 records in 3 shards" in capsys.readouterr().out
+    monkeypatch.setattr(index, "build_index", None)
+    assert [s.entry_record for s in make_plan(cfg)] == [0, 3, 6]
