@@ -1,111 +1,220 @@
-"""DuckDB over a run's Parquet: one view per table, read-only and locked down.
+"""DuckDB over a run's committed Parquet files: one view per table, read-only and locked down.
 
-The connection may read files under the run directory only, cannot write,
-attach, install or load anything, and cannot change its own configuration.
+Each table is a pyarrow dataset over exactly the files of the run's manifest
+(:func:`actlake.storage.manifest.committed_files`), handed to DuckDB as an Arrow scan. DuckDB
+itself then gets no file access at all (``enable_external_access = false`` with no allowed paths
+or directories; writes to an allowed path would be possible, so there are none), its own
+database is an empty read-only one, it spills into a private temporary folder of bounded size,
+and its configuration is locked. The connection therefore cannot read or write any file,
+whatever statement is run on it.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
+import weakref
 from pathlib import Path
 
 from actlake.errors import QueryError, StorageError
 from actlake.storage.layout import RunLayout
+from actlake.storage.manifest import TableSpec, committed_files, read_run, table_specs
 
 VIEWS = {
-    "outliers": """
+    "outliers": ("dim_moments", """
         WITH m AS (SELECT layer, dim, mean, count FROM dim_moments WHERE scheme = 'all'),
              s AS (SELECT layer, median(mean) AS med FROM m GROUP BY layer),
              d AS (SELECT layer, median(abs(m.mean - s.med)) AS mad FROM m JOIN s USING (layer) GROUP BY layer)
         SELECT m.layer, m.dim, m.mean, m.count,
                (m.mean - s.med) / nullif(1.4826 * d.mad, 0) AS robust_z,
                row_number() OVER (PARTITION BY m.layer ORDER BY abs(m.mean - s.med) DESC) AS rank
-        FROM m JOIN s USING (layer) JOIN d USING (layer)""",
-    "attention_mass_by_key": """
+        FROM m JOIN s USING (layer) JOIN d USING (layer)"""),
+    "attention_mass_by_key": ("attention_mass", """
         SELECT layer, head, key_category, sum(mass) AS mass, sum(n_queries) AS n_queries,
                sum(mass) / sum(n_queries) AS mean_mass
-        FROM attention_mass GROUP BY layer, head, key_category""",
-    "contributions_mean": """
+        FROM attention_mass GROUP BY layer, head, key_category"""),
+    "contributions_mean": ("contributions", """
         SELECT layer, head, query_category, key_category, dim, n_pairs,
                contribution_sum / nullif(n_pairs, 0) AS mean_contribution,
                bias_sum / nullif(n_pairs, 0) AS mean_bias_term,
                CASE WHEN query_category = 'all' THEN weighted_sum / nullif(n_queries, 0) END AS weighted_per_query
-        FROM contributions""",
-    "attention_geometry_mean": """
+        FROM contributions"""),
+    "attention_geometry_mean": ("attention_geometry", """
         SELECT layer, head, key_category, n_pairs,
                q_norm_sum / nullif(n_pairs, 0) AS mean_q_norm, k_norm_sum / nullif(n_pairs, 0) AS mean_k_norm,
                cos_sum / nullif(n_pairs, 0) AS mean_cos, mass / nullif(n_queries, 0) AS mean_mass,
                mass_keynorm / nullif(n_queries, 0) AS mean_mass_keynorm
-        FROM attention_geometry""",
-    "attention_by_distance_mean": """
+        FROM attention_geometry"""),
+    "attention_by_distance_mean": ("attention_by_distance", """
         SELECT layer, head, distance, n_pairs, attn_sum / nullif(n_pairs, 0) AS mean_attention
-        FROM attention_by_distance WHERE n_pairs > 0""",
+        FROM attention_by_distance WHERE n_pairs > 0"""),
 }
-"""Derived views, created when their source tables exist."""
+"""Derived views: name -> (source table, SQL), created when the source table has committed files."""
 
-ALLOWED_STATEMENTS = {"SELECT", "EXPLAIN"}
+
+READ_ONLY_STATEMENTS = {"SELECT"}
+"""Statement types ``query`` runs; ``EXPLAIN`` / ``EXPLAIN ANALYZE`` of one of them too."""
+
+_EXPLAIN_PREFIX = re.compile(r"\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
+
+MAX_TEMP_SIZE = "4GB"
+"""Default bound on what one connection may spill into its private temporary folder."""
 
 
 def _quote(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def _fixed_size_casts(table_dir: Path) -> list[str]:
-    """Parquet has no fixed-size list; columns written as one (Arrow schema kept in the file) become FLOAT[d]."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    first = next(iter(sorted(table_dir.rglob("*.parquet"))), None)
-    if first is None:
-        return []
-    out = []
-    for f in pq.read_schema(first):
-        if pa.types.is_fixed_size_list(f.type) and f.type.list_size > 0:
-            out.append(f'CAST("{f.name}" AS FLOAT[{f.type.list_size}]) AS "{f.name}"')
-    return out
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def open_run(run_dir: str | os.PathLike, memory_limit: str = "2GB", threads: int | None = None):
-    """A DuckDB connection with a view per table of the run; file access limited to the run."""
+def _parse(sql: str) -> list:
+    """DuckDB's own parse of ``sql`` into statements."""
     import duckdb
 
-    layout = RunLayout(Path(run_dir).resolve())
-    tables = layout.table_names()
-    if not tables:
-        raise StorageError(f"{layout.root}: no tables (is this a run directory?)")
-    con = duckdb.connect(":memory:")
-    for t in tables:
-        glob = str(layout.tables / t / "**" / "*.parquet")
-        cast = _fixed_size_casts(layout.tables / t)
-        select = f"* REPLACE ({', '.join(cast)})" if cast else "*"
-        con.execute(f'CREATE VIEW "{t}" AS SELECT {select} FROM read_parquet({_quote(glob)}, hive_partitioning = true, union_by_name = true)')
-    for name, sql in VIEWS.items():
-        try:
-            con.execute(f"CREATE VIEW {name} AS {sql}")
-        except duckdb.Error:
-            pass  # its source table is absent in this run
-    con.execute(f"SET allowed_directories = [{_quote(str(layout.root))}]")
-    con.execute("SET enable_external_access = false")
-    con.execute("SET autoinstall_known_extensions = false")
-    con.execute("SET autoload_known_extensions = false")
-    con.execute(f"SET memory_limit = {_quote(memory_limit)}")
-    if threads:
-        con.execute(f"SET threads = {int(threads)}")
-    con.execute("SET lock_configuration = true")
-    return con
-
-
-def check_statement(con, sql: str) -> None:
-    """Refuse anything but one read-only statement."""
     try:
-        statements = con.extract_statements(sql)
-    except Exception as e:
-        raise QueryError(f"cannot parse SQL: {e}") from None
+        return duckdb.extract_statements(sql)
+    except duckdb.Error as e:
+        raise QueryError(f"cannot parse SQL: {_first_line(e)}") from None
+
+
+def check_statement(sql: str) -> None:
+    """Refuse anything but one SELECT, or EXPLAIN [ANALYZE] of one SELECT.
+
+    Wrapped statements are checked by what they wrap: EXPLAIN's inner statement is parsed again by
+    DuckDB and must itself be a SELECT (so ``EXPLAIN ANALYZE COPY …`` is refused); PREPARE, EXECUTE,
+    COPY, ATTACH, SET, PRAGMA, CREATE, INSTALL, LOAD, CALL … are refused outright.
+    """
+    statements = _parse(sql)
     if len(statements) != 1:
         raise QueryError(f"one statement at a time, got {len(statements)}")
     kind = statements[0].type.name
-    if kind not in ALLOWED_STATEMENTS:
-        raise QueryError(f"read-only: {kind} statements are not allowed (only SELECT)")
+    if kind == "EXPLAIN":
+        text = statements[0].query
+        prefix = _EXPLAIN_PREFIX.match(text)
+        inner = _parse(text[prefix.end():]) if prefix else []
+        if len(inner) != 1 or inner[0].type.name not in READ_ONLY_STATEMENTS:
+            raise QueryError(f"read-only: EXPLAIN of anything but one SELECT is not allowed: {text.strip()[:80]}")
+        return
+    if kind not in READ_ONLY_STATEMENTS:
+        raise QueryError(f"read-only: {kind} statements are not allowed (only SELECT and EXPLAIN SELECT)")
+
+
+def _duckdb_type(t):
+    """The Arrow type DuckDB can import for ``t``: half floats become float32 (DuckDB has no FLOAT16)."""
+    import pyarrow as pa
+
+    if pa.types.is_float16(t):
+        return pa.float32()
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_duckdb_type(t.value_type), t.list_size)
+    if pa.types.is_list(t):
+        return pa.list_(_duckdb_type(t.value_type))
+    return t
+
+
+def _file_schema(path: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_schema(path)
+    except Exception as e:
+        raise StorageError(f"{path}: not a readable Parquet file ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _table_schema(spec: TableSpec, files: list[Path]):
+    """Columns of a table: the files' schemas unified (as DuckDB's union_by_name), then its partition key."""
+    import pyarrow as pa
+
+    schemas = [_file_schema(f) for f in files]
+    try:
+        schema = pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise StorageError(f"{files[0].parent.parent}: files of table {spec.name} disagree on columns ({_first_line(e)})") from None
+    fields = [pa.field(f.name, _duckdb_type(f.type)) for f in schema]
+    if spec.partition and spec.partition not in schema.names:
+        fields.append(pa.field(spec.partition, pa.int64() if spec.partition_type == "int64" else pa.string()))
+    return pa.schema(fields)
+
+
+def _dataset(layout: RunLayout, spec: TableSpec, files: list[Path]):
+    """A pyarrow dataset over exactly ``files``, hive partition key from the folder names."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    schema = _table_schema(spec, files)
+    partitioning = None
+    if spec.partition:
+        partitioning = ds.partitioning(pa.schema([schema.field(spec.partition)]), flavor="hive")
+    return ds.dataset([str(f) for f in files], schema=schema, format="parquet", partitioning=partitioning,
+                      partition_base_dir=str(layout.tables / spec.name))
+
+
+def _connect(private: str, memory_limit: str, threads: int | None, max_temp_size: str):
+    """An empty read-only DuckDB database in ``private``, spilling into ``private/spill``."""
+    import duckdb
+
+    db = os.path.join(private, "empty.duckdb")
+    duckdb.connect(db).close()
+    con = duckdb.connect(db, read_only=True)
+    settings = {"temp_directory": os.path.join(private, "spill"), "max_temp_directory_size": max_temp_size,
+                "memory_limit": memory_limit, "autoinstall_known_extensions": "false",
+                "autoload_known_extensions": "false", "python_enable_replacements": "false"}
+    if threads:
+        settings["threads"] = str(int(threads))
+    for name, value in settings.items():
+        con.execute(f"SET {name} = {_quote(value)}")
+    return con
+
+
+def _lock(con) -> None:
+    """No file access at all (no allowed paths or directories), and no configuration changes."""
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+def _open(run_dir, memory_limit: str = "2GB", threads: int | None = None, max_temp_size: str = MAX_TEMP_SIZE):
+    """(connection, cleanup): the locked connection of :func:`open_run` and a callable removing its temporary folder."""
+    import duckdb
+
+    layout = RunLayout(Path(run_dir).resolve())
+    specs = table_specs(read_run(layout), layout.run_json)
+    files = committed_files(layout)
+    if not files:
+        raise StorageError(f"{layout.root}: no committed tables (has a job finished a shard here?)")
+    datasets = {t: _dataset(layout, specs[t], fs) for t, fs in files.items()}
+    private = tempfile.mkdtemp(prefix="actlake-duckdb-")
+    try:
+        con = _connect(private, memory_limit, threads, max_temp_size)
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+    cleanup = weakref.finalize(con, shutil.rmtree, private, True)
+    try:
+        for t, d in datasets.items():
+            con.register(t, d)
+        for name, (source, sql) in VIEWS.items():
+            if source in datasets:
+                con.execute(f'CREATE TEMP VIEW "{name}" AS {sql}')
+        _lock(con)
+    except duckdb.Error as e:
+        con.close()
+        cleanup()
+        raise StorageError(f"{layout.root}: cannot set up the views ({_first_line(e)})") from None
+    return con, cleanup
+
+
+def open_run(run_dir: str | os.PathLike, memory_limit: str = "2GB", threads: int | None = None,
+             max_temp_size: str = MAX_TEMP_SIZE):
+    """A DuckDB connection with a view per committed table of the run; it can read nothing else and write nothing.
+
+    Spills go to a private temporary folder (at most ``max_temp_size``), removed when the
+    connection is garbage-collected (``query`` removes it when it closes the connection).
+    """
+    return _open(run_dir, memory_limit, threads, max_temp_size)[0]
 
 
 def query(run_dir, sql: str, timeout_s: float = 60.0, **kwargs):
@@ -114,9 +223,9 @@ def query(run_dir, sql: str, timeout_s: float = 60.0, **kwargs):
 
     import duckdb
 
-    con = open_run(run_dir, **kwargs)
+    check_statement(sql)
+    con, cleanup = _open(run_dir, **kwargs)
     try:
-        check_statement(con, sql)
         timer = threading.Timer(timeout_s, con.interrupt)
         timer.start()
         try:
@@ -124,8 +233,9 @@ def query(run_dir, sql: str, timeout_s: float = 60.0, **kwargs):
         except duckdb.InterruptException:
             raise QueryError(f"query stopped after the {timeout_s:g}s time limit") from None
         except duckdb.Error as e:
-            raise QueryError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            raise QueryError(_first_line(e)) from None
         finally:
             timer.cancel()
     finally:
         con.close()
+        cleanup()
