@@ -35,7 +35,7 @@ class TableSpec:
     name: str
     kind: str  # "shard" (completion records), "reduced" (reduce record), "fixed" (fixed file names)
     partition: str | None = None
-    partition_type: str = "int64"  # "int64" or "string"
+    partition_type: str = "int64"  # "int64" or "string" (``shard=00003`` stays the string '00003', as DuckDB's hive reader gives it)
 
 
 SHARD_TABLES = ("documents", "rejects", "tokens", "residual_norms", "activations")
@@ -45,8 +45,8 @@ REDUCED_TABLES = ("dim_moments", "attention_mass", "contributions", "attention_g
 """Tables the reduce step publishes; each has a per-shard ``<table>_by_shard`` partial."""
 
 EXTRACTION_TABLES = {
-    **{t: TableSpec(t, "shard", "shard") for t in SHARD_TABLES},
-    **{f"{t}_by_shard": TableSpec(f"{t}_by_shard", "shard", "shard") for t in REDUCED_TABLES},
+    **{t: TableSpec(t, "shard", "shard", "string") for t in SHARD_TABLES},
+    **{f"{t}_by_shard": TableSpec(f"{t}_by_shard", "shard", "shard", "string") for t in REDUCED_TABLES},
     **{t: TableSpec(t, "reduced") for t in REDUCED_TABLES},
 }
 """Every table of an extraction run (``actlake run``)."""
