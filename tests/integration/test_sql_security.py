@@ -98,6 +98,9 @@ WRITES = [
     ["SET temp_directory = '.'"],
     ["PRAGMA memory_limit = '64GB'"],
     ["RESET lock_configuration"],
+    ["PRAGMA enable_profiling = 'json'"],
+    ["CALL enable_logging()"],
+    ["CREATE PERSISTENT SECRET s (TYPE s3, KEY_ID 'k', SECRET 'v')"],
 ]
 
 
