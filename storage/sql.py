@@ -1,12 +1,13 @@
 """DuckDB over a run's committed Parquet files: one view per table, read-only and locked down.
 
-Each table is a pyarrow dataset over exactly the files of the run's manifest
-(:func:`actlake.storage.manifest.committed_files`), handed to DuckDB as an Arrow scan. DuckDB
-itself then gets no file access at all (``enable_external_access = false`` with no allowed paths
-or directories; writes to an allowed path would be possible, so there are none), its own
-database is an empty read-only one, it spills into a private temporary folder of bounded size,
-and its configuration is locked. The connection therefore cannot read or write any file,
-whatever statement is run on it.
+Each table is a view over exactly the files of the run's manifest
+(:func:`actlake.storage.manifest.committed_files`), named as ``actlake-ro://`` URLs served by a
+read-only file system (:mod:`actlake.storage.readonly_fs`). DuckDB may touch those URLs only
+(``allowed_paths``; ``enable_external_access = false``, no allowed directories), and since DuckDB
+would let a connection write to an allowed path, that file system opens them for reading only.
+Its own database is an empty read-only one, it spills into a private temporary folder of
+bounded size, and its configuration is locked: whatever statement runs on the connection, it
+cannot write a file, nor read one the manifest does not list.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from actlake.errors import QueryError, StorageError
 from actlake.storage.layout import RunLayout
-from actlake.storage.manifest import TableSpec, committed_files, read_run, table_specs
+from actlake.storage.manifest import committed_files
 
 VIEWS = {
     "outliers": ("dim_moments", """
@@ -103,19 +104,6 @@ def check_statement(sql: str) -> None:
         raise QueryError(f"read-only: {kind} statements are not allowed (only SELECT and EXPLAIN SELECT)")
 
 
-def _duckdb_type(t):
-    """The Arrow type DuckDB can import for ``t``: half floats become float32 (DuckDB has no FLOAT16)."""
-    import pyarrow as pa
-
-    if pa.types.is_float16(t):
-        return pa.float32()
-    if pa.types.is_fixed_size_list(t):
-        return pa.list_(_duckdb_type(t.value_type), t.list_size)
-    if pa.types.is_list(t):
-        return pa.list_(_duckdb_type(t.value_type))
-    return t
-
-
 def _file_schema(path: Path):
     import pyarrow.parquet as pq
 
@@ -125,32 +113,33 @@ def _file_schema(path: Path):
         raise StorageError(f"{path}: not a readable Parquet file ({type(e).__name__}: {_first_line(e)})") from None
 
 
-def _table_schema(spec: TableSpec, files: list[Path]):
-    """Columns of a table: the files' schemas unified (as DuckDB's union_by_name), then its partition key."""
+def _fixed_size_casts(files: list[Path]) -> list[str]:
+    """Parquet has no fixed-size list; columns written as one (Arrow schema kept in the file) become FLOAT[d].
+
+    Reads every file's footer, so a committed file that is not Parquet is named before any query.
+    """
     import pyarrow as pa
 
-    schemas = [_file_schema(f) for f in files]
-    try:
-        schema = pa.unify_schemas(schemas, promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise StorageError(f"{files[0].parent.parent}: files of table {spec.name} disagree on columns ({_first_line(e)})") from None
-    fields = [pa.field(f.name, _duckdb_type(f.type)) for f in schema]
-    if spec.partition and spec.partition not in schema.names:
-        fields.append(pa.field(spec.partition, pa.int64() if spec.partition_type == "int64" else pa.string()))
-    return pa.schema(fields)
+    out = {}
+    for path in files:
+        for f in _file_schema(path):
+            if pa.types.is_fixed_size_list(f.type) and f.type.list_size > 0:
+                out[f.name] = f'CAST({_ident(f.name)} AS FLOAT[{f.type.list_size}]) AS {_ident(f.name)}'
+    return list(out.values())
 
 
-def _dataset(layout: RunLayout, spec: TableSpec, files: list[Path]):
-    """A pyarrow dataset over exactly ``files``, hive partition key from the folder names."""
-    import pyarrow as pa
-    import pyarrow.dataset as ds
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
-    schema = _table_schema(spec, files)
-    partitioning = None
-    if spec.partition:
-        partitioning = ds.partitioning(pa.schema([schema.field(spec.partition)]), flavor="hive")
-    return ds.dataset([str(f) for f in files], schema=schema, format="parquet", partitioning=partitioning,
-                      partition_base_dir=str(layout.tables / spec.name))
+
+def _view_sql(files: list[Path]) -> str:
+    """SELECT over exactly ``files``, read through the read-only file system (hive keys from the folder names)."""
+    from actlake.storage.readonly_fs import url
+
+    casts = _fixed_size_casts(files)
+    select = f"* REPLACE ({', '.join(casts)})" if casts else "*"
+    listed = ", ".join(_quote(url(f)) for f in files)
+    return f"SELECT {select} FROM read_parquet([{listed}], hive_partitioning = true, union_by_name = true)"
 
 
 def _connect(private: str, memory_limit: str, threads: int | None, max_temp_size: str):
@@ -170,38 +159,48 @@ def _connect(private: str, memory_limit: str, threads: int | None, max_temp_size
     return con
 
 
-def _lock(con) -> None:
-    """No file access at all (no allowed paths or directories), and no configuration changes."""
+def _lock(con, files: list[Path]) -> None:
+    """File access only to ``files`` through the read-only file system, and no configuration changes."""
+    from actlake.storage.readonly_fs import url
+
+    con.execute(f"SET allowed_paths = [{', '.join(_quote(url(f)) for f in files)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
 
 
 def _open(run_dir, memory_limit: str = "2GB", threads: int | None = None, max_temp_size: str = MAX_TEMP_SIZE):
-    """(connection, cleanup): the locked connection of :func:`open_run` and a callable removing its temporary folder."""
+    """(connection, cleanup): the locked connection of :func:`open_run` and a callable that closes it and removes its folder."""
     import duckdb
 
+    from actlake.storage.readonly_fs import ReadOnlyFiles
+
     layout = RunLayout(Path(run_dir).resolve())
-    specs = table_specs(read_run(layout), layout.run_json)
     files = committed_files(layout)
     if not files:
         raise StorageError(f"{layout.root}: no committed tables (has a job finished a shard here?)")
-    datasets = {t: _dataset(layout, specs[t], fs) for t, fs in files.items()}
+    views = {t: _view_sql(fs) for t, fs in files.items()}
+    every = [f for fs in files.values() for f in fs]
     private = tempfile.mkdtemp(prefix="actlake-duckdb-")
     try:
         con = _connect(private, memory_limit, threads, max_temp_size)
     except BaseException:
         shutil.rmtree(private, ignore_errors=True)
         raise
-    cleanup = weakref.finalize(con, shutil.rmtree, private, True)
-    try:
-        for t, d in datasets.items():
-            con.register(t, d)
-        for name, (source, sql) in VIEWS.items():
-            if source in datasets:
-                con.execute(f'CREATE TEMP VIEW "{name}" AS {sql}')
-        _lock(con)
-    except duckdb.Error as e:
+    finalizer = weakref.finalize(con, shutil.rmtree, private, True)
+
+    def cleanup():
         con.close()
+        finalizer()
+
+    try:
+        con.register_filesystem(ReadOnlyFiles(every))
+        for t, sql in views.items():
+            con.execute(f"CREATE TEMP VIEW {_ident(t)} AS {sql}")
+        for name, (source, sql) in VIEWS.items():
+            if source in views:
+                con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {sql}")
+        _lock(con, every)
+    except duckdb.Error as e:
         cleanup()
         raise StorageError(f"{layout.root}: cannot set up the views ({_first_line(e)})") from None
     return con, cleanup
@@ -237,5 +236,4 @@ def query(run_dir, sql: str, timeout_s: float = 60.0, **kwargs):
         finally:
             timer.cancel()
     finally:
-        con.close()
         cleanup()

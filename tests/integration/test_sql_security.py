@@ -84,6 +84,8 @@ WRITES = [
     ["COPY (SELECT '<script>alert(1)</script>') TO '{run}/report/report.html' (FORMAT csv, HEADER false, QUOTE '')"],
     ["COPY (SELECT 1 AS a) TO '{run}/_complete/shard-00000.json' (FORMAT csv, USE_TMP_FILE false)"],
     ["COPY (SELECT * FROM documents) TO '{run}/tables/documents/shard=00000/part-00000.parquet' (FORMAT parquet, USE_TMP_FILE false)"],
+    ["COPY (SELECT 1 AS a) TO 'actlake-ro://{run}/tables/documents/shard=00000/part-00000.parquet' (FORMAT csv, USE_TMP_FILE false)"],
+    ["COPY (SELECT 1 AS a) TO 'actlake-ro://{run}/tables/documents/shard=00000/part-00000.parquet' (FORMAT parquet)"],
     ["COPY (SELECT 42 AS pwned) TO 'pwned.csv'"],
     ["PREPARE p AS COPY (SELECT 1 AS a) TO '{run}/prepared.csv'", "EXECUTE p"],
     ["ATTACH '{run}/x.db' AS x"],
@@ -105,7 +107,7 @@ WRITES = [
 
 
 def _sql(template: str, run: Path) -> str:
-    return template.format(run=run)
+    return template.format(run=run.resolve())
 
 
 @pytest.mark.parametrize("statements", WRITES, ids=lambda s: s[0][:60])
@@ -171,6 +173,7 @@ def test_no_function_reads_or_writes_outside_the_run(run, cwd, tmp_path, capsys)
     passwd = Path("/etc/passwd")
     passwd_first = passwd.read_text().splitlines()[0] if passwd.is_file() else None
     targets = [str(outside), str(passwd), str(tmp_path / "written.out"), str(run / "written.out")]
+    targets += [f"actlake-ro://{t}" for t in targets]  # the views' read-only file system serves committed files only
     before = tree_digest(run)
     con = open_run(run)
     functions = _path_functions(con)
@@ -320,3 +323,20 @@ def test_the_table_registry_covers_what_the_jobs_write():
         for t in cls.TABLES:
             assert EXTRACTION_TABLES[t].kind == "reduced" and EXTRACTION_TABLES[f"{t}_by_shard"].kind == "shard"
     assert set(SYNTHETIC_TABLES) | {CURVES_TABLE} == set(TRAINING_TABLES["synthetic"])
+
+
+def test_the_read_only_file_system_serves_listed_files_for_reading_only(tmp_path):
+    from actlake.storage.readonly_fs import ReadOnlyFiles, url
+
+    listed, other = tmp_path / "listed.bin", tmp_path / "other.bin"
+    listed.write_bytes(b"listed")
+    other.write_bytes(b"other")
+    fs = ReadOnlyFiles([listed])
+    with fs.open(url(listed), "rb") as f:
+        assert f.read() == b"listed"
+    for attempt in (lambda: fs.open(url(listed), "wb"), lambda: fs.open(url(listed), "ab"), lambda: fs.open(url(other), "rb"),
+                    lambda: fs.rm(url(listed)), lambda: fs.mv(url(listed), url(other)), lambda: fs.touch(url(listed)),
+                    lambda: fs.pipe_file(url(listed), b"x"), lambda: fs.info(url(other))):
+        with pytest.raises(PermissionError):
+            attempt()
+    assert listed.read_bytes() == b"listed" and other.read_bytes() == b"other"
