@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
     q.add_argument("--output", "-o", help="file for --format parquet (default: stdout is refused)")
     q.add_argument("--timeout", type=float, default=60.0, help="seconds before the query is stopped")
+    q.add_argument("--max-temp-size", help="most the query may spill into its private temporary folder "
+                                           "(a DuckDB size; default 4GB)")
 
     rp = sub.add_parser("report", help="(re)build report/report.html and PNGs of a run")
     rp.add_argument("run_dir")
@@ -170,10 +172,10 @@ def _cmd_train_predictor(args) -> int:
 
 
 def _cmd_sql(args) -> int:
-    from actlake.storage.sql import query
+    from actlake.storage.sql import MAX_TEMP_SIZE, query
 
     sql = args.sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
-    _print_table(query(args.run_dir, sql, timeout_s=args.timeout), args.format, args.output)
+    _print_table(query(args.run_dir, sql, timeout_s=args.timeout, max_temp_size=args.max_temp_size or MAX_TEMP_SIZE), args.format, args.output)
     return 0
 
 

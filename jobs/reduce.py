@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout
+from actlake.storage.manifest import write_reduce_record
 from actlake.storage.parquet_io import verify_parquet, write_parquet_atomic
 from actlake.storage.shards import read_record
 
@@ -44,11 +45,14 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
     records = collect_records(layout, shard_ids, plan_hash)
     if verify:
         verify_records(layout, records)
+    published = {}
     for cls in analyses:
         having = [r for r in records if f"{cls.tables[0]}_by_shard" in r["files"]]
         if having:
             for table, data in merge_partials(layout, having, cls).to_tables().items():
                 write_parquet_atomic(data, layout.aggregate_file(table), layout.staging)
+                published[table] = layout.aggregate_file(table)
+    write_reduce_record(layout, plan_hash, published)  # readers see the aggregates this record names, no others
     totals: dict = {"shards": len(records), "docs": 0, "windows": 0, "tokens": 0, "padded_tokens": 0, "oom_splits": 0, "cut_docs": 0,
                     "rejects": {}}
     for r in records:

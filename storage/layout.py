@@ -8,10 +8,13 @@
       tables/<table>/part-0.parquet                    reduced (aggregate) tables
       _staging/                     shard outputs being written (outside every table's glob)
       _complete/shard-NNNNN.json    completion record: files, row counts, sizes
+      _complete/reduced.json        reduce record: the aggregate files published for this plan
       summary.json                  totals of the last job
       report/report.html, *.png
 
-A reader globbing ``tables/<table>/**/*.parquet`` only ever sees whole files.
+A reader globbing ``tables/<table>/**/*.parquet`` only ever sees whole files, but possibly files
+no completion record names (an earlier plan's shards, strays); actlake's own readers use
+:func:`actlake.storage.manifest.committed_files` instead.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class RunLayout:
         return self.complete / f"shard-{shard_id:05d}.json"
 
     def table_names(self) -> list[str]:
+        """Folders under ``tables/`` (committed or not; SQL views use the manifest instead)."""
         if not self.tables.is_dir():
             return []
         return sorted(p.name for p in self.tables.iterdir() if p.is_dir())

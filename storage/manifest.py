@@ -1,0 +1,184 @@
+"""Which files of a run are committed: the only files readers (SQL views, reports) may see.
+
+A run's ``tables/`` folder can hold more than its results: files of an earlier plan of the same
+run id, a shard that died before its completion record, files someone copied in. Readers use
+this manifest instead of globbing:
+
+- extraction runs (``run.json`` with a plan hash and a shard list): per-shard tables are the files
+  named by each planned shard's valid completion record (``_complete/shard-N.json``, same plan hash,
+  files present with the recorded size); reduced tables are the files named by the reduce record
+  (``_complete/reduced.json``, same plan hash), written by the reduce step after it publishes them;
+- training runs (``run.json`` kind ``predictor``, ``synthetic``, ``train-lm``): their jobs write no
+  completion records; each table is written as whole files by an atomic rename under one fixed
+  name, so the committed files are exactly ``tables/<table>/part-0.parquet`` or
+  ``tables/<table>/<key>=<value>/part-0.parquet`` for the table's partition key.
+
+Only tables actlake writes are listed: the extractor's own per-shard tables (:data:`SHARD_TABLES`),
+the analyses' per-shard partials (``<table>_by_shard``) and reduced tables as the records name them
+(any analysis, built in or custom: storage knows no analysis by name; a name must be a plain
+identifier, :func:`is_table_name`), and the training jobs' tables (:data:`TRAINING_TABLES`). Other
+folders under ``tables/`` are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from actlake.errors import StorageError
+from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.shards import read_record
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A table actlake writes: its name, how its files are committed, and its hive partition key."""
+
+    name: str
+    kind: str  # "shard" (completion records), "reduced" (reduce record), "fixed" (fixed file names)
+    partition: str | None = None
+    partition_type: str = "int64"  # "int64" or "string" (``shard=00003`` stays the string '00003', as DuckDB's hive reader gives it)
+
+
+SHARD_TABLES = ("documents", "rejects", "tokens", "residual_norms", "activations")
+"""Per-shard tables written by ``jobs/extract.py`` (and ``storage/activations.py``)."""
+
+PARTIAL_SUFFIX = "_by_shard"
+"""An analysis's per-shard partial of reduced table ``t`` is table ``t + PARTIAL_SUFFIX``."""
+
+_TABLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
+
+
+def is_table_name(name: str) -> bool:
+    """A name actlake can give a table: lower-case letters, digits and underscores, a letter first."""
+    return bool(_TABLE_NAME.fullmatch(name))
+
+
+def extraction_spec(table: str) -> TableSpec | None:
+    """How an extraction run (``actlake run``) commits ``table``: per shard (the extractor's tables and
+    the analyses' partials), reduced (an analysis's merged table), or None for a name actlake never gives."""
+    if not is_table_name(table):
+        return None
+    if table in SHARD_TABLES or table.endswith(PARTIAL_SUFFIX):
+        return TableSpec(table, "shard", "shard", "string")
+    return TableSpec(table, "reduced")
+
+TRAINING_TABLES = {
+    "predictor": {t: TableSpec(t, "fixed", "layer") for t in (
+        "predictor_curve", "predictor_position", "predictor_summary", "predictor_tokens", "probe_scores")},
+    "synthetic": {t: TableSpec(t, "fixed", "trial", "string") for t in (
+        "factored_dimension", "factored_fit", "factor_overlap", "belief_scatter", "activations", "training_curves")},
+    "train-lm": {"lm_curve": TableSpec("lm_curve", "fixed")},
+}
+"""Tables of the training jobs by ``run.json`` kind (``actlake/predictive.py``, ``actlake/synthetic/``,
+``jobs/train_lm.py``)."""
+
+REDUCE_RECORD = "reduced.json"
+"""The reduce step's record under ``_complete/``: plan hash and the aggregate files it published."""
+
+
+def read_run(layout: RunLayout) -> dict:
+    """The run's ``run.json``; a StorageError naming it when missing or unreadable."""
+    try:
+        return json.loads(layout.run_json.read_text())
+    except FileNotFoundError:
+        raise StorageError(f"{layout.run_json}: missing (is {layout.root} a run directory?)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise StorageError(f"{layout.run_json}: unreadable ({e})") from None
+
+
+def table_specs(run: dict, run_json: Path) -> dict[str, TableSpec] | None:
+    """The tables a training run of this kind can have; None for an extraction run."""
+    kind = run.get("kind")
+    if kind in TRAINING_TABLES:
+        return TRAINING_TABLES[kind]
+    if kind is None and "plan_hash" in run and "shards" in run:
+        return None  # extraction: tables as the records name them (extraction_spec)
+    raise StorageError(f"{run_json}: unknown run kind {kind!r} (no plan hash and shard list either)")
+
+
+def write_reduce_record(layout: RunLayout, plan_hash: str, files: dict[str, Path]) -> None:
+    """Record the aggregate files the reduce step has just published (after they are in place)."""
+    entries = {t: {"path": str(p.relative_to(layout.root)), "bytes": p.stat().st_size} for t, p in files.items()}
+    write_json_atomic(layout.complete / REDUCE_RECORD, {"plan_hash": plan_hash, "files": entries})
+
+
+def _recorded_path(layout: RunLayout, source: Path, table: str, path: str, expected: Path) -> Path:
+    """A recorded file path, which must be the one actlake writes for that table."""
+    p = layout.root / path
+    if p != expected:
+        raise StorageError(f"{source}: names {path} for table {table}, expected {expected.relative_to(layout.root)}")
+    return p
+
+
+def _reduced_files(layout: RunLayout, plan_hash: str) -> dict[str, list[Path]]:
+    """Aggregate files named by a reduce record of this plan whose files are present and whole."""
+    path = layout.complete / REDUCE_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise StorageError(f"{path}: unreadable ({e})") from None
+    if record.get("plan_hash") != plan_hash:
+        return {}
+    out = {}
+    for table, meta in record["files"].items():
+        spec = extraction_spec(table)
+        if spec is None or spec.kind != "reduced":
+            continue
+        p = _recorded_path(layout, path, table, meta["path"], layout.aggregate_file(table))
+        if p.is_file() and p.stat().st_size == meta["bytes"]:
+            out[table] = [p]
+    return out
+
+
+def _extraction_files(layout: RunLayout, run: dict) -> dict[str, list[Path]]:
+    files: dict[str, list[Path]] = {}
+    for shard in run["shards"]:
+        sid = int(shard["shard_id"])
+        record = read_record(layout, sid, run["plan_hash"])
+        if record is None:
+            continue  # not committed (yet): its files, if any, do not count
+        for table, meta in record["files"].items():
+            spec = extraction_spec(table)
+            if spec is not None and spec.kind == "shard":
+                p = _recorded_path(layout, layout.completion_record(sid), table, meta["path"], layout.shard_file(table, sid))
+                files.setdefault(table, []).append(p)
+    files.update(_reduced_files(layout, run["plan_hash"]))
+    return files
+
+
+def _partition_value_ok(value: str, spec: TableSpec) -> bool:
+    if spec.partition_type == "int64":
+        return value.lstrip("-").isdigit()
+    return value != ""
+
+
+def _fixed_files(layout: RunLayout, spec: TableSpec) -> list[Path]:
+    """A training table's files: ``part-0.parquet`` directly under the table or under one ``<key>=<value>`` folder."""
+    root = layout.tables / spec.name
+    if spec.partition is None:
+        p = root / "part-0.parquet"
+        return [p] if p.is_file() else []
+    if not root.is_dir():
+        return []
+    out = []
+    for d in sorted(root.iterdir()):
+        key, sep, value = d.name.partition("=")
+        if d.is_dir() and sep and key == spec.partition and _partition_value_ok(value, spec) and (d / "part-0.parquet").is_file():
+            out.append(d / "part-0.parquet")
+    return out
+
+
+def committed_files(layout: RunLayout) -> dict[str, list[Path]]:
+    """Table name -> the committed Parquet files of that table (tables without any are left out)."""
+    run = read_run(layout)
+    specs = table_specs(run, layout.run_json)
+    if specs is None:
+        files = _extraction_files(layout, run)
+    else:
+        files = {name: _fixed_files(layout, spec) for name, spec in specs.items()}
+    return {t: sorted(fs) for t, fs in sorted(files.items()) if fs}
