@@ -95,7 +95,7 @@ class AttentionRecorder:
             clean = lambda t: torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
             q, k, x = clean(q), clean(k), (clean(x) if x is not None else None)
             if self.mass is not None:
-                self.mass.nonfinite[layer] += bad.sum()
+                self.mass.nonfinite[layer] += bad.sum().to(self.mass.nonfinite.device)
         method = self.method
         if method == "auto" and not any_bad and flash_applies(query, batch):
             method = "flash"
