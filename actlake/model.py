@@ -94,14 +94,17 @@ def main_device(model: torch.nn.Module, fallback: torch.device) -> torch.device:
 
 
 def _placement_kwargs(cfg: ModelConfig) -> dict:
-    """from_pretrained's ``device_map`` / ``max_memory`` / ``offload_folder`` for this config (empty without
-    ``device_map``). The offload folder is a fresh subfolder per worker."""
+    """from_pretrained's ``device_map`` / ``max_memory`` / ``offload_folder`` for this config. Without
+    ``model.device_map``: the whole model onto its GPU, or nothing on a CPU. The offload folder is a fresh
+    subfolder per worker."""
     import tempfile
 
     from actlake.config import max_memory_map
 
     if not cfg.device_map:
-        return {}
+        device = pick_device(cfg)
+        # straight onto the GPU as each tensor is read, never the whole model in host memory first
+        return {"device_map": {"": str(device)}} if device.type == "cuda" else {}
     require_accelerate(cfg)
     kw: dict = {"device_map": cfg.device_map}
     if cfg.max_memory:

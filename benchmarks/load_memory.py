@@ -14,9 +14,9 @@ checkpoint's memory-mapped pages, clean page cache the kernel drops under pressu
 
 - ``from_pretrained``: ``AutoModelForCausalLM.from_pretrained(folder, dtype=...)`` then ``.to("cpu")``,
   the path actlake took before (no device_map);
-- ``device_map_cpu``: the same with ``device_map={"": "cpu"}`` (accelerate places each weight as it is read);
+- ``device_map``: the same with ``device_map={"": DEVICE}`` (each weight goes to ``--device`` as it is read);
 - ``actlake``: :func:`actlake.model.load_model` as a worker calls it (``model.dtype`` = ``--dtype``,
-  LM head included);
+  ``model.device`` = ``--device``, LM head included);
 - ``actlake_auto``: the same with ``model.dtype: auto`` (float32 on a CPU: a bfloat16 checkpoint is
   widened, so about twice the weights' bytes is expected).
 
@@ -35,7 +35,7 @@ from pathlib import Path
 PYTHIA_1_4B = dict(vocab_size=50304, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
                    intermediate_size=8192, max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True,
                    tie_word_embeddings=False)
-METHODS = ("from_pretrained", "device_map_cpu", "actlake", "actlake_auto")
+METHODS = ("from_pretrained", "device_map", "actlake", "actlake_auto")
 
 
 def save_model(folder: Path, dtype: str) -> None:
@@ -85,7 +85,7 @@ class AnonPeak:
         return max(self.peak, rss_kinds().get("RssAnon", 0))
 
 
-def load_once(folder: str, method: str, dtype: str) -> dict:
+def load_once(folder: str, method: str, dtype: str, device: str = "cpu") -> dict:
     """Load the model one way in this process; peak and current RSS against the weights' bytes."""
     import psutil
     import torch
@@ -96,25 +96,27 @@ def load_once(folder: str, method: str, dtype: str) -> dict:
         from actlake.config import ModelConfig
         from actlake.model import load_model
 
-        lm = load_model(ModelConfig(name_or_path=folder, dtype="auto" if method == "actlake_auto" else dtype), lm_head=True)
+        lm = load_model(ModelConfig(name_or_path=folder, dtype="auto" if method == "actlake_auto" else dtype, device=device),
+                        lm_head=True)
         model = lm.model
         params = {id(p): p for p in list(model.parameters()) + list(lm.lm_head.parameters())}.values()
     else:
         from transformers import AutoModelForCausalLM
 
-        kw = {"device_map": {"": "cpu"}} if method == "device_map_cpu" else {}
+        kw = {"device_map": {"": device}} if method == "device_map" else {}
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kw)
         if not kw:
-            model.to("cpu")
+            model.to(device)
         params = list(model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rss = psutil.Process().memory_info().rss
     with torch.inference_mode():
-        model(input_ids=torch.arange(64)[None] + 5)
+        model(input_ids=torch.arange(64, device=device)[None] + 5)
     peak_fwd = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak_anon, now = anon.stop(), rss_kinds()
-    return {"method": method, "dtype": str(next(iter(params)).dtype), "weights_gb": round(weights / 1e9, 3),
+    gpu = torch.cuda.max_memory_allocated() / 1e9 if device != "cpu" else 0.0
+    return {"method": method, "device": device, "gpu_peak_gb": round(gpu, 3), "dtype": str(next(iter(params)).dtype), "weights_gb": round(weights / 1e9, 3),
             "peak_load_gb": round(peak / 1e9, 3), "rss_after_load_gb": round(rss / 1e9, 3),
             "peak_with_forward_gb": round(peak_fwd / 1e9, 3),
             "rss_after_forward_gb": round(psutil.Process().memory_info().rss / 1e9, 3),
@@ -129,16 +131,18 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="loading dtype")
     p.add_argument("--save-dtype", default="float16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--out")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(load_once(args.folder, args.child, args.dtype)), flush=True)
+        print(json.dumps(load_once(args.folder, args.child, args.dtype, args.device)), flush=True)
         return
     save_model(Path(args.folder), args.save_dtype)
     lines = []
     for method in args.methods.split(","):
-        out = subprocess.run([sys.executable, __file__, "--folder", args.folder, "--dtype", args.dtype, "--child", method],
+        out = subprocess.run([sys.executable, __file__, "--folder", args.folder, "--dtype", args.dtype, "--device", args.device,
+                              "--child", method],
                              check=True, capture_output=True, text=True).stdout
         lines.append(out.strip().splitlines()[-1])
         print(lines[-1], flush=True)
