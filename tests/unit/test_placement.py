@@ -62,6 +62,21 @@ def test_dtype_auto_is_bfloat16_on_a_bfloat16_gpu_and_float32_elsewhere(monkeypa
     assert resolve_dtype(ModelConfig(), cuda) == torch.float32
 
 
+def test_a_whole_model_goes_straight_to_its_gpu_and_a_split_one_gets_its_own_offload_folder(monkeypatch, tmp_path):
+    import actlake.model as model
+    from actlake.config import ModelConfig
+
+    monkeypatch.setattr(model, "pick_device", lambda cfg: torch.device("cuda", 0))
+    assert model._placement_kwargs(ModelConfig()) == {"device_map": {"": "cuda:0"}}  # never all in host memory first
+    monkeypatch.setattr(model, "pick_device", lambda cfg: torch.device("cpu"))
+    assert model._placement_kwargs(ModelConfig()) == {}
+    cfg = ModelConfig(device_map="auto", max_memory={"0": "1GiB", "cpu": "2GiB"}, offload_folder=str(tmp_path / "off"))
+    a, b = model._placement_kwargs(cfg), model._placement_kwargs(cfg)
+    assert a["max_memory"] == {0: 2**30, "cpu": 2 * 2**30} and a["device_map"] == "auto"
+    assert a["offload_folder"] != b["offload_folder"]  # one per worker
+    assert {p.parent for p in map(__import__("pathlib").Path, (a["offload_folder"], b["offload_folder"]))} == {tmp_path / "off"}
+
+
 def test_quick_start_config_keeps_float32():
     from actlake.config import load_config
 
