@@ -155,7 +155,7 @@ class ResourcesConfig:
     gpus_per_worker: float = 0
     """GPUs per worker. 0: one GPU per worker when the cluster has GPUs, else none. A fraction shares a GPU between workers; a whole number above 1 gives each worker that many GPUs of one node and needs ``model.device_map``, which splits the model over them (models larger than one GPU)."""
     memory_per_worker_gb: Optional[float] = None
-    """Host memory (GiB) each worker reserves from Ray (its ``memory`` resource): Ray starts a worker only on a node with that much unreserved, so large models do not land two to a node. null: no reservation. Set it to about the weights' size in the model's dtype plus 2 GiB when they are loaded or offloaded to CPU."""
+    """Host memory (GiB) each worker reserves from Ray (its ``memory`` resource): Ray starts a worker only on a node with that much unreserved, so large models do not land two to a node. null: no reservation. On a CPU worker, reserve the weights in the loaded dtype (loading peaks at about 1.1x of them in anonymous memory, see Measured) plus the batch working set; with device_map, also the layers kept in CPU memory."""
     max_retries: int = 3
     """Times a shard is retried after its worker dies."""
 
