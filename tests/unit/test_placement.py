@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from actlake.config import max_memory_map, memory_bytes, parse_config
 from actlake.errors import ConfigError, StorageError
@@ -48,6 +47,8 @@ def test_max_memory_takes_yaml_keys_and_sizes_in_bytes(tmp_path):
 
 
 def test_dtype_auto_is_bfloat16_on_a_bfloat16_gpu_and_float32_elsewhere(monkeypatch):
+    import torch
+
     from actlake.config import ModelConfig
     from actlake.model import resolve_dtype
 
@@ -63,6 +64,8 @@ def test_dtype_auto_is_bfloat16_on_a_bfloat16_gpu_and_float32_elsewhere(monkeypa
 
 
 def test_a_whole_model_goes_straight_to_its_gpu_and_a_split_one_gets_its_own_offload_folder(monkeypatch, tmp_path):
+    import torch
+
     import actlake.model as model
     from actlake.config import ModelConfig
 
