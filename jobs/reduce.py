@@ -60,6 +60,7 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, verify: 
     records = collect_records(layout, shard_ids, plan_hash)
     if verify:
         verify_records(layout, records)
+    dtype = model_dtype(layout, records)  # before anything is published
     for cls in MERGEABLE:
         having = [r for r in records if f"{cls.TABLES[0]}_by_shard" in r["files"]]
         if having:
@@ -74,5 +75,5 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, verify: 
         for reason, n in s["rejects"].items():
             totals["rejects"][reason] = totals["rejects"].get(reason, 0) + n
     totals["padded_fraction"] = totals["padded_tokens"] / max(1, totals["tokens"])
-    totals["dtype"] = model_dtype(layout, records)
+    totals["dtype"] = dtype
     return totals
