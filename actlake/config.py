@@ -444,9 +444,13 @@ def _check_devices(cfg: JobConfig, err) -> None:
         if not m.max_memory:
             err(("model", "max_memory"), "is empty: name at least one device (e.g. {0: 30GiB, cpu: 100GiB}) or remove it")
         try:
-            max_memory_map(m.max_memory)
+            gpus = [k for k in max_memory_map(m.max_memory) if isinstance(k, int)]
         except ValueError as e:
             err(("model", "max_memory"), str(e))
+        owned = max(1, int(r.gpus_per_worker))
+        if gpus and max(gpus) >= owned:
+            err(("model", "max_memory"), f"names GPU {max(gpus)}, but each worker owns {owned} GPU(s) "
+                "(resources.gpus_per_worker), numbered from 0")
     if m.offload_folder is not None and not m.device_map:
         err(("model", "offload_folder"), "needs model.device_map (only a split model offloads weights to disk)")
     if m.device_map and m.device == "cpu" and not (m.max_memory and set(map(str, m.max_memory)) <= {"cpu", "disk"}):

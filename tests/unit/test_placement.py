@@ -20,6 +20,7 @@ def _cfg(**sections):
     ({"model": {"device_map": "auto", "max_memory": {}}}, "model.max_memory", "empty"),
     ({"model": {"device_map": "auto", "max_memory": [1]}}, "model.max_memory", "mapping"),
     ({"model": {"device_map": "everywhere"}}, "model.device_map", "expected auto"),
+    ({"model": {"device_map": "auto", "max_memory": {1: "1GiB"}}}, "model.max_memory", "owns 1 GPU"),
     ({"model": {"offload_folder": "/tmp/x"}}, "model.offload_folder", "needs model.device_map"),
     ({"model": {"device_map": "auto", "device": "cpu"}}, "model.device_map", "cpu and disk only"),
     ({"resources": {"gpus_per_worker": 2}}, "resources.gpus_per_worker", "need model.device_map"),
@@ -78,6 +79,18 @@ def test_a_whole_model_goes_straight_to_its_gpu_and_a_split_one_gets_its_own_off
     assert a["max_memory"] == {0: 2**30, "cpu": 2 * 2**30} and a["device_map"] == "auto"
     assert a["offload_folder"] != b["offload_folder"]  # one per worker
     assert {p.parent for p in map(__import__("pathlib").Path, (a["offload_folder"], b["offload_folder"]))} == {tmp_path / "off"}
+
+
+def test_inputs_go_to_the_first_gpu_of_a_split_model_or_the_cpu():
+    import torch
+
+    from actlake.model import main_device
+
+    fake = lambda placement: type("M", (), {"hf_device_map": placement})()
+    cpu = torch.device("cpu")
+    assert main_device(fake({"embed": "cpu", "layers.0": 1, "layers.1": 0, "head": "disk"}), cpu) == torch.device("cuda", 1)
+    assert main_device(fake({"embed": "cpu", "layers": "disk"}), torch.device("cuda", 0)) == cpu
+    assert main_device(fake(None), torch.device("cuda", 0)) == torch.device("cuda", 0)
 
 
 def test_quick_start_config_keeps_float32():
