@@ -70,8 +70,9 @@ def key_weights(block, family: Family, n_heads: int, n_kv_heads: int) -> tuple:
     With these, k = x W_K + b_K per key head, where x is the input of ``family.qk_projections[-1]``.
     """
     mod = get_path(block, family.qk_projections[-1])
-    w = mod.weight.detach().float()
-    b = mod.bias.detach().float() if getattr(mod, "bias", None) is not None else None
+    with onloaded(mod):  # the tensors read here stay valid when an offloaded module goes back to meta
+        w = mod.weight.detach().float()
+        b = mod.bias.detach().float() if getattr(mod, "bias", None) is not None else None
     if family.name == "gpt2":  # Conv1D (d, 3d): columns [q | k | v]
         d = w.shape[0]
         w, b = w[:, d : 2 * d], (b[d : 2 * d] if b is not None else None)
@@ -88,6 +89,20 @@ def key_weights(block, family: Family, n_heads: int, n_kv_heads: int) -> tuple:
     dh = w.shape[0] // n_kv_heads
     wk = w.reshape(n_kv_heads, dh, d).transpose(1, 2).contiguous()
     return wk, (b.reshape(n_kv_heads, dh) if b is not None else None)
+
+
+def onloaded(module):
+    """Context in which ``module``'s parameters hold their values on the device the module runs on, also
+    when accelerate offloaded them (``device_map`` with CPU or disk offload keeps them on the meta device
+    outside the module's forward pass). A plain context for any other module."""
+    import contextlib
+
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None or not getattr(hook, "offload", False):
+        return contextlib.nullcontext()
+    from accelerate.utils import align_module_device
+
+    return align_module_device(module)
 
 
 def key_input_module(block, family: Family):

@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import yaml
 
@@ -32,12 +32,16 @@ class ModelConfig:
     """Hub id, local folder, or ``package:MODULE/subdir`` for a model shipped inside an installed package."""
     revision: Optional[str] = None
     """Hub revision (commit hash or tag). Pin it for reproducible runs; ignored for local folders."""
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    """Weights and activations dtype. Statistics always accumulate in float64."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    """Weights and activations dtype. ``auto``: bfloat16 when the model runs on a GPU that supports it natively (compute capability 8.0 or newer: A100, L4, H100, ...), else float32 (CPU, or older GPUs, where float16 could overflow). The dtype a run used is recorded per shard, and a run whose shards differ is refused. Statistics always accumulate in float64."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` uses CUDA when the worker has a GPU, else CPU."""
-    device_map: Optional[str] = None
-    """Set to ``auto`` to place layers across all GPUs a worker owns (models larger than one GPU)."""
+    device_map: Optional[Literal["auto", "balanced", "balanced_low_0", "sequential"]] = None
+    """Split the model's layers over the devices the worker owns (accelerate's placement; needs the ``accelerate`` package): ``auto`` / ``balanced`` spread them evenly over the worker's GPUs (``resources.gpus_per_worker``), ``sequential`` fills GPU 0 first; what does not fit (``max_memory``) goes to CPU memory, then to ``offload_folder`` on disk. null: the whole model on ``device``."""
+    max_memory: Optional[dict[str, Union[int, str]]] = None
+    """With ``device_map``: the most each device may hold of the weights, e.g. ``{0: 30GiB, 1: 30GiB, cpu: 100GiB}``. Keys: a GPU index (of the worker's GPUs, from 0), ``cpu`` or ``disk``; values: bytes, or a number with B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB. null: accelerate's default (what each device has free, less a margin)."""
+    offload_folder: Optional[str] = None
+    """With ``device_map``: a folder for the weights that fit neither the GPUs nor ``max_memory.cpu`` (each worker writes its own subfolder there, removed at the end of the job; a worker that was killed leaves its subfolder behind). Without it, a model that needs disk offload fails to load, naming this key."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel the model runs with; analyses read q and k from it either way."""
     allow_pickle: bool = False
@@ -165,7 +169,9 @@ class ResourcesConfig:
     cpus_per_worker: float = 0
     """CPUs reserved per worker (and torch threads). 0: all CPUs of the machine for one worker."""
     gpus_per_worker: float = 0
-    """GPUs per worker; more than 1 with ``model.device_map: auto`` splits one model across them."""
+    """GPUs per worker. 0: one GPU per worker when the cluster has GPUs, else none. A fraction shares a GPU between workers; a whole number above 1 gives each worker that many GPUs of one node and needs ``model.device_map``, which splits the model over them (models larger than one GPU)."""
+    memory_per_worker_gb: Optional[float] = None
+    """Host memory (GiB) each worker reserves from Ray (its ``memory`` resource): Ray starts a worker only on a node with that much unreserved, so large models do not land two to a node. null: no reservation. On a CPU worker, reserve the weights in the loaded dtype (loading peaks at about 1.1x of them in anonymous memory, see Measured) plus the batch working set; with device_map, also the layers kept in CPU memory."""
     max_retries: int = 3
     """Times a shard is retried after its worker dies."""
 
@@ -261,6 +267,9 @@ def _type_name(tp) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        kt, vt = typing.get_args(tp)
+        return f"mapping of {_type_name(kt)} to {_type_name(vt)}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -294,6 +303,13 @@ def _convert(value, tp, key: str, err):
                 err(tuple(key) + (bad,), f"expected a mapping, got {value[bad]!r}")
             return [_build(inner, v, tuple(key) + (i,), err) for i, v in enumerate(value)]
         return [_convert(v, inner, tuple(key) + (i,), err) for i, v in enumerate(value)]
+    if origin is dict:
+        kt, vt = typing.get_args(tp)
+        if not isinstance(value, dict):
+            err(key, f"expected a mapping, got {value!r}")
+        # YAML reads `0:` as an integer key; a str-keyed mapping takes it as "0"
+        return {(str(k) if kt is str and isinstance(k, int) and not isinstance(k, bool) else _convert(k, kt, key, err)):
+                _convert(v, vt, tuple(key) + (k,), err) for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             err(key, f"expected a mapping, got {value!r}")
@@ -407,8 +423,81 @@ def _check_values(cfg: JobConfig, err) -> None:
             err(("analyses", "custom", i, "analysis"), f"expected 'package.module:ClassName', got {c.analysis!r}")
     if not 0.0 < cfg.activations.fraction <= 1.0:
         err(("activations", "fraction"), f"must be in (0, 1], got {cfg.activations.fraction}")
+    _check_devices(cfg, err)
     if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):
         err(("output", "run_id"), f"not a valid folder name: {cfg.output.run_id!r}")
+
+
+MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+"""Units of ``model.max_memory`` values (case-insensitive; bytes, never bits)."""
+
+
+def memory_bytes(value: int | str) -> int:
+    """A ``max_memory`` value (bytes, or e.g. ``"30GiB"``, ``"500 MB"``) as a whole number of bytes;
+    ValueError for anything else."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", str(value))
+        if not m or m.group(2).upper() not in MEMORY_UNITS:
+            raise ValueError(f"expected bytes or a size such as 30GiB or 500MB, got {value!r}")
+        n = int(float(m.group(1)) * MEMORY_UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise ValueError(f"must be more than 0 bytes, got {value!r}")
+    return n
+
+
+def max_memory_map(max_memory: dict) -> dict:
+    """``model.max_memory`` as transformers takes it: GPU indices as int, ``cpu`` / ``disk`` as they are,
+    sizes in bytes. ValueError naming the key for anything else."""
+    out = {}
+    for key, value in max_memory.items():
+        k = str(key)
+        if not (k.isdigit() or k in ("cpu", "disk")):
+            raise ValueError(f"'{k}' is not a device: use a GPU index (0, 1, ...), cpu or disk")
+        try:
+            out[int(k) if k.isdigit() else k] = memory_bytes(value)
+        except ValueError as e:
+            raise ValueError(f"'{k}': {e}") from None
+    return out
+
+
+def _check_devices(cfg: JobConfig, err) -> None:
+    """Device placement: device_map, max_memory, offload_folder, GPUs and memory per worker agree."""
+    m, r = cfg.model, cfg.resources
+    if m.max_memory is not None:
+        if not m.device_map:
+            err(("model", "max_memory"), "needs model.device_map (auto, balanced, balanced_low_0 or sequential)")
+        if not m.max_memory:
+            err(("model", "max_memory"), "is empty: name at least one device (e.g. {0: 30GiB, cpu: 100GiB}) or remove it")
+        try:
+            gpus = [k for k in max_memory_map(m.max_memory) if isinstance(k, int)]
+        except ValueError as e:
+            err(("model", "max_memory"), str(e))
+        owned = max(1, int(r.gpus_per_worker))
+        if gpus and max(gpus) >= owned:
+            err(("model", "max_memory"), f"names GPU {max(gpus)}, but each worker owns {owned} GPU(s) "
+                "(resources.gpus_per_worker), numbered from 0")
+    if m.offload_folder is not None and not m.device_map:
+        err(("model", "offload_folder"), "needs model.device_map (only a split model offloads weights to disk)")
+    if m.device_map and m.device == "cpu" and not (m.max_memory and set(map(str, m.max_memory)) <= {"cpu", "disk"}):
+        err(("model", "device_map"), "with model.device: cpu, set model.max_memory to cpu and disk only (e.g. "
+            "{cpu: 8GiB, disk: 100GiB} with model.offload_folder); device_map alone would place layers on GPUs")
+    g = r.gpus_per_worker
+    if g < 0:
+        err(("resources", "gpus_per_worker"), f"must be 0 or more, got {g:g}")
+    if g > 1 and g != int(g):
+        err(("resources", "gpus_per_worker"), f"above 1 must be a whole number of GPUs, got {g:g}")
+    if g > 1 and not m.device_map:
+        err(("resources", "gpus_per_worker"), f"{g:g} GPUs per worker need model.device_map (e.g. auto) to split the "
+            "model over them; without it the model uses one and the others sit idle")
+    if g > 0 and m.device == "cpu":
+        err(("resources", "gpus_per_worker"), "model.device is cpu: the workers' GPUs would sit idle")
+    if r.memory_per_worker_gb is not None and r.memory_per_worker_gb <= 0:
+        err(("resources", "memory_per_worker_gb"), f"must be more than 0 (GiB), got {r.memory_per_worker_gb:g}")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None, check_files: bool = True,

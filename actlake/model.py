@@ -27,14 +27,95 @@ class LoadedModel:
     path: str
     lm_head: torch.nn.Module | None = None
     """The output embedding of a causal LM (loaded when surprisal is wanted), else None."""
+    placement: dict | None = None
+    """With ``model.device_map``: where each module went (transformers' ``hf_device_map``: a GPU index,
+    ``cpu`` or ``disk``), else None."""
+    offload_folder: str | None = None
+    """This worker's own folder of weights offloaded to disk (``model.offload_folder``), else None."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights were loaded in."""
+        return self.model.dtype
+
+    def close(self) -> None:
+        """Remove this worker's offload folder, if any (the model cannot run afterwards)."""
+        import shutil
+
+        if self.offload_folder:
+            shutil.rmtree(self.offload_folder, ignore_errors=True)
 
 
 def pick_device(cfg: ModelConfig) -> torch.device:
+    """The device the model runs on (without ``device_map``; with it, :func:`main_device` after loading)."""
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ModelLoadError("model.device is 'cuda' but this worker sees no GPU")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """``model.dtype`` as a torch dtype. ``auto``: bfloat16 on a GPU with native bfloat16 (compute
+    capability 8.0 or newer), float32 on a CPU or an older GPU. With ``device_map``, the worker's GPUs
+    decide (none: float32)."""
+    if cfg.dtype != "auto":
+        return DTYPES[cfg.dtype]
+    on_gpu = device.type == "cuda" or (cfg.device_map is not None and torch.cuda.is_available() and cfg.device != "cpu")
+    if on_gpu and torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    return torch.float32
+
+
+ACCELERATE_HINT = "pip install accelerate  (or reinstall actlake: it depends on it)"
+
+
+def require_accelerate(cfg: ModelConfig) -> None:
+    """ConfigError naming ``model.device_map`` and the install command when it is set and accelerate
+    (which places the layers) is missing; call it before starting Ray."""
+    import importlib.util
+
+    if cfg.device_map and importlib.util.find_spec("accelerate") is None:
+        raise ConfigError(f"model.device_map: {cfg.device_map!r} needs the accelerate package, which is not installed "
+                          f"here: {ACCELERATE_HINT}")
+
+
+def main_device(model: torch.nn.Module, fallback: torch.device) -> torch.device:
+    """Where a model placed with ``device_map`` takes its inputs and hands back its outputs: its first
+    GPU, or the CPU when every layer sits in CPU memory or on disk (accelerate's rule)."""
+    placed = getattr(model, "hf_device_map", None)
+    if not placed:
+        return fallback
+    gpus = [d for d in placed.values() if d not in ("cpu", "disk")]
+    if not gpus:
+        return torch.device("cpu")
+    first = gpus[0]
+    return torch.device("cuda", first) if isinstance(first, int) else torch.device(first)
+
+
+def _placement_kwargs(cfg: ModelConfig) -> dict:
+    """from_pretrained's ``device_map`` / ``max_memory`` / ``offload_folder`` for this config. Without
+    ``model.device_map``: the whole model onto its GPU, or nothing on a CPU. The offload folder is a fresh
+    subfolder per worker."""
+    import tempfile
+
+    from actlake.config import max_memory_map
+
+    if not cfg.device_map:
+        device = pick_device(cfg)
+        # straight onto the GPU as each tensor is read, never the whole model in host memory first
+        return {"device_map": {"": str(device)}} if device.type == "cuda" else {}
+    require_accelerate(cfg)
+    kw: dict = {"device_map": cfg.device_map}
+    if cfg.max_memory:
+        kw["max_memory"] = max_memory_map(cfg.max_memory)
+    if cfg.offload_folder:
+        try:
+            os.makedirs(cfg.offload_folder, exist_ok=True)
+            kw["offload_folder"] = tempfile.mkdtemp(prefix="actlake-offload-", dir=cfg.offload_folder)
+        except OSError as e:
+            raise ModelLoadError(f"model.offload_folder: cannot write in {cfg.offload_folder} ({e.strerror or e})") from None
+    return kw
 
 
 def _check_weights(folder: Path, allow_pickle: bool) -> None:
@@ -79,9 +160,8 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
     want_head = family.causal if lm_head is None else lm_head
     device = pick_device(cfg)
     kwargs = dict(common, attn_implementation=cfg.attn_implementation, use_safetensors=None if cfg.allow_pickle else True)
-    kwargs["dtype"] = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-    if cfg.device_map:
-        kwargs["device_map"] = cfg.device_map
+    # weights are read straight into the target dtype (and, with device_map, onto their devices)
+    kwargs.update(_placement_kwargs(cfg), dtype=resolve_dtype(cfg, device))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
         head = None
@@ -91,12 +171,18 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         else:
             model = AutoModel.from_pretrained(path, **kwargs)
     except Exception as e:
-        raise ModelLoadError(f"model {path}: cannot load ({type(e).__name__}: {e})") from None
-    if not cfg.device_map:
+        hint = " (set model.offload_folder)" if "offload_folder" in str(e) and not cfg.offload_folder else ""
+        raise ModelLoadError(f"model {path}: cannot load ({type(e).__name__}: {e}){hint}") from None
+    placement = None
+    if cfg.device_map:
+        placement = dict(getattr(model if head is None else full, "hf_device_map", None) or {})
+        device = main_device(model if head is None else full, device)
+        log.info("model %s placed by device_map %r: %s; inputs on %s", path, cfg.device_map, placement, device)
+    else:
         model.to(device)
         if head is not None:
             head.to(device)
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    return LoadedModel(model, tokenizer, family, device, path, head)
+    return LoadedModel(model, tokenizer, family, device, path, head, placement, kwargs.get("offload_folder"))

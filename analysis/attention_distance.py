@@ -48,8 +48,9 @@ class AttentionByDistance(SumStats):
         if T > self.max_len:
             raise ValueError(f"window of {T} tokens is longer than the distance profile's {self.max_len}")
         off = self.max_len - T  # the batch's m - n = 0 sits at index T - 1, ours at max_len - 1
-        self.attn[lq.layer, :, off : off + 2 * T - 1] += lq.product("distance")
-        self.pairs[lq.layer] += lq.batch.pairs_by_distance(self.max_len)
+        dev = self.attn.device  # with device_map the layer may live elsewhere
+        self.attn[lq.layer, :, off : off + 2 * T - 1] += lq.product("distance").to(dev)
+        self.pairs[lq.layer] += lq.batch.pairs_by_distance(self.max_len).to(dev)
 
     def to_arrow(self) -> pa.Table:
         L, H, D = self.attn.shape

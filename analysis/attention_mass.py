@@ -62,14 +62,15 @@ class AttentionMass(SumStats):
 
     def nonfinite_excluded(self, layer: int, count: torch.Tensor) -> None:
         """``count`` tokens of ``layer`` left every attention statistic (their q, k or x held inf/NaN)."""
-        self.nonfinite[layer] += count
+        self.nonfinite[layer] += count.to(self.nonfinite.device)
 
     def add_layer(self, lq) -> None:
         """Accumulate one layer of one batch (a :class:`~actlake.analysis.layer_qk.LayerQK`)."""
         per_q = lq.product("mass").double()  # (B, H, T, C), zero on invalid queries
         q_oh = lq.query_onehot.double()
-        self.mass[lq.layer] += torch.einsum("bhtk,btq->hqk", per_q, q_oh)
-        self.n_queries[lq.layer] += q_oh.sum((0, 1))
+        dev = self.mass.device  # with device_map the layer may live elsewhere
+        self.mass[lq.layer] += torch.einsum("bhtk,btq->hqk", per_q, q_oh).to(dev)
+        self.n_queries[lq.layer] += q_oh.sum((0, 1)).to(dev)
 
     def to_arrow(self) -> pa.Table:
         L, H = self.mass.shape[:2]

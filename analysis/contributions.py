@@ -158,18 +158,19 @@ class Contributions(SumStats):
         valid = lq.batch.validf
         # bidirectional without RoPE: every key of a sequence is seen by the same queries
         per_sequence = not lq.causal and lq.cos is None
+        dev = self.contrib.device  # with device_map the layer may live elsewhere
         general = []  # (query group or None for weighted, qsum (B, H, T, d_h)) for the per-token path
         for g, group in enumerate(self.query_groups):
             qmask = valid if group == "all" else lq.query_onehot[..., ROLE.index(group)].to(torch.float32)
             counts = (lq.queries_per_key() if group == "all"
                       else lq.sum_over_queries(qmask.double()[:, None, :])[:, 0] * lq.valid)  # (B, T)
-            self.n_pairs[l, g] += torch.einsum("bt,btc->c", counts.double(), k_oh)
+            self.n_pairs[l, g] += torch.einsum("bt,btc->c", counts.double(), k_oh).to(dev)
             q = lq.query * qmask[:, None, :, None]  # (B, H, T, d_h), zero outside the group
             if per_sequence:
                 qsum = q.sum(2)  # (B, H, d_h)
-                self.contrib[l, :, g] += contributions_per_sequence(lq, qsum)
+                self.contrib[l, :, g] += contributions_per_sequence(lq, qsum).to(dev)
                 bias = bias_term(lq, qsum[:, :, None]).double()[..., 0]  # (B, H)
-                self.bias[l, :, g] += torch.einsum("bh,btc->hc", bias, k_oh)
+                self.bias[l, :, g] += torch.einsum("bh,btc->hc", bias, k_oh).to(dev)
             else:  # at each key n, the sum of q'_m over the queries that may attend to it
                 general.append((g, lq.sum_over_queries(q)))
         if weighted:
@@ -177,13 +178,14 @@ class Contributions(SumStats):
         if general:
             sums = contributions_by_category(lq, *(qsum for _, qsum in general))
             for (g, _), (s, bias) in zip(general, sums):
+                s, bias = s.to(dev), bias.to(dev)
                 if g is None:
                     self.weighted[l] += s
                     self.weighted_bias[l] += bias
                 else:
                     self.contrib[l, :, g] += s
                     self.bias[l, :, g] += bias
-        self.n_queries[l] += valid.sum()
+        self.n_queries[l] += valid.sum().to(dev)
 
     def merge(self, other: "Contributions") -> "Contributions":
         assert self.query_groups == other.query_groups

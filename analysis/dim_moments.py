@@ -86,7 +86,7 @@ class DimMoments(Analysis):
         per_layer, nonfinite = [], torch.zeros(len(hidden_states), dtype=torch.float64, device=dev)
         unchecked = torch.zeros((), dtype=torch.float64, device=dev)
         for layer, h in enumerate(hidden_states):
-            x = h.reshape(-1, h.shape[-1])  # (B*T, d)
+            x = h.reshape(-1, h.shape[-1]).to(dev)  # (B*T, d); with device_map the layer may live elsewhere
             layer_ids, layer_work = ids, work
             if not exact_nonfinite:
                 unchecked += (~torch.isfinite(x.sum(dtype=torch.float32))).double()

@@ -65,21 +65,22 @@ class Geometry(SumStats):
         k = lq.key_per_query_head
         qn, kn = q.norm(dim=-1), lq.key_norms  # (B, H, T)
         per_key = lq.queries_per_key()  # (B, T)
-        self.n_pairs[l] += torch.einsum("bt,btc->c", per_key, k_oh)
-        self.q_norm[l] += torch.einsum("bht,btc->hc", lq.sum_over_queries(qn).double(), k_oh)
-        self.k_norm[l] += torch.einsum("bht,btc->hc", kn.double() * per_key[:, None], k_oh)
+        dev = self.n_pairs.device  # with device_map the layer may live elsewhere
+        self.n_pairs[l] += torch.einsum("bt,btc->c", per_key, k_oh).to(dev)
+        self.q_norm[l] += torch.einsum("bht,btc->hc", lq.sum_over_queries(qn).double(), k_oh).to(dev)
+        self.k_norm[l] += torch.einsum("bht,btc->hc", kn.double() * per_key[:, None], k_oh).to(dev)
         q_unit = q / qn.clamp(min=1e-30)[..., None]
         if lq.causal:  # at each key, the sum of the unit queries that see it, dotted with the key
             dots = (lq.sum_over_queries(q_unit) * k).sum(-1)
         else:  # every key of a sequence sees the same queries
             dots = torch.matmul(k, q_unit.sum(2)[..., None])[..., 0]
         cos_sum = dots / kn.clamp(min=1e-30)  # (B, H, T)
-        self.cos[l] += torch.einsum("bht,btc->hc", cos_sum.double(), k_oh)
-        self.n_queries[l] += lq.batch.validf.sum()
+        self.cos[l] += torch.einsum("bht,btc->hc", cos_sum.double(), k_oh).to(dev)
+        self.n_queries[l] += lq.batch.validf.sum().to(dev)
 
         # mass per key category, as computed and with keys at their mean norm (zero on invalid queries)
-        self.mass[l] += lq.product("mass").double().sum((0, 2))
-        self.mass_keynorm[l] += lq.product("mass_keynorm").double().sum((0, 2))
+        self.mass[l] += lq.product("mass").double().sum((0, 2)).to(dev)
+        self.mass_keynorm[l] += lq.product("mass_keynorm").double().sum((0, 2)).to(dev)
 
     def to_arrow(self) -> pa.Table:
         L, H, C = self.q_norm.shape

@@ -36,7 +36,7 @@ def token_surprisal(head: torch.nn.Module, last_hidden: torch.Tensor, ids: torch
     target = to_device(ids[:, 1:].reshape(-1), dev)[flat]  # (N,)
     nll = torch.empty(flat.shape[0], dtype=torch.float32, device=dev)
     for s in range(0, flat.shape[0], chunk):
-        logits = head(h[s : s + chunk]).float()  # (n, V)
+        logits = head(h[s : s + chunk]).float().to(dev)  # (n, V); with device_map the head may live elsewhere
         lp = torch.log_softmax(logits, dim=-1)
         nll[s : s + chunk] = -lp.gather(1, target[s : s + chunk, None])[:, 0]
     out.view(-1)[into_out] = nll

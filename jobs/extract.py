@@ -135,7 +135,7 @@ class Extractor:
         if self.store_layers:
             keep = [i for i, w in enumerate(batch) if window_sampled(self.cfg.activations, w.doc_id, w.window)]
             rows = to_device(torch.tensor(keep, dtype=torch.long), hs[0].device)
-            result.acts = {layer: (keep, to_host(hs[layer][rows])) for layer in self.store_layers}
+            result.acts = {layer: (keep, to_host(hs[layer][rows.to(hs[layer].device)])) for layer in self.store_layers}
         if self.lm.lm_head is not None:
             result.surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask))
         if not strict:
@@ -161,6 +161,7 @@ class Extractor:
             acc.write(writer, docs, rejects)
             summary = {"docs": len(docs), "windows": len(windows), "tokens": acc.n_tokens, "padded_tokens": acc.n_padded,
                        "batches": len(batches), "oom_splits": self.oom_splits - splits_before,
+                       "dtype": str(self.lm.dtype).removeprefix("torch."),
                        "cut_docs": sum(d["cut"] for d in docs),
                        "rejects": dict(Counter(r["reason"] for r in rejects)), "seconds": time.perf_counter() - t0}
             writer.commit(summary)

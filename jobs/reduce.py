@@ -39,12 +39,24 @@ def merge_partials(layout: RunLayout, records: list[dict], cls):
     return total
 
 
+def model_dtype(layout: RunLayout, records: list[dict]) -> str | None:
+    """The model dtype every shard ran in (None for shards from before it was recorded). StorageError when
+    shards differ: ``model.dtype: auto`` resolved differently on different machines (GPU or not), and
+    merging them would mix two precisions."""
+    dtypes = sorted({r["summary"]["dtype"] for r in records if "dtype" in r["summary"]})
+    if len(dtypes) > 1:
+        raise StorageError(f"{layout.root}: shards ran the model in different dtypes ({', '.join(dtypes)}), e.g. "
+                           f"model.dtype: auto on GPU and CPU workers; set model.dtype and rerun under a new run id")
+    return dtypes[0] if dtypes else None
+
+
 def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses, verify: bool = True) -> dict:
     """Verify every shard, merge the partials of each analysis in ``analyses`` (the classes of the job's
     enabled analyses), publish the reduced tables; return the job's totals."""
     records = collect_records(layout, shard_ids, plan_hash)
     if verify:
         verify_records(layout, records)
+    dtype = model_dtype(layout, records)  # before anything is published
     published = {}
     for cls in analyses:
         having = [r for r in records if f"{cls.tables[0]}_by_shard" in r["files"]]
@@ -62,4 +74,5 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
         for reason, n in s["rejects"].items():
             totals["rejects"][reason] = totals["rejects"].get(reason, 0) + n
     totals["padded_fraction"] = totals["padded_tokens"] / max(1, totals["tokens"])
+    totals["dtype"] = dtype
     return totals

@@ -85,16 +85,44 @@ def _single_machine_ray():
 
 
 def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
-    """(workers, cpus each, gpus each, torch threads) from the config and the cluster."""
+    """(workers, cpus each, gpus each, torch threads) from the config and the cluster. A worker that no
+    node could hold (more GPUs or memory than any node has) is an error naming the key, not a job that
+    waits for ever."""
     import ray
 
     r = cfg.resources
     res = ray.cluster_resources()
     gpus = r.gpus_per_worker or (1.0 if res.get("GPU", 0) >= 1 else 0.0)
+    check_fits_a_node(r, gpus, [nd["Resources"] for nd in ray.nodes() if nd["Alive"]])
     n = r.num_workers or (max(1, int(res.get("GPU", 0) // gpus)) if gpus else 1)
     biggest_node = max((nd["Resources"].get("CPU", 0) for nd in ray.nodes() if nd["Alive"]), default=1)
     cpus = r.cpus_per_worker or (max(1.0, min(res.get("CPU", 1) // n, biggest_node)) if not gpus else 1.0)
     return n, cpus, gpus, int(cpus)
+
+
+def check_fits_a_node(r, gpus: float, nodes: list[dict]) -> None:
+    """ConfigError naming ``resources.gpus_per_worker`` / ``memory_per_worker_gb`` when no node of the
+    cluster (``nodes``: each alive node's Ray resources) has that much (Ray would wait for ever)."""
+    from actlake.errors import ConfigError
+
+    most_gpus = max((nd.get("GPU", 0) for nd in nodes), default=0)
+    if r.gpus_per_worker and r.gpus_per_worker > most_gpus:
+        raise ConfigError(f"resources.gpus_per_worker: {r.gpus_per_worker:g} GPUs per worker, but no node of the "
+                          f"cluster has more than {most_gpus:g} (one worker's GPUs must be on one node)")
+    if r.memory_per_worker_gb:
+        most = max((nd.get("memory", 0) for nd in nodes), default=0) / 2**30
+        if r.memory_per_worker_gb > most:
+            raise ConfigError(f"resources.memory_per_worker_gb: {r.memory_per_worker_gb:g} GiB per worker, but no "
+                              f"node of the cluster offers Ray more than {most:.1f} GiB")
+
+
+def worker_options(cfg: JobConfig, cpus: float, gpus: float) -> dict:
+    """Ray actor options of one ShardWorker: CPUs, GPUs, memory (``resources.memory_per_worker_gb``), restarts."""
+    r = cfg.resources
+    options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=r.max_retries, max_task_retries=0)
+    if r.memory_per_worker_gb:
+        options["memory"] = int(r.memory_per_worker_gb * 2**30)
+    return options
 
 
 def ensure_output_dir(path: Path) -> None:
@@ -210,9 +238,12 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     from actlake.analysis.protocol import enabled
     from actlake.jobs.reduce import reduce_run
 
+    from actlake.model import require_accelerate
+
     t0 = time.perf_counter()
     import_custom_analyses(cfg)
     analyses = [cls for cls, _ in enabled(cfg.analyses)]  # imports custom classes: a bad one fails here
+    require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
     layout = RunLayout(cfg.run_dir)
     ensure_output_dir(Path(cfg.output.dir).resolve())
     shards, inputs = plan_with_inputs(cfg)
@@ -242,6 +273,17 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
 
 
+def _close_workers(workers) -> None:
+    """Let each live worker remove its offload folder before it is killed (a dead one's stays behind)."""
+    import ray
+
+    for w in workers:
+        try:
+            ray.get(w.close.remote(), timeout=120)
+        except Exception as e:  # noqa: BLE001 - a worker that died cannot clean up; the job's result stands
+            log.warning("a worker could not remove its offload folder: %s", e)
+
+
 def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs=None) -> list[dict]:
     """Run ``pending`` shards on fresh actors; return their summaries. Raises if any shard failed:
     one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
@@ -255,12 +297,11 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         code = ray.put(custom_code(cfg))
         n = min(n, len(pending))
         retries = cfg.resources.max_retries
-        workers = [
-            ShardWorker.options(num_cpus=cpus, num_gpus=gpus, max_restarts=retries, max_task_retries=0)
-            .remote(cfg.to_dict(), str(layout.root), phash, threads, code)
-            for _ in range(n)
-        ]
-        log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU each)", len(pending), n, cpus, gpus)
+        options = worker_options(cfg, cpus, gpus)
+        workers = [ShardWorker.options(**options).remote(cfg.to_dict(), str(layout.root), phash, threads, code)
+                   for _ in range(n)]
+        log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus, gpus,
+                 f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb else "unreserved")
         progress = Progress(total, skipped=total - len(pending))
         def done(summary):
             progress.update(summary)
@@ -268,6 +309,8 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
                 on_shard(summary)
 
         summaries, failures = Dispatcher(workers, retries, done).run(pending)
+        if cfg.model.offload_folder:
+            _close_workers(workers)
         for w in workers:
             ray.kill(w)
         if failures:

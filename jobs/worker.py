@@ -94,5 +94,9 @@ class ShardWorker:
         rss_mb = psutil.Process().memory_info().rss / 2**20
         return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb)
 
+    def close(self) -> None:
+        """Remove this worker's offload folder (``model.offload_folder``); called before the actor is killed."""
+        self.extractor.lm.close()
+
     def get_pid(self) -> int:
         return self.pid
