@@ -69,8 +69,10 @@ def train_loop(config: dict) -> None:
     if latest is not None:
         state = torch.load(latest[1] / STATE_FILE, weights_only=False)
         trainer.load_state_dict(state["trainer"])
-        curve, resumes = state["curve"], state["resumes"] + [trainer.step]
-        log.info("layer %d: resuming from step %d", layer, trainer.step)
+        curve, resumes = state["curve"], state["resumes"]
+        if trainer.step < p.steps:  # a rerun of a finished layer only rewrites its tables
+            resumes = resumes + [trainer.step]
+            log.info("layer %d: resuming from step %d", layer, trainer.step)
 
     def checkpoint() -> None:
         save_checkpoint(ck_root, trainer.step, lambda f: torch.save({"trainer": trainer.state_dict(), "curve": curve, "resumes": resumes},
