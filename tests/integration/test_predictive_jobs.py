@@ -3,6 +3,8 @@ job's own arrays, and a predictor whose worker is killed resumes from its checkp
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -136,10 +138,12 @@ def _without_probes(cfg):
     return cfg
 
 
-def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ray_local):
+def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ray_local, caplog):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from actlake.errors import StorageError
     from actlake.jobs.train_lm import train_lm
+    from actlake.jobs.training import TrainingError, list_checkpoints
 
     cfg = parse_config({
         "name": "lm", "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")]},
@@ -156,5 +160,35 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
     curve = open_run(Path(tmp_path) / "lm").execute("SELECT step, eval_loss FROM lm_curve ORDER BY step").fetchall()
     assert [s for s, _ in curve] == [20, 40, 60]
     assert curve[-1][1] < np.log(400) - 0.5  # well below the uniform-prediction loss
+    run = Path(tmp_path) / "lm"
+    ck = run / "checkpoints" / "lm"
+    assert [s for s, _ in latest_two(ck)] == [40, 60] == [s for s, _ in list_checkpoints(ck)]  # the previous checkpoint is kept as a fallback
+    assert not any((run / "_ray_train").iterdir())  # Ray Train's own state is not left behind
+    (ck / ".tmp-00000080-deadbeef").mkdir()  # left by a worker killed while checkpointing
     again = train_lm(cfg)  # a rerun resumes at the last step: nothing more to train, same model
     assert again["step"] == 60
+    assert not list(ck.glob(".tmp-*")) and not any((run / "_ray_train").iterdir())
+    # issue 18.2: a resume with another world size (another effective batch) is refused before Ray starts
+    two = dataclasses.replace(cfg, resources=dataclasses.replace(cfg.resources, num_workers=2))
+    with pytest.raises(StorageError, match=r"resources\.num_workers \(1 -> 2\)"):
+        train_lm(two)
+    # issue 18.6: a damaged newest checkpoint is named in the log and the previous one resumes, to the same curve
+    state = ck / "step-00000060" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="actlake.training"):
+        train_lm(cfg)
+    assert str(state) in caplog.text and "falling back to the checkpoint of step 40" in caplog.text
+    again_curve = open_run(run).execute("SELECT step, eval_loss FROM lm_curve ORDER BY step").fetchall()
+    assert [s for s, _ in again_curve] == [s for s, _ in curve]
+    np.testing.assert_allclose([v for _, v in again_curve], [v for _, v in curve], rtol=1e-5)
+    for _, path in latest_two(ck):  # nothing usable: one line naming a file, before Ray starts
+        (path / "trainer_state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(TrainingError, match="no usable checkpoint") as e:
+        train_lm(cfg)
+    assert "trainer_state.pt" in str(e.value) and "\n" not in str(e.value)
+
+
+def latest_two(root: Path):
+    from actlake.jobs.training import list_checkpoints
+
+    return list_checkpoints(root)[-2:]
