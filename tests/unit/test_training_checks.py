@@ -11,8 +11,7 @@ import torch
 import yaml
 
 from actlake.cli import main
-from actlake.jobs.training import (MANIFEST, STATE_FILE, TrainingError, list_checkpoints, prepare_checkpoints,
-                                   save_checkpoint)
+from actlake.jobs.training import STATE_FILE, TrainingError, list_checkpoints, save_checkpoint
 
 
 def _write(folder: Path, value: float) -> None:
@@ -43,6 +42,8 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_previous_one_kept(
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    from actlake.jobs.training import MANIFEST, prepare_checkpoints
+
     root = tmp_path / "ck"
     for step in (20, 40):
         save_checkpoint(root, step, lambda f, s=step: _write(f, s))
