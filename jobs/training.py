@@ -3,9 +3,11 @@
 A trial is a training loop (a module-level function taking one config mapping) run by
 ``ray.train.torch.TorchTrainer``; several trials (a sweep, one predictor per layer) run as
 parallel Ray tasks, each starting its own trainer. Checkpoints are folders under the run
-directory, ``checkpoints/<trial>/step-NNNNNNNN/``, written under a temporary name and renamed into
-place, so a restarted trial resumes from the newest whole one and a reader never sees half of
-one. On a cluster the run directory must be on storage every node sees (as for extraction).
+directory, ``checkpoints/<trial>/step-NNNNNNNN/``, written under a temporary name with a manifest
+(size and sha256 of every file) and renamed into place; the newest two are kept. Before a trial
+starts the driver removes leftover temporary folders and checks the checkpoints against their
+manifests, newest first, so a restarted trial resumes from the newest whole one (a damaged one
+is named and set aside). Settings and world size are compared with ``run.json`` on resume. On a cluster the run directory must be on storage every node sees (as for extraction).
 """
 
 from __future__ import annotations
