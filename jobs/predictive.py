@@ -37,7 +37,8 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     this run began (its fingerprint), whole and finite; the settings must match the run directory,
     and the checkpoints must be usable."""
     from actlake.jobs.run import init_ray
-    from actlake.jobs.training import Resources, Trial, check_settings, prepare_checkpoints, run_trials
+    from actlake.jobs.training import (Resources, Trial, check_settings, discard_pending, prepare_checkpoints,
+                                       publish_pending, run_trials)
     from actlake.predictive import train_loop
 
     t0 = time.perf_counter()
@@ -57,6 +58,7 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
                                         "store": cfg.store, "store_fingerprint": store["fingerprint"],
                                         "world_size": cfg.resources.num_workers, "model": info["model"]})
     shutil.rmtree(layout.staging, ignore_errors=True)
+    discard_pending(layout.root)
     for layer in layers:
         prepare_checkpoints(layout.root / "checkpoints" / f"layer{layer}")
     r = cfg.resources
@@ -71,6 +73,7 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
             import ray
 
             ray.shutdown()
+    publish_pending(layout.root)  # every layer's tables at once: none if a layer failed
     report_path = None
     if cfg.output.report if report is None else report:
         from actlake.predictive_report import build_predictive_report

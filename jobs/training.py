@@ -339,3 +339,30 @@ def require_finished(run_dir: Path, trials: list[str], steps: int, how: str) -> 
     if behind:
         shown = ", ".join(f"{n} at step {s if s is not None else 'none'}" for n, s in behind.items())
         raise TrainingError(f"{run_dir}: training is unfinished ({shown} of {steps}); {how}")
+
+
+PENDING = "_pending"
+"""Run-directory folder where trials leave their result tables until every trial has finished."""
+
+
+def pending_file(run_dir: Path, table: str, partition: str) -> Path:
+    """Where a trial writes its part of ``table`` (``partition``: e.g. ``layer=2``) until :func:`publish_pending`."""
+    return Path(run_dir) / PENDING / table / partition / "part-0.parquet"
+
+
+def discard_pending(run_dir: Path) -> None:
+    """Drop tables left by trials of an attempt that did not finish (they are written again)."""
+    shutil.rmtree(Path(run_dir) / PENDING, ignore_errors=True)
+
+
+def publish_pending(run_dir: Path) -> int:
+    """Move every pending table file into ``tables/`` (one rename each), once all trials have finished."""
+    root = Path(run_dir) / PENDING
+    moved = 0
+    for f in sorted(root.rglob("*.parquet")) if root.is_dir() else []:
+        dest = Path(run_dir) / "tables" / f.relative_to(root)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(f, dest)
+        moved += 1
+    discard_pending(run_dir)
+    return moved
