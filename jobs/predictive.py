@@ -98,9 +98,22 @@ def _checked_store(cfg: PredictorJobConfig, layout: RunLayout) -> dict:
                            f"it (fingerprint {old} -> {store['fingerprint']}: other shards, rows or file sizes); pick "
                            "a new output.run_id or delete the folder")
     if old is None:
-        rows = check_store_values(store["files"], cfg.layers or None)
+        rows, windows = check_store_values(store["files"], cfg.layers or None)
         log.info("activation store %s: %d shard file(s), %d rows checked", cfg.store, len(store["files"]), rows)
+        _check_split(cfg, windows)
     return store
+
+
+def _check_split(cfg: PredictorJobConfig, windows: set) -> None:
+    """Both the training and the evaluation split of the store's windows must be non-empty."""
+    from actlake.predictive import held_out
+
+    pairs = sorted(windows)
+    ev = held_out([d for d, _ in pairs], [w for _, w in pairs], cfg.predictor.eval_fraction)
+    if ev.all() or not ev.any():
+        raise ConfigError(f"{cfg.source_file}: 'predictor.eval_fraction': {int(ev.sum())} of the store's {len(ev)} "
+                          f"windows would be held out for evaluation, {len(ev) - int(ev.sum())} trained on; both "
+                          "must be non-empty (change eval_fraction or store more windows)")
 
 
 SUMMARY_SQL = """

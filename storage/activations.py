@@ -166,21 +166,25 @@ def _shard_problems(layout, sid: int, plan_hash: str, files: list) -> list[str]:
     return out
 
 
-def check_store_values(files: list, layers: list[int] | None = None, max_shown: int = 5) -> int:
+def check_store_values(files: list, layers: list[int] | None = None, max_shown: int = 5) -> tuple[int, set]:
     """Verify every activation file (magic, size, rows, page checksums) and that its hidden states are finite.
 
-    ``layers``: only these layers' rows must be finite (None: all). Returns the rows checked; raises
-    StorageError naming the file, or the first rows with NaN/inf (file, row, doc_id/window/position/layer)."""
+    ``layers``: only these layers' rows must be finite (None: all). Returns the rows checked and the
+    stored windows as ``{(doc_id, window_index)}``; raises StorageError naming the file, or the
+    first rows with NaN/inf (file, row, doc_id/window/position/layer)."""
     import pyarrow.parquet as pq
 
     from actlake.errors import StorageError
     from actlake.storage.parquet_io import verify_parquet
 
-    bad, n_bad, rows = [], 0, 0
+    bad, n_bad, rows, windows = [], 0, 0, set()
     for path, meta in files:
         verify_parquet(path, rows=meta["rows"], size=meta["bytes"])
         offset = 0
         for batch in pq.ParquetFile(path).iter_batches(columns=["doc_id", "window_index", "position", "layer", "h"]):
+            first = batch.column("position").to_numpy() == 0
+            windows.update(zip(batch.column("doc_id").to_numpy()[first].tolist(),
+                               batch.column("window_index").to_numpy()[first].tolist()))
             idx = _nonfinite_rows(batch, layers)
             n_bad += len(idx)
             bad += [(path, offset + i, batch.slice(i, 1).to_pylist()[0]) for i in idx[: max_shown - len(bad)]]
@@ -191,7 +195,7 @@ def check_store_values(files: list, layers: list[int] | None = None, max_shown: 
                           f"{r['position']}, layer {r['layer']})" for p, i, r in bad)
         raise StorageError(f"the activation store has non-finite hidden states (NaN or inf) in {n_bad} row(s): {shown} "
                            f"[in {bad[0][0].parent}]; re-extract it (e.g. with model.dtype float32) or choose other layers")
-    return rows
+    return rows, windows
 
 
 def _nonfinite_rows(batch, layers) -> np.ndarray:

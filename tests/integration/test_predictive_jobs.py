@@ -209,16 +209,23 @@ def _damage_copy(store: Path, dest: Path, how: str) -> tuple[Path, dict]:
     return path, hit
 
 
-@pytest.mark.parametrize("how", ["nan", "truncate", "flip"])
+@pytest.mark.parametrize("how", ["nan", "truncate", "flip", "nothing held out"])
 def test_a_damaged_or_nonfinite_store_is_refused_before_ray(store, tmp_path, capsys, how):
-    """Issue 18.4 / 18.7: one line naming the file (and for NaN the row), exit 2, no training started."""
-    path, hit = _damage_copy(Path(store), tmp_path / "store", how)
+    """Issue 18.4 / 18.6 / 18.7: one line naming the file (for NaN the row; for an empty evaluation split the
+    key), exit 2, no training started."""
+    if how == "nothing held out":
+        shutil.copytree(store, tmp_path / "store")
+        data = _predictor_data(tmp_path / "store", tmp_path / "runs", "p", eval_fraction=1e-12)
+    else:
+        path, hit = _damage_copy(Path(store), tmp_path / "store", how)
+        data = _predictor_data(tmp_path / "store", tmp_path / "runs", "p")
     config = tmp_path / "p.yaml"
-    config.write_text(yaml.safe_dump(_predictor_data(tmp_path / "store", tmp_path / "runs", "p")))
+    config.write_text(yaml.safe_dump(data))
     capsys.readouterr()
     assert main(["train-predictor", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("actlake: error: ") and path.name in err[0], err
+    assert len(err) == 1 and err[0].startswith("actlake: error: "), err
+    assert ("'predictor.eval_fraction'" in err[0]) if how == "nothing held out" else (path.name in err[0])
     if how == "nan":
         assert "non-finite" in err[0]
         assert (f"doc_id {hit['doc_id']}, window {hit['window_index']}, position {hit['position']}, layer 2"
