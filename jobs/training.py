@@ -7,7 +7,8 @@ directory, ``checkpoints/<trial>/step-NNNNNNNN/``, written under a temporary nam
 (size and sha256 of every file) and renamed into place; the newest two are kept. Before a trial
 starts the driver removes leftover temporary folders and checks the checkpoints against their
 manifests, newest first, so a restarted trial resumes from the newest whole one (a damaged one
-is named and set aside). Settings and world size are compared with ``run.json`` on resume. On a cluster the run directory must be on storage every node sees (as for extraction).
+is named and set aside). Settings and world size are compared with ``run.json`` on resume. On a
+cluster the run directory must be on storage every node sees (as for extraction).
 """
 
 from __future__ import annotations
@@ -137,29 +138,31 @@ def checkpoint_problem(path: Path) -> str | None:
 def prepare_checkpoints(root: Path) -> int | None:
     """Before a trial starts: remove leftover ``.tmp-*`` folders, then check checkpoints newest first.
 
-    A damaged one is renamed ``damaged-step-NNNNNNNN`` and the previous whole one is used (a
-    warning names the file and the cause). Returns the step the trial resumes from (None: from
-    scratch); raises :class:`TrainingError` when checkpoints exist but none is usable."""
+    Damaged ones newer than a whole one are renamed ``damaged-step-NNNNNNNN`` and the whole one is
+    used (warnings name each file and cause). Returns the step the trial resumes from (None: from
+    scratch); raises :class:`TrainingError`, moving nothing, when checkpoints exist but none is usable."""
     root = Path(root)
     if not root.is_dir():
         return None
     for tmp in root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
-    problems = []
+    damaged = []
     for step, path in reversed(list_checkpoints(root)):
         problem = checkpoint_problem(path)
-        if problem is None:
-            if problems:
-                log.warning("%s: falling back to the checkpoint of step %d", root, step)
-            return step
-        problems.append(problem)
-        aside = root / f"damaged-{path.name}"
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(path, aside)
-        log.warning("damaged checkpoint %s, moved to %s", problem, aside.name)
-    if problems:
-        raise TrainingError(f"no usable checkpoint in {root}: {'; '.join(problems)}; delete {root} to train "
-                            "this trial from the start")
+        if problem is not None:
+            damaged.append((path, problem))
+            continue
+        for bad, why in damaged:
+            aside = root / f"damaged-{bad.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(bad, aside)
+            log.warning("damaged checkpoint %s, moved to %s", why, aside.name)
+        if damaged:
+            log.warning("%s: falling back to the checkpoint of step %d", root, step)
+        return step
+    if damaged:
+        raise TrainingError(f"no usable checkpoint in {root}: {'; '.join(why for _, why in damaged)}; delete "
+                            f"{root} to train this trial from the start")
     return None
 
 

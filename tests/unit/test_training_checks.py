@@ -61,6 +61,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     with pytest.raises(TrainingError, match=r"no usable checkpoint") as e:
         prepare_checkpoints(root)
     assert str(other) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TrainingError, match=r"no usable checkpoint"):  # refused again: nothing silently starts over
+        prepare_checkpoints(root)
 
 
 def _lm_yaml(path: Path, corpus: Path, out: Path, **training) -> Path:
