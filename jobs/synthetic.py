@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.synthetic.config import SyntheticConfig
 

@@ -8,7 +8,6 @@ import shutil
 import time
 from pathlib import Path
 
-from actlake.errors import StorageError
 from actlake.predictive_config import LMConfig
 from actlake.storage.layout import RunLayout, write_json_atomic
 
@@ -24,7 +23,8 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     against the run directory, the token counts against ``seq_len``, and the checkpoints."""
     from actlake import lm
     from actlake.jobs.run import init_ray
-    from actlake.jobs.training import Resources, Trial, check_settings, latest_checkpoint, prepare_checkpoints, run_trials
+    from actlake.jobs.training import (Resources, Trial, check_settings, latest_checkpoint, prepare_checkpoints,
+                                       run_trials)
 
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
