@@ -94,7 +94,7 @@ def _print_table(table, fmt: str, output: str | None) -> None:
         pq.write_table(table, output)
         print(f"wrote {table.num_rows} rows to {output}")
     elif fmt == "csv":
-        pacsv.write_csv(table, sys.stdout.buffer)
+        pacsv.write_csv(_flat_columns(table), sys.stdout.buffer)
     elif fmt == "json":
         import json
 
@@ -104,6 +104,20 @@ def _print_table(table, fmt: str, output: str | None) -> None:
         import duckdb
 
         duckdb.from_arrow(table).show(max_rows=200, max_width=200)
+
+
+def _flat_columns(table):
+    """``table`` with every nested column (list, struct, map) as JSON text, which CSV can hold."""
+    import json
+
+    import pyarrow as pa
+
+    for i, f in enumerate(table.schema):
+        if pa.types.is_nested(f.type):
+            text = pa.array([None if v is None else json.dumps(v, default=str) for v in table.column(i).to_pylist()],
+                            pa.string())
+            table = table.set_column(i, f.name, text)
+    return table
 
 
 def _cmd_run(args) -> int:

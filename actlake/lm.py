@@ -86,6 +86,20 @@ def build_token_streams(cfg, out: Path) -> dict:
     return sizes
 
 
+def check_token_counts(cfg, sizes: dict) -> None:
+    """Both token streams must be longer than ``training.seq_len`` (windows are drawn from them); else ConfigError."""
+    from actlake.errors import ConfigError
+
+    t = cfg.training
+    for split, fix in (("train", "a smaller training.eval_fraction"), ("eval", "a larger training.eval_fraction")):
+        if sizes[split] <= t.seq_len:
+            name = "training" if split == "train" else "held-out"
+            raise ConfigError(f"{cfg.source_file}: 'training.seq_len': windows of {t.seq_len} tokens need more tokens "
+                              f"than the {name} split has ({sizes[split]:,} tokens of {sizes['documents']:,} "
+                              f"document(s), eval_fraction {t.eval_fraction}); use a shorter seq_len, more "
+                              f"documents or {fix}")
+
+
 def lr_at(step: int, t) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak."""
     if step < t.warmup_steps:

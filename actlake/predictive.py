@@ -69,8 +69,10 @@ def train_loop(config: dict) -> None:
     if latest is not None:
         state = torch.load(latest[1] / STATE_FILE, weights_only=False)
         trainer.load_state_dict(state["trainer"])
-        curve, resumes = state["curve"], state["resumes"] + [trainer.step]
-        log.info("layer %d: resuming from step %d", layer, trainer.step)
+        curve, resumes = state["curve"], state["resumes"]
+        if trainer.step < p.steps:  # a rerun of a finished layer only rewrites its tables
+            resumes = resumes + [trainer.step]
+            log.info("layer %d: resuming from step %d", layer, trainer.step)
 
     def checkpoint() -> None:
         save_checkpoint(ck_root, trainer.step, lambda f: torch.save({"trainer": trainer.state_dict(), "curve": curve, "resumes": resumes},
@@ -102,6 +104,7 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
     import pyarrow as pa
 
     from actlake.analysis.predictive_metrics import spearman, spearman_by_position
+    from actlake.jobs.training import pending_file
     from actlake.storage.layout import RunLayout
     from actlake.storage.parquet_io import write_parquet_atomic
 
@@ -131,8 +134,8 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
     if job.probes.enabled:
         tables["probe_scores"] = pa.Table.from_pylist(probe_rows(job, trainer, h, valid, meta))
     layout = RunLayout(run_dir)
-    for name, table in tables.items():
-        write_parquet_atomic(table, layout.tables / name / f"layer={layer}" / "part-0.parquet", layout.staging)
+    for name, table in tables.items():  # published by the driver once every layer has finished
+        write_parquet_atomic(table, pending_file(run_dir, name, f"layer={layer}"), layout.staging)
 
 
 def _token_table(meta, ev, norms, surprisal):

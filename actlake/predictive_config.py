@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from actlake.config import CorpusConfig
-from actlake.train_config import RunOutputConfig, TrainJob, TrainResourcesConfig
+from actlake.train_config import RunOutputConfig, TrainJob, TrainResourcesConfig, check_optimizer
 
 
 # --------------------------------------------------------------------------- train-lm
@@ -52,7 +52,7 @@ class LMTrainingConfig:
     eval_every: int = 100
     """Steps between held-out evaluations."""
     checkpoint_every: int = 200
-    """Steps between resume checkpoints (only the newest is kept)."""
+    """Steps between resume checkpoints (the newest two are kept)."""
     eval_fraction: float = 0.05
     """Documents held out for evaluation (chosen by a hash of the document number)."""
     seed: int = 0
@@ -78,6 +78,7 @@ class LMConfig(TrainJob):
         for key in ("steps", "batch_size", "eval_every", "checkpoint_every"):
             if getattr(t, key) < 1:
                 err(("training", key), "must be at least 1")
+        check_optimizer(err, "training", t)
         if t.seq_len < 8:
             err(("training", "seq_len"), f"must be at least 8, got {t.seq_len}")
         if not 0 < t.eval_fraction < 0.5:
@@ -113,7 +114,7 @@ class PredictorSettings:
     eval_every: int = 100
     """Steps between evaluations (a point of the learning curves)."""
     checkpoint_every: int = 500
-    """Steps between resume checkpoints (only the newest is kept)."""
+    """Steps between resume checkpoints (the newest two are kept)."""
     eval_fraction: float = 0.2
     """Windows held out for evaluation (by a hash of doc id and window), never trained on."""
     seed: int = 0
@@ -157,6 +158,7 @@ class PredictorJobConfig(TrainJob):
         for key in ("steps", "batch_size", "eval_every", "checkpoint_every"):
             if getattr(p, key) < 1:
                 err(("predictor", key), "must be at least 1")
+        check_optimizer(err, "predictor", p)
         if (p.n_heads is None) != (p.head_dim is None):
             err(("predictor", "n_heads"), "set both n_heads and head_dim, or neither")
         if not 0 < p.eval_fraction < 1:

@@ -31,6 +31,19 @@ class TrainResourcesConfig:
     """One GPU per Ray Train worker."""
 
 
+def check_optimizer(err, section: str, settings) -> None:
+    """Shared value checks of a training section: lr > 0 and finite, weight_decay >= 0, warmup_steps >= 0."""
+    import math
+
+    lr = settings.lr
+    if not (math.isfinite(lr) and lr > 0):
+        err((section, "lr"), f"must be a positive number, got {lr}")
+    if not (math.isfinite(settings.weight_decay) and settings.weight_decay >= 0):
+        err((section, "weight_decay"), f"must be at least 0, got {settings.weight_decay}")
+    if getattr(settings, "warmup_steps", 0) < 0:
+        err((section, "warmup_steps"), f"must be at least 0, got {settings.warmup_steps}")
+
+
 class TrainJob:
     """``to_dict``, ``run_id`` and ``run_dir`` of a training job config (a dataclass with ``name`` and ``output``)."""
 

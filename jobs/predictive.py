@@ -31,27 +31,36 @@ def store_info(store: str | Path) -> dict:
 
 
 def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, report: bool | None = None) -> dict:
+    """Train one predictor per layer (resuming), fit the probes, write the report.
+
+    Before Ray starts: the store must be complete (completion records, file sizes), unchanged since
+    this run began (its fingerprint), whole and finite; the settings must match the run directory,
+    and the checkpoints must be usable."""
     from actlake.jobs.run import init_ray
-    from actlake.jobs.training import Resources, Trial, run_trials
+    from actlake.jobs.training import (Resources, Trial, check_settings, discard_pending, prepare_checkpoints,
+                                       publish_pending, run_trials)
     from actlake.predictive import train_loop
 
     t0 = time.perf_counter()
     cfg.store = str(Path(cfg.store).resolve())  # Ray Train workers run in their own working directory
+    layout = RunLayout(cfg.run_dir)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in cfg.to_dict().items() if k in ("store", "layers", "predictor")}
+    check_settings(layout, "predictor", "settings", settings, "store or predictor settings", cfg.resources.num_workers)
+    store = _checked_store(cfg, layout)
     info = store_info(cfg.store)
     layers = cfg.layers or info["layers"]
     missing = sorted(set(layers) - set(info["layers"]))
     if missing:
         raise ConfigError(f"{cfg.source_file}: 'layers': {missing} not in the store {cfg.store} "
                           f"(it holds hidden states {info['layers']})")
-    layout = RunLayout(cfg.run_dir)
-    layout.root.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in cfg.to_dict().items() if k in ("store", "layers", "predictor")}
-    if layout.run_json.exists() and json.loads(layout.run_json.read_text()).get("settings") != settings:
-        raise StorageError(f"{layout.root} holds a predictor run with other settings; pick a new output.run_id "
-                           "or delete the folder")
     write_json_atomic(layout.run_json, {"run_id": layout.root.name, "kind": "predictor", "settings": settings,
-                                        "store": str(Path(cfg.store).resolve()), "model": info["model"]})
+                                        "store": cfg.store, "store_fingerprint": store["fingerprint"],
+                                        "world_size": cfg.resources.num_workers, "model": info["model"]})
     shutil.rmtree(layout.staging, ignore_errors=True)
+    discard_pending(layout.root)
+    for layer in layers:
+        prepare_checkpoints(layout.root / "checkpoints" / f"layer{layer}")
     r = cfg.resources
     started = init_ray(address or r.address, dashboard=True)
     try:
@@ -64,6 +73,7 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
             import ray
 
             ray.shutdown()
+    publish_pending(layout.root)  # every layer's tables at once: none if a layer failed
     report_path = None
     if cfg.output.report if report is None else report:
         from actlake.predictive_report import build_predictive_report
@@ -72,6 +82,38 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     summary = {"kind": "predictor", "layers": layers, "wall_seconds": time.perf_counter() - t0, "report": report_path}
     write_json_atomic(layout.summary_json, summary)
     return dict(summary, run_dir=str(layout.root))
+
+
+def _checked_store(cfg: PredictorJobConfig, layout: RunLayout) -> dict:
+    """The store's fingerprint after checking it: complete, the one this run started on, whole and finite.
+
+    The full read (page checksums, non-finite values) is skipped when the run directory records
+    this fingerprint: it passed when it was recorded."""
+    from actlake.storage.activations import check_store_values, verify_store
+
+    store = verify_store(cfg.store)
+    old = json.loads(layout.run_json.read_text()).get("store_fingerprint") if layout.run_json.exists() else None
+    if old is not None and old != store["fingerprint"]:
+        raise StorageError(f"the activation store {cfg.store} changed since the predictor run {layout.root} started on "
+                           f"it (fingerprint {old} -> {store['fingerprint']}: other shards, rows or file sizes); pick "
+                           "a new output.run_id or delete the folder")
+    if old is None:
+        rows, windows = check_store_values(store["files"], cfg.layers or None)
+        log.info("activation store %s: %d shard file(s), %d rows checked", cfg.store, len(store["files"]), rows)
+        _check_split(cfg, windows)
+    return store
+
+
+def _check_split(cfg: PredictorJobConfig, windows: set) -> None:
+    """Both the training and the evaluation split of the store's windows must be non-empty."""
+    from actlake.predictive import held_out
+
+    pairs = sorted(windows)
+    ev = held_out([d for d, _ in pairs], [w for _, w in pairs], cfg.predictor.eval_fraction)
+    if ev.all() or not ev.any():
+        raise ConfigError(f"{cfg.source_file}: 'predictor.eval_fraction': {int(ev.sum())} of the store's {len(ev)} "
+                          f"windows would be held out for evaluation, {len(ev) - int(ev.sum())} trained on; both "
+                          "must be non-empty (change eval_fraction or store more windows)")
 
 
 SUMMARY_SQL = """

@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.synthetic.config import SyntheticConfig
 
@@ -23,17 +22,16 @@ class SyntheticResult:
 
 
 def _prepare(cfg: SyntheticConfig, layout: RunLayout) -> None:
-    import json
+    """Refuse a run directory trained with other settings or world size; record this config."""
+    from actlake.jobs.training import check_settings
 
     layout.root.mkdir(parents=True, exist_ok=True)
     training = {k: v for k, v in cfg.to_dict().items() if k not in ("output", "resources", "analysis", "name")}
-    if layout.run_json.exists():
-        old = json.loads(layout.run_json.read_text())
-        if old.get("training") != training:
-            raise StorageError(f"{layout.root} holds a synthetic run with a different process, model or training "
-                               f"config; pick a new output.run_id or delete the folder")
+    check_settings(layout, "synthetic", "training", training, "process, model or training config",
+                   cfg.resources.num_workers)
     write_json_atomic(layout.run_json, {"run_id": layout.root.name, "kind": "synthetic", "training": training,
-                                        "config": cfg.to_dict(), "created": time.time()})
+                                        "config": cfg.to_dict(), "world_size": cfg.resources.num_workers,
+                                        "created": time.time()})
 
 
 def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool = True,
@@ -42,7 +40,7 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     import shutil
 
     from actlake.jobs.run import init_ray
-    from actlake.jobs.training import Resources, Trial, run_trials
+    from actlake.jobs.training import Resources, Trial, prepare_checkpoints, require_finished, run_trials
     from actlake.synthetic.train import train_loop
 
     t0 = time.perf_counter()
@@ -50,6 +48,11 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     _prepare(cfg, layout)
     shutil.rmtree(layout.staging, ignore_errors=True)
     trials = cfg.trials()
+    for t in trials:
+        prepare_checkpoints(layout.root / "checkpoints" / t["name"])
+    if not train:
+        require_finished(layout.root, [t["name"] for t in trials], cfg.training.steps,
+                         f"run `actlake train-synthetic {cfg.source_file}` without --analysis-only to finish it")
     r = cfg.resources
     started = init_ray(address or r.address, dashboard=True)
     try:

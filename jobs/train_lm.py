@@ -8,7 +8,6 @@ import shutil
 import time
 from pathlib import Path
 
-from actlake.errors import StorageError
 from actlake.predictive_config import LMConfig
 from actlake.storage.layout import RunLayout, write_json_atomic
 
@@ -18,28 +17,29 @@ TRIAL = "lm"
 
 
 def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
-    """Train (resuming a run directory); returns the model folder, token counts and the last losses."""
+    """Train (resuming a run directory); returns the model folder, token counts and the last losses.
+
+    Everything that can be known before Ray starts is checked first: the settings and world size
+    against the run directory, the token counts against ``seq_len``, and the checkpoints."""
     from actlake import lm
     from actlake.jobs.run import init_ray
-    from actlake.jobs.training import Resources, Trial, latest_checkpoint, run_trials
+    from actlake.jobs.training import (Resources, Trial, check_settings, latest_checkpoint, prepare_checkpoints,
+                                       run_trials)
 
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
     layout.root.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in cfg.to_dict().items() if k not in ("output", "resources", "name")}
-    if layout.run_json.exists() and json.loads(layout.run_json.read_text()).get("settings") != settings:
-        raise StorageError(f"{layout.root} holds a train-lm run with a different config; "
-                           "pick a new output.run_id or delete the folder")
-    write_json_atomic(layout.run_json, {"run_id": layout.root.name, "kind": "train-lm", "settings": settings})
+    r = cfg.resources
+    check_settings(layout, "train-lm", "settings", settings, "config", r.num_workers)
     data = layout.root / "data"
-    sizes_file = data / "sizes.json"
-    if not sizes_file.exists():
-        log.info("tokenizing the corpus")
-        write_json_atomic(sizes_file, lm.build_token_streams(cfg, data))
-    sizes = json.loads(sizes_file.read_text())
+    sizes = _token_streams(cfg, data)
+    lm.check_token_counts(cfg, sizes)
+    write_json_atomic(layout.run_json, {"run_id": layout.root.name, "kind": "train-lm", "settings": settings,
+                                        "world_size": r.num_workers})
     print(f"train-lm: {sizes['documents']:,} documents, {sizes['train']:,} training and {sizes['eval']:,} held-out "
           f"tokens, vocabulary {sizes['vocab_size']:,}", flush=True)
-    r = cfg.resources
+    prepare_checkpoints(layout.root / "checkpoints" / TRIAL)
     started = init_ray(address or r.address, dashboard=True)
     try:
         run_trials([Trial(TRIAL, lm.train_loop, {"job": cfg.to_dict(), "data": str(data)})], layout.root,
@@ -66,6 +66,23 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     write_json_atomic(layout.summary_json, summary)
     _write_curve(layout, curve)
     return summary
+
+
+def _token_streams(cfg: LMConfig, data: Path) -> dict:
+    """Tokenize the corpus into ``data`` once; reused while the corpus, tokenizer and eval_fraction are unchanged."""
+    import hashlib
+
+    from actlake import lm
+
+    key = hashlib.sha256(json.dumps({"corpus": cfg.to_dict()["corpus"], "tokenizer": cfg.to_dict()["tokenizer"],
+                                     "eval_fraction": cfg.training.eval_fraction}, sort_keys=True).encode()).hexdigest()
+    sizes_file = data / "sizes.json"
+    sizes = json.loads(sizes_file.read_text()) if sizes_file.exists() else {}
+    if sizes.pop("key", None) != key:
+        log.info("tokenizing the corpus")
+        sizes = lm.build_token_streams(cfg, data)
+        write_json_atomic(sizes_file, dict(sizes, key=key))
+    return sizes
 
 
 def _write_curve(layout: RunLayout, curve: list[dict]) -> None:

@@ -3,13 +3,18 @@
 A trial is a training loop (a module-level function taking one config mapping) run by
 ``ray.train.torch.TorchTrainer``; several trials (a sweep, one predictor per layer) run as
 parallel Ray tasks, each starting its own trainer. Checkpoints are folders under the run
-directory, ``checkpoints/<trial>/step-NNNNNNNN/``, written under a temporary name and renamed into
-place, so a restarted trial resumes from the newest whole one and a reader never sees half of
-one. On a cluster the run directory must be on storage every node sees (as for extraction).
+directory, ``checkpoints/<trial>/step-NNNNNNNN/``, written under a temporary name with a manifest
+(size and sha256 of every file) and renamed into place; the newest two are kept. Before a trial
+starts the driver removes leftover temporary folders and checks the checkpoints against their
+manifests, newest first, so a restarted trial resumes from the newest whole one (a damaged one
+is named and set aside). Settings and world size are compared with ``run.json`` on resume. On a
+cluster the run directory must be on storage every node sees (as for extraction).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from actlake.errors import ActlakeError
+from actlake.errors import ActlakeError, StorageError
 
 log = logging.getLogger("actlake.training")
 
@@ -51,26 +56,119 @@ def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
     return cks[-1] if cks else None
 
 
+MANIFEST = "manifest.json"
+"""In every checkpoint folder: size and sha256 of each of its files, written last, before the rename."""
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
 def save_checkpoint(root: Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_folder)``, then rename the folder to ``step-NNNNNNNN`` (replacing one)."""
+    """Call ``write(tmp_folder)``, add its manifest, then rename the folder to ``step-NNNNNNNN`` (replacing one).
+
+    A failed write (disk full, ...) raises :class:`TrainingError` naming the checkpoint; the older
+    checkpoints are untouched, and the temporary folder is removed."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{step:08d}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    final = checkpoint_path(root, step)
     try:
+        tmp.mkdir()
         write(tmp)
-        final = checkpoint_path(root, step)
+        _write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+    except Exception as e:
+        free = shutil.disk_usage(root).free / 2**20
+        raise TrainingError(f"could not write checkpoint {final}: {_first_line(e)} ({free:,.0f} MiB free on its "
+                            "disk); the previous checkpoint is kept") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def prune_checkpoints(root: Path, keep_steps: set[int], keep_last: int = 1) -> None:
-    """Delete checkpoints whose step is not in ``keep_steps``, except the newest ``keep_last``."""
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be used (naming the file), or None if it is whole.
+
+    With a manifest every file's size and sha256 are checked; an older checkpoint without one must
+    at least unpickle its trainer state."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        try:
+            import torch
+
+            torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
+        except Exception as e:
+            return f"{path / STATE_FILE}: unreadable ({_first_line(e)})"
+        return None
+    try:
+        files = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        return f"{manifest}: unreadable ({_first_line(e)})"
+    for name, meta in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{f}: missing"
+        if f.stat().st_size != meta["bytes"]:
+            return f"{f}: {f.stat().st_size} bytes, its manifest says {meta['bytes']}"
+        if _digest(f) != meta["sha256"]:
+            return f"{f}: contents differ from its manifest (sha256)"
+    return None
+
+
+def prepare_checkpoints(root: Path) -> int | None:
+    """Before a trial starts: remove leftover ``.tmp-*`` folders, then check checkpoints newest first.
+
+    Damaged ones newer than a whole one are renamed ``damaged-step-NNNNNNNN`` and the whole one is
+    used (warnings name each file and cause). Returns the step the trial resumes from (None: from
+    scratch); raises :class:`TrainingError`, moving nothing, when checkpoints exist but none is usable."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for tmp in root.glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    damaged = []
+    for step, path in reversed(list_checkpoints(root)):
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            damaged.append((path, problem))
+            continue
+        for bad, why in damaged:
+            aside = root / f"damaged-{bad.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(bad, aside)
+            log.warning("damaged checkpoint %s, moved to %s", why, aside.name)
+        if damaged:
+            log.warning("%s: falling back to the checkpoint of step %d", root, step)
+        return step
+    if damaged:
+        raise TrainingError(f"no usable checkpoint in {root}: {'; '.join(why for _, why in damaged)}; delete "
+                            f"{root} to train this trial from the start")
+    return None
+
+
+def prune_checkpoints(root: Path, keep_steps: set[int], keep_last: int = 2) -> None:
+    """Delete checkpoints whose step is not in ``keep_steps``, except the newest ``keep_last``
+    (two: the previous one stays as a fallback should the newest be damaged)."""
     cks = list_checkpoints(root)
     for step, path in cks[: max(len(cks) - keep_last, 0)]:
         if step not in keep_steps:
@@ -120,17 +218,21 @@ def _fit(trial: Trial, run_dir: str, resources: Resources) -> dict:
 
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # workers keep the job's working directory (relative paths)
     cfg = dict(trial.config, trial=trial.name, run_dir=run_dir, cpus_per_worker=resources.cpus_per_worker)
+    trainer_name = f"{trial.name}-{uuid.uuid4().hex[:6]}"
     trainer = TorchTrainer(
         trial.loop,
         train_loop_config=cfg,
         scaling_config=ray.train.ScalingConfig(
             num_workers=resources.num_workers, use_gpu=resources.use_gpu,
             resources_per_worker={"CPU": resources.cpus_per_worker}),
-        run_config=ray.train.RunConfig(name=f"{trial.name}-{uuid.uuid4().hex[:6]}",
+        run_config=ray.train.RunConfig(name=trainer_name,
                                        storage_path=str(Path(run_dir) / "_ray_train"),
                                        failure_config=ray.train.FailureConfig(max_failures=2)),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:  # Ray Train's own experiment state: our checkpoints live under checkpoints/
+        shutil.rmtree(Path(run_dir) / "_ray_train" / trainer_name, ignore_errors=True)
     if result.error:
         raise result.error
     return dict(result.metrics or {})
@@ -144,6 +246,7 @@ def run_trials(trials: list[Trial], run_dir: Path, resources: Resources) -> dict
     if len(set(names)) != len(names):
         raise TrainingError(f"trial names must be unique, got {names}")
     run_dir = str(Path(run_dir).resolve())
+    shutil.rmtree(Path(run_dir) / "_ray_train", ignore_errors=True)  # left by drivers that died
     # Ray Train's helpers query the state API of "the" cluster; name ours (other Ray instances may run here)
     gcs = ray.get_runtime_context().gcs_address
     remote_fit = ray.remote(num_cpus=0)(_fit).options(runtime_env={"env_vars": {"RAY_ADDRESS": gcs}})
@@ -192,3 +295,77 @@ def worker_setup(config: dict):
     ctx = ray.train.get_context()
     device = ray.train.torch.get_device() if torch.cuda.is_available() else torch.device("cpu")
     return ctx.get_world_rank(), ctx.get_world_size(), device
+
+
+# --------------------------------------------------------------------------- run directories
+
+
+def check_settings(layout, kind: str, key: str, settings: dict, what: str, world_size: int | None) -> None:
+    """Refuse to resume a run directory whose recorded ``key`` settings (or world size) differ.
+
+    ``world_size`` (Ray Train workers) changes the effective batch, so it is compared too; a run
+    recorded before it was stored is accepted. The error names the keys that differ."""
+    if not layout.run_json.exists():
+        return
+    old = json.loads(layout.run_json.read_text())
+    diff = _differing_keys(old.get(key) or {}, settings)
+    if old.get("world_size") is not None and world_size is not None and old["world_size"] != world_size:
+        diff.append(f"resources.num_workers ({old['world_size']} -> {world_size})")
+    if diff:
+        raise StorageError(f"{layout.root} holds a {kind} run with a different {what} ({', '.join(diff)}); "
+                           "pick a new output.run_id or delete the folder")
+
+
+def _differing_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new), key=str):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differing_keys(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def trial_steps(run_dir: Path, trials: list[str]) -> dict[str, int | None]:
+    """Newest checkpoint step of every trial (None: none yet)."""
+    out = {}
+    for name in trials:
+        latest = latest_checkpoint(Path(run_dir) / "checkpoints" / name)
+        out[name] = latest[0] if latest else None
+    return out
+
+
+def require_finished(run_dir: Path, trials: list[str], steps: int, how: str) -> None:
+    """Raise :class:`TrainingError` unless every trial has a checkpoint of its last step (``how``: how to finish)."""
+    behind = {n: s for n, s in trial_steps(run_dir, trials).items() if s != steps}
+    if behind:
+        shown = ", ".join(f"{n} at step {s if s is not None else 'none'}" for n, s in behind.items())
+        raise TrainingError(f"{run_dir}: training is unfinished ({shown} of {steps}); {how}")
+
+
+PENDING = "_pending"
+"""Run-directory folder where trials leave their result tables until every trial has finished."""
+
+
+def pending_file(run_dir: Path, table: str, partition: str) -> Path:
+    """Where a trial writes its part of ``table`` (``partition``: e.g. ``layer=2``) until :func:`publish_pending`."""
+    return Path(run_dir) / PENDING / table / partition / "part-0.parquet"
+
+
+def discard_pending(run_dir: Path) -> None:
+    """Drop tables left by trials of an attempt that did not finish (they are written again)."""
+    shutil.rmtree(Path(run_dir) / PENDING, ignore_errors=True)
+
+
+def publish_pending(run_dir: Path) -> int:
+    """Move every pending table file into ``tables/`` (one rename each), once all trials have finished."""
+    root = Path(run_dir) / PENDING
+    moved = 0
+    for f in sorted(root.rglob("*.parquet")) if root.is_dir() else []:
+        dest = Path(run_dir) / "tables" / f.relative_to(root)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(f, dest)
+        moved += 1
+    discard_pending(run_dir)
+    return moved

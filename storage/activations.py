@@ -104,3 +104,107 @@ def read_windows(con, layer: int, where: str = "") -> tuple:
     meta["type8"][w_idx, pos] = type8
     meta["surprisal"][w_idx, pos] = surprisal
     return h, valid, meta
+
+
+# --------------------------------------------------------------------------- checks before training on a store
+
+
+def verify_store(root) -> dict:
+    """Check that every planned shard of the store at ``root`` is complete, as its completion records say.
+
+    Returns ``{"fingerprint", "plan_hash", "files"}``: a hash of the plan and of every committed
+    activation file's path, rows and bytes, and those files as ``(path, record entry)``. Raises
+    StorageError naming the missing or changed shards and files."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from actlake.errors import StorageError
+    from actlake.storage.layout import RunLayout
+
+    layout = RunLayout(Path(root))
+    try:
+        run = json.loads(layout.run_json.read_text())
+        plan_hash, shard_ids = run["plan_hash"], [s["shard_id"] for s in run["shards"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StorageError(f"{layout.run_json}: not the run.json of an extraction ({type(e).__name__}: {e})") from None
+    problems, files = [], []
+    for sid in shard_ids:
+        problems += _shard_problems(layout, sid, plan_hash, files)
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise StorageError(f"the activation store {layout.root} is incomplete: {shown}; rerun `actlake run` with its "
+                           "config to finish it")
+    listing = [[m["path"], m["rows"], m["bytes"]] for _, m in files]
+    digest = hashlib.sha256(json.dumps({"plan_hash": plan_hash, "files": listing}).encode()).hexdigest()[:16]
+    return {"fingerprint": digest, "plan_hash": plan_hash, "files": files}
+
+
+def _shard_problems(layout, sid: int, plan_hash: str, files: list) -> list[str]:
+    """What is wrong with one shard's completion record and files (appending its activation files to ``files``)."""
+    import json
+
+    rec_path = layout.completion_record(sid)
+    try:
+        rec = json.loads(rec_path.read_text())
+    except FileNotFoundError:
+        return [f"shard {sid:05d} has no completion record ({rec_path.name})"]
+    except (OSError, ValueError) as e:
+        return [f"{rec_path}: unreadable ({type(e).__name__})"]
+    if rec.get("plan_hash") != plan_hash:
+        return [f"shard {sid:05d} was written for another plan ({rec_path.name})"]
+    out = []
+    for table, meta in sorted(rec["files"].items()):
+        path = layout.root / meta["path"]
+        if not path.is_file():
+            out.append(f"shard {sid:05d}: {meta['path']} is missing")
+        elif path.stat().st_size != meta["bytes"]:
+            out.append(f"shard {sid:05d}: {meta['path']} has {path.stat().st_size} bytes, its completion record "
+                       f"says {meta['bytes']}")
+        elif table == "activations":
+            files.append((path, meta))
+    return out
+
+
+def check_store_values(files: list, layers: list[int] | None = None, max_shown: int = 5) -> tuple[int, set]:
+    """Verify every activation file (magic, size, rows, page checksums) and that its hidden states are finite.
+
+    ``layers``: only these layers' rows must be finite (None: all). Returns the rows checked and the
+    stored windows as ``{(doc_id, window_index)}``; raises StorageError naming the file, or the
+    first rows with NaN/inf (file, row, doc_id/window/position/layer)."""
+    import pyarrow.parquet as pq
+
+    from actlake.errors import StorageError
+    from actlake.storage.parquet_io import verify_parquet
+
+    bad, n_bad, rows, windows = [], 0, 0, set()
+    for path, meta in files:
+        verify_parquet(path, rows=meta["rows"], size=meta["bytes"])
+        offset = 0
+        for batch in pq.ParquetFile(path).iter_batches(columns=["doc_id", "window_index", "position", "layer", "h"]):
+            first = batch.column("position").to_numpy() == 0
+            windows.update(zip(batch.column("doc_id").to_numpy()[first].tolist(),
+                               batch.column("window_index").to_numpy()[first].tolist()))
+            idx = _nonfinite_rows(batch, layers)
+            n_bad += len(idx)
+            bad += [(path, offset + i, batch.slice(i, 1).to_pylist()[0]) for i in idx[: max_shown - len(bad)]]
+            offset += batch.num_rows
+        rows += offset
+    if n_bad:
+        shown = "; ".join(f"{p.name} row {i} (doc_id {r['doc_id']}, window {r['window_index']}, position "
+                          f"{r['position']}, layer {r['layer']})" for p, i, r in bad)
+        raise StorageError(f"the activation store has non-finite hidden states (NaN or inf) in {n_bad} row(s): {shown} "
+                           f"[in {bad[0][0].parent}]; re-extract it (e.g. with model.dtype float32) or choose other layers")
+    return rows, windows
+
+
+def _nonfinite_rows(batch, layers) -> np.ndarray:
+    """Row indices of ``batch`` whose vector ``h`` has a NaN or inf (rows of other layers ignored)."""
+    h = batch.column("h")
+    if len(h) == 0:
+        return np.zeros(0, np.int64)
+    vec = h.flatten().to_numpy(zero_copy_only=False).reshape(len(h), -1)
+    bad = ~np.isfinite(vec).all(axis=1)
+    if layers is not None:
+        bad &= np.isin(batch.column("layer").to_numpy(), list(layers))
+    return np.flatnonzero(bad)

@@ -74,7 +74,7 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
     import torch
 
     from actlake.analysis import factored as F
-    from actlake.jobs.training import list_checkpoints
+    from actlake.jobs.training import list_checkpoints, log_spaced_steps
     from actlake.synthetic.models import build_model, load_model
     from actlake.synthetic.train import build_process, config_from_dict
 
@@ -85,7 +85,8 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
     data = analysis_data(process, cfg)
     refs = {"factored_reference": F.factored_dimension(dims), "joint_reference": F.joint_dimension(dims),
             "belief_dimension": F.effective_dimension(data["joint"], cfg.analysis.threshold)}
-    ckpts = list_checkpoints(Path(run_dir) / "checkpoints" / name)
+    wanted = set(log_spaced_steps(cfg.training.steps, cfg.training.n_checkpoints))
+    ckpts = [(s, p) for s, p in list_checkpoints(Path(run_dir) / "checkpoints" / name) if s in wanted]  # not resume ones
     if not ckpts:
         raise FileNotFoundError(f"no checkpoints for trial {name!r} under {run_dir}/checkpoints")
     rows = {t: [] for t in TABLES}

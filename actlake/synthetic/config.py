@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from actlake.train_config import RunOutputConfig, TrainJob, TrainResourcesConfig
+from actlake.train_config import RunOutputConfig, TrainJob, TrainResourcesConfig, check_optimizer
 
 
 @dataclass
@@ -81,7 +81,7 @@ class SyntheticTrainingConfig:
     n_checkpoints: int = 12
     """Checkpoints kept for the analysis, log-spaced over the steps (step 0 included)."""
     checkpoint_every: int = 250
-    """Steps between resume checkpoints (only the newest is kept)."""
+    """Steps between resume checkpoints (the newest two are kept)."""
     eval_every: int = 50
     """Steps between evaluations of the loss on a fixed held-out set."""
     eval_sequences: int = 2048
@@ -164,6 +164,7 @@ class SyntheticConfig(TrainJob):
         for key in ("steps", "batch_size", "eval_every", "checkpoint_every", "eval_sequences"):
             if getattr(t, key) < 1:
                 err(("training", key), "must be at least 1")
+        check_optimizer(err, "training", t)
         if t.n_checkpoints < 2:
             err(("training", "n_checkpoints"), "must be at least 2 (the first and the last step)")
         if not 0 < a.threshold < 1:

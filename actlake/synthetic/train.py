@@ -2,7 +2,7 @@
 
 Every step draws fresh sequences from the process (seeded by (seed, step, rank), so a resumed run
 draws exactly the batches an uninterrupted one would). Checkpoints: log-spaced steps are kept for
-the analysis, a resume checkpoint every ``checkpoint_every`` steps (newest only). Each is a
+the analysis, a resume checkpoint every ``checkpoint_every`` steps (the newest two). Each is a
 folder ``checkpoints/<trial>/step-NNNNNNNN/`` with ``model/`` (save_pretrained) and the trainer
 state (optimizer, step, learning curve so far).
 """
@@ -98,7 +98,7 @@ def train_loop(config: dict) -> None:
         prune_checkpoints(ck_root, keep)
         _write_curve(Path(config["run_dir"]), trial, curve)
 
-    if start == 0:
+    if latest is None:  # a run resumed from the step-0 checkpoint has this row already
         curve.append({"step": 0, "train_loss": None, "eval_loss": eval_loss(), "optimal_loss": optimal})
         if rank == 0:
             checkpoint(0)

@@ -3,7 +3,13 @@ job's own arrays, and a predictor whose worker is killed resumes from its checkp
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import io
+import json
+import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -12,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
+from actlake.cli import main
 from actlake.config import parse_config
 from actlake.jobs.run import run_job
 from actlake.predictive_config import LMConfig, PredictorJobConfig
@@ -35,13 +43,17 @@ def store(tiny_models, sample_corpus, tmp_path_factory, ray_local):
     return run_job(cfg).run_dir
 
 
-def _predictor_cfg(store, out: Path, run_id: str, **predictor):
+def _predictor_data(store, out: Path, run_id: str, **predictor) -> dict:
     p = {"steps": 60, "batch_size": 8, "eval_every": 20, "checkpoint_every": 20, "warmup_steps": 5, "lr": 0.003,
          "eval_fraction": 0.3, **predictor}
-    return parse_config({"name": "p", "store": str(store), "layers": [1, 2], "predictor": p,
-                         "probes": {"source_caps": [30, 8, 8], "type8_totals": [60, 15, 15]},
-                         "output": {"dir": str(out), "run_id": run_id, "report": True},
-                         "resources": {"num_workers": 1, "cpus_per_worker": 1}}, root=PredictorJobConfig)
+    return {"name": "p", "store": str(store), "layers": [1, 2], "predictor": p,
+            "probes": {"source_caps": [30, 8, 8], "type8_totals": [60, 15, 15]},
+            "output": {"dir": str(out), "run_id": run_id, "report": True},
+            "resources": {"num_workers": 1, "cpus_per_worker": 1}}
+
+
+def _predictor_cfg(store, out: Path, run_id: str, **predictor):
+    return parse_config(_predictor_data(store, out, run_id, **predictor), root=PredictorJobConfig)
 
 
 def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_local):
@@ -98,12 +110,14 @@ def _ray_train_workers() -> list[int]:
             if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
 
 
-def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ray_local):
+def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ray_local, capsys):
+    from actlake.errors import StorageError
     from actlake.jobs.predictive import run_predictor_job
 
     kw = {"steps": 400, "checkpoint_every": 20, "eval_every": 40}
     clean = run_predictor_job(_without_probes(_predictor_cfg(store, tmp_path, "clean", **kw)))
-    cfg = _without_probes(_predictor_cfg(store, tmp_path, "killed", **kw))
+    copy = Path(shutil.copytree(store, tmp_path / "store"))  # the same store, changed below
+    cfg = _without_probes(_predictor_cfg(copy, tmp_path, "killed", **kw))
     ck = Path(cfg.run_dir) / "checkpoints"
     killed = []
 
@@ -126,8 +140,97 @@ def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ra
     ca, cb = a.execute(q).fetchall(), b.execute(q).fetchall()
     assert [r[:2] for r in ca] == [r[:2] for r in cb]
     np.testing.assert_allclose(np.array([r[2:] for r in cb]), np.array([r[2:] for r in ca]), rtol=1e-5, atol=1e-8)
-    resumed = [r[0] for r in b.execute("SELECT resumed_from FROM predictor_summary").fetchall()]
+    resumed = [r[0] for r in b.execute("SELECT resumed_from FROM predictor_summary ORDER BY layer").fetchall()]
     assert any(len(x) > 0 and 0 < x[0] < 400 for x in resumed)  # really continued from a mid-run checkpoint
+    b.close()
+    # issue 18.8: rerunning the finished run adds no resume point and leaves no Ray Train state behind
+    run_predictor_job(cfg)
+    q = "SELECT layer, resumed_from FROM predictor_summary ORDER BY layer"
+    assert [r[1] for r in open_run(res["run_dir"]).execute(q).fetchall()] == resumed
+    assert not any((Path(res["run_dir"]) / "_ray_train").iterdir())
+    # issue 18.7: the list column as CSV, not a traceback
+    capsys.readouterr()
+    assert main(["sql", res["run_dir"], q, "--format", "csv"]) == 0
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    assert rows[0] == ["layer", "resumed_from"] and [json.loads(r[1]) for r in rows[1:]] == resumed
+    # issue 18.1: a store re-extracted under the same run id (here: one shard fewer) is refused
+    _drop_last_shard(copy)
+    with pytest.raises(StorageError, match="changed since the predictor run"):
+        run_predictor_job(cfg)
+    # ... and a store missing a committed shard file is refused, naming it
+    rec = json.loads(sorted((copy / "_complete").glob("shard-*.json"))[0].read_text())
+    (copy / rec["files"]["activations"]["path"]).unlink()
+    with pytest.raises(StorageError, match="incomplete") as e:
+        run_predictor_job(cfg)
+    assert rec["files"]["activations"]["path"] in str(e.value) and "\n" not in str(e.value)
+
+
+def _drop_last_shard(store: Path) -> None:
+    """What a re-extraction of fewer documents leaves: a consistent, complete store with one shard fewer."""
+    run = json.loads((store / "run.json").read_text())
+    last = run["shards"].pop()
+    (store / "run.json").write_text(json.dumps(run))
+    record = store / "_complete" / f"shard-{last['shard_id']:05d}.json"
+    for meta in json.loads(record.read_text())["files"].values():
+        (store / meta["path"]).unlink()
+    record.unlink()
+
+
+def _damage_copy(store: Path, dest: Path, how: str) -> tuple[Path, dict]:
+    """A copy of ``store`` with one activation file changed: ``nan`` (one hidden-state value of a layer-2 row,
+    its completion record updated as a writer would), ``truncate`` or ``flip`` (one byte in the middle).
+    Returns the file and, for ``nan``, the row it hit."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actlake.storage.parquet_io import write_parquet
+
+    copy = Path(shutil.copytree(store, dest))
+    record_path = sorted((copy / "_complete").glob("shard-*.json"))[1]
+    record = json.loads(record_path.read_text())
+    meta = record["files"]["activations"]
+    path = copy / meta["path"]
+    data, hit = path.read_bytes(), {}
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flip":
+        path.write_bytes(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1 :])
+    else:
+        table = pq.read_table(path)
+        k = int(np.flatnonzero(table.column("layer").to_numpy() == 2)[7])
+        h = table.column("h").combine_chunks()
+        flat = h.values.to_numpy(zero_copy_only=False).copy()
+        flat[k * h.type.list_size + 3] = np.nan
+        col = pa.FixedSizeListArray.from_arrays(pa.array(flat, h.type.value_type), h.type.list_size)
+        write_parquet(table.set_column(table.schema.get_field_index("h"), "h", col), path)
+        meta["bytes"] = path.stat().st_size
+        record_path.write_text(json.dumps(record))
+        hit = {k2: table.column(k2)[k].as_py() for k2 in ("doc_id", "window_index", "position")}
+    return path, hit
+
+
+@pytest.mark.parametrize("how", ["nan", "truncate", "flip", "nothing held out"])
+def test_a_damaged_or_nonfinite_store_is_refused_before_ray(store, tmp_path, capsys, how):
+    """Issue 18.4 / 18.6 / 18.7: one line naming the file (for NaN the row; for an empty evaluation split the
+    key), exit 2, no training started."""
+    if how == "nothing held out":
+        shutil.copytree(store, tmp_path / "store")
+        data = _predictor_data(tmp_path / "store", tmp_path / "runs", "p", eval_fraction=1e-12)
+    else:
+        path, hit = _damage_copy(Path(store), tmp_path / "store", how)
+        data = _predictor_data(tmp_path / "store", tmp_path / "runs", "p")
+    config = tmp_path / "p.yaml"
+    config.write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+    assert main(["train-predictor", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("actlake: error: "), err
+    assert ("'predictor.eval_fraction'" in err[0]) if how == "nothing held out" else (path.name in err[0])
+    if how == "nan":
+        assert "non-finite" in err[0]
+        assert (f"doc_id {hit['doc_id']}, window {hit['window_index']}, position {hit['position']}, layer 2"
+                in err[0])
+    assert not (tmp_path / "runs" / "p" / "checkpoints").exists()
 
 
 def _without_probes(cfg):
@@ -136,10 +239,12 @@ def _without_probes(cfg):
     return cfg
 
 
-def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ray_local):
+def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ray_local, caplog):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from actlake.errors import StorageError
     from actlake.jobs.train_lm import train_lm
+    from actlake.jobs.training import TrainingError, list_checkpoints
 
     cfg = parse_config({
         "name": "lm", "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")]},
@@ -156,5 +261,35 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
     curve = open_run(Path(tmp_path) / "lm").execute("SELECT step, eval_loss FROM lm_curve ORDER BY step").fetchall()
     assert [s for s, _ in curve] == [20, 40, 60]
     assert curve[-1][1] < np.log(400) - 0.5  # well below the uniform-prediction loss
+    run = Path(tmp_path) / "lm"
+    ck = run / "checkpoints" / "lm"
+    assert [s for s, _ in latest_two(ck)] == [40, 60] == [s for s, _ in list_checkpoints(ck)]  # the previous checkpoint is kept as a fallback
+    assert not any((run / "_ray_train").iterdir())  # Ray Train's own state is not left behind
+    (ck / ".tmp-00000080-deadbeef").mkdir()  # left by a worker killed while checkpointing
     again = train_lm(cfg)  # a rerun resumes at the last step: nothing more to train, same model
     assert again["step"] == 60
+    assert not list(ck.glob(".tmp-*")) and not any((run / "_ray_train").iterdir())
+    # issue 18.2: a resume with another world size (another effective batch) is refused before Ray starts
+    two = dataclasses.replace(cfg, resources=dataclasses.replace(cfg.resources, num_workers=2))
+    with pytest.raises(StorageError, match=r"resources\.num_workers \(1 -> 2\)"):
+        train_lm(two)
+    # issue 18.6: a damaged newest checkpoint is named in the log and the previous one resumes, to the same curve
+    state = ck / "step-00000060" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="actlake.training"):
+        train_lm(cfg)
+    assert str(state) in caplog.text and "falling back to the checkpoint of step 40" in caplog.text
+    again_curve = open_run(run).execute("SELECT step, eval_loss FROM lm_curve ORDER BY step").fetchall()
+    assert [s for s, _ in again_curve] == [s for s, _ in curve]
+    np.testing.assert_allclose([v for _, v in again_curve], [v for _, v in curve], rtol=1e-5)
+    for _, path in latest_two(ck):  # nothing usable: one line naming a file, before Ray starts
+        (path / "trainer_state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(TrainingError, match="no usable checkpoint") as e:
+        train_lm(cfg)
+    assert "trainer_state.pt" in str(e.value) and "\n" not in str(e.value)
+
+
+def latest_two(root: Path):
+    from actlake.jobs.training import list_checkpoints
+
+    return list_checkpoints(root)[-2:]

@@ -17,7 +17,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _cfg(out: Path, **extra):
-    data = {
+    return parse_config(_data(out, **extra), root=SyntheticConfig)
+
+
+def _data(out: Path, **extra) -> dict:
+    return {
         "name": "syn", "process": {"factors": [{"kind": "mess3"}]},
         "model": {"arch": "transformer", "n_layers": 2, "d_model": 32, "n_heads": 2, "d_mlp": 64, "context": 8},
         "training": {"steps": 150, "batch_size": 256, "lr": 0.003, "n_checkpoints": 4, "checkpoint_every": 50,
@@ -25,7 +29,6 @@ def _cfg(out: Path, **extra):
         "analysis": {"sequences": 400, "vary_one_sequences": 100, "random_models": 2},
         "output": {"dir": str(out), "run_id": "syn", "report": True},
         "resources": {"num_workers": 1, "cpus_per_worker": 1}, **extra}
-    return parse_config(data, root=SyntheticConfig)
 
 
 def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
@@ -42,9 +45,13 @@ def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
     r2 = dict(con.execute("""SELECT step, r2 FROM factored_fit WHERE target = 'factor0' AND kind = 'checkpoint'""").fetchall())
     random_r2 = [r for (r,) in con.execute("SELECT r2 FROM factored_fit WHERE target = 'factor0' AND kind = 'random'").fetchall()]
     assert r2[150] > r2[0] and r2[150] > max(random_r2)
-    # checkpoints kept at the log-spaced steps, as save_pretrained folders
+    # checkpoints kept at the log-spaced steps (and the previous resume checkpoint), as save_pretrained folders;
+    # the analysis reads the log-spaced ones
     kept = [s for s, _ in list_checkpoints(Path(res.run_dir) / "checkpoints" / "transformer")]
-    assert kept == log_spaced_steps(150, 4)
+    assert set(log_spaced_steps(150, 4)) <= set(kept)
+    analysed = [s for (s,) in con.execute("SELECT DISTINCT step FROM factored_dimension WHERE kind = 'checkpoint' "
+                                          "ORDER BY step").fetchall()]
+    assert analysed == log_spaced_steps(150, 4)
     dims = con.execute("""SELECT DISTINCT factored_reference, joint_reference FROM factored_dimension""").fetchall()
     assert dims == [(2, 2)]  # one Mess3 factor: d - 1 = 2 both ways
     ov = con.execute("SELECT overlap FROM factor_overlap WHERE factor_i = 0 AND factor_j = 0").fetchall()
@@ -55,12 +62,42 @@ def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
         assert all(u.startswith("file://") for u in seen["requests"])
 
 
-def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local):
+def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local, capsys):
+    import shutil
+
+    import yaml
+
+    from actlake.cli import main
     from actlake.errors import StorageError
     from actlake.jobs.synthetic import run_synthetic
+    from actlake.jobs.training import list_checkpoints
 
     cfg = _cfg(tmp_path, analysis={"enabled": False})
     run_synthetic(cfg, report=False)
+    q = "SELECT step, train_loss, eval_loss FROM training_curves ORDER BY step"
+    clean = open_run(cfg.run_dir).execute(q).fetchall()
+    # as a worker killed right after step 0 leaves it: only the step-0 checkpoint
+    for step, path in list_checkpoints(Path(cfg.run_dir) / "checkpoints" / "transformer"):
+        if step:
+            shutil.rmtree(path)
+    # issue 18.3: --analysis-only refuses an unfinished run (one line, before Ray starts)
+    config = tmp_path / "syn.yaml"
+    config.write_text(yaml.safe_dump(_data(tmp_path, analysis={"enabled": False})))
+    capsys.readouterr()
+    assert main(["train-synthetic", str(config), "--analysis-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "training is unfinished (transformer at step 0 of 150)" in err[0], err
+    assert f"actlake train-synthetic {config}` without --analysis-only" in err[0]
+    assert not (Path(cfg.run_dir) / "tables" / "factored_dimension").exists()
+    # issue 18.2: resuming with another world size is refused
+    with pytest.raises(StorageError, match=r"resources\.num_workers \(1 -> 2\)"):
+        run_synthetic(_cfg(tmp_path, analysis={"enabled": False}, resources={"num_workers": 2, "cpus_per_worker": 1}),
+                      report=False)
+    # issue 18.5: resumed from the step-0 checkpoint, the curve equals the clean one (step 0 once)
+    run_synthetic(cfg, report=False)
+    resumed = open_run(cfg.run_dir).execute(q).fetchall()
+    assert [r[0] for r in resumed] == [r[0] for r in clean]
+    np.testing.assert_allclose(np.array([r[2] for r in resumed]), np.array([r[2] for r in clean]), rtol=1e-5)
     before = (Path(cfg.run_dir) / "tables" / "training_curves").rglob("*.parquet")
     snap = {p: p.read_bytes() for p in before}
     run_synthetic(cfg, report=False)  # every trial already at its last step: nothing retrained
