@@ -13,6 +13,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -411,6 +412,11 @@ def _check_values(cfg: JobConfig, err) -> None:
         err(("corpus", "max_docs"), "not supported with hf_streaming (rows are not counted); leave it null")
     if cfg.sharding.plan_workers < 0:
         err(("sharding", "plan_workers"), "must be 0 (one per core) or more")
+    for key, value in [(("output", "dir"), cfg.output.dir)] + [(("corpus", "paths", i), v) for i, v in enumerate(cfg.corpus.paths)]:
+        scheme = url_scheme(value)
+        if scheme:
+            err(key, f"'{scheme}://' paths are not supported: object storage is not built yet, so this would "
+                "silently become a local folder; use a local path or a shared mount")
     a = cfg.analyses
     if a.attention_weights == "fused":
         for name in ("weighted_contributions", "attention_by_distance"):
@@ -580,6 +586,12 @@ def resolve_model_path(name_or_path: str) -> str:
             raise ConfigError(f"model.name_or_path: {folder.resolve()} has no config.json (not a Hugging Face model folder)")
         return str(folder.resolve())
     return name_or_path  # a hub id
+
+
+def url_scheme(path: str) -> str | None:
+    """The scheme of ``path`` when it is a URL (``s3://…``, ``gs://…``, ``hf://…``), else None."""
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", path)
+    return m.group(1) if m else None
 
 
 def resolve_corpus_files(cfg: JobConfig) -> list[str]:

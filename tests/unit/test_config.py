@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from actlake.cli import main
@@ -149,3 +151,13 @@ def test_output_dir_mistakes_are_one_line(tmp_path, capsys, minilm_path, case):
     assert main(["run", str(p)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("actlake: error:") and str(out) in err[0], err
+
+
+@pytest.mark.parametrize("key,value", [("output.dir", "s3://bucket/runs"), ("corpus.paths", ["gs://b/train/*.jsonl.zst"])])
+def test_object_store_urls_are_refused_in_one_line_not_made_local_folders(tmp_path, key, value):
+    """Object storage is not supported yet: a URL must not become a folder named 's3:' in the working folder."""
+    section, name = key.split(".")
+    p = _write(tmp_path, f"{section}:\n  {name}: {json.dumps(value)}\n")
+    with pytest.raises(ConfigError, match=rf"line 2: '{key}.*not supported: object storage"):
+        load_config(p, check_files=False)
+    assert not (tmp_path / "s3:").exists()
