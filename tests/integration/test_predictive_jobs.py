@@ -3,6 +3,7 @@ job's own arrays, and a predictor whose worker is killed resumes from its checkp
 
 from __future__ import annotations
 
+import re
 import csv
 import dataclasses
 import io
@@ -32,6 +33,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 OFF = {f"analyses.{k}": False for k in ("residual_norms", "dim_moments", "attention_mass", "contributions",
                                          "weighted_contributions", "geometry", "attention_by_distance")}
+
+
+RAY_LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?\((\w+ )?(pid=|raylet)")
+"""Lines Ray's log monitor forwards from workers of earlier jobs in this session: not the command's own."""
+
+
+def _stderr_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.strip().splitlines() if not RAY_LOG_LINE.match(line)]
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +232,7 @@ def test_a_damaged_or_nonfinite_store_is_refused_before_ray(store, tmp_path, cap
     config.write_text(yaml.safe_dump(data))
     capsys.readouterr()
     assert main(["train-predictor", str(config)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _stderr_lines(capsys)
     assert len(err) == 1 and err[0].startswith("actlake: error: "), err
     assert ("'predictor.eval_fraction'" in err[0]) if how == "nothing held out" else (path.name in err[0])
     if how == "nan":

@@ -3,6 +3,7 @@ Bayes-optimal loss, belief R² above the untrained model's), and the analysis ta
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,14 @@ from actlake.synthetic.config import SyntheticConfig
 from tests.integration.browser import CHROMIUM, open_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+RAY_LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?\((\w+ )?(pid=|raylet)")
+"""Lines Ray's log monitor forwards from workers of earlier jobs in this session: not the command's own."""
+
+
+def _stderr_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.strip().splitlines() if not RAY_LOG_LINE.match(line)]
 
 
 def _cfg(out: Path, **extra):
@@ -85,7 +94,7 @@ def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local, cap
     config.write_text(yaml.safe_dump(_data(tmp_path, analysis={"enabled": False})))
     capsys.readouterr()
     assert main(["train-synthetic", str(config), "--analysis-only"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _stderr_lines(capsys)
     assert len(err) == 1 and "training is unfinished (transformer at step 0 of 150)" in err[0], err
     assert f"actlake train-synthetic {config}` without --analysis-only" in err[0]
     assert not (Path(cfg.run_dir) / "tables" / "factored_dimension").exists()

@@ -3,6 +3,7 @@ cannot be written or read. Everything here runs before Ray would start, so no Ra
 
 from __future__ import annotations
 
+import re
 import logging
 from pathlib import Path
 
@@ -14,12 +15,20 @@ from actlake.cli import main
 from actlake.jobs.training import STATE_FILE, TrainingError, list_checkpoints, save_checkpoint
 
 
+RAY_LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?\((\w+ )?(pid=|raylet)")
+"""Lines Ray's log monitor forwards from workers of earlier jobs in this session: not the command's own."""
+
+
+def _stderr_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.strip().splitlines() if not RAY_LOG_LINE.match(line)]
+
+
 def _write(folder: Path, value: float) -> None:
     torch.save({"step": int(value), "w": torch.full((1000,), value)}, folder / STATE_FILE)
 
 
 def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _stderr_lines(capsys)
     assert len(err) == 1 and err[0].startswith("actlake: error: "), err
     return err[0]
 
