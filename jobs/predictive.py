@@ -36,7 +36,7 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     Before Ray starts: the store must be complete (completion records, file sizes), unchanged since
     this run began (its fingerprint), whole and finite; the settings must match the run directory,
     and the checkpoints must be usable."""
-    from actlake.jobs.run import init_ray
+    from actlake.jobs.ray_env import init_ray
     from actlake.jobs.training import (Resources, Trial, check_settings, discard_pending, prepare_checkpoints,
                                        publish_pending, run_trials)
     from actlake.predictive import train_loop

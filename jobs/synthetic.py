@@ -39,7 +39,7 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     """Train every trial (resuming), then analyse the checkpoints and render the report."""
     import shutil
 
-    from actlake.jobs.run import init_ray
+    from actlake.jobs.ray_env import init_ray
     from actlake.jobs.training import Resources, Trial, prepare_checkpoints, require_finished, run_trials
     from actlake.synthetic.train import train_loop
 

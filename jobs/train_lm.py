@@ -22,7 +22,7 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     Everything that can be known before Ray starts is checked first: the settings and world size
     against the run directory, the token counts against ``seq_len``, and the checkpoints."""
     from actlake import lm
-    from actlake.jobs.run import init_ray
+    from actlake.jobs.ray_env import init_ray
     from actlake.jobs.training import (Resources, Trial, check_settings, latest_checkpoint, prepare_checkpoints,
                                        run_trials)
 
