@@ -72,8 +72,8 @@ TRAINING_TABLES = {
         "factored_dimension", "factored_fit", "factor_overlap", "belief_scatter", "activations", "training_curves")},
     "train-lm": {"lm_curve": TableSpec("lm_curve", "fixed")},
 }
-"""Tables of the training jobs by ``run.json`` kind (``actlake/predictive.py``, ``actlake/synthetic/``,
-``jobs/train_lm.py``)."""
+"""Tables of the training jobs by ``run.json`` kind (``jobs/predictor/``, ``jobs/synthetic/``,
+``jobs/lm/``)."""
 
 REDUCE_RECORD = "reduced.json"
 """The reduce step's record under ``_complete/``: plan hash and the aggregate files it published."""

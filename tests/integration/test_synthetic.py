@@ -10,7 +10,7 @@ import pytest
 
 from actlake.config import parse_config
 from actlake.storage.sql import open_run
-from actlake.synthetic.config import SyntheticConfig
+from actlake.jobs.synthetic.config import SyntheticConfig
 from tests.integration.browser import CHROMIUM, open_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -32,7 +32,7 @@ def _data(out: Path, **extra) -> dict:
 
 
 def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
-    from actlake.jobs.synthetic import run_synthetic
+    from actlake.jobs.synthetic.job import run_synthetic
     from actlake.jobs.training import list_checkpoints, log_spaced_steps
 
     res = run_synthetic(_cfg(tmp_path))
@@ -69,7 +69,7 @@ def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local, cap
 
     from actlake.cli import main
     from actlake.errors import StorageError
-    from actlake.jobs.synthetic import run_synthetic
+    from actlake.jobs.synthetic.job import run_synthetic
     from actlake.jobs.training import list_checkpoints
 
     cfg = _cfg(tmp_path, analysis={"enabled": False})

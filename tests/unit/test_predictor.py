@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.analysis.predictive_metrics import r2_score, rankdata_average, spearman, spearman_by_position
-from actlake.analysis.predictor import (
+from actlake.jobs.predictor.metrics import r2_score, rankdata_average, spearman, spearman_by_position
+from actlake.jobs.predictor.model import (
     NextStatePredictor, PredictorConfig, PredictorTrainer, default_heads, fit_standardisation, lr_at, run_steps,
 )
 from actlake.errors import ConfigError

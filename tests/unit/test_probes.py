@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.analysis.predictive_metrics import macro_f1
-from actlake.analysis.probes import fit_probe, split_per_class, split_total
+from actlake.jobs.predictor.metrics import macro_f1
+from actlake.jobs.predictor.probes import fit_probe, split_per_class, split_total
 from actlake.errors import ConfigError
 
 torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from actlake.config import reference_blocks
+from actlake.reference import reference_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 

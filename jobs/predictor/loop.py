@@ -16,7 +16,7 @@ import numpy as np
 
 from actlake.hashing import unit_hash
 
-log = logging.getLogger("actlake.predictive")
+log = logging.getLogger("actlake.jobs.predictor.loop")
 
 REPRESENTATIONS = ("h", "h_hat", "r", "h_hat+r")
 
@@ -28,7 +28,7 @@ def held_out(doc_ids, windows, fraction: float) -> np.ndarray:
 
 
 def predictor_config(job, d: int, model_heads: tuple[int, int]):
-    from actlake.analysis.predictor import PredictorConfig, default_heads
+    from actlake.jobs.predictor.model import PredictorConfig, default_heads
 
     p = job.predictor
     n_heads, head_dim = (p.n_heads, p.head_dim) if p.n_heads else default_heads(*model_heads)
@@ -41,10 +41,10 @@ def train_loop(config: dict) -> None:
     import ray.train
     import torch
 
-    from actlake.analysis.predictor import PredictorTrainer, fit_standardisation
+    from actlake.jobs.predictor.model import PredictorTrainer, fit_standardisation
     from actlake.config import parse_config
     from actlake.jobs.training import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint, worker_setup
-    from actlake.predictive_config import PredictorJobConfig
+    from actlake.jobs.predictor.config import PredictorJobConfig
     from actlake.storage.activations import read_windows
     from actlake.storage.sql import open_run
 
@@ -103,7 +103,7 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
     """Final evaluation tables (from ``res``, the evaluation at the last step) and probes of one layer."""
     import pyarrow as pa
 
-    from actlake.analysis.predictive_metrics import spearman, spearman_by_position
+    from actlake.jobs.predictor.metrics import spearman, spearman_by_position
     from actlake.jobs.training import pending_file
     from actlake.storage.layout import RunLayout
     from actlake.storage.parquet_io import write_parquet_atomic
@@ -165,7 +165,7 @@ def last_position_features(trainer, h, valid) -> dict[str, np.ndarray]:
 
 
 def probe_rows(job, trainer, h, valid, meta) -> list[dict]:
-    from actlake.analysis.probes import fit_probe, split_per_class, split_total
+    from actlake.jobs.predictor.probes import fit_probe, split_per_class, split_total
 
     q = job.probes
     keep = valid.sum(1) >= 2

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("actlake.synthetic")
+log = logging.getLogger("actlake.jobs.synthetic")
 
 STORED_SEQUENCES = 500
 """Sequences whose activations go to the ``activations`` table, per checkpoint."""
@@ -27,7 +27,7 @@ def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
     """Pooled final-residual activations (N*(L-1), D) and their positions (1 .. L-1)."""
     import torch
 
-    from actlake.synthetic.models import final_residual, with_bos
+    from actlake.jobs.synthetic.models import final_residual, with_bos
 
     x = with_bos(torch.from_numpy(tokens), bos)
     h = final_residual(model, x)[:, 1:].double().numpy()  # (N, L-1, D): BOS dropped
@@ -37,7 +37,7 @@ def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _model_rows(model, data: dict, dims: list[int], threshold: float) -> dict:
     """Every measurement of one model on the analysis data."""
-    from actlake.analysis import factored as F
+    from actlake.jobs.synthetic import factored as F
 
     acts, pos = _acts(model, data["tokens"], data["bos"])
     out = {"effective_dim": F.effective_dimension(acts, threshold), "fits": [], "preds": [], "acts": (acts, pos)}
@@ -73,10 +73,10 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
     import pyarrow as pa
     import torch
 
-    from actlake.analysis import factored as F
+    from actlake.jobs.synthetic import factored as F
     from actlake.jobs.training import list_checkpoints, log_spaced_steps
-    from actlake.synthetic.models import build_model, load_model
-    from actlake.synthetic.train import build_process, config_from_dict
+    from actlake.jobs.synthetic.models import build_model, load_model
+    from actlake.jobs.synthetic.loop import build_process, config_from_dict
 
     torch.set_num_threads(max(1, threads))
     cfg = config_from_dict(cfg_dict)

@@ -137,7 +137,7 @@ def train_loop(config: dict) -> None:
 
     from actlake.config import parse_config
     from actlake.jobs.training import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint, worker_setup
-    from actlake.predictive_config import LMConfig
+    from actlake.jobs.lm.config import LMConfig
 
     cfg = parse_config(config["job"], where="train-lm config", root=LMConfig)
     t = cfg.training

@@ -18,7 +18,7 @@ from sklearn.preprocessing import StandardScaler
 
 from actlake.errors import ConfigError
 
-from .predictive_metrics import macro_f1
+from .metrics import macro_f1
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from actlake.errors import ConfigError
 
-from .predictive_metrics import DimMoments, fit_standardisation
+from .metrics import DimMoments, fit_standardisation
 
 __all__ = ["EvalResult", "NextStatePredictor", "PredictorConfig", "PredictorTrainer", "default_heads",
            "fit_standardisation", "lr_at", "pair_mask", "run_steps"]
