@@ -1,4 +1,4 @@
-"""Metrics of the predictable/novel decomposition (METHODS §6): Spearman, macro-F1, running moments.
+"""Metrics of the predictable/novel decomposition (METHODS.md §6): Spearman, macro-F1, running moments.
 
 Own numpy implementations, so results do not depend on library versions; the unit
 tests check each against its reference (``scipy.stats.spearmanr``, sklearn ``f1_score(average="macro")``).

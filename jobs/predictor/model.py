@@ -1,4 +1,4 @@
-"""External next-hidden-state predictor f_θ (METHODS §6; seed 003 §3.1–3.2).
+"""External next-hidden-state predictor f_θ (METHODS.md §6; seed 003 §3.1–3.2).
 
 ĥ_{t+1} = f_θ(h_≤t): ONE causal multi-head self-attention layer over h_1..h_t (queries,
 keys and values all from the frozen model's hidden states at one layer) followed by an

@@ -1,4 +1,4 @@
-"""Measurements for factored representations (METHODS §7) against closed forms and sklearn."""
+"""Measurements for factored representations (METHODS.md §7) against closed forms and sklearn."""
 import numpy as np
 import pytest
 from sklearn.decomposition import PCA

@@ -1,4 +1,4 @@
-"""Next-hidden-state predictor (METHODS §6): learning, metrics against references, exact resume."""
+"""Next-hidden-state predictor (METHODS.md §6): learning, metrics against references, exact resume."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Linear probes and splits (METHODS §6): caps, disjointness, separable vs random labels, macro-F1."""
+"""Linear probes and splits (METHODS.md §6): caps, disjointness, separable vs random labels, macro-F1."""
 
 from __future__ import annotations
 

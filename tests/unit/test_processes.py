@@ -1,4 +1,4 @@
-"""GHMMs and product processes (METHODS §7) against brute-force enumeration of the generative story."""
+"""GHMMs and product processes (METHODS.md §7) against brute-force enumeration of the generative story."""
 import itertools
 
 import numpy as np
