@@ -4,7 +4,8 @@ Each layer is a Ray Train trial. Its loop reads that layer of the activation sto
 holds out windows by a hash of (doc_id, window_index), trains :class:`PredictorTrainer` with
 checkpoints every ``checkpoint_every`` steps (resume continues the same batches, learning-rate
 schedule and optimizer state), evaluates every ``eval_every`` steps, and at the end writes that
-layer's tables: curve, per-position MSE and Spearman, per-token ‖r‖ next to surprisal, probe scores.
+layer's tables: curve, per-position MSE and Spearman, per-token ‖r‖ next to surprisal, probe scores
+(probes train, validate and test on the held-out windows only).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
         "predictor_tokens": _token_table(meta, ev, norms, surprisal),
     }
     if job.probes.enabled:
-        tables["probe_scores"] = pa.Table.from_pylist(probe_rows(job, trainer, h, valid, meta))
+        tables["probe_scores"] = pa.Table.from_pylist(probe_rows(job, trainer, h, valid, meta, ev))
     layout = RunLayout(run_dir)
     for name, table in tables.items():  # published by the driver once every layer has finished
         write_parquet_atomic(table, pending_file(run_dir, name, f"layer={layer}"), layout.staging)
@@ -164,11 +165,14 @@ def last_position_features(trainer, h, valid) -> dict[str, np.ndarray]:
     return {"h": h_last, "h_hat": h_hat, "r": r, "h_hat+r": np.concatenate([h_hat, r], axis=1)}
 
 
-def probe_rows(job, trainer, h, valid, meta) -> list[dict]:
+def probe_rows(job, trainer, h, valid, meta, held: np.ndarray) -> list[dict]:
+    """Probe scores of every task and representation, on the windows the predictor never trained on
+    (``held``, its evaluation windows) with at least two tokens: ĥ and r of a training window would carry
+    what the predictor memorised there."""
     from actlake.jobs.predictor.probes import fit_probe, split_per_class, split_total
 
     q = job.probes
-    keep = valid.sum(1) >= 2
+    keep = np.asarray(held, dtype=bool) & (valid.sum(1) >= 2)
     feats = last_position_features(trainer, h[keep], valid[keep])
     last = valid[keep].sum(1) - 1
     labels = {"source": np.array(meta["source"], dtype=object)[keep],

@@ -56,6 +56,12 @@ def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
     assert dims == [(2, 2)]  # one Mess3 factor: d - 1 = 2 both ways
     ov = con.execute("SELECT overlap FROM factor_overlap WHERE factor_i = 0 AND factor_j = 0").fetchall()
     assert np.allclose([o for (o,) in ov], 1.0)  # a subspace overlaps itself fully
+    # the analysed sequences' token ids are stored: 400 sampled (behind the activations) and the vary-one set
+    sets = dict(con.execute("SELECT sequence_set, count(*) FROM analysis_tokens GROUP BY sequence_set").fetchall())
+    assert sets == {"sampled": 400, "vary0": 100}
+    lens, lo, hi = con.execute("SELECT min(len(tokens)), min(list_min(tokens)), max(list_max(tokens)) "
+                               "FROM analysis_tokens").fetchall()[0]
+    assert (lens, lo, hi) == (8, 0, 2)  # context 8, Mess3's three tokens
     if CHROMIUM:  # the report draws every chart offline in a real browser
         seen = open_report(res.report)
         assert seen["errors"] == [] and len(seen["charts"]) == 5 and min(seen["marks"]) > 3
