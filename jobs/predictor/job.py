@@ -12,7 +12,7 @@ from actlake.errors import ConfigError, StorageError
 from actlake.jobs.predictor.config import PredictorJobConfig
 from actlake.storage.layout import RunLayout, write_json_atomic
 
-log = logging.getLogger("actlake.jobs.predictor.loop")
+log = logging.getLogger("actlake.predictive")
 
 
 def store_info(store: str | Path) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 
 from actlake.hashing import unit_hash
 
-log = logging.getLogger("actlake.jobs.predictor.loop")
+log = logging.getLogger("actlake.predictive")
 
 REPRESENTATIONS = ("h", "h_hat", "r", "h_hat+r")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("actlake.jobs.synthetic")
+log = logging.getLogger("actlake.synthetic")
 
 STORED_SEQUENCES = 500
 """Sequences whose activations go to the ``activations`` table, per checkpoint."""

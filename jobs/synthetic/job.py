@@ -10,7 +10,7 @@ from pathlib import Path
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.jobs.synthetic.config import SyntheticConfig
 
-log = logging.getLogger("actlake.jobs.synthetic")
+log = logging.getLogger("actlake.synthetic")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from actlake.jobs.training import (STATE_FILE, latest_checkpoint, log_spaced_ste
 from actlake.jobs.synthetic import processes as P
 from actlake.jobs.synthetic.config import FactorConfig, ProcessConfig, SyntheticConfig
 
-log = logging.getLogger("actlake.jobs.synthetic")
+log = logging.getLogger("actlake.synthetic")
 
 CURVES_TABLE = "training_curves"
 
