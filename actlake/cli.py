@@ -151,8 +151,8 @@ def _cmd_run(args) -> int:
 
 def _cmd_train_synthetic(args) -> int:
     from actlake.config import load_config
-    from actlake.jobs.synthetic import run_synthetic, summary_lines
-    from actlake.synthetic.config import SyntheticConfig
+    from actlake.jobs.synthetic.job import run_synthetic, summary_lines
+    from actlake.jobs.synthetic.config import SyntheticConfig
 
     overrides = {"output.run_id": args.run_id} if args.run_id else None
     cfg = load_config(args.config, overrides=overrides, root=SyntheticConfig)
@@ -169,8 +169,8 @@ def _cmd_train_synthetic(args) -> int:
 
 def _cmd_train_predictor(args) -> int:
     from actlake.config import load_config
-    from actlake.jobs.predictive import PROBE_SQL, SUMMARY_SQL, run_predictor_job
-    from actlake.predictive_config import PredictorJobConfig
+    from actlake.jobs.predictor.job import PROBE_SQL, SUMMARY_SQL, run_predictor_job
+    from actlake.jobs.predictor.config import PredictorJobConfig
     from actlake.storage.sql import query
 
     cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None,
@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_run(args)
         if args.command == "train-lm":
             from actlake.config import load_config
-            from actlake.jobs.train_lm import train_lm
-            from actlake.predictive_config import LMConfig
+            from actlake.jobs.lm.job import train_lm
+            from actlake.jobs.lm.config import LMConfig
 
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None, root=LMConfig)
             res = train_lm(cfg, address=args.address)

@@ -668,14 +668,3 @@ def reference_markdown(root: type | None = None) -> str:
         else:
             out.append(row(f.name, root, f))
     return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|"] + out)
-
-
-def reference_blocks() -> dict[str, str]:
-    """README marker -> configuration reference of each kind of job."""
-    from actlake.predictive_config import LMConfig, PredictorJobConfig
-    from actlake.synthetic.config import SyntheticConfig
-
-    return {"config-reference": reference_markdown(JobConfig),
-            "config-reference-lm": reference_markdown(LMConfig),
-            "config-reference-predictor": reference_markdown(PredictorJobConfig),
-            "config-reference-synthetic": reference_markdown(SyntheticConfig)}

@@ -77,6 +77,17 @@ def _summary_html(layout: RunLayout, nonfinite: str = "") -> str:
     return f"<table class='summary'>{cells}</table>"
 
 
+def open_for_report(run_dir: str | Path, tables: tuple[str, ...], missing: str):
+    """(layout, read-only DuckDB connection) of a run that has at least one of ``tables``; otherwise
+    StorageError "<run>: <missing>". The caller closes the connection."""
+    from actlake.storage.sql import open_run
+
+    layout = RunLayout(Path(run_dir).resolve())
+    if not any((layout.tables / t).exists() for t in tables):
+        raise StorageError(f"{layout.root}: {missing}")
+    return layout, open_run(layout.root)
+
+
 def build_report(run_dir: str | Path, analyses=None) -> Path:
     """Write ``report/report.html`` and ``report/<chart>.png``; return the HTML path.
 
@@ -84,12 +95,9 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     included); default the built-in ones. ``actlake report`` never imports code named in a run folder.
     """
     from actlake.analysis.protocol import builtin
-    from actlake.storage.sql import open_run
 
-    layout = RunLayout(Path(run_dir).resolve())
-    if not (layout.tables / "dim_moments").exists() and not (layout.tables / "residual_norms").exists():
-        raise StorageError(f"{layout.root}: no reduced tables to report on (did the job finish?)")
-    con = open_run(layout.root)
+    layout, con = open_for_report(run_dir, ("dim_moments", "residual_norms"), "no reduced tables to report on "
+                                  "(did the job finish?)")
     try:
         blocks = _blocks(con, list(builtin().values()) if analyses is None else analyses)
         nonfinite = _nonfinite(con)

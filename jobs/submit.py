@@ -23,11 +23,13 @@ log = logging.getLogger("actlake.submit")
 
 def stage_package(dest: Path) -> Path:
     """Copy the importable ``actlake`` package (with jobs/analysis/storage) into ``dest/actlake``."""
-    import actlake
+    import importlib.util
 
     pkg = dest / "actlake"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(Path(actlake.__file__).parent, pkg, ignore=ignore)
+    # the package's folder, looked up rather than imported: ``actlake/__init__.py`` is the top layer
+    home = importlib.util.find_spec("actlake").submodule_search_locations[0]
+    shutil.copytree(home, pkg, ignore=ignore)
     for sub in ("jobs", "analysis", "storage"):
         mod = __import__(f"actlake.{sub}", fromlist=["_"])
         target = pkg / sub

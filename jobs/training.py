@@ -185,6 +185,16 @@ def log_spaced_steps(total: int, n: int) -> list[int]:
     return sorted(p for p in pts if 0 <= p <= total)
 
 
+def warmup_cosine_lr(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
+    """Learning rate of optimizer step ``step`` (0-based), the schedule of every training job: linear warm-up
+    lr·(step+1)/warmup_steps, then cosine from lr to min_lr_ratio·lr at ``total_steps``, held there afterwards."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    frac = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    floor = min_lr_ratio * lr
+    return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
 # --------------------------------------------------------------------------- trials
 
 

@@ -69,11 +69,12 @@ TRAINING_TABLES = {
     "predictor": {t: TableSpec(t, "fixed", "layer") for t in (
         "predictor_curve", "predictor_position", "predictor_summary", "predictor_tokens", "probe_scores")},
     "synthetic": {t: TableSpec(t, "fixed", "trial", "string") for t in (
-        "factored_dimension", "factored_fit", "factor_overlap", "belief_scatter", "activations", "training_curves")},
+        "factored_dimension", "factored_fit", "factor_overlap", "belief_scatter", "activations", "analysis_tokens",
+        "training_curves")},
     "train-lm": {"lm_curve": TableSpec("lm_curve", "fixed")},
 }
-"""Tables of the training jobs by ``run.json`` kind (``actlake/predictive.py``, ``actlake/synthetic/``,
-``jobs/train_lm.py``)."""
+"""Tables of the training jobs by ``run.json`` kind (``jobs/predictor/``, ``jobs/synthetic/``,
+``jobs/lm/``)."""
 
 REDUCE_RECORD = "reduced.json"
 """The reduce step's record under ``_complete/``: plan hash and the aggregate files it published."""

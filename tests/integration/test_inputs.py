@@ -240,7 +240,7 @@ def test_a_streamed_hugging_face_dataset_runs_one_shard_per_file(minilm_path, sa
 LISTENERS = r"""
 import json, sys, time
 import psutil, ray
-from actlake.jobs.run import init_ray
+from actlake.jobs.ray_env import init_ray
 
 def listeners():
     me = psutil.Process()

@@ -24,7 +24,8 @@ import yaml
 from actlake.cli import main
 from actlake.config import parse_config
 from actlake.jobs.run import run_job
-from actlake.predictive_config import LMConfig, PredictorJobConfig
+from actlake.jobs.lm.config import LMConfig
+from actlake.jobs.predictor.config import PredictorJobConfig
 from actlake.storage.sql import open_run
 from tests.conftest import job_config
 from tests.integration.browser import CHROMIUM, open_report
@@ -69,10 +70,10 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_loca
     from scipy.stats import spearmanr
     from sklearn.metrics import r2_score
 
-    from actlake.analysis.predictor import PredictorTrainer
-    from actlake.jobs.predictive import run_predictor_job
+    from actlake.jobs.predictor.model import PredictorTrainer
+    from actlake.jobs.predictor.job import run_predictor_job
     from actlake.jobs.training import latest_checkpoint
-    from actlake.predictive import held_out
+    from actlake.jobs.predictor.loop import held_out
     from actlake.storage.activations import read_windows
 
     res = run_predictor_job(_predictor_cfg(store, tmp_path, "metrics"))
@@ -107,7 +108,7 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_loca
 
 
 def _trainer_args(state):
-    from actlake.analysis.predictor import PredictorConfig
+    from actlake.jobs.predictor.model import PredictorConfig
 
     return PredictorConfig(**state["cfg"]), np.asarray(state["mean"]), np.asarray(state["std"])
 
@@ -121,7 +122,7 @@ def _ray_train_workers() -> list[int]:
 
 def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ray_local, capsys):
     from actlake.errors import StorageError
-    from actlake.jobs.predictive import run_predictor_job
+    from actlake.jobs.predictor.job import run_predictor_job
 
     kw = {"steps": 400, "checkpoint_every": 20, "eval_every": 40}
     clean = run_predictor_job(_without_probes(_predictor_cfg(store, tmp_path, "clean", **kw)))
@@ -252,7 +253,7 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actlake.errors import StorageError
-    from actlake.jobs.train_lm import train_lm
+    from actlake.jobs.lm.job import train_lm
     from actlake.jobs.training import TrainingError, list_checkpoints
 
     cfg = parse_config({

@@ -316,8 +316,8 @@ def test_training_run_tables_are_their_fixed_files(tmp_path, cwd):
 def test_the_table_registry_covers_what_the_jobs_write():
     from actlake.analysis.protocol import builtin
     from actlake.storage.manifest import TRAINING_TABLES, extraction_spec
-    from actlake.synthetic.analyze import TABLES as SYNTHETIC_TABLES
-    from actlake.synthetic.train import CURVES_TABLE
+    from actlake.jobs.synthetic.analyze import TABLES as SYNTHETIC_TABLES
+    from actlake.jobs.synthetic.loop import CURVES_TABLE
 
     for cls in builtin().values():
         for t in cls.tables:

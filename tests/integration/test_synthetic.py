@@ -11,7 +11,7 @@ import pytest
 
 from actlake.config import parse_config
 from actlake.storage.sql import open_run
-from actlake.synthetic.config import SyntheticConfig
+from actlake.jobs.synthetic.config import SyntheticConfig
 from tests.integration.browser import CHROMIUM, open_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -41,7 +41,7 @@ def _data(out: Path, **extra) -> dict:
 
 
 def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
-    from actlake.jobs.synthetic import run_synthetic
+    from actlake.jobs.synthetic.job import run_synthetic
     from actlake.jobs.training import list_checkpoints, log_spaced_steps
 
     res = run_synthetic(_cfg(tmp_path))
@@ -65,6 +65,12 @@ def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
     assert dims == [(2, 2)]  # one Mess3 factor: d - 1 = 2 both ways
     ov = con.execute("SELECT overlap FROM factor_overlap WHERE factor_i = 0 AND factor_j = 0").fetchall()
     assert np.allclose([o for (o,) in ov], 1.0)  # a subspace overlaps itself fully
+    # the analysed sequences' token ids are stored: 400 sampled (behind the activations) and the vary-one set
+    sets = dict(con.execute("SELECT sequence_set, count(*) FROM analysis_tokens GROUP BY sequence_set").fetchall())
+    assert sets == {"sampled": 400, "vary0": 100}
+    lens, lo, hi = con.execute("SELECT min(len(tokens)), min(list_min(tokens)), max(list_max(tokens)) "
+                               "FROM analysis_tokens").fetchall()[0]
+    assert (lens, lo, hi) == (8, 0, 2)  # context 8, Mess3's three tokens
     if CHROMIUM:  # the report draws every chart offline in a real browser
         seen = open_report(res.report)
         assert seen["errors"] == [] and len(seen["charts"]) == 5 and min(seen["marks"]) > 3
@@ -78,7 +84,7 @@ def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local, cap
 
     from actlake.cli import main
     from actlake.errors import StorageError
-    from actlake.jobs.synthetic import run_synthetic
+    from actlake.jobs.synthetic.job import run_synthetic
     from actlake.jobs.training import list_checkpoints
 
     cfg = _cfg(tmp_path, analysis={"enabled": False})

@@ -1,11 +1,11 @@
-"""Measurements for factored representations (METHODS §7) against closed forms and sklearn."""
+"""Measurements for factored representations (METHODS.md §7) against closed forms and sklearn."""
 import numpy as np
 import pytest
 from sklearn.decomposition import PCA
 from sklearn.linear_model import LinearRegression
 from sklearn.metrics import mean_squared_error, r2_score
 
-from actlake.analysis.factored import (affine_fit, effective_dimension, explained_variance, factored_dimension,
+from actlake.jobs.synthetic.factored import (affine_fit, effective_dimension, explained_variance, factored_dimension,
                                        joint_dimension, overlap, overlap_matrix, pca_subspace, position_centre)
 from actlake.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""Linear probes and splits (METHODS §6): caps, disjointness, separable vs random labels, macro-F1."""
+"""Linear probes and splits (METHODS.md §6): caps, disjointness, separable vs random labels, macro-F1."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.analysis.predictive_metrics import macro_f1
-from actlake.analysis.probes import fit_probe, split_per_class, split_total
+from actlake.jobs.predictor.metrics import macro_f1
+from actlake.jobs.predictor.probes import fit_probe, split_per_class, split_total
 from actlake.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -114,3 +114,30 @@ def test_macro_f1_matches_sklearn(labels):
     assert macro_f1(t, p, labels) == pytest.approx(expected, rel=1e-12)
     s_t, s_p = np.array(list("abcab")), np.array(list("abbac"))
     assert macro_f1(s_t, s_p) == pytest.approx(f1_score(s_t, s_p, average="macro"), rel=1e-12)
+
+
+def test_probes_use_only_the_predictors_held_out_windows(monkeypatch):
+    """ĥ and r of a window the predictor trained on must not reach a probe: only held-out windows do."""
+    from actlake.jobs.predictor import loop
+    from actlake.jobs.predictor.config import PredictorJobConfig
+
+    seen = []
+
+    def features(trainer, h, valid):
+        seen.append(h[:, 0, 0].astype(int).tolist())  # window i holds the value i
+        return {rep: h[:, -1, :] + np.random.default_rng(0).standard_normal(h[:, -1, :].shape)
+                for rep in loop.REPRESENTATIONS}
+
+    monkeypatch.setattr(loop, "last_position_features", features)
+    n, t, d = 80, 4, 3
+    h = np.arange(n, dtype=float)[:, None, None] * np.ones((n, t, d))
+    valid = np.ones((n, t), dtype=bool)
+    valid[2, 1:] = False  # a one-token window: never probed
+    held = np.zeros(n, dtype=bool)
+    held[::2] = True
+    meta = {"source": ["a", "a", "b", "b"] * (n // 4), "type8": np.zeros((n, t), dtype=int)}
+    job = PredictorJobConfig()
+    job.probes.tasks, job.probes.source_caps = ["source"], [10, 3, 3]
+    rows = loop.probe_rows(job, None, h, valid, meta, held)
+    assert seen == [[i for i in range(0, n, 2) if i != 2]]
+    assert len(rows) == len(loop.REPRESENTATIONS) and all(r["n_train"] + r["n_test"] <= n // 2 for r in rows)

@@ -1,12 +1,12 @@
-"""GHMMs and product processes (METHODS §7) against brute-force enumeration of the generative story."""
+"""GHMMs and product processes (METHODS.md §7) against brute-force enumeration of the generative story."""
 import itertools
 
 import numpy as np
 import pytest
 
-from actlake.analysis.factored import effective_dimension, explained_variance
+from actlake.jobs.synthetic.factored import effective_dimension, explained_variance
 from actlake.errors import ConfigError
-from actlake.synthetic.processes import GHMM, ProductProcess, bloch_walk, from_matrices, mess3, product
+from actlake.jobs.synthetic.processes import GHMM, ProductProcess, bloch_walk, from_matrices, mess3, product
 
 
 def _mess3_params(x, alpha):

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from actlake.config import reference_blocks
+from actlake.reference import reference_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,3 +20,12 @@ def test_readme_commands_exist_and_ci_calls_the_test_command():
     assert "bash scripts/quickstart.sh" in text and "bash scripts/test.sh" in text
     assert (ROOT / "scripts" / "quickstart.sh").is_file() and (ROOT / "scripts" / "test.sh").is_file()
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_methods_is_in_the_repository_and_cited_there():
+    assert (ROOT / "METHODS.md").is_file()
+    assert "](METHODS.md)" in (ROOT / "README.md").read_text()
+    for folder in ("actlake", "jobs", "analysis", "storage", "scripts", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            outside = "../shared/" + "METHODS.md"  # spelt in two parts so this file does not match
+            assert outside not in path.read_text(), f"{path} cites the METHODS.md outside the repository"

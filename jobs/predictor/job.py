@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from actlake.errors import ConfigError, StorageError
-from actlake.predictive_config import PredictorJobConfig
+from actlake.jobs.predictor.config import PredictorJobConfig
 from actlake.storage.layout import RunLayout, write_json_atomic
 
 log = logging.getLogger("actlake.predictive")
@@ -36,10 +36,10 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     Before Ray starts: the store must be complete (completion records, file sizes), unchanged since
     this run began (its fingerprint), whole and finite; the settings must match the run directory,
     and the checkpoints must be usable."""
-    from actlake.jobs.run import init_ray
+    from actlake.jobs.ray_env import init_ray
     from actlake.jobs.training import (Resources, Trial, check_settings, discard_pending, prepare_checkpoints,
                                        publish_pending, run_trials)
-    from actlake.predictive import train_loop
+    from actlake.jobs.predictor.loop import train_loop
 
     t0 = time.perf_counter()
     cfg.store = str(Path(cfg.store).resolve())  # Ray Train workers run in their own working directory
@@ -76,7 +76,7 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     publish_pending(layout.root)  # every layer's tables at once: none if a layer failed
     report_path = None
     if cfg.output.report if report is None else report:
-        from actlake.predictive_report import build_predictive_report
+        from actlake.jobs.predictor.report import build_predictive_report
 
         report_path = str(build_predictive_report(layout.root))
     summary = {"kind": "predictor", "layers": layers, "wall_seconds": time.perf_counter() - t0, "report": report_path}
@@ -106,7 +106,7 @@ def _checked_store(cfg: PredictorJobConfig, layout: RunLayout) -> dict:
 
 def _check_split(cfg: PredictorJobConfig, windows: set) -> None:
     """Both the training and the evaluation split of the store's windows must be non-empty."""
-    from actlake.predictive import held_out
+    from actlake.jobs.predictor.loop import held_out
 
     pairs = sorted(windows)
     ev = held_out([d for d, _ in pairs], [w for _, w in pairs], cfg.predictor.eval_fraction)

@@ -16,8 +16,8 @@ import numpy as np
 
 from actlake.jobs.training import (STATE_FILE, latest_checkpoint, log_spaced_steps, prune_checkpoints, save_checkpoint,
                                    worker_setup)
-from actlake.synthetic import processes as P
-from actlake.synthetic.config import FactorConfig, ProcessConfig, SyntheticConfig
+from actlake.jobs.synthetic import processes as P
+from actlake.jobs.synthetic.config import FactorConfig, ProcessConfig, SyntheticConfig
 
 log = logging.getLogger("actlake.synthetic")
 
@@ -54,7 +54,7 @@ def train_loop(config: dict) -> None:
     import ray.train
     import torch
 
-    from actlake.synthetic.models import build_model, load_model, logits, with_bos
+    from actlake.jobs.synthetic.models import build_model, load_model, logits, with_bos
 
     cfg = config_from_dict(config["job"])
     t, trial = cfg.training, config["trial"]

@@ -4,7 +4,8 @@ Each layer is a Ray Train trial. Its loop reads that layer of the activation sto
 holds out windows by a hash of (doc_id, window_index), trains :class:`PredictorTrainer` with
 checkpoints every ``checkpoint_every`` steps (resume continues the same batches, learning-rate
 schedule and optimizer state), evaluates every ``eval_every`` steps, and at the end writes that
-layer's tables: curve, per-position MSE and Spearman, per-token ‖r‖ next to surprisal, probe scores.
+layer's tables: curve, per-position MSE and Spearman, per-token ‖r‖ next to surprisal, probe scores
+(probes train, validate and test on the held-out windows only).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def held_out(doc_ids, windows, fraction: float) -> np.ndarray:
 
 
 def predictor_config(job, d: int, model_heads: tuple[int, int]):
-    from actlake.analysis.predictor import PredictorConfig, default_heads
+    from actlake.jobs.predictor.model import PredictorConfig, default_heads
 
     p = job.predictor
     n_heads, head_dim = (p.n_heads, p.head_dim) if p.n_heads else default_heads(*model_heads)
@@ -41,10 +42,10 @@ def train_loop(config: dict) -> None:
     import ray.train
     import torch
 
-    from actlake.analysis.predictor import PredictorTrainer, fit_standardisation
+    from actlake.jobs.predictor.model import PredictorTrainer, fit_standardisation
     from actlake.config import parse_config
     from actlake.jobs.training import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint, worker_setup
-    from actlake.predictive_config import PredictorJobConfig
+    from actlake.jobs.predictor.config import PredictorJobConfig
     from actlake.storage.activations import read_windows
     from actlake.storage.sql import open_run
 
@@ -103,7 +104,7 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
     """Final evaluation tables (from ``res``, the evaluation at the last step) and probes of one layer."""
     import pyarrow as pa
 
-    from actlake.analysis.predictive_metrics import spearman, spearman_by_position
+    from actlake.jobs.predictor.metrics import spearman, spearman_by_position
     from actlake.jobs.training import pending_file
     from actlake.storage.layout import RunLayout
     from actlake.storage.parquet_io import write_parquet_atomic
@@ -132,7 +133,7 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
         "predictor_tokens": _token_table(meta, ev, norms, surprisal),
     }
     if job.probes.enabled:
-        tables["probe_scores"] = pa.Table.from_pylist(probe_rows(job, trainer, h, valid, meta))
+        tables["probe_scores"] = pa.Table.from_pylist(probe_rows(job, trainer, h, valid, meta, ev))
     layout = RunLayout(run_dir)
     for name, table in tables.items():  # published by the driver once every layer has finished
         write_parquet_atomic(table, pending_file(run_dir, name, f"layer={layer}"), layout.staging)
@@ -164,11 +165,14 @@ def last_position_features(trainer, h, valid) -> dict[str, np.ndarray]:
     return {"h": h_last, "h_hat": h_hat, "r": r, "h_hat+r": np.concatenate([h_hat, r], axis=1)}
 
 
-def probe_rows(job, trainer, h, valid, meta) -> list[dict]:
-    from actlake.analysis.probes import fit_probe, split_per_class, split_total
+def probe_rows(job, trainer, h, valid, meta, held: np.ndarray) -> list[dict]:
+    """Probe scores of every task and representation, on the windows the predictor never trained on
+    (``held``, its evaluation windows) with at least two tokens: ĥ and r of a training window would carry
+    what the predictor memorised there."""
+    from actlake.jobs.predictor.probes import fit_probe, split_per_class, split_total
 
     q = job.probes
-    keep = valid.sum(1) >= 2
+    keep = np.asarray(held, dtype=bool) & (valid.sum(1) >= 2)
     feats = last_position_features(trainer, h[keep], valid[keep])
     last = valid[keep].sum(1) - 1
     labels = {"source": np.array(meta["source"], dtype=object)[keep],

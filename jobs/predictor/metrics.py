@@ -1,9 +1,10 @@
-"""Metrics of the predictable/novel decomposition (METHODS §6): R², Spearman, macro-F1.
+"""Metrics of the predictable/novel decomposition (METHODS.md §6): Spearman, macro-F1, running moments.
 
 Own numpy implementations, so results do not depend on library versions; the unit
-tests check each against its reference (sklearn ``r2_score(multioutput="variance_weighted")``,
-``scipy.stats.spearmanr``, sklearn ``f1_score(average="macro")``).
-All computations are float64. Also: per-dimension standardisation of hidden states.
+tests check each against its reference (``scipy.stats.spearmanr``, sklearn ``f1_score(average="macro")``).
+R² is sklearn's ``r2_score`` (``multioutput="variance_weighted"``), streamed in
+``PredictorTrainer.evaluate``. All computations are float64. Also: per-dimension standardisation
+of hidden states.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import numpy as np
 from actlake.errors import ConfigError
 
 
-class DimMoments:
-    """Mergeable per-dimension count/mean/M2 over rows, float64 (Chan et al.'s pairwise merge)."""
+class RunningMoments:
+    """Mergeable per-dimension count/mean/M2 over rows, float64 (Chan et al.'s pairwise merge); host numpy,
+    one group (the extraction job's grouped, on-device counterpart is ``actlake.analysis.moments.Moments``)."""
 
     def __init__(self, d: int):
         self.count = 0
@@ -61,37 +63,12 @@ def fit_standardisation(h_iter, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarr
         if h.ndim != 3 or (valid is not None and np.shape(valid) != h.shape[:2]):
             raise ConfigError(f"fit_standardisation expects h (B, T, d) and valid (B, T), got {h.shape}"
                               f" and {None if valid is None else tuple(np.shape(valid))}")
-        mom = mom or DimMoments(h.shape[-1])
+        mom = mom or RunningMoments(h.shape[-1])
         mom.update(h.reshape(-1, h.shape[-1]) if valid is None else h[_numpy(valid, bool)])
     if mom is None or mom.count < 2:
         raise ConfigError("fit_standardisation: fewer than 2 valid tokens in the training set")
     std = np.sqrt(mom.variance)
     return mom.mean.copy(), np.where(std < eps, 1.0, std)
-
-
-def _as_2d(y: np.ndarray, name: str) -> np.ndarray:
-    y = np.asarray(y, dtype=np.float64)
-    if y.ndim == 0:
-        raise ConfigError(f"{name} must have at least one dimension, got a scalar")
-    return y.reshape(-1, 1) if y.ndim == 1 else y.reshape(-1, y.shape[-1])
-
-
-def r2_score(y_true: np.ndarray, y_pred: np.ndarray) -> float:
-    """R² = 1 − MSE / Var with Var the mean per-dimension (population) variance of y_true.
-
-    Arrays (..., d): every leading index is one sample, the last axis the dimensions.
-    Equals sklearn ``r2_score(y_true, y_pred, multioutput="variance_weighted")`` on the
-    (n, d) flattening (not "uniform_average", which averages per-dimension R²).
-    Returns NaN when the targets have zero variance.
-    """
-    t, p = _as_2d(y_true, "y_true"), _as_2d(y_pred, "y_pred")
-    if t.shape != p.shape:
-        raise ConfigError(f"r2_score: y_true {np.shape(y_true)} and y_pred {np.shape(y_pred)} differ in shape")
-    if t.shape[0] < 2:
-        raise ConfigError(f"r2_score needs at least 2 samples, got {t.shape[0]}")
-    var = t.var(axis=0).mean()
-    mse = ((t - p) ** 2).mean()
-    return float(1.0 - mse / var) if var > 0 else float("nan")
 
 
 def rankdata_average(x: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
-from actlake.predictive_config import LMConfig
+from actlake.jobs.lm.config import LMConfig
 from actlake.storage.layout import RunLayout, write_json_atomic
 
 log = logging.getLogger("actlake.lm")
@@ -21,8 +21,8 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
 
     Everything that can be known before Ray starts is checked first: the settings and world size
     against the run directory, the token counts against ``seq_len``, and the checkpoints."""
-    from actlake import lm
-    from actlake.jobs.run import init_ray
+    from actlake.jobs.lm import loop as lm
+    from actlake.jobs.ray_env import init_ray
     from actlake.jobs.training import (Resources, Trial, check_settings, latest_checkpoint, prepare_checkpoints,
                                        run_trials)
 
@@ -72,7 +72,7 @@ def _token_streams(cfg: LMConfig, data: Path) -> dict:
     """Tokenize the corpus into ``data`` once; reused while the corpus, tokenizer and eval_fraction are unchanged."""
     import hashlib
 
-    from actlake import lm
+    from actlake.jobs.lm import loop as lm
 
     key = hashlib.sha256(json.dumps({"corpus": cfg.to_dict()["corpus"], "tokenizer": cfg.to_dict()["tokenizer"],
                                      "eval_fraction": cfg.training.eval_fraction}, sort_keys=True).encode()).hexdigest()

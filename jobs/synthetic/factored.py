@@ -1,10 +1,11 @@
 """Measurements for factored representations (METHODS.md §7): effective dimension, affine fits,
-factor subspaces and their overlaps. Pure numpy, float64."""
+factor subspaces and their overlaps. Numpy, float64; R² is sklearn's ``r2_score``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+from sklearn.metrics import r2_score
 
 from actlake.errors import ConfigError
 
@@ -49,7 +50,7 @@ class AffineFit:
     """Result of a least-squares affine map Y ≈ X A + c."""
 
     r2: float
-    """1 - SSE/SST over all outputs (sklearn r2_score(..., multioutput="variance_weighted"))."""
+    """sklearn ``r2_score(Y, pred, multioutput="variance_weighted")``: 1 - SSE/SST over all outputs."""
     rmse: float
     """sqrt of the mean squared error over all entries of Y."""
     pred: np.ndarray
@@ -68,8 +69,8 @@ def affine_fit(X, Y) -> AffineFit:
     coef = np.linalg.lstsq(Xa, Y, rcond=None)[0]  # (D+1, K)
     pred = Xa @ coef  # (N, K)
     sse = float(((Y - pred) ** 2).sum())
-    sst = float(((Y - Y.mean(axis=0)) ** 2).sum())
-    r2 = 1 - sse / sst if sst > 0 else (1.0 if sse <= 1e-12 else 0.0)  # sklearn's choice for constant Y
+    # constant Y: sklearn's choice, 1.0 for an exact fit, else 0.0
+    r2 = float(r2_score(Y, pred, multioutput="variance_weighted"))
     return AffineFit(r2=r2, rmse=float(np.sqrt(sse / Y.size)), pred=pred)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from actlake.hashing import unit_hash
+from actlake.jobs.training import warmup_cosine_lr
 
 log = logging.getLogger("actlake.lm")
 
@@ -101,11 +102,8 @@ def check_token_counts(cfg, sizes: dict) -> None:
 
 
 def lr_at(step: int, t) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak."""
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
-    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    """``warmup_cosine_lr`` with the training section's lr, warmup_steps and steps: cosine decay to 10% of the peak."""
+    return warmup_cosine_lr(step, t.lr, t.warmup_steps, t.steps, 0.1)
 
 
 def windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -137,7 +135,7 @@ def train_loop(config: dict) -> None:
 
     from actlake.config import parse_config
     from actlake.jobs.training import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint, worker_setup
-    from actlake.predictive_config import LMConfig
+    from actlake.jobs.lm.config import LMConfig
 
     cfg = parse_config(config["job"], where="train-lm config", root=LMConfig)
     t = cfg.training

@@ -1,4 +1,4 @@
-"""Linear probes on h, ĥ, r and [ĥ, r] (METHODS §6; seed 003 §3.4, §4.4).
+"""Linear probes on h, ĥ, r and [ĥ, r] (METHODS.md §6; seed 003 §3.4, §4.4).
 
 Multinomial logistic regression with class-balanced weights on features standardised with
 the training split's mean/std; C chosen by validation macro-F1; macro-F1 reported on test.
@@ -18,7 +18,7 @@ from sklearn.preprocessing import StandardScaler
 
 from actlake.errors import ConfigError
 
-from .predictive_metrics import macro_f1
+from .metrics import macro_f1
 
 
 @dataclass

@@ -5,9 +5,6 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from actlake.errors import StorageError
-from actlake.storage.layout import RunLayout
-
 
 def _curves(con, column: str, title: str):
     import altair as alt
@@ -42,13 +39,9 @@ def _f1_heatmap(con, task: str):
 
 
 def build_predictive_report(run_dir: str | Path) -> Path:
-    from actlake.report import write_page
-    from actlake.storage.sql import open_run
+    from actlake.report import open_for_report, write_page
 
-    layout = RunLayout(Path(run_dir).resolve())
-    if not (layout.tables / "predictor_summary").exists():
-        raise StorageError(f"{layout.root}: no predictor_summary table (did train-predictor finish?)")
-    con = open_run(layout.root)
+    layout, con = open_for_report(run_dir, ("predictor_summary",), "no predictor_summary table (did train-predictor finish?)")
     try:
         have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         blocks = [

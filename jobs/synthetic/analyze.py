@@ -5,7 +5,9 @@ final-residual activations (BOS dropped, positions pooled) -> effective dimensio
 three references; affine fits onto each factor's beliefs, their concatenation and the joint
 belief; vary-one factor subspaces and their overlaps, also for randomly initialised models (the
 band). Tables (one Parquet file per trial, ``trial`` from the folder name):
-``factored_dimension``, ``factored_fit``, ``factor_overlap``, ``belief_scatter``, ``activations``.
+``factored_dimension``, ``factored_fit``, ``factor_overlap``, ``belief_scatter``, ``activations``,
+``analysis_tokens`` (the token ids of the analysed sequences, so every stored activation can be
+traced back to its context).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ log = logging.getLogger("actlake.synthetic")
 STORED_SEQUENCES = 500
 """Sequences whose activations go to the ``activations`` table, per checkpoint."""
 
-TABLES = ("factored_dimension", "factored_fit", "factor_overlap", "belief_scatter", "activations")
+TABLES = ("factored_dimension", "factored_fit", "factor_overlap", "belief_scatter", "activations", "analysis_tokens")
 
 
 def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
     """Pooled final-residual activations (N*(L-1), D) and their positions (1 .. L-1)."""
     import torch
 
-    from actlake.synthetic.models import final_residual, with_bos
+    from actlake.jobs.synthetic.models import final_residual, with_bos
 
     x = with_bos(torch.from_numpy(tokens), bos)
     h = final_residual(model, x)[:, 1:].double().numpy()  # (N, L-1, D): BOS dropped
@@ -37,7 +39,7 @@ def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _model_rows(model, data: dict, dims: list[int], threshold: float) -> dict:
     """Every measurement of one model on the analysis data."""
-    from actlake.analysis import factored as F
+    from actlake.jobs.synthetic import factored as F
 
     acts, pos = _acts(model, data["tokens"], data["bos"])
     out = {"effective_dim": F.effective_dimension(acts, threshold), "fits": [], "preds": [], "acts": (acts, pos)}
@@ -68,15 +70,24 @@ def analysis_data(process, cfg) -> dict:
             "vary_one": [process.sample_vary_one(i, a.vary_one_sequences, L, rng) for i in range(process.n_factors)]}
 
 
+def token_rows(data: dict) -> list[dict]:
+    """``analysis_tokens`` rows: every analysed sequence's token ids. ``sequence_set`` ``sampled``: the
+    sequences of the dimension, the fits and ``activations`` (whose ``row`` r is sequence r // (context - 1)
+    at position r % (context - 1) + 1); ``vary<i>``: factor i's vary-one set of the overlaps."""
+    sets = [("sampled", data["tokens"])] + [(f"vary{i}", t) for i, t in enumerate(data["vary_one"])]
+    return [{"sequence_set": name, "sequence": k, "tokens": [int(x) for x in seq]}
+            for name, toks in sets for k, seq in enumerate(np.asarray(toks))]
+
+
 def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -> dict:
     """Measure every kept checkpoint of one trial and the random-init band; write its tables."""
     import pyarrow as pa
     import torch
 
-    from actlake.analysis import factored as F
+    from actlake.jobs.synthetic import factored as F
     from actlake.jobs.training import list_checkpoints, log_spaced_steps
-    from actlake.synthetic.models import build_model, load_model
-    from actlake.synthetic.train import build_process, config_from_dict
+    from actlake.jobs.synthetic.models import build_model, load_model
+    from actlake.jobs.synthetic.loop import build_process, config_from_dict
 
     torch.set_num_threads(max(1, threads))
     cfg = config_from_dict(cfg_dict)
@@ -90,6 +101,7 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
     if not ckpts:
         raise FileNotFoundError(f"no checkpoints for trial {name!r} under {run_dir}/checkpoints")
     rows = {t: [] for t in TABLES}
+    rows["analysis_tokens"] = token_rows(data)
     models = [("checkpoint", step, load_model(p / "model")) for step, p in ckpts]
     models += [("random", -(j + 1), build_model(cfg.model, trial["arch"], process.vocab_size + 1, 10_000 + j))
                for j in range(cfg.analysis.random_models)]

@@ -1,4 +1,4 @@
-"""External next-hidden-state predictor f_θ (METHODS §6; seed 003 §3.1–3.2).
+"""External next-hidden-state predictor f_θ (METHODS.md §6; seed 003 §3.1–3.2).
 
 ĥ_{t+1} = f_θ(h_≤t): ONE causal multi-head self-attention layer over h_1..h_t (queries,
 keys and values all from the frozen model's hidden states at one layer) followed by an
@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from actlake.errors import ConfigError
+from actlake.jobs.training import warmup_cosine_lr
 
-from .predictive_metrics import DimMoments, fit_standardisation
+from .metrics import RunningMoments, fit_standardisation
 
 __all__ = ["EvalResult", "NextStatePredictor", "PredictorConfig", "PredictorTrainer", "default_heads",
            "fit_standardisation", "lr_at", "pair_mask", "run_steps"]
@@ -84,17 +85,9 @@ def default_heads(model_n_heads: int, model_head_dim: int) -> tuple[int, int]:
 
 
 def lr_at(step: int, cfg: PredictorConfig) -> float:
-    """Learning rate used by optimizer step ``step`` (0-based).
-
-    Linear warm-up lr·(step+1)/warmup_steps, then cosine from lr to min_lr_ratio·lr at
-    total_steps, constant afterwards.
-    """
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(cfg.total_steps - cfg.warmup_steps, 1)
-    frac = min((step - cfg.warmup_steps) / span, 1.0)
-    floor = cfg.min_lr_ratio * cfg.lr
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    """Learning rate used by optimizer step ``step`` (0-based): ``warmup_cosine_lr`` with the config's
+    lr, warmup_steps, total_steps and min_lr_ratio."""
+    return warmup_cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
 
 
 def pair_mask(valid: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
@@ -146,7 +139,8 @@ class EvalResult:
     mse: float
     """mean over valid targets of ‖h_{t+1} − ĥ_{t+1}‖² / d."""
     r2: float
-    """1 − mse / Var, Var = mean per-dimension population variance of the valid targets."""
+    """1 − mse / Var, Var = mean per-dimension population variance of the valid targets: sklearn's
+    ``r2_score(..., multioutput="variance_weighted")``; constant targets: 1.0 for exact predictions, else 0.0."""
     mse_by_position: np.ndarray
     """(T-1,) mse per position; index t (0-based) is the prediction of h[:, t+1]; NaN if no valid target."""
     residual_norm: np.ndarray
@@ -266,7 +260,7 @@ class PredictorTrainer:
         n_win, t = len(h), int(h.shape[1])
         sse, cnt = np.zeros(t - 1), np.zeros(t - 1)
         norms = np.full((n_win, t - 1), np.nan, dtype=np.float32)
-        mom = DimMoments(self.cfg.d_model)  # of the standardised targets
+        mom = RunningMoments(self.cfg.d_model)  # of the standardised targets
         for sl, z, zhat, m in self._batches(h, valid, batch_size):
             sq = (((z[:, 1:] - zhat) * self._std).double() ** 2).sum(-1)  # (b, T-1) ‖r‖², original units
             sq = torch.where(m, sq, 0.0).cpu().numpy()
@@ -282,7 +276,10 @@ class PredictorTrainer:
         var = float(np.mean(self.std ** 2 * mom.variance))  # Var_j(h) = std_j² Var_j(z)
         with np.errstate(invalid="ignore", divide="ignore"):
             by_pos = np.where(cnt > 0, sse / (cnt * d), np.nan)
-        return EvalResult(mse, 1.0 - mse / var if var > 0 else float("nan"), by_pos, norms, var, int(mom.count))
+        # R² = sklearn's r2_score(targets, predictions, multioutput="variance_weighted"), streamed as 1 − MSE/Var;
+        # constant targets as sklearn has them: 1.0 for exact predictions, else 0.0
+        r2 = 1.0 - mse / var if var > 0 else (1.0 if mse == 0 else 0.0)
+        return EvalResult(mse, r2, by_pos, norms, var, int(mom.count))
 
     def predict(self, h, valid=None, batch_size: int = 64) -> np.ndarray:
         """ĥ (N, T-1, d) float32 in original units; ĥ[:, t] predicts h[:, t+1]; NaN where not a valid target."""

@@ -151,7 +151,7 @@ def from_matrices(T, eta0=None, name: str = "ghmm") -> GHMM:
 
 def mess3(x: float = 0.15, alpha: float = 0.6) -> GHMM:
     """Mess3 (3 states, 3 tokens): T(k)[i, j] = P(i->j) P(k|j), P(i->j) = 1-2x if i == j else x,
-    P(k|j) = alpha if k == j else (1-alpha)/2 (METHODS §7; paper x = 0.15, alpha = 0.6)."""
+    P(k|j) = alpha if k == j else (1-alpha)/2 (METHODS.md §7; paper x = 0.15, alpha = 0.6)."""
     x, alpha = _scalar("x", x, 0.0, 0.5), _scalar("alpha", alpha, 0.0, 1.0)
     P = np.full((3, 3), x)
     np.fill_diagonal(P, 1 - 2 * x)  # P[i, j] = P(i -> j)
@@ -161,7 +161,7 @@ def mess3(x: float = 0.15, alpha: float = 0.6) -> GHMM:
 
 
 def bloch_walk(alpha: float = 1.0, beta: float = 3.0) -> GHMM:
-    """The Bloch walk (3-dim GHMM, 4 tokens) of METHODS §7 with eta0 = [1, 0, 0] (paper alpha = 1, beta = 3)."""
+    """The Bloch walk (3-dim GHMM, 4 tokens) of METHODS.md §7 with eta0 = [1, 0, 0] (paper alpha = 1, beta = 3)."""
     alpha, beta = _scalar("alpha", alpha, -1e150, 1e150), _scalar("beta", beta, -1e150, 1e150)
     if alpha == 0 and beta == 0:
         raise ConfigError("alpha, beta: must not both be 0 (gamma^2 = 1/(4(alpha^2+beta^2)))")
@@ -352,7 +352,7 @@ class ProductProcess:
 
     def sample_vary_one(self, factor: int, n_seqs: int, length: int, rng: np.random.Generator) -> np.ndarray:
         """(n_seqs, length): factor `factor` sampled freshly per sequence, every other factor's sub-tokens
-        one shared sampled sequence ("vary one", METHODS §7 (3)). No noise is applied; a dependent factor
+        one shared sampled sequence ("vary one", METHODS.md §7 (3)). No noise is applied; a dependent factor
         uses the shared sub-tokens of its parent, later factors keep theirs."""
         i = _scalar("factor", factor, 0, self.n_factors - 1, True)
         n, L = _scalar("n_seqs", n_seqs, 1, np.inf, True), _scalar("length", length, 0, np.inf, True)

@@ -9,9 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from actlake.errors import StorageError
-from actlake.storage.layout import RunLayout
-
 
 def _dimension_chart(con):
     import altair as alt
@@ -111,13 +108,9 @@ def _curve_chart(con):
 
 
 def build_synthetic_report(run_dir: str | Path) -> Path:
-    from actlake.report import write_page
-    from actlake.storage.sql import open_run
+    from actlake.report import open_for_report, write_page
 
-    layout = RunLayout(Path(run_dir).resolve())
-    if not (layout.tables / "factored_dimension").exists():
-        raise StorageError(f"{layout.root}: no factored_dimension table (did the analysis run?)")
-    con = open_run(layout.root)
+    layout, con = open_for_report(run_dir, ("factored_dimension",), "no factored_dimension table (did the analysis run?)")
     try:
         blocks = [
             ("dimension", "Effective dimension (95% of variance) vs training step, with the factored, joint and "

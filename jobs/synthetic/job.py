@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actlake.storage.layout import RunLayout, write_json_atomic
-from actlake.synthetic.config import SyntheticConfig
+from actlake.jobs.synthetic.config import SyntheticConfig
 
 log = logging.getLogger("actlake.synthetic")
 
@@ -39,9 +39,9 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     """Train every trial (resuming), then analyse the checkpoints and render the report."""
     import shutil
 
-    from actlake.jobs.run import init_ray
+    from actlake.jobs.ray_env import init_ray
     from actlake.jobs.training import Resources, Trial, prepare_checkpoints, require_finished, run_trials
-    from actlake.synthetic.train import train_loop
+    from actlake.jobs.synthetic.loop import train_loop
 
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
@@ -61,7 +61,7 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
             run_trials([Trial(t["name"], train_loop, {"job": cfg.to_dict(), **t}) for t in trials], layout.root,
                        Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
         if cfg.analysis.enabled if analyze is None else analyze:
-            from actlake.synthetic.analyze import analyze_run
+            from actlake.jobs.synthetic.analyze import analyze_run
 
             log.info("analysing the checkpoints of %d trial(s)", len(trials))
             analyze_run(cfg, layout.root, cpus=r.cpus_per_worker)
@@ -72,7 +72,7 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
             ray.shutdown()
     report_path = None
     if (cfg.output.report if report is None else report) and (layout.tables / "factored_dimension").exists():
-        from actlake.synthetic.report import build_synthetic_report
+        from actlake.jobs.synthetic.report import build_synthetic_report
 
         report_path = str(build_synthetic_report(layout.root))
     wall = time.perf_counter() - t0

@@ -1,1 +1,0 @@
-"""Synthetic factored processes (GHMMs) and their exact belief states (METHODS.md §7)."""

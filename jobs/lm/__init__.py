@@ -1,0 +1,1 @@
+"""``actlake train-lm``: config, training loop, job driver."""

@@ -1,0 +1,62 @@
+"""Start or join Ray for every job (extraction and training): ``init_ray``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+from actlake.errors import ActlakeError
+
+log = logging.getLogger("actlake.run")
+
+
+def init_ray(address: str | None, dashboard: bool = False) -> bool:
+    """Connect to ``address`` / RAY_ADDRESS, or start an embedded Ray bound to 127.0.0.1. True if we started it.
+
+    ``dashboard``: start the embedded Ray with its dashboard, whose state API Ray Train's
+    controller polls (without it, Ray Train logs a warning every second)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return True
+    with _single_machine_ray():
+        ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=True,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip not in ("127.0.0.1", "::1"):
+        ray.shutdown()
+        raise ActlakeError(f"the embedded Ray took node address {node_ip}, not 127.0.0.1, so its servers would listen "
+                           f"beyond this machine; refusing to run (this Ray version, {ray.__version__}, needs a new fix)")
+    return True
+
+
+@contextlib.contextmanager
+def _single_machine_ray():
+    """Let ``ray.init(_node_ip_address="127.0.0.1")`` keep the loopback address.
+
+    Ray replaces a loopback ``_node_ip_address`` by the machine's outward address
+    (``ray._private.services.resolve_ip_for_localhost``) unless clusters are disabled
+    (``ray_constants.ENABLE_RAY_CLUSTER``, the setting behind ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``,
+    read once when Ray is imported). With the outward address the GCS, raylet and worker gRPC
+    servers listen on every interface (``::``); with 127.0.0.1 every server Ray starts listens on
+    loopback only (tests/integration/test_inputs.py lists them). Set for the duration of
+    ``ray.init`` only: a later connection to a real cluster from this process must see the
+    machine's address again.
+    """
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # another Ray: init_ray checks the address it took
+        log.warning("this Ray has no ray_constants.ENABLE_RAY_CLUSTER; starting it as it is")
+        yield
+        return
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
