@@ -138,12 +138,10 @@ class Extractor:
             result.acts = {layer: (keep, to_host(hs[layer][rows.to(hs[layer].device)])) for layer in self.store_layers}
         if self.lm.lm_head is not None:
             result.surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask))
-        if not strict:
-            checks = recorder.problems() + [t for x in stats.values() for t in x.problems()]
-            found = [float(t.sum()) for t in checks]  # the batch's one synchronisation (per device)
-            if any(found):
-                log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
-                return self.run_batch(batch, strict=True)
+        checks = [] if strict else recorder.problems() + [t for x in stats.values() for t in x.problems()]
+        if _await_device(dev, checks, hs):
+            log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
+            return self.run_batch(batch, strict=True)
         return result
 
     # ------------------------------------------------------------------ one shard
@@ -193,6 +191,23 @@ class Extractor:
             yield from self.run_batch_resilient(batch[half:], depth + 1)
             return
         yield result
+
+
+def _await_device(dev: torch.device, checks: list, hidden_states) -> bool:
+    """Wait until the batch's host copies are complete; True when a device-side check counted a problem.
+
+    One model device: the checks are read in one go, which waits for everything queued before them
+    (the batch's only synchronisation). Several devices, or nothing to read: every device in use is
+    synchronised. On a CPU there is nothing to wait for."""
+    devices = {dev} | ({h.device for h in hidden_states} if hidden_states is not None else set())
+    devices = {d for d in devices if d.type == "cuda"}
+    if not devices:
+        return any(bool(t.sum()) for t in checks)
+    if len(devices) == 1 and checks:
+        return any(torch.stack([t.sum().to(torch.float64) for t in checks]).tolist())
+    for d in devices:
+        torch.cuda.synchronize(d)
+    return any(bool(t.sum()) for t in checks)
 
 
 @dataclass
