@@ -20,6 +20,7 @@ module names a particular one.
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -61,7 +62,7 @@ class HiddenBatch:
     and report them through :meth:`Analysis.problems`; the batch is then run again strictly."""
 
 
-class Analysis:
+class Analysis(ABC):
     """Base class of an analysis (see the module docstring). Subclasses set the class attributes and
     override what they use; the accumulators are the instance's tensors."""
 
@@ -75,9 +76,9 @@ class Analysis:
     """SQL views over its reduced tables (name -> SELECT), created by ``actlake sql`` / ``open_run``."""
 
     @classmethod
+    @abstractmethod
     def create(cls, spec: ModelSpec, **options) -> "Analysis":
         """Fresh (zero) accumulators on ``spec.device``; ``options`` from the job config."""
-        raise NotImplementedError
 
     def add_layer(self, lq) -> None:
         """One attention layer of one batch (when ``attention`` is in :attr:`reads`)."""
@@ -89,16 +90,18 @@ class Analysis:
         """Device counters that must be zero for this batch's statistics to be right (read once per batch)."""
         return []
 
+    @abstractmethod
     def merge(self, other: "Analysis") -> "Analysis":
-        raise NotImplementedError
+        """This plus ``other``: associative and commutative up to float64 rounding."""
 
+    @abstractmethod
     def to_tables(self) -> dict:
         """``{table: pyarrow.Table}`` for every name in :attr:`tables`."""
-        raise NotImplementedError
 
     @classmethod
+    @abstractmethod
     def from_tables(cls, tables: dict) -> "Analysis":
-        raise NotImplementedError
+        """The inverse of :meth:`to_tables` (the reduce step reads partials with it)."""
 
     @classmethod
     def charts(cls, con) -> list[tuple[float, object]]:
