@@ -151,11 +151,6 @@ def enabled(analyses_cfg) -> list[tuple[type[Analysis], dict]]:
     return out
 
 
-def by_table(analyses_cfg) -> dict[str, type[Analysis]]:
-    """Reduced table -> the enabled analysis that writes it."""
-    return {t: cls for cls, _ in enabled(analyses_cfg) for t in cls.tables}
-
-
 def products(classes) -> frozenset:
     """Products of the attention weights the given analyses read."""
     return frozenset().union(*(c.reads for c in classes)) & (READS - {"attention", "layer_inputs", "hidden_states"})
