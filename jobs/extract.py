@@ -21,7 +21,7 @@ from actlake.analysis.surprisal import token_surprisal
 from actlake.batching import Window, collate, document_windows, make_batches
 from actlake.categories import ROLE, TYPE8, Categorizer, one_hot
 from actlake.config import JobConfig
-from actlake.corpus.readers import Reject, iter_items
+from actlake.corpus.readers import Reject
 from actlake.jobs.plan import Shard
 from actlake.model import LoadedModel
 from actlake.storage.activations import activation_table, resolve_layers, window_sampled
