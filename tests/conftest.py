@@ -135,3 +135,41 @@ def job_config(model_path, corpus: Path, out_dir: Path, **overrides):
             cur = cur.setdefault(p, {})
         cur[last] = value
     return parse_config(json.loads(json.dumps(data)))
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto) on 127.0.0.1, with the standard AWS variables pointing at it.
+
+    Yields ``make_bucket(name) -> "s3://name"``. The variables are set for the whole session (workers
+    of the session's Ray get them from the job, which forwards the S3 settings; see actlake/jobs/ray_env.py)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from actlake.fs import filesystem
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "actlake-test",
+           "AWS_SECRET_ACCESS_KEY": "actlake-test-secret", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    filesystem.cache_clear()
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
+
+    def make_bucket(name: str) -> str:
+        client.create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+    try:
+        yield make_bucket
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        filesystem.cache_clear()

@@ -1,0 +1,337 @@
+"""Local folders and object stores behind one small path type.
+
+A location is either a :class:`pathlib.Path` (a local disk or a shared mount) or an
+:class:`ObjectPath` (``s3://bucket/key``, ``gs://bucket/key``, ``hf://datasets/…``) served by
+``pyarrow.fs``. ``ObjectPath`` offers the part of the ``Path`` API actlake uses (``/``, ``name``,
+``parent``, ``read_bytes``, ``is_file``, ``stat``, ``iterdir``, …), so storage code reads the same
+for both; what differs is said by the functions below:
+
+- :func:`write_atomic`: a temporary file renamed into place on a disk, one PUT on an object store
+  (an object appears whole or not at all; there is no rename);
+- :func:`arrow`: the ``pyarrow.fs`` file system and path, for Parquet reads and writes;
+- :func:`glob`: ``*``, ``?`` and ``**`` over a local folder or a bucket listing.
+
+S3 settings come from the standard AWS variables: credentials (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, profiles), ``AWS_REGION`` /
+``AWS_DEFAULT_REGION``, and ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` for S3-compatible stores
+(MinIO, Ceph, a local test server). An unknown scheme is an error, never a local folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob as _glob
+import os
+import posixpath
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from actlake.errors import StorageError
+
+SCHEMES = ("s3", "gs", "gcs", "hf")
+"""Object-store schemes actlake reads and writes through ``pyarrow.fs``."""
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(value) -> str | None:
+    """The scheme of ``value`` when it is a URL (``s3://…``), else None."""
+    m = _SCHEME.match(str(value))
+    return m.group(1).lower() if m else None
+
+
+def check_scheme(value, key: str) -> None:
+    """StorageError naming ``key`` when ``value`` is a URL of a scheme actlake cannot use."""
+    s = url_scheme(value)
+    if s is not None and s not in SCHEMES and s != "file":
+        raise StorageError(f"{key}: {value!r} uses the scheme {s}://, which actlake cannot read or write "
+                           f"(known: {', '.join(f'{x}://' for x in SCHEMES)}, or a local path)")
+
+
+def location(value) -> "Path | ObjectPath":
+    """The location ``value`` names: an ObjectPath for an object-store URL, else an absolute local Path."""
+    if isinstance(value, (Path, ObjectPath)):
+        return value if isinstance(value, ObjectPath) else value.resolve()
+    text = str(value)
+    check_scheme(text, "path")
+    s = url_scheme(text)
+    if s == "file":
+        return Path(text[len("file://"):]).resolve()
+    if s is None:
+        return Path(os.path.expanduser(text)).resolve()
+    key = text[len(s) + 3:].strip("/")
+    if not key:
+        raise StorageError(f"{text}: names no bucket")
+    return ObjectPath("gs" if s == "gcs" else s, posixpath.normpath(key))
+
+
+def is_remote(path) -> bool:
+    return isinstance(path, ObjectPath)
+
+
+@functools.lru_cache(maxsize=None)
+def filesystem(scheme: str):
+    """The process's ``pyarrow.fs`` file system for ``scheme`` (built once, from the environment)."""
+    import pyarrow.fs as pafs
+
+    try:
+        if scheme == "s3":
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            if endpoint:
+                return pafs.S3FileSystem(endpoint_override=endpoint, region=region or "us-east-1")
+            return pafs.S3FileSystem(region=region) if region else pafs.S3FileSystem()
+        if scheme == "gs":
+            return pafs.GcsFileSystem()
+        if scheme == "hf":
+            from huggingface_hub import HfFileSystem
+
+            return pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem()))
+    except (OSError, ImportError, ValueError) as e:
+        raise StorageError(f"{scheme}://: cannot open the object store ({type(e).__name__}: {e})") from None
+    raise StorageError(f"{scheme}://: not an object-store scheme actlake knows")
+
+
+@dataclass(frozen=True)
+class ObjectStat:
+    st_size: int
+    st_mtime_ns: int
+
+
+@dataclass(frozen=True, order=True)
+class ObjectPath:
+    """``scheme://key`` in an object store; the subset of ``pathlib.Path`` storage code needs.
+
+    Directories are prefixes: ``mkdir`` does nothing and ``is_dir`` is true when a key lies below."""
+
+    scheme: str
+    key: str  # "bucket/a/b", no leading or trailing slash
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.key}"
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    @property
+    def fs(self):
+        return filesystem(self.scheme)
+
+    def __truediv__(self, other) -> "ObjectPath":
+        return ObjectPath(self.scheme, posixpath.normpath(posixpath.join(self.key, str(other))))
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.key)
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self.key).suffix
+
+    @property
+    def parent(self) -> "ObjectPath":
+        return ObjectPath(self.scheme, posixpath.dirname(self.key) or self.key)
+
+    @property
+    def parents(self) -> list["ObjectPath"]:
+        out, p = [], self
+        while p.parent != p:
+            p = p.parent
+            out.append(p)
+        return out
+
+    def with_name(self, name: str) -> "ObjectPath":
+        return self.parent / name
+
+    def relative_to(self, other: "ObjectPath") -> PurePosixPath:
+        if not isinstance(other, ObjectPath) or other.scheme != self.scheme:
+            raise ValueError(f"{self} is not under {other}")
+        return PurePosixPath(self.key).relative_to(other.key)
+
+    def resolve(self) -> "ObjectPath":
+        return self
+
+    def _info(self):
+        return self.fs.get_file_info(self.key)
+
+    def exists(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return self._info().type != pafs.FileType.NotFound or self.is_dir()
+
+    def is_file(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return self._info().type == pafs.FileType.File
+
+    def is_dir(self) -> bool:
+        import pyarrow.fs as pafs
+
+        if self._info().type == pafs.FileType.Directory:
+            return True
+        sel = pafs.FileSelector(self.key, allow_not_found=True, recursive=False)
+        try:
+            return bool(self.fs.get_file_info(sel))
+        except OSError:
+            return False
+
+    def stat(self) -> ObjectStat:
+        import pyarrow.fs as pafs
+
+        info = self._info()
+        if info.type != pafs.FileType.File:
+            raise FileNotFoundError(str(self))
+        mtime = info.mtime_ns if info.mtime_ns is not None else 0
+        return ObjectStat(info.size, mtime)
+
+    def read_bytes(self) -> bytes:
+        try:
+            with self.fs.open_input_stream(self.key) as f:
+                return f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            if "not found" in str(e).lower() or "does not exist" in str(e).lower() or "NoSuchKey" in str(e):
+                raise FileNotFoundError(str(self)) from None
+            raise
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.read_bytes().decode(encoding)
+
+    def write_bytes(self, data: bytes) -> int:
+        with self.fs.open_output_stream(self.key) as f:
+            f.write(data)
+        return len(data)
+
+    def write_text(self, text: str, encoding: str = "utf-8") -> int:
+        return self.write_bytes(text.encode(encoding))
+
+    def open(self, mode: str = "rb"):
+        if mode == "rb":
+            return self.fs.open_input_file(self.key)
+        if mode == "wb":
+            return self.fs.open_output_stream(self.key)
+        raise ValueError(f"{self}: mode {mode!r} (object stores take 'rb' or 'wb')")
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        return None  # prefixes exist when an object lies below them
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.fs.delete_file(self.key)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def iterdir(self):
+        import pyarrow.fs as pafs
+
+        sel = pafs.FileSelector(self.key, allow_not_found=True, recursive=False)
+        for info in sorted(self.fs.get_file_info(sel), key=lambda i: i.path):
+            yield ObjectPath(self.scheme, info.path.rstrip("/"))
+
+    def files(self) -> list["ObjectPath"]:
+        """Every object below this prefix (one recursive listing)."""
+        import pyarrow.fs as pafs
+
+        sel = pafs.FileSelector(self.key, allow_not_found=True, recursive=True)
+        return sorted(ObjectPath(self.scheme, i.path) for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.File)
+
+    def glob(self, pattern: str) -> list["ObjectPath"]:
+        rx = glob_regex(posixpath.join(self.key, pattern))
+        return [p for p in self.files() if rx.fullmatch(p.key)]
+
+
+def glob_regex(pattern: str) -> re.Pattern:
+    """A regex for a glob over ``/``-separated keys: ``*`` and ``?`` stay within a segment, ``**/`` spans any."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
+            j = pattern.index("]", i + 2)
+            body = pattern[i + 1:j]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = j + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
+
+
+def write_atomic(path, data: bytes) -> None:
+    """``path`` holds ``data`` whole or keeps what it held: temporary name and rename on a disk,
+    one PUT on an object store."""
+    if isinstance(path, ObjectPath):
+        path.write_bytes(data)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def remove_tree(path) -> None:
+    """Delete a folder (or prefix) and everything below it; nothing when it is absent."""
+    if isinstance(path, ObjectPath):
+        try:
+            path.fs.delete_dir(path.key)
+        except (FileNotFoundError, OSError):
+            for p in path.files():
+                p.unlink(missing_ok=True)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def arrow(path) -> tuple:
+    """(``pyarrow.fs`` file system, path string) for ``path``, for pyarrow's readers and writers."""
+    import pyarrow.fs as pafs
+
+    if isinstance(path, ObjectPath):
+        return path.fs, path.key
+    return pafs.LocalFileSystem(), str(path)
+
+
+def open_input(path):
+    """A seekable binary reader of ``path`` (a local path string, Path or ObjectPath)."""
+    p = location(path)
+    return p.open("rb") if isinstance(p, ObjectPath) else open(p, "rb")
+
+
+def stat(path) -> tuple[int, int]:
+    """(size in bytes, modification time in ns) of a local or object-store file."""
+    p = location(path)
+    st = p.stat() if isinstance(p, ObjectPath) else os.stat(p)
+    return st.st_size, st.st_mtime_ns
+
+
+def glob(pattern: str) -> list[str]:
+    """Files matching ``pattern`` (``*``, ``?``, ``**``) as sorted strings: local absolute paths or URLs."""
+    s = url_scheme(pattern)
+    if s is None or s == "file":
+        local = pattern[len("file://"):] if s == "file" else pattern
+        return sorted(os.path.abspath(m) for m in _glob.glob(os.path.expanduser(local), recursive=True)
+                      if not os.path.isdir(m))
+    root = location(pattern)
+    parts = root.key.split("/")
+    fixed = next((i for i, x in enumerate(parts) if any(c in x for c in "*?[")), len(parts))
+    if fixed == len(parts):
+        return [str(root)] if root.is_file() else []
+    base = ObjectPath(root.scheme, "/".join(parts[:fixed]))
+    return [str(p) for p in base.glob("/".join(parts[fixed:]))]
