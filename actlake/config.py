@@ -91,6 +91,8 @@ class ShardingConfig:
     """Documents per shard; a shard is the unit of scheduling, retry and resume. jsonl inputs get an entry point every this many records (see Architecture: reading)."""
     plan_workers: int = 0
     """Processes that count and index corpus files in parallel at planning (0: one per CPU core of the driver; 1: in the driver)."""
+    commit_seconds: float = 600.0
+    """A worker commits the shards it has run (tables, merged partial statistics, one record) at least this often: the work a dead worker loses. It also commits once its partial statistics would be at most 5 % of its shards' table bytes, and when no shards are left for it."""
 
 
 @dataclass
@@ -209,8 +211,11 @@ class JobConfig:
         return self.output.run_id or f"{self.name}-{self.content_hash()}"
 
     @property
-    def run_dir(self) -> Path:
-        return Path(self.output.dir).resolve() / self.run_id
+    def run_dir(self):
+        """The run folder: a local Path, or an ObjectPath when ``output.dir`` is an object-store URL."""
+        from actlake.fs import location
+
+        return location(self.output.dir) / self.run_id
 
 
 # --------------------------------------------------------------------------- parsing
@@ -410,6 +415,8 @@ def _check_values(cfg: JobConfig, err) -> None:
         err(("corpus", "hf_streaming"), "only applies to format 'hf'")
     if cfg.corpus.hf_streaming and cfg.corpus.max_docs is not None:
         err(("corpus", "max_docs"), "not supported with hf_streaming (rows are not counted); leave it null")
+    if cfg.sharding.commit_seconds <= 0:
+        err(("sharding", "commit_seconds"), f"must be positive, got {cfg.sharding.commit_seconds}")
     if cfg.sharding.plan_workers < 0:
         err(("sharding", "plan_workers"), "must be 0 (one per core) or more")
     for key, value in [(("output", "dir"), cfg.output.dir)] + [(("corpus", "paths", i), v) for i, v in enumerate(cfg.corpus.paths)]:

@@ -240,6 +240,14 @@ class ObjectPath:
         sel = pafs.FileSelector(self.key, allow_not_found=True, recursive=True)
         return sorted(ObjectPath(self.scheme, i.path) for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.File)
 
+    def sizes(self) -> dict[str, int]:
+        """Size of every object below this prefix, by key relative to it (one recursive listing)."""
+        import pyarrow.fs as pafs
+
+        sel = pafs.FileSelector(self.key, allow_not_found=True, recursive=True)
+        n = len(self.key) + 1
+        return {i.path[n:]: i.size for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.File}
+
     def glob(self, pattern: str) -> list["ObjectPath"]:
         rx = glob_regex(posixpath.join(self.key, pattern))
         return [p for p in self.files() if rx.fullmatch(p.key)]
@@ -270,6 +278,22 @@ def glob_regex(pattern: str) -> re.Pattern:
             out.append(re.escape(pattern[i]))
             i += 1
     return re.compile("".join(out))
+
+
+def file_sizes(folder) -> dict[str, int]:
+    """Size of every file below ``folder`` (a Path or ObjectPath), by ``/``-separated path relative to
+    it: one listing, whatever the number of files (one request per 1,000 objects on S3)."""
+    if isinstance(folder, ObjectPath):
+        return folder.sizes()
+    out = {}
+    for dirpath, _, names in os.walk(folder):
+        rel = os.path.relpath(dirpath, folder)
+        for name in names:
+            try:
+                out[name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")] = os.stat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                pass
+    return out
 
 
 def write_atomic(path, data: bytes) -> None:

@@ -10,6 +10,7 @@ import html
 import json
 from pathlib import Path
 
+from actlake.fs import location, write_atomic
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout
 
@@ -82,7 +83,7 @@ def open_for_report(run_dir: str | Path, tables: tuple[str, ...], missing: str):
     StorageError "<run>: <missing>". The caller closes the connection."""
     from actlake.storage.sql import open_run
 
-    layout = RunLayout(Path(run_dir).resolve())
+    layout = RunLayout(location(run_dir))
     if not any((layout.tables / t).exists() for t in tables):
         raise StorageError(f"{layout.root}: {missing}")
     return layout, open_run(layout.root)
@@ -120,10 +121,7 @@ def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
         slug, title, chart = block
         spec = chart.to_dict()
         specs[slug] = spec
-        png = vlc.vegalite_to_png(spec, scale=1.5)
-        tmp = layout.report / f".{slug}.png.tmp"
-        tmp.write_bytes(png)
-        tmp.replace(layout.report / f"{slug}.png")
+        write_atomic(layout.report / f"{slug}.png", vlc.vegalite_to_png(spec, scale=1.5))
         sections.append(f"<section><h2>{html.escape(title)}</h2><div class='chart' id='chart-{slug}'></div></section>")
     bundle = vlc.javascript_bundle().replace("</script>", "<\\/script>")
     embed = "\n".join(
@@ -141,7 +139,5 @@ def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
 <script>{embed}</script>
 </body></html>"""
     out = layout.report / "report.html"
-    tmp = layout.report / ".report.html.tmp"
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
+    write_atomic(out, page.encode("utf-8"))
     return out

@@ -1,10 +1,13 @@
 """Hands shards to worker actors, one at a time each, and survives workers that die.
 
-A shard whose worker dies (killed, out of host memory, node removed) goes back to the
-front of the queue and runs again on whichever worker is free, up to ``max_retries``
-times; the dead actor is pinged and rejoins the pool once Ray has restarted it. A
-shard that fails with an error of its own (a corrupt file) is not retried: that error
-is deterministic. Shard commits are idempotent, so a retried shard never duplicates rows.
+A worker commits the shards it ran a group at a time (:mod:`actlake.storage.shards`): when its
+group is due, with the last shard the queue holds, or when told to (``flush``) once nothing is left
+to hand out. A shard is done when its group is committed. When a worker dies (killed, out of host
+memory, node removed), the shard it held and the uncommitted shards of its group go back to the
+front of the queue and run again on whichever worker is free, up to ``max_retries`` times each;
+the dead actor is pinged and rejoins the pool once Ray has restarted it. A shard that fails with
+an error of its own (a corrupt file) is not retried: that error is deterministic. A retried shard
+never duplicates rows: readers take only what accepted commit records name.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ def _is_worker_death(exc: Exception) -> bool:
     return isinstance(exc, RayActorError)
 
 
+def _key(worker) -> str:
+    return worker._actor_id.hex()
+
+
 def _is_temporary(exc: Exception) -> bool:
     """The actor is restarting (it will answer again), as opposed to dead for good."""
     from ray.exceptions import ActorUnavailableError
@@ -37,20 +44,29 @@ class Dispatcher:
         self.on_done = on_done
 
     def run(self, shards: list) -> tuple[list[dict], list[str]]:
-        """Run every shard; return (summaries, failure messages)."""
+        """Run and commit every shard; return (summaries, failure messages)."""
         import ray
 
         self.idle, self.queue = deque(self.workers), deque(shards)
         self.attempts: Counter = Counter()
-        self.in_flight: dict = {}  # ref -> ("shard", worker, shard) | ("ping", worker, None)
-        self.summaries, self.failures = [], []
+        self.in_flight: dict = {}  # ref -> ("shard", worker, shard) | ("flush", worker, None) | ("ping", worker, None)
+        self.open: dict[str, list] = {}  # worker -> shards it ran whose group is not committed yet
+        self.summaries: dict[int, dict] = {}
+        self.failures: list[str] = []
         self.alive, self.last_death = len(self.workers), ""
-        while self.queue or any(kind == "shard" for kind, _, _ in self.in_flight.values()):
+        while True:
             while self.idle and self.queue:
                 w, s = self.idle.popleft(), self.queue.popleft()
-                self.in_flight[w.process.remote(asdict(s))] = ("shard", w, s)
+                self.in_flight[w.process.remote(asdict(s), not self.queue)] = ("shard", w, s)
+            if not self.queue:  # nothing left to hand out: idle workers commit what they hold
+                for w in [w for w in self.idle if self.open.get(_key(w))]:
+                    self.idle.remove(w)
+                    self.in_flight[w.flush.remote()] = ("flush", w, None)
+            if not self.in_flight:
+                break
             if self.alive == 0:
-                self.failures += [f"shard {s.shard_id:05d} ({s.path}): no worker left to run it" for s in self.queue]
+                lost = list(self.queue) + [s for ss in self.open.values() for s in ss]
+                self.failures += [f"shard {s.shard_id:05d} ({s.path}): no worker left to run it" for s in lost]
                 self.failures.append(f"the last worker failed with: {self.last_death}")
                 break
             ref = ray.wait(list(self.in_flight), num_returns=1)[0][0]
@@ -62,28 +78,55 @@ class Dispatcher:
                     self._ping_failed(w, e)
                 elif _is_worker_death(e):
                     self._worker_died(w, s)
+                elif kind == "flush":
+                    self._commit_failed(w, e)
                 else:
                     self._shard_failed(w, s, e)
                 continue
             if kind == "shard":
-                self.summaries.append(result)
-                self.on_done(result)
+                self.open.setdefault(_key(w), []).append(s)
+                self.summaries[s.shard_id] = result
+                self._committed(w, result["committed"])
+            elif kind == "flush":
+                self._committed(w, result)
             self.idle.append(w)
-        return self.summaries, self.failures
+        return [self.summaries[i] for i in sorted(self.summaries)], self.failures
+
+    def _committed(self, w, ids: list[int]) -> None:
+        """The worker committed the shards ``ids``: they count as done."""
+        if not ids:
+            return
+        done = set(ids)
+        self.open[_key(w)] = [s for s in self.open.get(_key(w), []) if s.shard_id not in done]
+        for sid in sorted(done):
+            self.on_done(self.summaries[sid])
 
     def _ping(self, w) -> None:
         self.in_flight[w.get_pid.remote()] = ("ping", w, None)
 
     def _worker_died(self, w, s) -> None:
-        """The worker died under the shard: requeue the shard, ping the worker until it is back."""
-        self.attempts[s.shard_id] += 1
-        if self.attempts[s.shard_id] > self.max_retries:
-            self.failures.append(f"shard {s.shard_id:05d} ({s.path}): its worker died {self.attempts[s.shard_id]} times")
-            log.error("%s", self.failures[-1])
-        else:
-            log.warning("worker died running shard %05d (attempt %d); requeued", s.shard_id, self.attempts[s.shard_id])
-            self.queue.appendleft(s)
+        """The worker died (under shard ``s``, or committing): requeue ``s`` and the shards of its open group,
+        which died with it; ping the worker until it is back."""
+        lost = ([s] if s is not None else []) + self.open.pop(_key(w), [])
+        for shard in reversed(lost):
+            self.attempts[shard.shard_id] += 1
+            if self.attempts[shard.shard_id] > self.max_retries:
+                self.failures.append(f"shard {shard.shard_id:05d} ({shard.path}): its worker died "
+                                     f"{self.attempts[shard.shard_id]} times")
+                log.error("%s", self.failures[-1])
+            else:
+                log.warning("worker died holding shard %05d (attempt %d); requeued", shard.shard_id,
+                            self.attempts[shard.shard_id])
+                self.queue.appendleft(shard)
         self._ping(w)
+
+    def _commit_failed(self, w, e: Exception) -> None:
+        """Writing a group failed (the store refused): its shards fail; a rerun runs them again."""
+        cause = str(getattr(e, "cause", None) or e).strip().splitlines()[-1][:500]
+        for s in self.open.pop(_key(w), []):
+            self.failures.append(f"shard {s.shard_id:05d} ({s.path}): its group could not be committed: {cause}")
+        log.error("a group could not be committed: %s", cause)
+        self.idle.append(w)
 
     def _ping_failed(self, w, e: Exception) -> None:
         if _is_temporary(e):  # still restarting: ask again shortly

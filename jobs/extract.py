@@ -26,7 +26,7 @@ from actlake.jobs.plan import Shard
 from actlake.model import LoadedModel
 from actlake.storage.activations import activation_table, resolve_layers, window_sampled
 from actlake.storage.layout import RunLayout
-from actlake.storage.shards import ShardWriter
+from actlake.storage.shards import Group, ShardFiles
 
 log = logging.getLogger("actlake.extract")
 
@@ -145,7 +145,9 @@ class Extractor:
         return result
 
     # ------------------------------------------------------------------ one shard
-    def process(self, shard: Shard, layout: RunLayout, plan_hash: str) -> dict:
+    def process(self, shard: Shard, layout: RunLayout, group: Group) -> dict:
+        """Run one shard: its tables go into their tables (not yet committed), its statistics into ``group``,
+        which the caller commits (:mod:`actlake.storage.shards`). Returns the shard's summary."""
         t0 = time.perf_counter()
         windows, docs, rejects = self.read_shard(shard)
         batches = make_batches(windows, self.cfg.batching)
@@ -154,17 +156,17 @@ class Extractor:
         for batch in batches:
             for result in self.run_batch_resilient(batch):
                 acc.add(result)
-        writer = ShardWriter(layout, shard.shard_id, plan_hash)
+        files = ShardFiles(layout, shard.shard_id)
         try:
-            acc.write(writer, docs, rejects)
+            acc.write(files, docs, rejects)
             summary = {"docs": len(docs), "windows": len(windows), "tokens": acc.n_tokens, "padded_tokens": acc.n_padded,
                        "batches": len(batches), "oom_splits": self.oom_splits - splits_before,
                        "dtype": str(self.lm.dtype).removeprefix("torch."),
                        "cut_docs": sum(d["cut"] for d in docs),
                        "rejects": dict(Counter(r["reason"] for r in rejects)), "seconds": time.perf_counter() - t0}
-            writer.commit(summary)
+            group.add(shard.shard_id, files.publish(), summary, acc.stats)
         except BaseException:
-            writer.abort()
+            files.abort()
             raise
         return summary
 
@@ -282,9 +284,6 @@ class ShardResults:
             writer.write("residual_norms", _norm_table(self.norm_rows))
         if self.act_cfg is not None and self.act_cfg.layers:
             writer.write("activations", activation_table(self.act_rows, self.act_cfg.dtype))
-        for analysis in self.stats.values():  # on the model's device until here
-            for name, table in analysis.to_tables().items():
-                writer.write(f"{name}_by_shard", table)
 
 
 def _norm_table(norm_rows) -> pa.Table:

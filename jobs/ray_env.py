@@ -60,3 +60,18 @@ def _single_machine_ray():
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+STORE_SETTINGS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+                  "AWS_EC2_METADATA_DISABLED")
+"""Object-store settings forwarded from the driver to the workers on any Ray."""
+STORE_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                     "GOOGLE_APPLICATION_CREDENTIALS", "HF_TOKEN")
+"""Credentials forwarded only to an embedded Ray (the same machine): on a cluster each node brings its
+own (an instance role, or the variables in ``cluster.yaml``), so secrets never enter Ray's job metadata."""
+
+
+def store_env(local: bool) -> dict[str, str]:
+    """The driver's object-store variables the workers get (their ``runtime_env`` ``env_vars``)."""
+    names = STORE_SETTINGS + (STORE_CREDENTIALS if local else ())
+    return {k: os.environ[k] for k in names if k in os.environ}

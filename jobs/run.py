@@ -16,9 +16,10 @@ from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
 from actlake.jobs.dispatch import Dispatcher
 from actlake.jobs.plan import plan_hash, plan_with_inputs
 from actlake.jobs.progress import Progress
-from actlake.jobs.ray_env import init_ray
+from actlake.jobs.ray_env import init_ray, store_env
+from actlake.fs import location, remove_tree
 from actlake.storage.layout import RunLayout, write_json_atomic
-from actlake.storage.shards import read_record
+from actlake.storage.shards import committed
 
 log = logging.getLogger("actlake.run")
 
@@ -65,19 +66,35 @@ def check_fits_a_node(r, gpus: float, nodes: list[dict]) -> None:
                               f"node of the cluster offers Ray more than {most:.1f} GiB")
 
 
-def worker_options(cfg: JobConfig, cpus: float, gpus: float) -> dict:
-    """Ray actor options of one ShardWorker: CPUs, GPUs, memory (``resources.memory_per_worker_gb``), restarts."""
+def worker_options(cfg: JobConfig, cpus: float, gpus: float, local: bool = True) -> dict:
+    """Ray actor options of one ShardWorker: CPUs, GPUs, memory (``resources.memory_per_worker_gb``), restarts,
+    and the driver's object-store settings (credentials too when ``local``: see ``jobs/ray_env.py``)."""
     r = cfg.resources
     options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=r.max_retries, max_task_retries=0)
+    env = store_env(local)
+    if env:
+        options["runtime_env"] = {"env_vars": env}
     if r.memory_per_worker_gb:
         options["memory"] = int(r.memory_per_worker_gb * 2**30)
     return options
 
 
-def ensure_output_dir(path: Path) -> None:
-    """Create ``output.dir`` if needed; a one-line StorageError naming it when it is not a writable folder."""
+def ensure_output_dir(path) -> None:
+    """Create ``output.dir`` if needed; a one-line StorageError naming it when it is not a writable folder
+    (in an object store: when a probe object cannot be written and removed)."""
     import tempfile
+    import uuid
 
+    from actlake.fs import ObjectPath
+
+    if isinstance(path, ObjectPath):
+        probe = path / f".actlake-write-test-{uuid.uuid4().hex[:8]}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StorageError(f"output.dir: cannot write in {path} ({str(e).strip().splitlines()[0][:300]})") from None
+        return
     if path.exists() and not path.is_dir():
         raise StorageError(f"output.dir: {path} exists and is not a folder")
     try:
@@ -98,10 +115,10 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, input
 
     ``inputs``: the fingerprints planning took (path -> fingerprint); None takes them again."""
     inputs = plan_with_inputs(cfg)[1] if inputs is None else inputs
-    if layout.root.exists() and not layout.root.is_dir():
+    if layout.root.is_file():
         raise StorageError(f"run directory {layout.root} exists and is not a folder; pick a new output.run_id or remove it")
     layout.root.mkdir(parents=True, exist_ok=True)
-    if layout.run_json.exists():
+    if layout.run_json.is_file():
         old = json.loads(layout.run_json.read_text())
         if "inputs" not in old:
             raise StorageError(f"{layout.run_json} records no input fingerprints (made by an older actlake), so its "
@@ -194,14 +211,15 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     analyses = [cls for cls, _ in enabled(cfg.analyses)]  # imports custom classes: a bad one fails here
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
     layout = RunLayout(cfg.run_dir)
-    ensure_output_dir(Path(cfg.output.dir).resolve())
+    ensure_output_dir(location(cfg.output.dir))
     shards, inputs = plan_with_inputs(cfg)
     if not shards:
         raise ActlakeError("the corpus has no documents: nothing to do")
     phash = plan_hash(cfg, shards)
     prepare_run_dir(cfg, layout, shards, phash, inputs)
-    shutil.rmtree(layout.staging, ignore_errors=True)  # leftovers of attempts that died mid-write
-    pending = [s for s in shards if read_record(layout, s.shard_id, phash) is None]
+    remove_tree(layout.staging)  # leftovers of attempts that died mid-write
+    done = committed(layout, phash).shards
+    pending = [s for s in shards if s.shard_id not in done]
     if cfg.activations.layers and pending and not cfg.corpus.hf_streaming:  # a streamed dataset's rows are not counted
         announce_activation_store(cfg, sum(s.end - s.start for s in pending))
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
@@ -246,8 +264,9 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         code = ray.put(custom_code(cfg))
         n = min(n, len(pending))
         retries = cfg.resources.max_retries
-        options = worker_options(cfg, cpus, gpus)
-        workers = [ShardWorker.options(**options).remote(cfg.to_dict(), str(layout.root), phash, threads, code)
+        options = worker_options(cfg, cpus, gpus, local=not (address or os.environ.get("RAY_ADDRESS")))
+        workers = [ShardWorker.options(**options).remote(cfg.to_dict(), str(layout.root), phash, threads, code,
+                                                         cfg.sharding.commit_seconds)
                    for _ in range(n)]
         log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus, gpus,
                  f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb else "unreserved")

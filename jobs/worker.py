@@ -65,34 +65,46 @@ def install_code(files: dict) -> None:
 
 @ray.remote
 class ShardWorker:
-    def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None):
+    """Runs the shards the dispatcher hands it, one at a time, and commits them a group at a time
+    (:mod:`actlake.storage.shards`): when its group is due, when told a shard is its last, or on ``flush``."""
+
+    def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None,
+                 commit_seconds: float = 600.0):
         import torch
 
         from actlake.config import parse_config
+        from actlake.fs import location
         from actlake.jobs.extract import Extractor
         from actlake.model import load_model
         from actlake.storage.layout import RunLayout
+        from actlake.storage.shards import CommitPolicy, Group
 
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         keep_freed_heap()
         install_code(code or {})
         self.cfg = parse_config(cfg_dict)
-        self.layout = RunLayout(__import__("pathlib").Path(run_dir))
-        self.plan_hash = plan_hash
+        self.layout = RunLayout(location(run_dir))
+        self.group = Group(self.layout, plan_hash, CommitPolicy(max_seconds=commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
         self.pid = os.getpid()
 
-    def process(self, shard_dict: dict) -> dict:
+    def process(self, shard_dict: dict, last: bool = False) -> dict:
+        """Run one shard; ``committed``: the shard ids this call committed (its group's, when due or ``last``)."""
         from actlake.jobs.plan import Shard
 
         import psutil
 
         shard = Shard(**shard_dict)
-        summary = self.extractor.process(shard, self.layout, self.plan_hash)
+        summary = self.extractor.process(shard, self.layout, self.group)
+        committed = self.group.commit() if last or self.group.due() else []
         release_free_memory()
         rss_mb = psutil.Process().memory_info().rss / 2**20
-        return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb)
+        return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed)
+
+    def flush(self) -> list[int]:
+        """Commit the open group now; the shard ids committed."""
+        return self.group.commit()
 
     def close(self) -> None:
         """Remove this worker's offload folder (``model.offload_folder``); called before the actor is killed."""

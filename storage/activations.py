@@ -110,60 +110,37 @@ def read_windows(con, layer: int, where: str = "") -> tuple:
 
 
 def verify_store(root) -> dict:
-    """Check that every planned shard of the store at ``root`` is complete, as its completion records say.
+    """Check that every planned shard of the store at ``root`` is complete, as its commit records say.
 
     Returns ``{"fingerprint", "plan_hash", "files"}``: a hash of the plan and of every committed
     activation file's path, rows and bytes, and those files as ``(path, record entry)``. Raises
     StorageError naming the missing or changed shards and files."""
     import hashlib
     import json
-    from pathlib import Path
 
     from actlake.errors import StorageError
+    from actlake.fs import location
     from actlake.storage.layout import RunLayout
+    from actlake.storage.shards import committed
 
-    layout = RunLayout(Path(root))
+    layout = RunLayout(location(root))
     try:
         run = json.loads(layout.run_json.read_text())
         plan_hash, shard_ids = run["plan_hash"], [s["shard_id"] for s in run["shards"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise StorageError(f"{layout.run_json}: not the run.json of an extraction ({type(e).__name__}: {e})") from None
-    problems, files = [], []
-    for sid in shard_ids:
-        problems += _shard_problems(layout, sid, plan_hash, files)
+    done = committed(layout, plan_hash)
+    problems = [f"shard {sid:05d} is not committed" for sid in shard_ids if sid not in done.shards]
+    problems += done.skipped
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise StorageError(f"the activation store {layout.root} is incomplete: {shown}; rerun `actlake run` with its "
                            "config to finish it")
+    files = [(layout.root / m["path"], m) for sid in shard_ids
+             for t, m in sorted(done.shards[sid]["files"].items()) if t == "activations"]
     listing = [[m["path"], m["rows"], m["bytes"]] for _, m in files]
     digest = hashlib.sha256(json.dumps({"plan_hash": plan_hash, "files": listing}).encode()).hexdigest()[:16]
     return {"fingerprint": digest, "plan_hash": plan_hash, "files": files}
-
-
-def _shard_problems(layout, sid: int, plan_hash: str, files: list) -> list[str]:
-    """What is wrong with one shard's completion record and files (appending its activation files to ``files``)."""
-    import json
-
-    rec_path = layout.completion_record(sid)
-    try:
-        rec = json.loads(rec_path.read_text())
-    except FileNotFoundError:
-        return [f"shard {sid:05d} has no completion record ({rec_path.name})"]
-    except (OSError, ValueError) as e:
-        return [f"{rec_path}: unreadable ({type(e).__name__})"]
-    if rec.get("plan_hash") != plan_hash:
-        return [f"shard {sid:05d} was written for another plan ({rec_path.name})"]
-    out = []
-    for table, meta in sorted(rec["files"].items()):
-        path = layout.root / meta["path"]
-        if not path.is_file():
-            out.append(f"shard {sid:05d}: {meta['path']} is missing")
-        elif path.stat().st_size != meta["bytes"]:
-            out.append(f"shard {sid:05d}: {meta['path']} has {path.stat().st_size} bytes, its completion record "
-                       f"says {meta['bytes']}")
-        elif table == "activations":
-            files.append((path, meta))
-    return out
 
 
 def check_store_values(files: list, layers: list[int] | None = None, max_shown: int = 5) -> tuple[int, set]:

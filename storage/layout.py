@@ -1,33 +1,38 @@
-"""Where everything of a run lives on disk.
+"""Where everything of a run lives, on a disk or in an object store (``actlake.fs``).
 
 ::
 
     RUN_DIR/
       run.json                      config, plan hash, shard list
-      tables/<table>/shard=NNNNN/part-NNNNN.parquet   per-shard rows and partial statistics
-      tables/<table>/part-0.parquet                    reduced (aggregate) tables
-      _staging/                     shard outputs being written (outside every table's glob)
-      _complete/shard-NNNNN.json    completion record: files, row counts, sizes
+      tables/<table>/shard=NNNNN/part-NNNNN[-UNIQUE].parquet   per-shard rows
+      tables/<table>_partial/group=GROUP/part-0.parquet        a worker's merged partial statistics
+      tables/<table>/part-0[-UNIQUE].parquet                   reduced (aggregate) tables
+      _staging/                     files being written on a disk (outside every table's glob)
+      _complete/group-GROUP.json    commit record: the shards of one group, their files and the partials
       _complete/reduced.json        reduce record: the aggregate files published for this plan
       summary.json                  totals of the last job
       report/report.html, *.png
 
-A reader globbing ``tables/<table>/**/*.parquet`` only ever sees whole files, but possibly files
-no completion record names (an earlier plan's shards, strays); actlake's own readers use
-:func:`actlake.storage.manifest.committed_files` instead.
+On a disk a file is written under ``_staging/`` and renamed into its table, so a reader globbing
+``tables/<table>/**/*.parquet`` only ever sees whole files; an object store has no rename, and an
+object appears whole when its upload completes, so files go straight to a unique name there
+(``-UNIQUE``). Either way a file counts only once a record names it: actlake's readers use
+:func:`actlake.storage.manifest.committed_files`, never a glob.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from actlake.fs import ObjectPath, write_atomic
 
 
 @dataclass(frozen=True)
 class RunLayout:
-    root: Path
+    root: "Path | ObjectPath"
 
     @property
     def tables(self) -> Path:
@@ -53,24 +58,37 @@ class RunLayout:
     def summary_json(self) -> Path:
         return self.root / "summary.json"
 
-    def shard_file(self, table: str, shard_id: int) -> Path:
-        return self.tables / table / f"shard={shard_id:05d}" / f"part-{shard_id:05d}.parquet"
+    @property
+    def remote(self) -> bool:
+        """In an object store: files go to unique names (no rename), see the module docstring."""
+        return isinstance(self.root, ObjectPath)
 
-    def aggregate_file(self, table: str) -> Path:
-        return self.tables / table / "part-0.parquet"
+    def _unique(self, stem: str) -> str:
+        return f"{stem}-{uuid.uuid4().hex[:12]}.parquet" if self.remote else f"{stem}.parquet"
 
-    def completion_record(self, shard_id: int) -> Path:
-        return self.complete / f"shard-{shard_id:05d}.json"
+    def shard_file(self, table: str, shard_id: int, unique: bool = False) -> "Path | ObjectPath":
+        """Where a shard's ``table`` goes: one fixed name on a disk; with ``unique`` in an object store, a fresh one."""
+        stem = f"part-{shard_id:05d}"
+        return self.tables / table / f"shard={shard_id:05d}" / (self._unique(stem) if unique else f"{stem}.parquet")
 
-    def table_names(self) -> list[str]:
-        """Folders under ``tables/`` (committed or not; SQL views use the manifest instead)."""
-        if not self.tables.is_dir():
-            return []
-        return sorted(p.name for p in self.tables.iterdir() if p.is_dir())
+    def shard_folder(self, table: str, shard_id: int) -> "Path | ObjectPath":
+        return self.tables / table / f"shard={shard_id:05d}"
+
+    def partial_file(self, table: str, group: str) -> "Path | ObjectPath":
+        """A group's merged partial of analysis table ``table`` (``<table>_partial``); a group id is unique."""
+        return self.tables / f"{table}_partial" / f"group={group}" / "part-0.parquet"
+
+    def aggregate_file(self, table: str, unique: bool = False) -> "Path | ObjectPath":
+        return self.tables / table / (self._unique("part-0") if unique else "part-0.parquet")
+
+    def group_record(self, group: str) -> "Path | ObjectPath":
+        return self.complete / f"group-{group}.json"
+
+    def relative(self, path) -> str:
+        """``path`` relative to the run folder, as records store it."""
+        return str(path.relative_to(self.root))
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+def write_json_atomic(path, obj) -> None:
+    """Write ``obj`` as JSON: whole or not at all (temporary name and rename; one PUT in an object store)."""
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode())

@@ -4,17 +4,18 @@ A run's ``tables/`` folder can hold more than its results: files of an earlier p
 run id, a shard that died before its completion record, files someone copied in. Readers use
 this manifest instead of globbing:
 
-- extraction runs (``run.json`` with a plan hash and a shard list): per-shard tables are the files
-  named by each planned shard's valid completion record (``_complete/shard-N.json``, same plan hash,
-  files present with the recorded size); reduced tables are the files named by the reduce record
-  (``_complete/reduced.json``, same plan hash), written by the reduce step after it publishes them;
+- extraction runs (``run.json`` with a plan hash and a shard list): per-shard tables and the groups'
+  partial statistics are the files named by the accepted commit records of this plan
+  (``_complete/group-GROUP.json``, see :func:`actlake.storage.shards.committed`); reduced tables are
+  the files named by the reduce record (``_complete/reduced.json``, same plan hash), written by the
+  reduce step after it publishes them;
 - training runs (``run.json`` kind ``predictor``, ``synthetic``, ``train-lm``): their jobs write no
   completion records; each table is written as whole files by an atomic rename under one fixed
   name, so the committed files are exactly ``tables/<table>/part-0.parquet`` or
   ``tables/<table>/<key>=<value>/part-0.parquet`` for the table's partition key.
 
 Only tables actlake writes are listed: the extractor's own per-shard tables (:data:`SHARD_TABLES`),
-the analyses' per-shard partials (``<table>_by_shard``) and reduced tables as the records name them
+the analyses' partials (``<table>_partial``, one file per commit group) and reduced tables as the records name them
 (any analysis, built in or custom: storage knows no analysis by name; a name must be a plain
 identifier, :func:`is_table_name`), and the training jobs' tables (:data:`TRAINING_TABLES`). Other
 folders under ``tables/`` are ignored.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout, write_json_atomic
-from actlake.storage.shards import read_record
+from actlake.storage.shards import PARTIAL_SUFFIX, committed
 
 
 @dataclass(frozen=True)
@@ -37,16 +38,13 @@ class TableSpec:
     """A table actlake writes: its name, how its files are committed, and its hive partition key."""
 
     name: str
-    kind: str  # "shard" (completion records), "reduced" (reduce record), "fixed" (fixed file names)
+    kind: str  # "shard" / "partial" (commit records), "reduced" (reduce record), "fixed" (fixed file names)
     partition: str | None = None
     partition_type: str = "int64"  # "int64" or "string" (``shard=00003`` stays the string '00003', as DuckDB's hive reader gives it)
 
 
 SHARD_TABLES = ("documents", "rejects", "tokens", "residual_norms", "activations")
 """Per-shard tables written by ``jobs/extract.py`` (and ``storage/activations.py``)."""
-
-PARTIAL_SUFFIX = "_by_shard"
-"""An analysis's per-shard partial of reduced table ``t`` is table ``t + PARTIAL_SUFFIX``."""
 
 _TABLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 
@@ -57,12 +55,15 @@ def is_table_name(name: str) -> bool:
 
 
 def extraction_spec(table: str) -> TableSpec | None:
-    """How an extraction run (``actlake run``) commits ``table``: per shard (the extractor's tables and
-    the analyses' partials), reduced (an analysis's merged table), or None for a name actlake never gives."""
+    """How an extraction run (``actlake run``) commits ``table``: per shard (the extractor's tables), per
+    commit group (the analyses' partials), reduced (an analysis's merged table), or None for a name
+    actlake never gives."""
     if not is_table_name(table):
         return None
-    if table in SHARD_TABLES or table.endswith(PARTIAL_SUFFIX):
+    if table in SHARD_TABLES:
         return TableSpec(table, "shard", "shard", "string")
+    if table.endswith(PARTIAL_SUFFIX):
+        return TableSpec(table, "partial", "group", "string")
     return TableSpec(table, "reduced")
 
 TRAINING_TABLES = {
@@ -84,7 +85,7 @@ def read_run(layout: RunLayout) -> dict:
     """The run's ``run.json``; a StorageError naming it when missing or unreadable."""
     try:
         return json.loads(layout.run_json.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise StorageError(f"{layout.run_json}: missing (is {layout.root} a run directory?)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise StorageError(f"{layout.run_json}: unreadable ({e})") from None
@@ -100,18 +101,22 @@ def table_specs(run: dict, run_json: Path) -> dict[str, TableSpec] | None:
     raise StorageError(f"{run_json}: unknown run kind {kind!r} (no plan hash and shard list either)")
 
 
-def write_reduce_record(layout: RunLayout, plan_hash: str, files: dict[str, Path]) -> None:
-    """Record the aggregate files the reduce step has just published (after they are in place)."""
-    entries = {t: {"path": str(p.relative_to(layout.root)), "bytes": p.stat().st_size} for t, p in files.items()}
+def write_reduce_record(layout: RunLayout, plan_hash: str, files: dict[str, tuple]) -> None:
+    """Record the aggregate files the reduce step has just published (after they are in place):
+    ``files``: table -> (path, bytes)."""
+    entries = {t: {"path": layout.relative(p), "bytes": size} for t, (p, size) in files.items()}
     write_json_atomic(layout.complete / REDUCE_RECORD, {"plan_hash": plan_hash, "files": entries})
 
 
-def _recorded_path(layout: RunLayout, source: Path, table: str, path: str, expected: Path) -> Path:
-    """A recorded file path, which must be the one actlake writes for that table."""
-    p = layout.root / path
-    if p != expected:
-        raise StorageError(f"{source}: names {path} for table {table}, expected {expected.relative_to(layout.root)}")
-    return p
+_AGGREGATE = re.compile(r"part-0(-[0-9a-f]{12})?\.parquet")
+
+
+def _recorded_path(layout: RunLayout, source, table: str, path: str):
+    """A recorded aggregate file path, which must be one actlake writes for that table."""
+    parts = path.split("/")
+    if len(parts) != 3 or parts[:2] != ["tables", table] or not _AGGREGATE.fullmatch(parts[2]):
+        raise StorageError(f"{source}: names {path} for table {table}, not a file of that table")
+    return layout.root / path
 
 
 def _reduced_files(layout: RunLayout, plan_hash: str) -> dict[str, list[Path]]:
@@ -130,24 +135,35 @@ def _reduced_files(layout: RunLayout, plan_hash: str) -> dict[str, list[Path]]:
         spec = extraction_spec(table)
         if spec is None or spec.kind != "reduced":
             continue
-        p = _recorded_path(layout, path, table, meta["path"], layout.aggregate_file(table))
-        if p.is_file() and p.stat().st_size == meta["bytes"]:
-            out[table] = [p]
+        p = _recorded_path(layout, path, table, meta["path"])
+        try:
+            if p.stat().st_size == meta["bytes"]:
+                out[table] = [p]
+        except FileNotFoundError:
+            pass
     return out
 
 
 def _extraction_files(layout: RunLayout, run: dict) -> dict[str, list[Path]]:
+    """Files named by the accepted commit records of the run's plan (their paths are checked there),
+    and by its reduce record."""
+    planned = {int(s["shard_id"]) for s in run["shards"]}
+    done = committed(layout, run["plan_hash"])
     files: dict[str, list[Path]] = {}
-    for shard in run["shards"]:
-        sid = int(shard["shard_id"])
-        record = read_record(layout, sid, run["plan_hash"])
-        if record is None:
-            continue  # not committed (yet): its files, if any, do not count
-        for table, meta in record["files"].items():
-            spec = extraction_spec(table)
-            if spec is not None and spec.kind == "shard":
-                p = _recorded_path(layout, layout.completion_record(sid), table, meta["path"], layout.shard_file(table, sid))
-                files.setdefault(table, []).append(p)
+
+    def add(table: str, meta: dict, kinds: tuple[str, ...]):
+        spec = extraction_spec(table)
+        if spec is not None and spec.kind in kinds:
+            files.setdefault(table, []).append(layout.root / meta["path"])
+
+    for rec in done.groups:
+        if not all(int(sid) in planned for sid in rec["shards"]):
+            continue
+        for table, meta in rec["partials"].items():
+            add(f"{table}{PARTIAL_SUFFIX}", meta, ("partial",))
+        for entry in rec["shards"].values():
+            for table, meta in entry["files"].items():
+                add(table, meta, ("shard",))
     files.update(_reduced_files(layout, run["plan_hash"]))
     return files
 

@@ -1,35 +1,41 @@
 """A read-only fsspec file system over an exact list of files, for DuckDB's ``register_filesystem``.
 
 DuckDB's ``allowed_paths`` lets a connection write to a path as well as read it. The SQL views
-therefore name their files as ``actlake-ro:///abs/path`` URLs served by this file system, which
-opens only the listed files and only for reading; every write (``open`` in any other mode,
-``rm``, ``mv``, ``cp``) fails. Local paths stay closed by ``enable_external_access = false``.
+therefore name their files as ``actlake-ro:///abs/path`` URLs (``actlake-ro:///~s3/bucket/key`` for
+an object in a store) served by this file system, which opens only the listed files and only for
+reading; every write (``open`` in any other mode, ``rm``, ``mv``, ``cp``) fails. Local paths stay
+closed by ``enable_external_access = false``, and DuckDB's own S3 access (httpfs) is never loaded.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 
 from fsspec.spec import AbstractFileSystem
+
+from actlake.fs import ObjectPath
 
 PROTOCOL = "actlake-ro"
 PREFIX = f"{PROTOCOL}://"
 
 
+def _key(path) -> str:
+    return f"/~{path.scheme}/{path.key}" if isinstance(path, ObjectPath) else str(path)
+
+
 def url(path) -> str:
-    """The URL under which DuckDB reads ``path`` (an absolute local path)."""
-    return PREFIX + str(path)
+    """The URL under which DuckDB reads ``path`` (an absolute local Path or an ObjectPath)."""
+    return PREFIX + _key(path)
 
 
 class ReadOnlyFiles(AbstractFileSystem):
-    """Serves exactly ``files`` (absolute paths), read-only."""
+    """Serves exactly ``files`` (absolute Paths or ObjectPaths), read-only."""
 
     protocol = PROTOCOL
 
     def __init__(self, files, **kwargs):
         super().__init__(skip_instance_cache=True, **kwargs)
-        self.files = frozenset(str(f) for f in files)
+        self.files = {_key(f): f for f in files}
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -45,12 +51,12 @@ class ReadOnlyFiles(AbstractFileSystem):
     def _open(self, path, mode="rb", **kwargs):
         if mode != "rb":
             raise PermissionError(f"{self._strip_protocol(path)}: read-only (mode {mode!r} refused)")
-        return open(self._listed(path), "rb")
+        return self.files[self._listed(path)].open("rb")
 
     def info(self, path, **kwargs):
         p = self._listed(path)
-        st = os.stat(p)
-        return {"name": p, "size": st.st_size, "type": "file", "mtime": st.st_mtime}
+        st = self.files[p].stat()
+        return {"name": p, "size": st.st_size, "type": "file", "mtime": st.st_mtime_ns / 1e9}
 
     def ls(self, path, detail=True, **kwargs):
         entry = self.info(path)

@@ -1,64 +1,212 @@
-"""Exactly-once shard commits.
+"""Exactly-once commits, a group of shards at a time.
 
-A shard's tables are written under ``_staging/``, renamed into their tables
-(one deterministic file name per shard and table, so a retry overwrites rather
-than duplicates), and only then is the completion record written. A shard
-without a valid record is incomplete and runs again.
+A worker writes each shard's tables as soon as the shard is done (on a disk under ``_staging/``, then
+renamed to the shard's fixed name; in an object store straight to a unique name) and merges the
+shard's statistics into its open *group*. Committing the group writes the group's merged partial
+statistics (one file per analysis table, under the group's unique id), then the group's record
+``_complete/group-GROUP.json``, last and in one piece: every shard of the group with its files and
+summary, and the partials. A shard is complete when an accepted record names it; nothing else is read.
+A worker that dies loses its open group: those shards run again, in a new group. So partial
+statistics cost one file per table per group, not per shard (:class:`CommitPolicy` says when a group
+commits).
+
+Accepting records (:func:`committed`): records of this plan, taken in name order (a group id starts
+with its commit time), whose files are all present with their recorded sizes; a record naming a shard
+that an accepted record already covers is skipped (only a worker thought dead but still running
+could write one), so no shard's rows or statistics count twice.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import logging
+import re
+import time
 import uuid
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from actlake.fs import file_sizes, remove_tree
 from actlake.storage.layout import RunLayout, write_json_atomic
-from actlake.storage.parquet_io import write_parquet
-import os
+from actlake.storage.parquet_io import write_parquet, write_parquet_atomic
+
+log = logging.getLogger("actlake.commit")
+
+PARTIAL_SUFFIX = "_partial"
+"""A group's partial of an analysis's reduced table ``t`` is table ``t + PARTIAL_SUFFIX``."""
 
 
-class ShardWriter:
-    def __init__(self, layout: RunLayout, shard_id: int, plan_hash: str):
-        self.layout = layout
-        self.shard_id = shard_id
-        self.plan_hash = plan_hash
-        self.dir = layout.staging / f"{shard_id:05d}-{uuid.uuid4().hex[:8]}"
+class ShardFiles:
+    """One shard's tables: written as the shard finishes, published into their tables (not yet committed)."""
+
+    def __init__(self, layout: RunLayout, shard_id: int):
+        self.layout, self.shard_id = layout, shard_id
+        self.staging = layout.staging / f"{shard_id:05d}-{uuid.uuid4().hex[:8]}"
         self.files: dict[str, dict] = {}
+        self.written: list = []
 
     def write(self, table: str, data: pa.Table) -> None:
-        path = self.dir / f"{table}.parquet"
-        write_parquet(data, path)
-        self.files[table] = {"rows": data.num_rows, "bytes": path.stat().st_size}
+        if self.layout.remote:  # no rename in an object store: a unique name, whole once uploaded
+            path = self.layout.shard_file(table, self.shard_id, unique=True)
+        else:
+            path = self.staging / f"{table}.parquet"
+        size = write_parquet(data, path)
+        self.written.append(path)
+        self.files[table] = {"rows": data.num_rows, "bytes": size, "path": self.layout.relative(path)}
 
-    def commit(self, summary: dict) -> dict:
-        """Rename every staged file into its table, then record completion."""
-        for table, meta in self.files.items():
-            dest = self.layout.shard_file(table, self.shard_id)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(self.dir / f"{table}.parquet", dest)
-            meta["path"] = str(dest.relative_to(self.layout.root))
-        record = {"shard_id": self.shard_id, "plan_hash": self.plan_hash, "files": self.files, "summary": summary}
-        write_json_atomic(self.layout.completion_record(self.shard_id), record)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return record
+    def publish(self) -> dict[str, dict]:
+        """Move the staged files into their tables (a disk; in an object store they are there); the files' records."""
+        if not self.layout.remote:
+            import os
+
+            for table, meta in self.files.items():
+                dest = self.layout.shard_file(table, self.shard_id)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(self.staging / f"{table}.parquet", dest)
+                meta["path"] = self.layout.relative(dest)
+            remove_tree(self.staging)
+        return self.files
 
     def abort(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.layout.remote:
+            for p in self.written:
+                p.unlink(missing_ok=True)
+        else:
+            remove_tree(self.staging)
 
 
-def read_record(layout: RunLayout, shard_id: int, plan_hash: str) -> dict | None:
-    """The shard's completion record if it is valid for this plan and its files exist, else None."""
-    path = layout.completion_record(shard_id)
-    try:
-        record = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    if record.get("plan_hash") != plan_hash:
-        return None
-    for meta in record["files"].values():
-        p = layout.root / meta["path"]
-        if not p.is_file() or p.stat().st_size != meta["bytes"]:
-            return None
-    return record
+@dataclass
+class CommitPolicy:
+    """When a worker commits its open group (besides when the driver has no more shards for it)."""
+
+    max_seconds: float = 600.0
+    """At most this long between commits: the work a dead worker loses."""
+    partial_fraction: float = 0.05
+    """Commit once the group's partials would be at most this fraction of the bytes of its shards' tables."""
+
+
+@dataclass
+class Group:
+    """A worker's shards since its last commit, with their statistics merged (on the model's device)."""
+
+    layout: RunLayout
+    plan_hash: str
+    policy: CommitPolicy = field(default_factory=CommitPolicy)
+    shards: dict = field(default_factory=dict)  # shard id -> {"files": ..., "summary": ...}
+    stats: dict | None = None  # analysis name -> merged statistics
+    started: float = 0.0
+    table_bytes: int = 0
+    partial_bytes: int | None = None  # estimated once: partials have the same size whatever the data
+
+    def add(self, shard_id: int, files: dict, summary: dict, stats: dict) -> None:
+        if not self.shards:
+            self.started = time.monotonic()
+        self.shards[shard_id] = {"files": files, "summary": summary}
+        self.table_bytes += sum(m["bytes"] for m in files.values())
+        if self.stats is None:
+            self.stats = stats
+            if self.partial_bytes is None:
+                self.partial_bytes = sum(t.nbytes for s in stats.values() for t in s.to_tables().values())
+        else:
+            self.stats = {name: self.stats[name].merge(part) for name, part in stats.items()}
+
+    def due(self) -> bool:
+        if not self.shards:
+            return False
+        if time.monotonic() - self.started >= self.policy.max_seconds:
+            return True
+        return (self.partial_bytes or 0) <= self.policy.partial_fraction * self.table_bytes
+
+    def commit(self) -> list[int]:
+        """Write the partials, then the record (last); the shard ids now complete. Afterwards the group
+        is empty, also when writing failed (its shards are then not complete, and run again on a rerun)."""
+        if not self.shards:
+            return []
+        try:
+            gid = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+            partials = {}
+            for analysis in (self.stats or {}).values():
+                for table, data in analysis.to_tables().items():
+                    path = self.layout.partial_file(table, gid)
+                    size = write_parquet_atomic(data, path, self.layout.staging)
+                    partials[table] = {"path": self.layout.relative(path), "rows": data.num_rows, "bytes": size}
+            record = {"group": gid, "plan_hash": self.plan_hash, "partials": partials,
+                      "shards": {str(sid): entry for sid, entry in sorted(self.shards.items())}}
+            write_json_atomic(self.layout.group_record(gid), record)
+            return sorted(self.shards)
+        finally:
+            self.shards, self.stats, self.table_bytes = {}, None, 0
+
+
+@dataclass
+class Committed:
+    """What the accepted records of one plan say."""
+
+    shards: dict[int, dict]
+    """Shard id -> {"files": {table: meta}, "summary": {...}, "group": id}."""
+    groups: list[dict]
+    """The accepted records, in commit order."""
+    skipped: list[str]
+    """Records not accepted, each with why (another plan's are not listed)."""
+
+
+_GROUP = re.compile(r"[0-9]{20}-[0-9a-f]{8}")
+_SHARD_PART = re.compile(r"part-(\d{5,})(-[0-9a-f]{12})?\.parquet")
+
+
+def _path_ok(layout: RunLayout, table: str, path: str, shard_id: int | None, group: str | None) -> bool:
+    """A recorded path is one actlake writes for that table and shard (or group): records name no other file."""
+    parts = path.split("/")
+    if len(parts) != 4 or parts[0] != "tables" or parts[1] != table:
+        return False
+    if group is not None:
+        return parts[2] == f"group={group}" and parts[3] == "part-0.parquet"
+    m = _SHARD_PART.fullmatch(parts[3])
+    return parts[2] == f"shard={shard_id:05d}" and m is not None and int(m.group(1)) == shard_id
+
+
+def _problem(layout: RunLayout, rec: dict, sizes: dict[str, int], taken: dict) -> str | None:
+    gid = rec.get("group", "")
+    if not _GROUP.fullmatch(str(gid)):
+        return "no valid group id"
+    files = [(f"{t}{PARTIAL_SUFFIX}", m, None, gid) for t, m in rec["partials"].items()]
+    for sid, entry in rec["shards"].items():
+        if int(sid) in taken:
+            return f"shard {int(sid):05d} is already in group {taken[int(sid)]}"
+        files += [(t, m, int(sid), None) for t, m in entry["files"].items()]
+    for table, meta, sid, group in files:
+        rel = meta["path"].removeprefix("tables/")
+        if not _path_ok(layout, table, meta["path"], sid, group):
+            return f"names {meta['path']}, not a file of table {table}"
+        if sizes.get(rel) != meta["bytes"]:
+            return f"{meta['path']} is missing or not {meta['bytes']} bytes"
+    return None
+
+
+def committed(layout: RunLayout, plan_hash: str) -> Committed:
+    """Every shard of plan ``plan_hash`` that an accepted record names (see the module docstring)."""
+    sizes = file_sizes(layout.tables)
+    out = Committed({}, [], [])
+    if not layout.complete.is_dir():
+        return out
+    names = sorted(p for p in layout.complete.iterdir() if p.name.startswith("group-") and p.name.endswith(".json"))
+    for path in names:
+        try:
+            rec = json.loads(path.read_text())
+            if rec.get("plan_hash") != plan_hash:
+                continue
+            why = _problem(layout, rec, sizes, {sid: s["group"] for sid, s in out.shards.items()})
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            why = f"unreadable ({type(e).__name__})"
+        if why:
+            out.skipped.append(f"{path.name}: {why}")
+            continue
+        out.groups.append(rec)
+        for sid, entry in rec["shards"].items():
+            out.shards[int(sid)] = dict(entry, group=rec["group"])
+    if out.skipped:
+        log.warning("%s: %d commit record(s) not accepted: %s", layout.root, len(out.skipped), "; ".join(out.skipped[:3]))
+    return out

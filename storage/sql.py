@@ -20,6 +20,7 @@ import weakref
 from pathlib import Path
 
 from actlake.errors import QueryError, StorageError
+from actlake.fs import arrow, location
 from actlake.storage.layout import RunLayout
 from actlake.storage.manifest import committed_files
 
@@ -81,11 +82,12 @@ def check_statement(sql: str) -> None:
         raise QueryError(f"read-only: {kind} statements are not allowed (only SELECT and EXPLAIN SELECT)")
 
 
-def _file_schema(path: Path):
+def _file_schema(path):
     import pyarrow.parquet as pq
 
     try:
-        return pq.read_schema(path)
+        fs, key = arrow(path)
+        return pq.read_schema(key, filesystem=fs)
     except Exception as e:
         raise StorageError(f"{path}: not a readable Parquet file ({type(e).__name__}: {_first_line(e)})") from None
 
@@ -151,7 +153,7 @@ def _open(run_dir, memory_limit: str = "2GB", threads: int | None = None, max_te
 
     from actlake.storage.readonly_fs import ReadOnlyFiles
 
-    layout = RunLayout(Path(run_dir).resolve())
+    layout = RunLayout(location(run_dir))
     files = committed_files(layout)
     if not files:
         raise StorageError(f"{layout.root}: no committed tables (has a job finished a shard here?)")

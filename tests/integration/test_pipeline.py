@@ -98,16 +98,20 @@ def test_merge_order_does_not_change_aggregates(minilm_path, sample_corpus, tmp_
     from actlake.analysis.protocol import builtin
     from actlake.jobs.reduce import merge_partials
     from actlake.storage.layout import RunLayout
+    from actlake.storage.manifest import REDUCE_RECORD
 
-    res = run_job(job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 24, "sharding.docs_per_shard": 6}))
+    # commit_seconds tiny: the worker commits after every shard, one group (and partial) per shard
+    res = run_job(job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 24, "sharding.docs_per_shard": 6,
+                                                                      "sharding.commit_seconds": 1e-9}))
     layout = RunLayout(Path(res.run_dir))
-    records = [json.loads(p.read_text()) for p in sorted(layout.complete.glob("shard-*.json"))]
-    assert len(records) == res.shards_total >= 4
+    records = [json.loads(p.read_text()) for p in sorted(layout.complete.glob("group-*.json"))]
+    assert len(records) == res.shards_total >= 4 and all(len(r["shards"]) == 1 for r in records)
+    published = json.loads((layout.complete / REDUCE_RECORD).read_text())["files"]
     orders = [records[::-1], [records[2], records[0], *records[3:], records[1]]]
     for cls in builtin().values():
         forward = merge_partials(layout, records, cls).to_tables()
         others = [merge_partials(layout, o, cls).to_tables() for o in orders]
-        others.append({t: pq.read_table(layout.aggregate_file(t)) for t in cls.tables})  # what the job published
+        others.append({t: pq.read_table(layout.root / published[t]["path"]) for t in cls.tables})  # what the job published
         for other in others:
             for name, table in forward.items():
                 for col in table.column_names:

@@ -137,7 +137,7 @@ def test_shards_in_different_dtypes_are_not_merged(tmp_path):
     from actlake.storage.layout import RunLayout
 
     layout = RunLayout(tmp_path)
-    rec = lambda d: {"summary": {"dtype": d}}
-    assert model_dtype(layout, [rec("float32"), rec("float32"), {"summary": {}}]) == "float32"
+    rec = lambda d: {"dtype": d}  # shard summaries
+    assert model_dtype(layout, [rec("float32"), rec("float32"), {}]) == "float32"
     with pytest.raises(StorageError, match="bfloat16, float32"):
         model_dtype(layout, [rec("float32"), rec("bfloat16")])
