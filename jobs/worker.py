@@ -100,7 +100,8 @@ class ShardWorker:
         committed = self.group.commit() if last or self.group.due() else []
         release_free_memory()
         rss_mb = psutil.Process().memory_info().rss / 2**20
-        return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed)
+        return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed,
+                    node_id=ray.get_runtime_context().get_node_id())
 
     def flush(self) -> list[int]:
         """Commit the open group now; the shard ids committed."""

@@ -173,3 +173,27 @@ def s3_server():
             else:
                 os.environ[k] = v
         filesystem.cache_clear()
+
+
+def drop_commits(run_dir, shard_ids) -> set[int]:
+    """Delete the commit records covering ``shard_ids``, as if their worker had died before committing;
+    returns every shard those records covered (all of them run again)."""
+    from actlake.fs import location
+
+    gone: set[int] = set()
+    for p in sorted((location(str(run_dir)) / "_complete").glob("group-*.json")):
+        ids = {int(s) for s in json.loads(p.read_text())["shards"]}
+        if ids & set(shard_ids):
+            p.unlink()
+            gone |= ids
+    return gone
+
+
+def committed_ids(run_dir) -> set[int]:
+    """The shards of the run's plan that accepted commit records name."""
+    from actlake.fs import location
+    from actlake.storage.layout import RunLayout
+    from actlake.storage.shards import committed
+
+    layout = RunLayout(location(str(run_dir)))
+    return set(committed(layout, json.loads(layout.run_json.read_text())["plan_hash"]).shards)

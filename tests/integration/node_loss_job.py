@@ -29,9 +29,9 @@ def main(cfg_path: str, out_path: str) -> None:
 
     def remove_a_node():
         complete = Path(cfg.run_dir) / "_complete"
-        while len(list(complete.glob("*.json"))) < 2:
+        while len(list(complete.glob("group-*.json"))) < 2:
             time.sleep(0.1)
-        result["removed_after_shards"] = len(list(complete.glob("*.json")))
+        result["removed_after_shards"] = len(list(complete.glob("group-*.json")))
         cluster.remove_node(nodes[1])
 
     remover = threading.Thread(target=remove_a_node)

@@ -3,6 +3,8 @@ exactly once, is reduced, and its table equals an independent computation from e
 
 from __future__ import annotations
 
+import json
+
 import re
 from pathlib import Path
 
@@ -59,7 +61,8 @@ def test_a_custom_analysis_runs_reduces_and_is_queryable(minilm_path, sample_cor
     path.write_text(yaml.safe_dump(cfg))
     assert main(["run", str(path), "--run-id", "r"]) == 0
     run = tmp_path / "runs" / "r"
-    assert sorted(p.name for p in (run / "tables" / "attention_entropy_by_shard").iterdir()) == ["shard=00000", "shard=00001"]
+    groups = sorted(json.loads(p.read_text())["group"] for p in (run / "_complete").glob("group-*.json"))
+    assert sorted(p.name for p in (run / "tables" / "attention_entropy_partial").iterdir()) == [f"group={g}" for g in groups]
     got = query(run, "SELECT layer, head, query_category, entropy_sum, n_queries FROM attention_entropy")
     want, count = _reference_entropy(minilm_path, run)
     table = np.zeros_like(want)

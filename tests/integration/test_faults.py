@@ -79,7 +79,8 @@ def test_killed_workers_leave_the_same_tables_and_readers_see_whole_shards(minil
                                                                            ray_local):
     clean_res, clean_tables = clean
     cfg = job_config(minilm_path, sample_corpus, tmp_path,
-                     **{"corpus.max_docs": 20, "sharding.docs_per_shard": 2, "resources.max_retries": 6})
+                     **{"corpus.max_docs": 20, "sharding.docs_per_shard": 2, "resources.max_retries": 6,
+                        "sharding.commit_seconds": 2.0})  # groups of a few shards: kills land before and after commits
     kills, seen, reader_errors = [], [], []
     done = threading.Event()
     rng = random.Random(7)
@@ -100,7 +101,7 @@ def test_killed_workers_leave_the_same_tables_and_readers_see_whole_shards(minil
     def reader():
         while not done.is_set():
             try:
-                if any((Path(cfg.run_dir) / "_complete").glob("shard-*.json")):  # views show committed shards only
+                if any((Path(cfg.run_dir) / "_complete").glob("group-*.json")):  # views show committed shards only
                     con = open_run(cfg.run_dir)
                     seen.append(dict(con.execute("SELECT shard, count(*) FROM tokens GROUP BY shard").fetchall()))
                     con.close()
@@ -141,6 +142,7 @@ def test_out_of_memory_batches_are_split_and_give_the_same_numbers(minilm_path, 
     from actlake.jobs.run import prepare_run_dir
     from actlake.model import load_model
     from actlake.storage.layout import RunLayout
+    from actlake.storage.shards import Group
 
     _, clean_tables = clean
     cfg = job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 20, "sharding.docs_per_shard": 2})
@@ -157,14 +159,17 @@ def test_out_of_memory_batches_are_split_and_give_the_same_numbers(minilm_path, 
     phash = plan_hash(cfg, shards)
     layout = RunLayout(cfg.run_dir)
     prepare_run_dir(cfg, layout, shards, phash)
-    summaries = [ex.process(s, layout, phash) for s in shards]
+    group = Group(layout, phash)
+    summaries = [ex.process(s, layout, group) for s in shards]
+    assert group.commit() == [s.shard_id for s in shards]
     reduce_run(layout, [s.shard_id for s in shards], phash, [cls for cls, _ in enabled(cfg.analyses)])
     assert ex.oom_splits > 0 and sum(s["oom_splits"] for s in summaries) == ex.oom_splits
     assert_same(snapshot(cfg.run_dir), clean_tables, rtol=1e-4)
 
 
 def test_a_flipped_byte_is_named_and_no_report_is_published(minilm_path, sample_corpus, tmp_path, ray_local):
-    cfg = job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 4, "sharding.docs_per_shard": 2})
+    cfg = job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 4, "sharding.docs_per_shard": 2,
+                                                              "sharding.commit_seconds": 1e-9})  # a group per shard
     res = run_job(cfg)
     victim = sorted((Path(res.run_dir) / "tables" / "residual_norms").rglob("*.parquet"))[0]
     data = bytearray(victim.read_bytes())
@@ -175,7 +180,7 @@ def test_a_flipped_byte_is_named_and_no_report_is_published(minilm_path, sample_
         run_job(cfg, report=True)
     assert not (report / "report.html").exists()
     victim.write_bytes(victim.read_bytes()[:-100])  # truncated: size no longer matches the record
-    again = run_job(cfg)  # the shard is rerun and the tables repaired
+    again = run_job(cfg)  # the shard (its group) is rerun and the tables repaired
     assert again.shards_run == 1
 
 
@@ -237,7 +242,8 @@ def test_removing_a_node_mid_job_leaves_the_same_tables(minilm_path, sample_corp
 
     _, clean_tables = clean
     cfg = job_config(minilm_path, sample_corpus, tmp_path,
-                     **{"corpus.max_docs": 20, "sharding.docs_per_shard": 2, "resources.num_workers": 2})
+                     **{"corpus.max_docs": 20, "sharding.docs_per_shard": 2, "resources.num_workers": 2,
+                        "sharding.commit_seconds": 1e-9})  # a group per shard: the node goes mid-job
     cfg_file, out_file = tmp_path / "cfg.json", tmp_path / "result.json"
     cfg_file.write_text(json.dumps(cfg.to_dict()))
     root = Path(__file__).resolve().parents[2]

@@ -168,11 +168,20 @@ def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ra
     with pytest.raises(StorageError, match="changed since the predictor run"):
         run_predictor_job(cfg)
     # ... and a store missing a committed shard file is refused, naming it
-    rec = json.loads(sorted((copy / "_complete").glob("shard-*.json"))[0].read_text())
-    (copy / rec["files"]["activations"]["path"]).unlink()
+    _, _, _, entry = _shard_entries(copy)[0]
+    (copy / entry["files"]["activations"]["path"]).unlink()
     with pytest.raises(StorageError, match="incomplete") as e:
         run_predictor_job(cfg)
-    assert rec["files"]["activations"]["path"] in str(e.value) and "\n" not in str(e.value)
+    assert entry["files"]["activations"]["path"] in str(e.value) and "\n" not in str(e.value)
+
+
+def _shard_entries(store: Path) -> list[tuple[Path, dict, int, dict]]:
+    """(commit record path, record, shard id, the record's entry for that shard), by shard id."""
+    out = []
+    for path in sorted((store / "_complete").glob("group-*.json")):
+        record = json.loads(path.read_text())
+        out += [(path, record, int(sid), entry) for sid, entry in record["shards"].items()]
+    return sorted(out, key=lambda x: x[2])
 
 
 def _drop_last_shard(store: Path) -> None:
@@ -180,10 +189,11 @@ def _drop_last_shard(store: Path) -> None:
     run = json.loads((store / "run.json").read_text())
     last = run["shards"].pop()
     (store / "run.json").write_text(json.dumps(run))
-    record = store / "_complete" / f"shard-{last['shard_id']:05d}.json"
-    for meta in json.loads(record.read_text())["files"].values():
+    path, record, _, entry = next(e for e in _shard_entries(store) if e[2] == last["shard_id"])
+    for meta in entry["files"].values():
         (store / meta["path"]).unlink()
-    record.unlink()
+    del record["shards"][str(last["shard_id"])]
+    path.write_text(json.dumps(record))
 
 
 def _damage_copy(store: Path, dest: Path, how: str) -> tuple[Path, dict]:
@@ -196,9 +206,8 @@ def _damage_copy(store: Path, dest: Path, how: str) -> tuple[Path, dict]:
     from actlake.storage.parquet_io import write_parquet
 
     copy = Path(shutil.copytree(store, dest))
-    record_path = sorted((copy / "_complete").glob("shard-*.json"))[1]
-    record = json.loads(record_path.read_text())
-    meta = record["files"]["activations"]
+    record_path, record, _, entry = _shard_entries(copy)[1]
+    meta = entry["files"]["activations"]
     path = copy / meta["path"]
     data, hit = path.read_bytes(), {}
     if how == "truncate":

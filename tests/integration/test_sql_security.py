@@ -67,7 +67,9 @@ def tree_digest(root: Path) -> str:
 
 
 def records(run: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((run / "_complete").glob("shard-*.json"))]
+    """Each committed shard's entry (its files and summary, and its record's plan hash) in the commit records."""
+    recs = [json.loads(p.read_text()) for p in sorted((run / "_complete").glob("group-*.json"))]
+    return [dict(e, plan_hash=r["plan_hash"]) for r in recs for e in r["shards"].values()]
 
 
 def committed_rows(run: Path, table: str) -> int:
@@ -321,7 +323,7 @@ def test_the_table_registry_covers_what_the_jobs_write():
 
     for cls in builtin().values():
         for t in cls.tables:
-            assert extraction_spec(t).kind == "reduced" and extraction_spec(f"{t}_by_shard").kind == "shard"
+            assert extraction_spec(t).kind == "reduced" and extraction_spec(f"{t}_partial").kind == "partial"
     for hostile in ('x" AS SELECT 1', "Tokens", "../tokens", "", "a" * 64):
         assert extraction_spec(hostile) is None
     assert set(SYNTHETIC_TABLES) | {CURVES_TABLE} == set(TRAINING_TABLES["synthetic"])

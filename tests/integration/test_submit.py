@@ -107,7 +107,7 @@ def test_a_stopped_job_resubmitted_with_the_same_run_id_finishes_like_a_clean_ru
     from tests.conftest import job_config
     from tests.integration.test_faults import assert_same, snapshot
 
-    over = {"corpus.max_docs": 16, "sharding.docs_per_shard": 2, "output.run_id": "stopped"}
+    over = {"corpus.max_docs": 16, "sharding.docs_per_shard": 2, "output.run_id": "stopped", "sharding.commit_seconds": 1e-9}
     cfg = job_config(minilm_path, sample_corpus, tmp_path / "runs", **over)
     job_file = tmp_path / "job.yaml"
     import yaml
@@ -117,11 +117,11 @@ def test_a_stopped_job_resubmitted_with_the_same_run_id_finishes_like_a_clean_ru
     sid = capsys.readouterr().out.strip().splitlines()[-1]
     complete = Path(cfg.run_dir) / "_complete"
     deadline = time.monotonic() + 300
-    while len(list(complete.glob("*.json"))) < 2 and time.monotonic() < deadline:
+    while len(list(complete.glob("group-*.json"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert main(["stop", sid, "--address", ray_head]) == 0
     wait_until_finished(sid, ray_head, capsys)
-    done_before = len(list(complete.glob("*.json")))
+    done_before = len(list(complete.glob("group-*.json")))
     assert 2 <= done_before < 8, "the job was not stopped midway"
     assert main(["submit", str(job_file), "--address", ray_head]) == 0
     sid2 = capsys.readouterr().out.strip().splitlines()[-1]
