@@ -17,7 +17,7 @@ registers it after our rename, so ``ray.train.get_checkpoint()`` can be one chec
 empty) after a worker is killed in between. Across driver runs V2 resumes only from its
 ``checkpoint_manager_snapshot.json`` (``resume_from_checkpoint`` raises): it hands out the newest
 registered checkpoint unchecked, refuses to start (``CheckpointManagerInitializationError``) once a
-damaged one is set aside, and refuses snapshots of other Ray versions. ``CheckpointConfig(num_to_keep)``
+damaged one is set aside, and cannot read a snapshot whose format another Ray version changed. ``CheckpointConfig(num_to_keep)``
 keeps the newest N of the current fit only, not log-spaced steps nor an earlier fit's. ``ray.tune.Tuner``
 starts trial actors without our ``RAY_ADDRESS`` (Train V2's placement-group cleaner then fails with
 "multiple active Ray instances" when several run on a machine) and rejects a zero-CPU trial.
