@@ -9,6 +9,18 @@ starts the driver removes leftover temporary folders and checks the checkpoints 
 manifests, newest first, so a restarted trial resumes from the newest whole one (a damaged one
 is named and set aside). Settings and world size are compared with ``run.json`` on resume. On a
 cluster the run directory must be on storage every node sees (as for extraction).
+
+Ray's own checkpoint and trial APIs (Ray 2.60, Train V2, the default) were tried and are not used,
+as they would break tested guarantees. ``ray.train.report(checkpoint=...)`` copies a checkpoint into
+its final folder file by file (a killed copy leaves a partial ``step-N``), or with ``NO_UPLOAD``
+registers it after our rename, so ``ray.train.get_checkpoint()`` can be one checkpoint behind (or
+empty) after a worker is killed in between. Across driver runs V2 resumes only from its
+``checkpoint_manager_snapshot.json`` (``resume_from_checkpoint`` raises): it hands out the newest
+registered checkpoint unchecked, refuses to start (``CheckpointManagerInitializationError``) once a
+damaged one is set aside, and cannot read a snapshot whose format another Ray version changed. ``CheckpointConfig(num_to_keep)``
+keeps the newest N of the current fit only, not log-spaced steps nor an earlier fit's. ``ray.tune.Tuner``
+starts trial actors without our ``RAY_ADDRESS`` (Train V2's placement-group cleaner then fails with
+"multiple active Ray instances" when several run on a machine) and rejects a zero-CPU trial.
 """
 
 from __future__ import annotations
