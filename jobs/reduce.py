@@ -47,6 +47,19 @@ def model_dtype(layout: RunLayout, summaries: list[dict]) -> str | None:
     return dtypes[0] if dtypes else None
 
 
+def previous_aggregates(layout: RunLayout) -> set:
+    """The files the last reduce record names (unique names in an object store, replaced by a new reduce)."""
+    import json
+
+    from actlake.storage.manifest import REDUCE_RECORD, aggregate_path
+
+    try:
+        files = json.loads((layout.complete / REDUCE_RECORD).read_text())["files"]
+        return {aggregate_path(layout, "reduce record", t, m["path"]) for t, m in files.items()}
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError, StorageError):
+        return set()  # nothing, or nothing we wrote: leave it
+
+
 def totals_of(summaries: list[dict]) -> dict:
     """The job's totals over the shards' summaries."""
     totals: dict = {"shards": len(summaries), "docs": 0, "windows": 0, "tokens": 0, "padded_tokens": 0, "oom_splits": 0,
@@ -77,7 +90,10 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
             for table, data in merge_partials(layout, having, cls).to_tables().items():
                 path = layout.aggregate_file(table, unique=True)
                 published[table] = (path, write_parquet_atomic(data, path, layout.staging))
+    replaced = previous_aggregates(layout)
     write_reduce_record(layout, plan_hash, published)  # readers see the aggregates this record names, no others
+    for path in replaced - {p for p, _ in published.values()}:
+        path.unlink(missing_ok=True)  # an object store's aggregates of an earlier reduce (a disk overwrote them)
     totals = totals_of(summaries)
     totals["dtype"] = dtype
     totals["groups"] = len(groups)

@@ -111,10 +111,10 @@ def write_reduce_record(layout: RunLayout, plan_hash: str, files: dict[str, tupl
 _AGGREGATE = re.compile(r"part-0(-[0-9a-f]{12})?\.parquet")
 
 
-def _recorded_path(layout: RunLayout, source, table: str, path: str):
+def aggregate_path(layout: RunLayout, source, table: str, path: str):
     """A recorded aggregate file path, which must be one actlake writes for that table."""
     parts = path.split("/")
-    if len(parts) != 3 or parts[:2] != ["tables", table] or not _AGGREGATE.fullmatch(parts[2]):
+    if len(parts) != 3 or not is_table_name(table) or parts[:2] != ["tables", table] or not _AGGREGATE.fullmatch(parts[2]):
         raise StorageError(f"{source}: names {path} for table {table}, not a file of that table")
     return layout.root / path
 
@@ -135,7 +135,7 @@ def _reduced_files(layout: RunLayout, plan_hash: str) -> dict[str, list[Path]]:
         spec = extraction_spec(table)
         if spec is None or spec.kind != "reduced":
             continue
-        p = _recorded_path(layout, path, table, meta["path"])
+        p = aggregate_path(layout, path, table, meta["path"])
         try:
             if p.stat().st_size == meta["bytes"]:
                 out[table] = [p]
