@@ -59,6 +59,7 @@ def test_a_bucket_corpus_plans_into_the_local_shards_and_reads_the_same_items(s3
     two spawned processes, the index and count cache written to output.dir in the bucket), and every
     shard reads the same items; a second plan takes the cache and decodes no input."""
     from actlake.corpus import index, readers
+    from actlake.corpus.fingerprint import check_stat
     from actlake.jobs.plan import COUNT_CACHE, make_plan, plan_with_inputs
 
     monkeypatch.chdir(tmp_path)
@@ -75,6 +76,8 @@ def test_a_bucket_corpus_plans_into_the_local_shards_and_reads_the_same_items(s3
     zst = [s for s in rs if s.path.endswith(".zst")]
     assert all(s.entry_file.startswith(bucket + "/out/_corpus_index/") and s.entry_record == s.start for s in zst)
     assert _items(rs) == _items(ls)
+    for s in rs:  # what a worker checks before and after reading a shard: the object's size and LastModified
+        check_stat(s.path, s.size, s.mtime_ns, "since the run planned it")
     out = location(bucket + "/out")
     cache = json.loads((out / COUNT_CACHE).read_text())
     assert {k: v["records"] for k, v in cache.items()} == {f"{bucket}/train/a.jsonl.zst": 37, f"{bucket}/train/b.jsonl": 17,
@@ -164,6 +167,24 @@ def test_shards_of_a_bucket_read_only_their_byte_ranges(s3_server, tmp_path, mon
     frame = shards[len(shards) // 2 + 1].entry_offset - mid.entry_offset
     assert set(fetched) == {mid.entry_file} and fetched[mid.entry_file] <= frame + readers.ENTRY_CHUNK < copy.stat().st_size / 4, (
         fetched, frame, copy.stat())
+
+
+def test_a_seekable_copy_that_fails_midway_leaves_no_object(s3_server):
+    """An upload closed by an error would complete with part of the frames: the copy is deleted."""
+    from actlake.corpus.index import _write_frames
+
+    dest = location(s3_server("corpus-copy") + "/out/_corpus_index/k.jsonl.zst")
+
+    def pieces():
+        yield [b'{"text": "a"}\n']
+        raise OSError("the input went away")
+
+    with pytest.raises(OSError, match="went away"):
+        _write_frames(pieces(), dest, [])
+    assert not dest.exists()
+    points = []
+    _write_frames(iter([[b'{"text": "a"}\n'], [b'{"text": "b"}\n']]), dest, points)
+    assert dest.is_file() and points[0] == 0 and 0 < points[1] < dest.stat().st_size
 
 
 def test_fingerprints_of_objects_see_a_rewritten_object(s3_server):
