@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Iterator
 
 from actlake.errors import CorpusError, StorageError
