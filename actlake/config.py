@@ -419,11 +419,13 @@ def _check_values(cfg: JobConfig, err) -> None:
         err(("sharding", "commit_seconds"), f"must be positive, got {cfg.sharding.commit_seconds}")
     if cfg.sharding.plan_workers < 0:
         err(("sharding", "plan_workers"), "must be 0 (one per core) or more")
+    from actlake.fs import SCHEMES
+
     for key, value in [(("output", "dir"), cfg.output.dir)] + [(("corpus", "paths", i), v) for i, v in enumerate(cfg.corpus.paths)]:
         scheme = url_scheme(value)
-        if scheme:
-            err(key, f"'{scheme}://' paths are not supported: object storage is not built yet, so this would "
-                "silently become a local folder; use a local path or a shared mount")
+        if scheme and scheme not in SCHEMES and scheme != "file":
+            err(key, f"{value!r} uses the scheme {scheme}://, which actlake cannot read or write (known: "
+                f"{', '.join(s + '://' for s in SCHEMES)}, or a local path); it is never taken as a local folder")
     a = cfg.analyses
     if a.attention_weights == "fused":
         for name in ("weighted_contributions", "attention_by_distance"):
@@ -596,19 +598,43 @@ def resolve_model_path(name_or_path: str) -> str:
 
 
 def url_scheme(path: str) -> str | None:
-    """The scheme of ``path`` when it is a URL (``s3://…``, ``gs://…``, ``hf://…``), else None."""
-    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", path)
-    return m.group(1) if m else None
+    """The scheme of ``path`` when it is a URL (``s3://…``, ``gs://…``, ``hf://…``), lower-cased, else None."""
+    from actlake.fs import url_scheme as scheme_of
+
+    return scheme_of(path)
 
 
 def resolve_corpus_files(cfg: JobConfig) -> list[str]:
-    """Expand ``corpus.paths`` into a sorted list of existing, readable files."""
+    """Expand ``corpus.paths`` into a sorted list of existing, readable files: local absolute paths, or
+    URLs (``s3://bucket/key``) for entries naming an object store, whose globs expand over the bucket's
+    listing. An unknown scheme is an error naming the entry, never a local folder."""
+    from actlake.errors import StorageError
+    from actlake.fs import SCHEMES, glob as object_glob
+
     c = cfg.corpus
     if c.format == "hf":
         return []
     files: list[str] = []
     for i, pattern in enumerate(c.paths):
-        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        scheme = url_scheme(pattern)
+        if scheme and scheme not in SCHEMES and scheme != "file":
+            raise ConfigError(f"corpus.paths[{i}]: {pattern!r} uses the scheme {scheme}://, which actlake cannot read "
+                              f"(known: {', '.join(s + '://' for s in SCHEMES)}, or a local path)")
+        if scheme and scheme != "file":
+            try:
+                matches = object_glob(pattern)
+            except (OSError, StorageError) as e:
+                msg = " ".join(str(e).split())
+                raise ConfigError(f"corpus.paths[{i}]: cannot list {pattern!r} ({type(e).__name__}: {msg})") from None
+            if not matches:
+                raise ConfigError(f"corpus.paths[{i}]: no file matches {pattern!r}")
+            for m in matches:
+                if c.format == "auto" and not m.endswith((".jsonl", ".jsonl.zst", ".json", ".parquet")):
+                    raise ConfigError(f"corpus.paths[{i}]: cannot tell the format of {m}; set corpus.format")
+                files.append(m)
+            continue
+        local = pattern[len("file://"):] if scheme == "file" else pattern
+        matches = sorted(glob.glob(os.path.expanduser(local), recursive=True))
         if not matches:
             hint = " (build the sample corpus with: actlake corpus sample data/sample)" if "sample" in pattern else ""
             raise ConfigError(f"corpus.paths[{i}]: no file matches {pattern!r} (from {os.getcwd()}){hint}")

@@ -189,7 +189,7 @@ class ObjectPath:
 
     def read_bytes(self) -> bytes:
         try:
-            with self.fs.open_input_stream(self.key) as f:
+            with self.fs.open_input_stream(self.key, compression=None) as f:
                 return f.read()
         except FileNotFoundError:
             raise
@@ -202,7 +202,7 @@ class ObjectPath:
         return self.read_bytes().decode(encoding)
 
     def write_bytes(self, data: bytes) -> int:
-        with self.fs.open_output_stream(self.key) as f:
+        with self.fs.open_output_stream(self.key, compression=None) as f:
             f.write(data)
         return len(data)
 
@@ -213,7 +213,7 @@ class ObjectPath:
         if mode == "rb":
             return self.fs.open_input_file(self.key)
         if mode == "wb":
-            return self.fs.open_output_stream(self.key)
+            return self.fs.open_output_stream(self.key, compression=None)
         raise ValueError(f"{self}: mode {mode!r} (object stores take 'rb' or 'wb')")
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:

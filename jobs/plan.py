@@ -12,8 +12,8 @@ from typing import Optional
 from actlake.config import JobConfig, resolve_corpus_files
 from actlake.corpus.fingerprint import file_fingerprint, hf_fingerprint
 from actlake.corpus.index import INDEX_DIR, index_files, load_points
-from actlake.corpus.readers import HF_STREAM, Entry, file_format, load_hf, load_hf_stream
-from actlake.storage.layout import write_json_atomic
+from actlake.corpus.readers import HF_STREAM, Entry, file_format, is_url, load_hf, load_hf_stream
+from actlake.errors import CorpusError, StorageError
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,38 @@ def _usable(hit: dict | None, fmt: str, key: dict, every: int) -> bool:
         return False
     if fmt == "parquet":
         return True
-    if "index" not in hit or every % hit["every"] != 0 or not os.path.isfile(hit["index"]):
+    if "index" not in hit or every % hit["every"] != 0 or not _is_file(hit["index"]):
         return False
-    return os.path.isfile(load_points(hit["index"])["file"])
+    return _is_file(load_points(hit["index"])["file"])
 
 
-def cached_counts(files: list[tuple[str, str, dict]], every: int, out_dir: Path, workers: int) -> dict[str, dict]:
+def _is_file(path: str) -> bool:
+    """Whether a local file or an object (``s3://…``) exists."""
+    if not is_url(path):
+        return os.path.isfile(path)
+    from actlake.fs import location
+
+    try:
+        return location(path).is_file()
+    except (OSError, StorageError) as e:
+        raise CorpusError(f"{path}: cannot reach the corpus index ({type(e).__name__}: {e})") from None
+
+
+def output_location(output_dir: str):
+    """``output.dir`` as a location: an absolute local Path, or an ObjectPath for an object-store URL."""
+    if is_url(str(output_dir)) or str(output_dir).startswith("file://"):
+        from actlake.fs import location
+
+        return location(output_dir)
+    return Path(output_dir).resolve()
+
+
+def cached_counts(files: list[tuple[str, str, dict]], every: int, out_dir, workers: int) -> dict[str, dict]:
     """Per ``(path, fmt, fingerprint)``: ``{"records": n}`` (+ ``index``, ``every`` for jsonl), from the
-    cache where it matches the file's fingerprint, else by indexing the files, in parallel."""
+    cache where it matches the file's fingerprint, else by indexing the files, in parallel. ``out_dir``
+    (a Path or an ObjectPath) holds the cache and the index."""
+    from actlake.fs import write_atomic
+
     cache_file = out_dir / COUNT_CACHE
     try:
         cache = json.loads(cache_file.read_text())
@@ -80,7 +104,7 @@ def cached_counts(files: list[tuple[str, str, dict]], every: int, out_dir: Path,
     if todo:
         for (path, fmt, _, _), built in zip(todo, index_files(todo, str(out_dir / INDEX_DIR), workers)):
             cache[path] = {**keys[path], "format": fmt, **built}
-        write_json_atomic(cache_file, cache)
+        write_atomic(cache_file, json.dumps(cache, indent=2, sort_keys=True).encode())
     return {path: cache[path] for path, _, _ in files}
 
 
@@ -119,7 +143,7 @@ def _counted_files(cfg: JobConfig, inputs: dict[str, dict]) -> list[tuple[str, s
     """``(path, format, counted)`` of the corpus files the plan reads, fingerprinted into ``inputs``:
     all of them, indexed in parallel; with ``corpus.max_docs``, file by file until the budget is met."""
     c, every = cfg.corpus, cfg.sharding.docs_per_shard
-    out_dir = Path(cfg.output.dir).resolve()
+    out_dir = output_location(cfg.output.dir)
     files = [(p, file_format(p, c.format)) for p in resolve_corpus_files(cfg)]
     groups = [files] if c.max_docs is None else [[f] for f in files]
     sources, seen = [], 0

@@ -11,6 +11,9 @@ changed modification time counts as a change too; for fully hashed files the has
 copied or touched with the same bytes is the same input). Hugging Face datasets are fingerprinted
 by the datasets library's own ``_fingerprint`` when the dataset has one, else by name, split and
 config name (``hash_kind: name``), plus their number of rows.
+
+Inputs may be object-store URLs (``s3://bucket/key``): their size and modification time (the
+object's LastModified) come from :func:`actlake.fs.stat`, their bytes from ranged reads.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from actlake.errors import CorpusError
+from actlake.errors import CorpusError, StorageError
 
 FULL_HASH_LIMIT = 64 << 20
 """Files up to this size are hashed whole; larger ones by sampled blocks."""
@@ -28,10 +31,13 @@ SAMPLE_BLOCK = 1 << 20
 
 def _hash_blocks(path: str, size: int) -> tuple[str, str]:
     """(hash kind, hex SHA-256) of the whole file, or of its size and head/middle/tail blocks."""
+    from actlake.corpus.readers import REMOTE_SCAN_CHUNK, is_url, open_file
+
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    block = REMOTE_SCAN_CHUNK if is_url(path) else SAMPLE_BLOCK  # whole-object hashing: fewer requests
+    with open_file(path) as f:
         if size <= FULL_HASH_LIMIT:
-            while data := f.read(SAMPLE_BLOCK):
+            while data := f.read(block):
                 h.update(data)
             return "full", h.hexdigest()
         h.update(size.to_bytes(8, "little"))
@@ -41,17 +47,33 @@ def _hash_blocks(path: str, size: int) -> tuple[str, str]:
         return "sampled", h.hexdigest()
 
 
+def _stat(path: str) -> tuple[int, int]:
+    """(size, mtime in ns) of a local file (os.stat) or an object (its LastModified)."""
+    from actlake.corpus.readers import is_url
+
+    if is_url(path):
+        from actlake.fs import stat
+
+        return stat(path)
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _why(e: Exception) -> str:
+    return " ".join(str(getattr(e, "strerror", None) or e).split())
+
+
 def file_fingerprint(path: str) -> dict:
     """Size, mtime and content hash of ``path``; raises CorpusError if it changes while being hashed."""
     try:
-        before = os.stat(path)
-        kind, digest = _hash_blocks(path, before.st_size)
-        after = os.stat(path)
-    except OSError as e:
-        raise CorpusError(f"{path}: cannot read corpus file ({type(e).__name__}: {e.strerror or e})") from None
-    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+        before = _stat(path)
+        kind, digest = _hash_blocks(path, before[0])
+        after = _stat(path)
+    except (OSError, StorageError) as e:
+        raise CorpusError(f"{path}: cannot read corpus file ({type(e).__name__}: {_why(e)})") from None
+    if before != after:
         raise CorpusError(f"{path}: the file changed while it was being fingerprinted; is something still writing it?")
-    return {"size": after.st_size, "mtime_ns": after.st_mtime_ns, "hash_kind": kind, "hash": digest}
+    return {"size": after[0], "mtime_ns": after[1], "hash_kind": kind, "hash": digest}
 
 
 def hf_fingerprint(ds, name: str, split: str) -> dict:
@@ -79,12 +101,12 @@ def describe_change(old: dict, new: dict) -> str | None:
 def check_stat(path: str, size: int, mtime_ns: int, when: str) -> None:
     """Raise CorpusError naming ``path`` unless its size and mtime are still ``size`` and ``mtime_ns``."""
     try:
-        st = os.stat(path)
-    except OSError as e:
-        raise CorpusError(f"{path}: corpus file gone or unreadable {when} ({e.strerror or e})") from None
-    if st.st_size != size:
-        raise CorpusError(f"{path}: the file changed {when}: size {size:,} bytes when planned, now {st.st_size:,}")
-    if st.st_mtime_ns != mtime_ns:
+        now_size, now_mtime = _stat(path)
+    except (OSError, StorageError) as e:
+        raise CorpusError(f"{path}: corpus file gone or unreadable {when} ({_why(e)})") from None
+    if now_size != size:
+        raise CorpusError(f"{path}: the file changed {when}: size {size:,} bytes when planned, now {now_size:,}")
+    if now_mtime != mtime_ns:
         raise CorpusError(f"{path}: the file changed {when}: modification time moved since planning")
 
 
@@ -108,6 +130,19 @@ def current_fingerprints(recorded: dict[str, dict]) -> dict[str, dict]:
     for path, fp in recorded.items():
         if fp.get("hash_kind") in ("datasets", "name"):
             now[path] = fp
-        elif os.path.exists(path):
+        elif _exists(path):
             now[path] = file_fingerprint(path)
     return now
+
+
+def _exists(path: str) -> bool:
+    from actlake.corpus.readers import is_url
+
+    if not is_url(path):
+        return os.path.exists(path)
+    from actlake.fs import location
+
+    try:
+        return location(path).is_file()
+    except (OSError, StorageError) as e:
+        raise CorpusError(f"{path}: cannot reach corpus file ({type(e).__name__}: {_why(e)})") from None

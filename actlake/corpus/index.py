@@ -16,6 +16,12 @@ record starts (``every`` = ``sharding.docs_per_shard``, so every shard starts on
 Files are indexed in parallel (a process pool, ``sharding.plan_workers``); the result is cached in
 ``OUTPUT_DIR/_record_counts.json`` by the file's fingerprint (see ``jobs/plan.py``), so a rerun or
 resume plans from the cache without reading any input.
+
+Inputs and ``OUTPUT_DIR`` may be object stores (``s3://…``): inputs are read through
+:mod:`actlake.fs`, a seekable copy is written as one object (an upload that an error deletes), and the
+entry-point file as one PUT after the copy is complete, so an index never points at a partial copy.
+The pool starts its processes with ``spawn``: pyarrow's S3 client is not fork-safe, and the driver
+may hold Ray's threads; each worker builds its own file system from the environment.
 """
 
 from __future__ import annotations
@@ -23,10 +29,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Iterator
 
-from actlake.errors import CorpusError
+from actlake.errors import CorpusError, StorageError
 
 INDEX_DIR = "_corpus_index"
 """In ``output.dir``: one ``KEY.json`` of entry points per indexed input, and ``KEY.jsonl.zst``, the
@@ -74,23 +79,24 @@ def index_key(path: str, content_hash: str, every: int) -> str:
 
 def build_index(path: str, fmt: str, every: int, content_hash: str, out_dir: str) -> dict:
     """Count the records of ``path`` and, for jsonl inputs, write its entry points (and the seekable
-    copy of a ``.zst``) under ``out_dir``. Returns ``{"records": n}`` plus, for jsonl,
-    ``"index"`` (the entry-point file) and ``"every"``."""
+    copy of a ``.zst``) under ``out_dir`` (a local folder or an object-store URL). Returns
+    ``{"records": n}`` plus, for jsonl, ``"index"`` (the entry-point file) and ``"every"``."""
     from actlake.corpus.readers import count_records, decoded_chunks
+    from actlake.fs import location, write_atomic
 
     if fmt == "parquet":
         return {"records": count_records(path, fmt)}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = location(out_dir)
     key = index_key(path, content_hash, every)
     zst = path.endswith(".zst")
-    data_file = out / f"{key}.jsonl.zst" if zst else Path(path)
+    data_file = str(out / f"{key}.jsonl.zst") if zst else path
     counted: list[int] = []
     points: list[int] = []  # points[i]: byte offset in data_file where record i * every starts
+    out.mkdir(parents=True, exist_ok=True)
     try:
         pieces = _pieces(decoded_chunks(path), every, counted)
         if zst:
-            _write_frames(pieces, data_file, points)
+            _write_frames(pieces, out / f"{key}.jsonl.zst", points)
         else:
             offset = 0
             for parts in pieces:
@@ -100,19 +106,41 @@ def build_index(path: str, fmt: str, every: int, content_hash: str, out_dir: str
         raise
     except Exception as e:  # zstd errors, OS errors
         raise CorpusError(f"{path}: cannot read corpus file ({type(e).__name__}: {e}); the file may be truncated or corrupt") from None
-    index = {"source": path, "records": counted[0], "every": every, "file": str(data_file), "points": points}
+    index = {"source": path, "records": counted[0], "every": every, "file": data_file, "points": points}
     index_file = out / f"{key}.json"
-    tmp = index_file.with_name(f".{index_file.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(index))
-    os.replace(tmp, index_file)
+    try:
+        write_atomic(index_file, json.dumps(index).encode())
+    except (OSError, StorageError) as e:
+        raise CorpusError(f"{index_file}: cannot write the corpus index ({type(e).__name__}: {e})") from None
     return {"records": counted[0], "every": every, "index": str(index_file)}
 
 
-def _write_frames(pieces: Iterator[list[bytes]], dest: Path, points: list[int]) -> None:
-    """Write each piece as one zstd frame of ``dest`` (atomically), appending each frame's offset to ``points``."""
+def _write_frames(pieces: Iterator[list[bytes]], dest, points: list[int]) -> None:
+    """Write each piece as one zstd frame of ``dest`` (atomically), appending each frame's offset to
+    ``points``. On a disk: a temporary file renamed into place. In an object store: one streamed
+    upload (the object appears when it completes); if writing fails, the object is deleted."""
     import zstandard
 
+    from actlake.fs import ObjectPath
+
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True)
+    if isinstance(dest, ObjectPath):
+        f = dest.open("wb")
+        try:
+            offset = 0  # counted here: an upload stream's tell() is not needed
+            for parts in pieces:
+                points.append(offset)
+                frame = cctx.compress(b"".join(parts))
+                f.write(frame)
+                offset += len(frame)
+        except BaseException:
+            try:  # closing completes the upload: delete the partial object it made
+                f.close()
+            finally:
+                dest.unlink(missing_ok=True)
+            raise
+        f.close()
+        return
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -126,9 +154,11 @@ def _write_frames(pieces: Iterator[list[bytes]], dest: Path, points: list[int]) 
 
 def load_points(index_file: str) -> dict:
     """An index written by :func:`build_index` (``records``, ``every``, ``file``, ``points``)."""
+    from actlake.fs import location
+
     try:
-        return json.loads(Path(index_file).read_text())
-    except (OSError, ValueError) as e:
+        return json.loads(location(index_file).read_text())
+    except (OSError, ValueError, StorageError) as e:
         raise CorpusError(f"{index_file}: cannot read corpus index ({type(e).__name__}: {e}); delete it to rebuild") from None
 
 
@@ -139,10 +169,21 @@ def index_files(jobs: list[tuple[str, str, int, str]], out_dir: str, workers: in
     import multiprocessing
 
     workers = min(len(jobs), workers or os.cpu_count() or 1)
-    size = sum(os.path.getsize(p) for p, fmt, _, _ in jobs if fmt != "parquet")
+    size = sum(_size(p) for p, fmt, _, _ in jobs if fmt != "parquet")
     if workers <= 1 or size < PARALLEL_MIN_BYTES:
         return [build_index(*job, out_dir) for job in jobs]
-    # spawn, not fork: the driver may hold Ray's threads, which a forked child must not inherit
+    # spawn, not fork: the driver may hold Ray's threads, and pyarrow's S3 client (built once per
+    # process, actlake.fs.filesystem) is not fork-safe; a spawned worker builds its own from the environment
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(build_index, *job, out_dir) for job in jobs]
         return [f.result() for f in futures]
+
+
+def _size(path: str) -> int:
+    from actlake.corpus.readers import is_url
+
+    if not is_url(path):
+        return os.path.getsize(path)
+    from actlake.fs import stat
+
+    return stat(path)[0]

@@ -10,6 +10,11 @@ A shard does not decode its file from the start: the plan hands it an :class:`En
 file's index, ``actlake/corpus/index.py``), a byte offset where a record starts — in the file
 itself for plain jsonl, in a seekable multi-frame copy for ``.jsonl.zst`` — and Parquet readers
 start at the row group holding the first record. :class:`ReadStats` counts what a read decoded.
+
+Every path may be a local file or an object-store URL (``s3://bucket/key``, ``gs://…``, ``hf://…``):
+URLs are opened through :func:`actlake.fs.open_input` (a seekable ``pyarrow`` file whose reads are
+ranged GETs), so a shard reads only the bytes from its entry point on, and a Parquet shard only the
+footer and the column chunks of its row groups; nothing is downloaded whole.
 """
 
 from __future__ import annotations
@@ -79,13 +84,35 @@ def _get(obj, dotted: str):
     return obj
 
 
+def is_url(path: str) -> bool:
+    """Whether ``path`` names an object in an object store (``s3://…``) rather than a local file."""
+    from actlake.fs import url_scheme
+
+    scheme = url_scheme(path)
+    return scheme is not None and scheme != "file"
+
+
+def open_file(path: str):
+    """A seekable binary reader of a local file or an object-store URL (see :func:`actlake.fs.open_input`)."""
+    if not is_url(path):
+        return open(path, "rb")
+    from actlake.fs import open_input
+
+    return open_input(path)
+
+
+REMOTE_SCAN_CHUNK = 8 << 20
+"""Bytes per read when an object is scanned whole (counting, indexing, hashing): each read of an
+object-store file is one ranged GET, so whole-object scans read in larger pieces than local ones."""
+
+
 def _zst_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
     """Decompressed bytes of every frame from byte ``offset`` (a frame start); raises if the file
     ends inside a frame. Frames are decompressed one at a time, as the caller asks for more."""
     import zstandard
 
     dctx = zstandard.ZstdDecompressor()
-    with open(path, "rb") as f:
+    with open_file(path) as f:
         f.seek(offset)
         dobj = dctx.decompressobj()
         in_frame = False
@@ -107,14 +134,17 @@ def _zst_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[by
 
 
 def _raw_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
-    with open(path, "rb") as f:
+    with open_file(path) as f:
         f.seek(offset)
         while data := f.read(chunk):
             yield data
 
 
 def decoded_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
-    """The bytes of a plain or zstd-compressed file from ``offset`` (a frame start for ``.zst``)."""
+    """The bytes of a plain or zstd-compressed file from ``offset`` (a frame start for ``.zst``); a
+    whole-file scan of an object reads :data:`REMOTE_SCAN_CHUNK` bytes per request."""
+    if chunk >= 1 << 20 and is_url(path):
+        chunk = max(chunk, REMOTE_SCAN_CHUNK)
     return _zst_chunks(path, chunk, offset) if path.endswith(".zst") else _raw_chunks(path, chunk, offset)
 
 
@@ -224,26 +254,33 @@ def iter_parquet(path: str, start: int, end: int, text_field: str, source_field:
 
     stats = ReadStats() if stats is None else stats
     try:
-        pf = pq.ParquetFile(path)
-        top = text_field.split(".")[0]
-        src_top = source_field.split(".")[0]
-        cols = [c for c in dict.fromkeys([top, src_top]) if c in pf.schema_arrow.names]
-        first = 0  # row index of the current row group's first row
-        for g in range(pf.metadata.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
-            if first + n > start and first < end:
-                table = pf.read_row_group(g, columns=cols)  # n rows
-                stats.rows_decoded += n
-                lo, hi = max(start, first) - first, min(end, first + n) - first
-                for k, row in enumerate(table.slice(lo, hi - lo).to_pylist()):
-                    yield _row_item(first + lo + k, row, text_field, source_field)
-            first += n
-            if first >= end:
-                return
+        if is_url(path):  # a pyarrow file over ranged GETs: the footer, then the chosen row groups' columns
+            with open_file(path) as f:
+                yield from _parquet_rows(pq.ParquetFile(f), start, end, text_field, source_field, stats)
+        else:
+            yield from _parquet_rows(pq.ParquetFile(path), start, end, text_field, source_field, stats)
     except CorpusError:
         raise
     except Exception as e:
         raise CorpusError(f"{path}: cannot read Parquet corpus file ({type(e).__name__}: {e})") from None
+
+
+def _parquet_rows(pf, start: int, end: int, text_field: str, source_field: str, stats: ReadStats) -> Iterator[Item]:
+    top = text_field.split(".")[0]
+    src_top = source_field.split(".")[0]
+    cols = [c for c in dict.fromkeys([top, src_top]) if c in pf.schema_arrow.names]
+    first = 0  # row index of the current row group's first row
+    for g in range(pf.metadata.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if first + n > start and first < end:
+            table = pf.read_row_group(g, columns=cols)  # n rows
+            stats.rows_decoded += n
+            lo, hi = max(start, first) - first, min(end, first + n) - first
+            for k, row in enumerate(table.slice(lo, hi - lo).to_pylist()):
+                yield _row_item(first + lo + k, row, text_field, source_field)
+        first += n
+        if first >= end:
+            return
 
 
 def iter_hf(name: str, split: str, start: int, end: int, text_field: str, source_field: str) -> Iterator[Item]:
@@ -312,7 +349,10 @@ def count_records(path: str, fmt: str) -> int:
         import pyarrow.parquet as pq
 
         try:
-            return pq.ParquetFile(path).metadata.num_rows
+            if not is_url(path):
+                return pq.ParquetFile(path).metadata.num_rows
+            with open_file(path) as f:
+                return pq.ParquetFile(f).metadata.num_rows
         except Exception as e:
             raise CorpusError(f"{path}: cannot read Parquet corpus file ({type(e).__name__}: {e})") from None
     return sum(1 for _ in _lines(path))

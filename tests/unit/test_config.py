@@ -153,11 +153,15 @@ def test_output_dir_mistakes_are_one_line(tmp_path, capsys, minilm_path, case):
     assert len(err) == 1 and err[0].startswith("actlake: error:") and str(out) in err[0], err
 
 
-@pytest.mark.parametrize("key,value", [("output.dir", "s3://bucket/runs"), ("corpus.paths", ["gs://b/train/*.jsonl.zst"])])
-def test_object_store_urls_are_refused_in_one_line_not_made_local_folders(tmp_path, key, value):
-    """Object storage is not supported yet: a URL must not become a folder named 's3:' in the working folder."""
+@pytest.mark.parametrize("key,value", [("output.dir", "s4://bucket/runs"), ("corpus.paths", ["ftp://b/train/*.jsonl.zst"])])
+def test_unknown_url_schemes_are_refused_in_one_line_not_made_local_folders(tmp_path, monkeypatch, key, value):
+    """An unknown scheme must not become a folder named 's4:' in the working folder; s3/gs/hf URLs are accepted."""
+    monkeypatch.chdir(tmp_path)
     section, name = key.split(".")
     p = _write(tmp_path, f"{section}:\n  {name}: {json.dumps(value)}\n")
-    with pytest.raises(ConfigError, match=rf"line 2: '{key}.*not supported: object storage"):
+    with pytest.raises(ConfigError, match=rf"line 2: '{key}.*uses the scheme \w+://, which actlake cannot read or write") as e:
         load_config(p, check_files=False)
-    assert not (tmp_path / "s3:").exists()
+    assert "\n" not in str(e.value)
+    assert [x.name for x in tmp_path.iterdir()] == [p.name]
+    known = "s3://bucket/runs" if key == "output.dir" else ["gs://b/train/*.jsonl.zst"]
+    load_config(_write(tmp_path, f"{section}:\n  {name}: {json.dumps(known)}\n"), check_files=False)
