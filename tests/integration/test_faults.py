@@ -169,7 +169,7 @@ def test_out_of_memory_batches_are_split_and_give_the_same_numbers(minilm_path, 
 
 def test_a_flipped_byte_is_named_and_no_report_is_published(minilm_path, sample_corpus, tmp_path, ray_local):
     cfg = job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 4, "sharding.docs_per_shard": 2,
-                                                              "sharding.commit_seconds": 1e-9})  # a group per shard
+                                                              "sharding.commit_seconds": 0.001})  # a group per shard
     res = run_job(cfg)
     victim = sorted((Path(res.run_dir) / "tables" / "residual_norms").rglob("*.parquet"))[0]
     data = bytearray(victim.read_bytes())
@@ -243,7 +243,7 @@ def test_removing_a_node_mid_job_leaves_the_same_tables(minilm_path, sample_corp
     _, clean_tables = clean
     cfg = job_config(minilm_path, sample_corpus, tmp_path,
                      **{"corpus.max_docs": 20, "sharding.docs_per_shard": 2, "resources.num_workers": 2,
-                        "sharding.commit_seconds": 1e-9})  # a group per shard: the node goes mid-job
+                        "sharding.commit_seconds": 0.001})  # a group per shard: the node goes mid-job
     cfg_file, out_file = tmp_path / "cfg.json", tmp_path / "result.json"
     cfg_file.write_text(json.dumps(cfg.to_dict()))
     root = Path(__file__).resolve().parents[2]

@@ -63,7 +63,7 @@ def test_a_changed_corpus_is_refused_and_the_same_bytes_resume(minilm_path, samp
     """Rewritten with the same number of lines and the same size, mtime put back: only the content
     hash can tell, and the rerun (finished run, then with shards missing) is refused naming the file."""
     f, lines = _corpus(sample_corpus, tmp_path / "corpus", 12)
-    config = _config_file(tmp_path, minilm_path, f.parent, **{"sharding.docs_per_shard": 2, "sharding.commit_seconds": 1e-9})
+    config = _config_file(tmp_path, minilm_path, f.parent, **{"sharding.docs_per_shard": 2, "sharding.commit_seconds": 0.001})
     code, out, err = _run(capsys, config)
     assert code == 0, err[-3000:]
     n_shards = -(-len(lines) // 2)
@@ -95,7 +95,7 @@ def test_a_file_that_shrinks_after_planning_fails_the_job_naming_it(minilm_path,
     """24 records cut to 10 once the first shard has committed: the job fails with one line naming
     the file, instead of publishing what it read."""
     f, lines = _corpus(sample_corpus, tmp_path / "corpus", 24)
-    config = _config_file(tmp_path, minilm_path, f.parent, **{"sharding.docs_per_shard": 2, "sharding.commit_seconds": 1e-9})
+    config = _config_file(tmp_path, minilm_path, f.parent, **{"sharding.docs_per_shard": 2, "sharding.commit_seconds": 0.001})
     complete = tmp_path / "runs" / "inputs" / "_complete"
     cut, stop = [], threading.Event()
 
@@ -195,7 +195,7 @@ def test_a_job_reads_shards_from_entry_points_and_resumes_only_missing_shards(mi
     from actlake.jobs.run import run_job
 
     cfg = job_config(minilm_path, sample_corpus, tmp_path / "runs", **{**LIGHT, "sharding.docs_per_shard": 6,
-                                                                       "output.run_id": "entry", "sharding.commit_seconds": 1e-9})
+                                                                       "output.run_id": "entry", "sharding.commit_seconds": 0.001})
     first = run_job(cfg)
     files = sorted(str(p) for p in sample_corpus.glob("*.jsonl.zst"))
     expected, offset = [], 0

@@ -75,7 +75,7 @@ def test_a_killed_worker_and_a_resume_keep_every_row_exactly_once(minilm_path, s
     runs = s3_server("runs-b")
     monkeypatch.chdir(tmp_path)
     cfg = job_config(minilm_path, sample_corpus, runs, **SETTINGS,
-                     **{"corpus.paths": [corpus_url], "output.run_id": "r2", "sharding.commit_seconds": 1e-9})
+                     **{"corpus.paths": [corpus_url], "output.run_id": "r2", "sharding.commit_seconds": 0.001})
     killed = []
 
     def kill_after_first_commit(summary):
@@ -107,7 +107,7 @@ def test_workers_on_other_nodes_share_nothing_but_the_store(minilm_path, sample_
     driver.mkdir(), workers.mkdir()
     cfg = job_config(minilm_path, sample_corpus, runs, **SETTINGS,
                      **{"corpus.paths": [corpus_url], "output.run_id": "r3", "resources.num_workers": 2,
-                        "sharding.commit_seconds": 1e-9})
+                        "sharding.commit_seconds": 0.001})
     cfg_file, out_file = tmp_path / "cfg.json", tmp_path / "result.json"
     cfg_file.write_text(json.dumps(cfg.to_dict()))
     root = Path(__file__).resolve().parents[2]

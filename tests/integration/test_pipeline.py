@@ -102,7 +102,7 @@ def test_merge_order_does_not_change_aggregates(minilm_path, sample_corpus, tmp_
 
     # commit_seconds tiny: the worker commits after every shard, one group (and partial) per shard
     res = run_job(job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 24, "sharding.docs_per_shard": 6,
-                                                                      "sharding.commit_seconds": 1e-9}))
+                                                                      "sharding.commit_seconds": 0.001}))
     layout = RunLayout(Path(res.run_dir))
     records = [json.loads(p.read_text()) for p in sorted(layout.complete.glob("group-*.json"))]
     assert len(records) == res.shards_total >= 4 and all(len(r["shards"]) == 1 for r in records)

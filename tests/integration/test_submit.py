@@ -107,7 +107,7 @@ def test_a_stopped_job_resubmitted_with_the_same_run_id_finishes_like_a_clean_ru
     from tests.conftest import job_config
     from tests.integration.test_faults import assert_same, snapshot
 
-    over = {"corpus.max_docs": 16, "sharding.docs_per_shard": 2, "output.run_id": "stopped", "sharding.commit_seconds": 1e-9}
+    over = {"corpus.max_docs": 16, "sharding.docs_per_shard": 2, "output.run_id": "stopped", "sharding.commit_seconds": 0.001}
     cfg = job_config(minilm_path, sample_corpus, tmp_path / "runs", **over)
     job_file = tmp_path / "job.yaml"
     import yaml
