@@ -177,6 +177,8 @@ class ResourcesConfig:
     """Host memory (GiB) each worker reserves from Ray (its ``memory`` resource): Ray starts a worker only on a node with that much unreserved, so large models do not land two to a node. null: no reservation. On a CPU worker, reserve the weights in the loaded dtype (loading peaks at about 1.1x of them in anonymous memory, see Measured) plus the batch working set; with device_map, also the layers kept in CPU memory."""
     max_retries: int = 3
     """Times a shard is retried after its worker dies."""
+    read_ahead: Optional[bool] = None
+    """A worker holds two shards: it reads and tokenises the next while the model runs the current, and writes one's tables while the model runs the other. null: on for GPU workers (their device would otherwise wait for the CPU between shards), off on CPUs (where reading competes with the model for the same cores)."""
 
 
 @dataclass

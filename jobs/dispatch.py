@@ -38,28 +38,30 @@ def _is_temporary(exc: Exception) -> bool:
 
 
 class Dispatcher:
-    def __init__(self, workers: list, max_retries: int, on_done=lambda summary: None):
+    def __init__(self, workers: list, max_retries: int, on_done=lambda summary: None, slots: int = 1):
+        """``slots``: shards each worker holds at once (2: it reads one while the model runs the other)."""
         self.workers = list(workers)
         self.max_retries = max_retries
         self.on_done = on_done
+        self.slots = slots
 
     def run(self, shards: list) -> tuple[list[dict], list[str]]:
         """Run and commit every shard; return (summaries, failure messages)."""
         import ray
 
-        self.idle, self.queue = deque(self.workers), deque(shards)
+        self.idle, self.queue = deque(w for w in self.workers for _ in range(self.slots)), deque(shards)
         self.attempts: Counter = Counter()
         self.in_flight: dict = {}  # ref -> ("shard", worker, shard) | ("flush", worker, None) | ("ping", worker, None)
         self.open: dict[str, list] = {}  # worker -> shards it ran whose group is not committed yet
         self.summaries: dict[int, dict] = {}
         self.failures: list[str] = []
-        self.alive, self.last_death = len(self.workers), ""
+        self.alive, self.last_death, self.gone = len(self.workers), "", set()
         while True:
             while self.idle and self.queue:
                 w, s = self.idle.popleft(), self.queue.popleft()
                 self.in_flight[w.process.remote(asdict(s), not self.queue)] = ("shard", w, s)
             if not self.queue:  # nothing left to hand out: idle workers commit what they hold
-                for w in [w for w in self.idle if self.open.get(_key(w))]:
+                for w in {_key(w): w for w in self.idle if self.open.get(_key(w))}.values():
                     self.idle.remove(w)
                     self.in_flight[w.flush.remote()] = ("flush", w, None)
             if not self.in_flight:
@@ -133,7 +135,11 @@ class Dispatcher:
             time.sleep(0.5)
             self._ping(w)
             return
+        if _key(w) in self.gone:  # a second slot of a worker already counted out
+            return
+        self.gone.add(_key(w))
         self.alive -= 1  # gone for good (constructor failed, restarts exhausted)
+        self.idle = deque(x for x in self.idle if _key(x) != _key(w))
         self.last_death = str(getattr(e, "cause", None) or e).strip().splitlines()[-1][:500]
         log.warning("a worker could not be restarted: %s", self.last_death)
 

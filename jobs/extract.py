@@ -145,25 +145,35 @@ class Extractor:
         return result
 
     # ------------------------------------------------------------------ one shard
-    def process(self, shard: Shard, layout: RunLayout, group: Group) -> dict:
+    def process(self, shard: Shard, layout: RunLayout, group: Group, compute_lock=None) -> dict:
         """Run one shard: its tables go into their tables (not yet committed), its statistics into ``group``,
-        which the caller commits (:mod:`actlake.storage.shards`). Returns the shard's summary."""
+        which the caller commits (:mod:`actlake.storage.shards`). Returns the shard's summary.
+
+        ``compute_lock`` is held only while the model runs: a worker running two shards at once (reading
+        ahead, ``resources.read_ahead``) reads and tokenises one, and writes the other's tables, while the
+        model runs the third."""
         t0 = time.perf_counter()
         windows, docs, rejects = self.read_shard(shard)
-        batches = make_batches(windows, self.cfg.batching)
-        acc = ShardResults(self.cfg.analyses, self.new_stats(), self.cfg.activations)
-        splits_before = self.oom_splits
-        for batch in batches:
-            for result in self.run_batch_resilient(batch):
-                acc.add(result)
+        read_s = time.perf_counter() - t0
+        with compute_lock or contextlib.nullcontext():
+            t1 = time.perf_counter()
+            batches = make_batches(windows, self.cfg.batching)
+            acc = ShardResults(self.cfg.analyses, self.new_stats(), self.cfg.activations)
+            splits_before = self.oom_splits
+            for batch in batches:
+                for result in self.run_batch_resilient(batch):
+                    acc.add(result)
+            splits = self.oom_splits - splits_before
+            compute_s = time.perf_counter() - t1
         files = ShardFiles(layout, shard.shard_id)
         try:
             acc.write(files, docs, rejects)
             summary = {"docs": len(docs), "windows": len(windows), "tokens": acc.n_tokens, "padded_tokens": acc.n_padded,
-                       "batches": len(batches), "oom_splits": self.oom_splits - splits_before,
+                       "batches": len(batches), "oom_splits": splits,
                        "dtype": str(self.lm.dtype).removeprefix("torch."),
                        "cut_docs": sum(d["cut"] for d in docs),
-                       "rejects": dict(Counter(r["reason"] for r in rejects)), "seconds": time.perf_counter() - t0}
+                       "rejects": dict(Counter(r["reason"] for r in rejects)), "seconds": time.perf_counter() - t0,
+                       "read_seconds": read_s, "compute_seconds": compute_s}
             group.add(shard.shard_id, files.publish(), summary, acc.stats)
         except BaseException:
             files.abort()

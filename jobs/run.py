@@ -66,11 +66,19 @@ def check_fits_a_node(r, gpus: float, nodes: list[dict]) -> None:
                               f"node of the cluster offers Ray more than {most:.1f} GiB")
 
 
+def read_ahead(cfg: JobConfig, gpus: float) -> bool:
+    """Whether a worker holds a second shard to read while the model runs (``resources.read_ahead``;
+    default: on GPU workers, whose device would otherwise wait for the CPU between shards)."""
+    r = cfg.resources.read_ahead
+    return gpus > 0 if r is None else bool(r)
+
+
 def worker_options(cfg: JobConfig, cpus: float, gpus: float, local: bool = True) -> dict:
     """Ray actor options of one ShardWorker: CPUs, GPUs, memory (``resources.memory_per_worker_gb``), restarts,
     and the driver's object-store settings (credentials too when ``local``: see ``jobs/ray_env.py``)."""
     r = cfg.resources
-    options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=r.max_retries, max_task_retries=0)
+    options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=r.max_retries, max_task_retries=0,
+                   max_concurrency=2 if read_ahead(cfg, gpus) else 1)
     env = store_env(local)
     if env:
         options["runtime_env"] = {"env_vars": env}
@@ -276,7 +284,7 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
             if on_shard:
                 on_shard(summary)
 
-        summaries, failures = Dispatcher(workers, retries, done).run(pending)
+        summaries, failures = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1).run(pending)
         if cfg.model.offload_folder:
             _close_workers(workers)
         for w in workers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import ray
 
@@ -65,8 +66,10 @@ def install_code(files: dict) -> None:
 
 @ray.remote
 class ShardWorker:
-    """Runs the shards the dispatcher hands it, one at a time, and commits them a group at a time
-    (:mod:`actlake.storage.shards`): when its group is due, when told a shard is its last, or on ``flush``."""
+    """Runs the shards the dispatcher hands it and commits them a group at a time
+    (:mod:`actlake.storage.shards`): when its group is due, when told a shard is its last, or on ``flush``.
+    Started with ``max_concurrency=2`` (``resources.read_ahead``) it holds two shards: the model runs one
+    while the other is read and tokenised, so the device does not wait for the CPU between shards."""
 
     def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None,
                  commit_seconds: float = 600.0):
@@ -87,6 +90,7 @@ class ShardWorker:
         self.layout = RunLayout(location(run_dir))
         self.group = Group(self.layout, plan_hash, CommitPolicy(max_seconds=commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
+        self.compute = threading.Lock()  # the model runs one shard at a time, also when two are in hand
         self.pid = os.getpid()
 
     def process(self, shard_dict: dict, last: bool = False) -> dict:
@@ -96,8 +100,9 @@ class ShardWorker:
         import psutil
 
         shard = Shard(**shard_dict)
-        summary = self.extractor.process(shard, self.layout, self.group)
-        committed = self.group.commit() if last or self.group.due() else []
+        summary = self.extractor.process(shard, self.layout, self.group, self.compute)
+        with self.group.lock:
+            committed = self.group.commit() if last or self.group.due() else []
         release_free_memory()
         rss_mb = psutil.Process().memory_info().rss / 2**20
         return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed,

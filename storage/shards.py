@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -98,8 +99,14 @@ class Group:
     started: float = 0.0
     table_bytes: int = 0
     partial_bytes: int | None = None  # estimated once: partials have the same size whatever the data
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    """Held by ``add`` and ``commit``; a worker running two shards at once holds it to decide and commit."""
 
     def add(self, shard_id: int, files: dict, summary: dict, stats: dict) -> None:
+        with self.lock:
+            self._add(shard_id, files, summary, stats)
+
+    def _add(self, shard_id: int, files: dict, summary: dict, stats: dict) -> None:
         if not self.shards:
             self.started = time.monotonic()
         self.shards[shard_id] = {"files": files, "summary": summary}
@@ -121,6 +128,10 @@ class Group:
     def commit(self) -> list[int]:
         """Write the partials, then the record (last); the shard ids now complete. Afterwards the group
         is empty, also when writing failed (its shards are then not complete, and run again on a rerun)."""
+        with self.lock:
+            return self._commit()
+
+    def _commit(self) -> list[int]:
         if not self.shards:
             return []
         try:
