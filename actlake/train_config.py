@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+import math
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar
+
+from actlake.config import OutputConfig, RayAddress
+from actlake.config_base import ConfigRoot, Section
 
 
-@dataclass
-class RunOutputConfig:
-    dir: str = "runs"
-    """Parent folder of run directories."""
-    run_id: Optional[str] = None
-    """Run directory name. Default: the config's name plus a hash of its contents (a rerun resumes)."""
-    report: bool = True
-    """Render ``report/report.html`` at the end (train-predictor, train-synthetic)."""
-
-
-@dataclass
-class TrainResourcesConfig:
-    address: Optional[str] = None
-    """Ray address. None: ``RAY_ADDRESS`` if set, else an embedded local Ray on 127.0.0.1."""
+class TrainResourcesConfig(RayAddress):
     num_workers: int = 1
     """Ray Train workers per trial (data parallel; each draws its own batches)."""
     cpus_per_worker: float = 1
@@ -31,29 +21,61 @@ class TrainResourcesConfig:
     """One GPU per Ray Train worker."""
 
 
-def check_optimizer(err, section: str, settings) -> None:
-    """Shared value checks of a training section: lr > 0 and finite, weight_decay >= 0, warmup_steps >= 0."""
-    import math
+class AdamW(Section):
+    """The optimiser of every training loop; a job sets the defaults (``AdamW.with_defaults``)."""
 
-    lr = settings.lr
-    if not (math.isfinite(lr) and lr > 0):
-        err((section, "lr"), f"must be a positive number, got {lr}")
-    if not (math.isfinite(settings.weight_decay) and settings.weight_decay >= 0):
-        err((section, "weight_decay"), f"must be at least 0, got {settings.weight_decay}")
-    if getattr(settings, "warmup_steps", 0) < 0:
-        err((section, "warmup_steps"), f"must be at least 0, got {settings.warmup_steps}")
+    lr: float
+    """Peak AdamW learning rate: linear warm-up, then cosine decay to 10% (train-synthetic: constant, as in the paper)."""
+    weight_decay: float
+    """AdamW weight decay."""
+
+    def check(self, err, section: str) -> None:
+        """lr > 0 and finite, weight_decay >= 0, warmup_steps (where there is one) >= 0."""
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            err((section, "lr"), f"must be a positive number, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            err((section, "weight_decay"), f"must be at least 0, got {self.weight_decay}")
+        if getattr(self, "warmup_steps", 0) < 0:
+            err((section, "warmup_steps"), f"must be at least 0, got {self.warmup_steps}")
 
 
-class TrainJob:
-    """``to_dict``, ``run_id`` and ``run_dir`` of a training job config (a dataclass with ``name`` and ``output``)."""
+class Warmup(Section):
+    warmup_steps: int = 100
+    """Linear warm-up steps (from lr/warmup_steps up to lr)."""
 
-    RUN_ID_EXCLUDE: tuple[str, ...] = ()
+
+class TrainingLoop(AdamW):
+    """The ``training`` section every training job shares; a job sets the defaults (``with_defaults``)."""
+
+    COUNTS: ClassVar[tuple[str, ...]] = ("steps", "batch_size", "eval_every", "checkpoint_every")
+    """Fields that must be at least 1."""
+
+    steps: int
+    """Optimizer steps (train-predictor: per layer; train-synthetic: each on fresh sequences from the process)."""
+    batch_size: int
+    """Windows (train-synthetic: sequences) per step and worker."""
+    eval_every: int
+    """Steps between evaluations on held-out data (a point of the learning curves)."""
+    checkpoint_every: int
+    """Steps between resume checkpoints (the newest two are kept)."""
+    seed: int = 0
+    """Seeds the initialisation and every batch (a resumed run draws the same batches)."""
+
+    def check(self, err, section: str) -> None:
+        for key in self.COUNTS:
+            if getattr(self, key) < 1:
+                err((section, key), "must be at least 1")
+        super().check(err, section)
+
+
+class TrainJob(ConfigRoot):
+    """A training job's config: its ``output`` and ``resources`` sections, ``run_id`` and ``run_dir``."""
+
+    RUN_ID_EXCLUDE: ClassVar[tuple[str, ...]] = ()
     """Sections besides output/resources/name that do not change the run id (they do not change training)."""
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("source_file", None)
-        return d
+    output: OutputConfig
+    resources: TrainResourcesConfig
 
     @property
     def run_id(self) -> str:

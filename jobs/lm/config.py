@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
 from actlake.config import CorpusConfig
-from actlake.train_config import RunOutputConfig, TrainJob, TrainResourcesConfig, check_optimizer
+from actlake.config_base import Section
+from actlake.train_config import TrainingLoop, TrainJob, Warmup
 
 
-@dataclass
-class LMTokenizerConfig:
+class LMTokenizerConfig(Section):
     path: Optional[str] = None
     """Existing tokenizer folder to use; null: train a byte-level BPE tokenizer on the corpus."""
     vocab_size: int = 4096
     """Vocabulary of the trained tokenizer (special tokens included)."""
 
 
-@dataclass
-class LMArchConfig:
+class LMArchConfig(Section):
     hidden_size: int = 128
     """Residual width."""
     num_layers: int = 4
@@ -31,50 +29,25 @@ class LMArchConfig:
     """Fraction of each head rotated by RoPE (Pythia: 0.25)."""
 
 
-@dataclass
-class LMTrainingConfig:
-    steps: int = 1200
-    """Optimizer steps."""
-    batch_size: int = 16
-    """Windows per step (per worker)."""
+class LMTrainingConfig(TrainingLoop.with_defaults(steps=1200, batch_size=16, lr=1e-3, weight_decay=0.1,
+                                                  eval_every=100, checkpoint_every=200), Warmup):
     seq_len: int = 128
     """Tokens per training window."""
-    lr: float = 1e-3
-    """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
-    weight_decay: float = 0.1
-    """AdamW weight decay."""
-    warmup_steps: int = 100
-    """Linear warm-up steps."""
-    eval_every: int = 100
-    """Steps between held-out evaluations."""
-    checkpoint_every: int = 200
-    """Steps between resume checkpoints (the newest two are kept)."""
     eval_fraction: float = 0.05
     """Documents held out for evaluation (chosen by a hash of the document number)."""
-    seed: int = 0
-    """Seeds initialisation and batches (a resumed run draws the same batches)."""
 
 
-@dataclass
-class LMConfig(TrainJob):
-    name: str = "lm"
-    """Job name; part of the default run id."""
-    corpus: CorpusConfig = field(default_factory=CorpusConfig)
-    tokenizer: LMTokenizerConfig = field(default_factory=LMTokenizerConfig)
-    model: LMArchConfig = field(default_factory=LMArchConfig)
-    training: LMTrainingConfig = field(default_factory=LMTrainingConfig)
-    output: RunOutputConfig = field(default_factory=RunOutputConfig)
-    resources: TrainResourcesConfig = field(default_factory=TrainResourcesConfig)
-    source_file: Optional[str] = field(default=None, metadata={"internal": True})
+class LMConfig(TrainJob.with_defaults(name="lm")):
+    corpus: CorpusConfig
+    tokenizer: LMTokenizerConfig
+    model: LMArchConfig
+    training: LMTrainingConfig
 
     def check(self, err) -> None:
         t, m = self.training, self.model
         if m.hidden_size % m.num_heads:
             err(("model", "num_heads"), f"hidden_size ({m.hidden_size}) must be divisible by num_heads ({m.num_heads})")
-        for key in ("steps", "batch_size", "eval_every", "checkpoint_every"):
-            if getattr(t, key) < 1:
-                err(("training", key), "must be at least 1")
-        check_optimizer(err, "training", t)
+        t.check(err, "training")
         if t.seq_len < 8:
             err(("training", "seq_len"), f"must be at least 8, got {t.seq_len}")
         if not 0 < t.eval_fraction < 0.5:

@@ -25,13 +25,15 @@ original units. Padding: a target h_{t+1} counts only when valid[t] and valid[t+
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import ConfigDict
 
 from actlake.errors import ConfigError
+from actlake.train_config import AdamW, Warmup
 from actlake.jobs.training import warmup_cosine_lr
 
 from .metrics import RunningMoments, fit_standardisation
@@ -40,9 +42,12 @@ __all__ = ["EvalResult", "NextStatePredictor", "PredictorConfig", "PredictorTrai
            "fit_standardisation", "lr_at", "pair_mask", "run_steps"]
 
 
-@dataclass
-class PredictorConfig:
-    """Architecture and optimisation of the predictor (paper: 32 heads × 128, 30,000 steps)."""
+class PredictorConfig(AdamW.with_defaults(lr=3e-4, weight_decay=0.01), Warmup):
+    """Architecture and optimisation of the predictor (paper: 32 heads × 128, 30,000 steps); AdamW's
+    weight decay applies to weight matrices only (not biases, slopes). Built by code, not read from YAML:
+    numbers convert (lax types)."""
+
+    model_config = ConfigDict(strict=False)
 
     d_model: int
     """width d of the analysed hidden states (input and output width)."""
@@ -50,12 +55,6 @@ class PredictorConfig:
     """attention heads of the predictor."""
     head_dim: int = 64
     """query/key/value width per head."""
-    lr: float = 3e-4
-    """peak AdamW learning rate, reached at the end of warm-up."""
-    weight_decay: float = 0.01
-    """AdamW decoupled weight decay, applied to weight matrices only (not biases, slopes)."""
-    warmup_steps: int = 100
-    """linear warm-up steps from lr/warmup_steps to lr."""
     total_steps: int = 2000
     """step at which the cosine decay reaches min_lr_ratio·lr (held there afterwards)."""
     grad_clip: float = 1.0
@@ -70,7 +69,7 @@ class PredictorConfig:
         bad += [] if self.lr > 0 and self.weight_decay >= 0 and self.grad_clip >= 0 else ["lr/weight_decay/grad_clip"]
         bad += [] if 0 <= self.min_lr_ratio <= 1 else ["min_lr_ratio"]
         if bad:
-            raise ConfigError(f"PredictorConfig: invalid {', '.join(bad)} in {self}")
+            raise ConfigError(f"PredictorConfig: invalid {', '.join(bad)} in {self!r}")
         return self
 
 
@@ -291,14 +290,14 @@ class PredictorTrainer:
 
     def state_dict(self) -> dict:
         """Everything needed to resume exactly; CPU tensors and builtins only."""
-        return {"cfg": asdict(self.cfg), "seed": self.seed, "step": self.step,
+        return {"cfg": self.cfg.model_dump(), "seed": self.seed, "step": self.step,
                 "mean": torch.from_numpy(self.mean.copy()), "std": torch.from_numpy(self.std.copy()),
                 "model": _cpu(self.model.state_dict()), "optimizer": _cpu(self.optimizer.state_dict()),
                 "generator": self.generator.get_state()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore a ``state_dict``; the config must equal this trainer's (ConfigError names the fields)."""
-        mine = asdict(self.cfg)
+        mine = self.cfg.model_dump()
         diff = sorted(k for k in set(mine) | set(sd["cfg"]) if mine.get(k) != sd["cfg"].get(k))
         if diff:
             raise ConfigError("PredictorTrainer.load_state_dict: checkpoint config differs in "

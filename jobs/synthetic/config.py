@@ -6,14 +6,13 @@ are errors naming the file, key and line).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from actlake.train_config import RunOutputConfig, TrainJob, TrainResourcesConfig, check_optimizer
+from actlake.config_base import Section
+from actlake.train_config import TrainingLoop, TrainJob
 
 
-@dataclass
-class VariantConfig:
+class VariantConfig(Section):
     x: Optional[float] = None
     """Mess3 x of this variant (default: the factor's)."""
     alpha: Optional[float] = None
@@ -22,8 +21,7 @@ class VariantConfig:
     """Bloch-walk beta of this variant (default: the factor's)."""
 
 
-@dataclass
-class FactorConfig:
+class FactorConfig(Section):
     kind: Literal["mess3", "bloch_walk", "matrices"] = "mess3"
     """Process of this factor: Mess3, Bloch walk, or any GHMM given by ``matrices``."""
     x: Optional[float] = None
@@ -36,24 +34,18 @@ class FactorConfig:
     """``kind: matrices``: T(x) for every token x, a V x S x S nested list."""
     eta0: Optional[list[float]] = None
     """``kind: matrices``: initial belief (default: the stationary one)."""
-    variants: list[VariantConfig] = field(default_factory=list)
+    variants: list[VariantConfig] = []
     """Hidden dependency: one parameter set per sub-token of the previous factor, chosen by that sub-token at each step. Empty: independent."""
 
 
-def _three_mess3() -> list[FactorConfig]:
-    return [FactorConfig(), FactorConfig(), FactorConfig()]
-
-
-@dataclass
-class ProcessConfig:
-    factors: list[FactorConfig] = field(default_factory=_three_mess3)
+class ProcessConfig(Section):
+    factors: list[FactorConfig] = [FactorConfig(), FactorConfig(), FactorConfig()]
     """The factors; the joint token is their radix encoding (factor 0 most significant)."""
     noise: float = 0.0
     """epsilon: probability that the emitted joint token is replaced by a uniform one."""
 
 
-@dataclass
-class SyntheticModelConfig:
+class SyntheticModelConfig(Section):
     arch: Literal["transformer", "rnn", "lstm"] = "transformer"
     """GPT-2-style transformer (transformers' GPT2LMHeadModel), or a recurrent network."""
     n_layers: int = 4
@@ -68,38 +60,24 @@ class SyntheticModelConfig:
     """Tokens per sequence; the model reads [BOS, x1 .. x(context-1)] and predicts x1 .. x(context)."""
 
 
-@dataclass
-class SyntheticTrainingConfig:
-    steps: int = 2000
-    """Optimizer steps; every step draws fresh sequences from the process."""
-    batch_size: int = 512
-    """Sequences per step (per worker)."""
-    lr: float = 5e-4
-    """AdamW learning rate (constant, as in the paper)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
+class SyntheticTrainingConfig(TrainingLoop.with_defaults(steps=2000, batch_size=512, lr=5e-4, weight_decay=0.0,
+                                                          eval_every=50, checkpoint_every=250)):
+    COUNTS = (*TrainingLoop.COUNTS, "eval_sequences")
+
     n_checkpoints: int = 12
     """Checkpoints kept for the analysis, log-spaced over the steps (step 0 included)."""
-    checkpoint_every: int = 250
-    """Steps between resume checkpoints (the newest two are kept)."""
-    eval_every: int = 50
-    """Steps between evaluations of the loss on a fixed held-out set."""
     eval_sequences: int = 2048
     """Held-out sequences for the evaluation loss and the Bayes-optimal loss."""
-    seed: int = 0
-    """Seeds the model initialisation and every batch (a resumed run draws the same batches)."""
 
 
-@dataclass
-class SweepConfig:
-    noise: list[float] = field(default_factory=list)
+class SweepConfig(Section):
+    noise: list[float] = []
     """One trial per epsilon (overrides process.noise); empty: just process.noise."""
-    arch: list[Literal["transformer", "rnn", "lstm"]] = field(default_factory=list)
+    arch: list[Literal["transformer", "rnn", "lstm"]] = []
     """One trial per architecture (overrides model.arch); empty: just model.arch."""
 
 
-@dataclass
-class SyntheticAnalysisConfig:
+class SyntheticAnalysisConfig(Section):
     enabled: bool = True
     """Run the analysis over the checkpoints after training."""
     sequences: int = 2000
@@ -116,18 +94,12 @@ class SyntheticAnalysisConfig:
     """Seeds the analysis sequences (the same for every checkpoint)."""
 
 
-@dataclass
-class SyntheticConfig(TrainJob):
-    name: str = "synthetic"
-    """Job name; part of the default run id."""
-    process: ProcessConfig = field(default_factory=ProcessConfig)
-    model: SyntheticModelConfig = field(default_factory=SyntheticModelConfig)
-    training: SyntheticTrainingConfig = field(default_factory=SyntheticTrainingConfig)
-    sweep: SweepConfig = field(default_factory=SweepConfig)
-    analysis: SyntheticAnalysisConfig = field(default_factory=SyntheticAnalysisConfig)
-    output: RunOutputConfig = field(default_factory=RunOutputConfig)
-    resources: TrainResourcesConfig = field(default_factory=TrainResourcesConfig)
-    source_file: Optional[str] = field(default=None, metadata={"internal": True})
+class SyntheticConfig(TrainJob.with_defaults(name="synthetic")):
+    process: ProcessConfig
+    model: SyntheticModelConfig
+    training: SyntheticTrainingConfig
+    sweep: SweepConfig
+    analysis: SyntheticAnalysisConfig
 
     RUN_ID_EXCLUDE = ("analysis",)
 
@@ -161,10 +133,7 @@ class SyntheticConfig(TrainJob):
             err(("model", "context"), f"must be at least 2, got {m.context}")
         if m.arch == "transformer" and m.d_model % m.n_heads:
             err(("model", "n_heads"), f"d_model ({m.d_model}) must be divisible by n_heads ({m.n_heads})")
-        for key in ("steps", "batch_size", "eval_every", "checkpoint_every", "eval_sequences"):
-            if getattr(t, key) < 1:
-                err(("training", key), "must be at least 1")
-        check_optimizer(err, "training", t)
+        t.check(err, "training")
         if t.n_checkpoints < 2:
             err(("training", "n_checkpoints"), "must be at least 2 (the first and the last step)")
         if not 0 < a.threshold < 1:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import csv
-import dataclasses
 import io
 import json
 import logging
@@ -289,7 +288,7 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
     assert again["step"] == 60
     assert not list(ck.glob(".tmp-*")) and not any((run / "_ray_train").iterdir())
     # issue 18.2: a resume with another world size (another effective batch) is refused before Ray starts
-    two = dataclasses.replace(cfg, resources=dataclasses.replace(cfg.resources, num_workers=2))
+    two = cfg.model_copy(update={"resources": cfg.resources.model_copy(update={"num_workers": 2})})
     with pytest.raises(StorageError, match=r"resources\.num_workers \(1 -> 2\)"):
         train_lm(two)
     # issue 18.6: a damaged newest checkpoint is named in the log and the previous one resumes, to the same curve

@@ -165,3 +165,18 @@ def test_unknown_url_schemes_are_refused_in_one_line_not_made_local_folders(tmp_
     assert [x.name for x in tmp_path.iterdir()] == [p.name]
     known = "s3://bucket/runs" if key == "output.dir" else ["gs://b/train/*.jsonl.zst"]
     load_config(_write(tmp_path, f"{section}:\n  {name}: {json.dumps(known)}\n"), check_files=False)
+
+
+def test_pydantic_models_keep_the_yaml_shorthands_and_messages(tmp_path):
+    """One string for a list, ``0:`` keys for string keys, integers for floats; union and list errors name the key."""
+    cfg = parse_config({"corpus": {"paths": "a.jsonl"}, "resources": {"cpus_per_worker": 2},
+                        "model": {"device_map": "auto", "max_memory": {0: "1GiB"}}})
+    assert cfg.corpus.paths == ["a.jsonl"] and cfg.model.max_memory == {"0": "1GiB"}
+    assert isinstance(cfg.resources.cpus_per_worker, float) and cfg.source_file == "<config>"
+    assert parse_config({}).to_dict() == type(cfg)().to_dict()  # a section left out takes every default
+    with pytest.raises(ConfigError, match=r"line 2: 'model.revision': expected str \| NoneType, got 5$"):
+        load_config(_write(tmp_path, "model:\n  revision: 5\n"), check_files=False)
+    with pytest.raises(ConfigError, match=r"line 4: 'activations.layers.1': expected an integer, got 'x'$"):
+        load_config(_write(tmp_path, "activations:\n  layers:\n  - 1\n  - x\n"), check_files=False)
+    with pytest.raises(ConfigError, match=r"line 1: 'batching': 'batching' must be a mapping, got 3$"):
+        load_config(_write(tmp_path, "batching: 3\n"), check_files=False)

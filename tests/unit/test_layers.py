@@ -21,7 +21,8 @@ PACKAGE_DIRS = {"actlake": "actlake", "actlake.jobs": "jobs", "actlake.analysis"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("actlake.errors", "actlake.fs", "actlake.hashing", "actlake.categories", "actlake.architectures",
-                "actlake.config", "actlake.train_config", "actlake.corpus", "actlake.batching", "actlake.model")),
+                "actlake.config", "actlake.config_base", "actlake.train_config", "actlake.corpus", "actlake.batching",
+                "actlake.model")),
     ("analysis", ("actlake.analysis",)),
     ("storage", ("actlake.storage",)),
     ("report", ("actlake.report",)),
