@@ -217,7 +217,14 @@ def _problem(root: type, data, error: dict) -> tuple[tuple, str]:
         if isinstance(path[-1], int):
             return path, f"expected a mapping, got {value!r}"
         return path, f"'{'.'.join(str(p) for p in path)}' must be a mapping, got {value!r}"
-    return path, f"expected {_EXPECTED.get(tp, _type_name(tp))}, got {value!r}"
+    hint = ""
+    if tp is float and isinstance(value, str):
+        try:
+            float(value)
+            hint = " (YAML reads a number like 1e-9 as text; write 1.0e-9)"
+        except ValueError:
+            pass
+    return path, f"expected {_EXPECTED.get(tp, _type_name(tp))}, got {value!r}{hint}"
 
 
 def validate(root: type, data, lines: dict | None = None, where: str = "<config>"):

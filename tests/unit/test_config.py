@@ -178,5 +178,7 @@ def test_pydantic_models_keep_the_yaml_shorthands_and_messages(tmp_path):
         load_config(_write(tmp_path, "model:\n  revision: 5\n"), check_files=False)
     with pytest.raises(ConfigError, match=r"line 4: 'activations.layers.1': expected an integer, got 'x'$"):
         load_config(_write(tmp_path, "activations:\n  layers:\n  - 1\n  - x\n"), check_files=False)
+    with pytest.raises(ConfigError, match=r"line 2: 'sharding.commit_seconds': expected a number, got '1e-9' \(YAML reads"):
+        load_config(_write(tmp_path, "sharding:\n  commit_seconds: 1e-9\n"), check_files=False)  # PyYAML: a string
     with pytest.raises(ConfigError, match=r"line 1: 'batching': 'batching' must be a mapping, got 3$"):
         load_config(_write(tmp_path, "batching: 3\n"), check_files=False)
