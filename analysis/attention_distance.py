@@ -14,11 +14,12 @@ import pyarrow as pa
 
 from actlake.analysis import grid
 from actlake.analysis.layer_qk import LayerQK
+from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, np64, tensor, zeros
 
 
 @dataclass
-class AttentionByDistance(SumStats):
+class AttentionByDistance(OneTable, SumStats):
     name = "attention_by_distance"
     reads = frozenset({"attention", "distance"})
     tables = ("attention_by_distance",)
@@ -66,8 +67,6 @@ class AttentionByDistance(SumStats):
         v = grid.from_arrow(t, [("layer", 0), ("head", 0), ("distance_index", 2 * max_len - 1)], {"attn_sum": 3, "n_pairs": 3})
         return cls(tensor(v["attn_sum"]), tensor(v["n_pairs"][:, 0]))
 
-    def to_tables(self) -> dict[str, pa.Table]:
-        return {"attention_by_distance": self.to_arrow()}
 
     @classmethod
     def charts(cls, con) -> list:
@@ -85,6 +84,3 @@ class AttentionByDistance(SumStats):
         ).properties(width=520, height=260)
         return [(9, ("attention_by_distance", "Attention by relative position (mean over heads)", c))]
 
-    @classmethod
-    def from_tables(cls, tables: dict[str, pa.Table]) -> "AttentionByDistance":
-        return cls.from_arrow(tables["attention_by_distance"])

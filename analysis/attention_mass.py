@@ -15,6 +15,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
+from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, np64, tensor, zeros
 from actlake.categories import ROLE
 
@@ -35,7 +36,7 @@ def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 @dataclass
-class AttentionMass(SumStats):
+class AttentionMass(OneTable, SumStats):
     name = "attention_mass"
     reads = frozenset({"attention", "mass"})
     tables = ("attention_mass",)
@@ -84,8 +85,6 @@ class AttentionMass(SumStats):
         v = grid.from_arrow(t, axes, {"nonfinite_tokens": 1, "n_queries": 2, "mass": 4})
         return cls(tensor(v["mass"].transpose(0, 2, 1, 3)), tensor(v["n_queries"]), tensor(v["nonfinite_tokens"]))
 
-    def to_tables(self) -> dict[str, pa.Table]:
-        return {"attention_mass": self.to_arrow()}
 
     @classmethod
     def charts(cls, con) -> list:
@@ -103,6 +102,3 @@ class AttentionMass(SumStats):
         ).properties(width=420, height=260)
         return [(2, ("attention_mass", "Fig. 2 (seed 001): attention mass by key category per layer", c))]
 
-    @classmethod
-    def from_tables(cls, tables: dict[str, pa.Table]) -> "AttentionMass":
-        return cls.from_arrow(tables["attention_mass"])

@@ -21,6 +21,7 @@ import torch
 from actlake.analysis import grid
 from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.rope import unrotate
+from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, np64, tensor, zeros
 from actlake.categories import ROLE
 
@@ -104,7 +105,7 @@ def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
 
 
 @dataclass
-class Contributions(SumStats):
+class Contributions(OneTable, SumStats):
     name = "contributions"
     reads = frozenset({"attention", "layer_inputs", "weighted_qsum"})
     tables = ("contributions",)
@@ -220,13 +221,6 @@ class Contributions(SumStats):
         return cls(tensor(v["contribution_sum"].transpose(0, 1, 3, 2, 4)), tensor(v["bias_sum"].transpose(0, 1, 3, 2)),
                    tensor(v["n_pairs"][:, 0].transpose(0, 2, 1)), tensor(v["weighted_sum"][:, :, :, 0]),
                    tensor(v["weighted_bias_sum"][:, :, :, 0]), tensor(v["n_queries"]), groups)
-
-    def to_tables(self) -> dict[str, pa.Table]:
-        return {"contributions": self.to_arrow()}
-
-    @classmethod
-    def from_tables(cls, tables: dict[str, pa.Table]) -> "Contributions":
-        return cls.from_arrow(tables["contributions"])
 
 
     @classmethod

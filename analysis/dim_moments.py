@@ -15,7 +15,7 @@ import torch
 
 from actlake.analysis import grid
 from actlake.analysis.moments import GroupSums, Moments
-from actlake.analysis.protocol import Analysis
+from actlake.analysis.protocol import Analysis, OneTable
 from actlake.analysis.stats import np64, tensor
 from actlake.categories import SCHEMES
 
@@ -36,7 +36,7 @@ OUTLIER_Z = 5.0
 
 
 @dataclass
-class DimMoments(Analysis):
+class DimMoments(OneTable, Analysis):
     name = "dim_moments"
     reads = frozenset({"hidden_states"})
     tables = ("dim_moments",)
@@ -126,13 +126,6 @@ class DimMoments(Analysis):
         v = grid.from_arrow(t, [("layer", 0), ("group", len(GROUPS)), ("dim", 0)],
                             {"count": 2, "mean": 3, "m2": 3, "max_abs": 3, "nonfinite_tokens": 1})
         return cls(Moments(*(tensor(v[k]) for k in ("count", "mean", "m2", "max_abs"))), tensor(v["nonfinite_tokens"]))
-
-    def to_tables(self) -> dict[str, pa.Table]:
-        return {"dim_moments": self.to_arrow()}
-
-    @classmethod
-    def from_tables(cls, tables: dict[str, pa.Table]) -> "DimMoments":
-        return cls.from_arrow(tables["dim_moments"])
 
 
     @classmethod

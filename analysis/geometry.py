@@ -17,12 +17,13 @@ import torch
 
 from actlake.analysis import grid
 from actlake.analysis.layer_qk import LayerQK
+from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, np64, tensor, zeros
 from actlake.categories import ROLE
 
 
 @dataclass
-class Geometry(SumStats):
+class Geometry(OneTable, SumStats):
     name = "geometry"
     reads = frozenset({"attention", "mass", "mass_keynorm"})
     tables = ("attention_geometry",)
@@ -97,8 +98,6 @@ class Geometry(SumStats):
         return cls(*map(tensor, (g["n_pairs"][:, 0], g["q_norm_sum"], g["k_norm_sum"], g["cos_sum"], g["mass"],
                                  g["mass_keynorm"], g["n_queries"][:, 0, 0])))
 
-    def to_tables(self) -> dict[str, pa.Table]:
-        return {"attention_geometry": self.to_arrow()}
 
     @classmethod
     def charts(cls, con) -> list:
@@ -126,6 +125,3 @@ class Geometry(SumStats):
                 (8, ("keynorm_mass", "How much of each category's attention is key norm: mass with keys rescaled to "
                                      "their mean norm", keynorm))]
 
-    @classmethod
-    def from_tables(cls, tables: dict[str, pa.Table]) -> "Geometry":
-        return cls.from_arrow(tables["attention_geometry"])

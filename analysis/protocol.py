@@ -110,6 +110,19 @@ class Analysis(ABC):
         return []
 
 
+
+class OneTable:
+    """Mixin for an analysis with one table: ``to_tables`` / ``from_tables`` through the class's own
+    ``to_arrow`` / ``from_arrow`` (list it before the Analysis base)."""
+
+    def to_tables(self) -> dict:
+        return {self.tables[0]: self.to_arrow()}
+
+    @classmethod
+    def from_tables(cls, tables: dict):
+        return cls.from_arrow(tables[cls.tables[0]])
+
+
 def builtin() -> dict[str, type[Analysis]]:
     """The built-in analyses by config key (``analyses.<name>: true/false``)."""
     from actlake.analysis.attention_distance import AttentionByDistance
