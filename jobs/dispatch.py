@@ -38,12 +38,16 @@ def _is_temporary(exc: Exception) -> bool:
 
 
 class Dispatcher:
-    def __init__(self, workers: list, max_retries: int, on_done=lambda summary: None, slots: int = 1):
-        """``slots``: shards each worker holds at once (2: it reads one while the model runs the other)."""
+    def __init__(self, workers: list, max_retries: int, on_done=lambda summary: None, slots: int = 1,
+                 committed=lambda: {}):
+        """``slots``: shards each worker holds at once (2: it reads one while the model runs the other).
+        ``committed()``: {shard id: summary} of the shards the store's records hold now (asked when a
+        worker dies: it may have committed its group and died before saying so)."""
         self.workers = list(workers)
         self.max_retries = max_retries
         self.on_done = on_done
         self.slots = slots
+        self.committed = committed
 
     def run(self, shards: list) -> tuple[list[dict], list[str]]:
         """Run and commit every shard; return (summaries, failure messages)."""
@@ -64,8 +68,8 @@ class Dispatcher:
                 for w in {_key(w): w for w in self.idle if self.open.get(_key(w))}.values():
                     self.idle.remove(w)
                     self.in_flight[w.flush.remote()] = ("flush", w, None)
-            if not self.in_flight:
-                break
+            if not any(kind != "ping" for kind, _, _ in self.in_flight.values()):
+                break  # all committed (a worker still restarting is not waited for)
             if self.alive == 0:
                 lost = list(self.queue) + [s for ss in self.open.values() for s in ss]
                 self.failures += [f"shard {s.shard_id:05d} ({s.path}): no worker left to run it" for s in lost]
@@ -110,6 +114,11 @@ class Dispatcher:
         """The worker died (under shard ``s``, or committing): requeue ``s`` and the shards of its open group,
         which died with it; ping the worker until it is back."""
         lost = ([s] if s is not None else []) + self.open.pop(_key(w), [])
+        stored = self.committed() if lost else {}
+        for shard in [x for x in lost if x.shard_id in stored]:  # committed before the worker died
+            self.summaries.setdefault(shard.shard_id, stored[shard.shard_id])
+            self.on_done(self.summaries[shard.shard_id])
+        lost = [x for x in lost if x.shard_id not in stored]
         for shard in reversed(lost):
             self.attempts[shard.shard_id] += 1
             if self.attempts[shard.shard_id] > self.max_retries:

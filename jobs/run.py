@@ -183,6 +183,10 @@ def import_custom_analyses(cfg: JobConfig) -> None:
                 sys.path.insert(0, parent)
 
 
+REDISPATCH = 3
+"""Rounds of dispatch per job: a round ends with shards uncommitted only when a worker thought dead
+committed a group that overlaps a newer one, which readers then skip (see storage/shards.py)."""
+
 CUSTOM_CODE_LIMIT = 16 << 20
 """Bytes of custom-analysis code shipped to each worker, at most."""
 
@@ -232,8 +236,16 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
         announce_activation_store(cfg, sum(s.end - s.start for s in pending))
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
     ran: list[dict] = []
-    if pending:
-        ran = _dispatch(cfg, layout, phash, pending, len(shards), address or cfg.resources.address, on_shard, inputs)
+    todo = pending
+    for _ in range(REDISPATCH):
+        if not todo:
+            break
+        ran += _dispatch(cfg, layout, phash, todo, len(shards), address or cfg.resources.address, on_shard, inputs)
+        done = committed(layout, phash).shards
+        todo = [s for s in shards if s.shard_id not in done]  # a record skipped as a duplicate lost its shards
+        if todo:
+            log.warning("%d shard(s) not committed after dispatch (a commit record was skipped); running them again",
+                        len(todo))
     totals = reduce_run(layout, [s.shard_id for s in shards], phash, analyses)
     wall = time.perf_counter() - t0
     tokens_run = sum(r["tokens"] for r in ran)
@@ -284,7 +296,10 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
             if on_shard:
                 on_shard(summary)
 
-        summaries, failures = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1).run(pending)
+        def stored() -> dict:
+            return {sid: dict(e["summary"], shard_id=sid) for sid, e in committed(layout, phash).shards.items()}
+
+        summaries, failures = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored).run(pending)
         if cfg.model.offload_folder:
             _close_workers(workers)
         for w in workers:

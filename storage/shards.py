@@ -96,7 +96,7 @@ class Group:
     policy: CommitPolicy = field(default_factory=CommitPolicy)
     shards: dict = field(default_factory=dict)  # shard id -> {"files": ..., "summary": ...}
     stats: dict | None = None  # analysis name -> merged statistics
-    started: float = 0.0
+    started: float = field(default_factory=time.monotonic)  # the last commit (or the worker's start)
     table_bytes: int = 0
     partial_bytes: int | None = None  # estimated once: partials have the same size whatever the data
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -107,8 +107,6 @@ class Group:
             self._add(shard_id, files, summary, stats)
 
     def _add(self, shard_id: int, files: dict, summary: dict, stats: dict) -> None:
-        if not self.shards:
-            self.started = time.monotonic()
         self.shards[shard_id] = {"files": files, "summary": summary}
         self.table_bytes += sum(m["bytes"] for m in files.values())
         if self.stats is None:
@@ -147,7 +145,7 @@ class Group:
             write_json_atomic(self.layout.group_record(gid), record)
             return sorted(self.shards)
         finally:
-            self.shards, self.stats, self.table_bytes = {}, None, 0
+            self.shards, self.stats, self.table_bytes, self.started = {}, None, 0, time.monotonic()
 
 
 @dataclass
