@@ -268,7 +268,6 @@ MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 def memory_bytes(value: int | str) -> int:
     """A ``max_memory`` value (bytes, or e.g. ``"30GiB"``, ``"500 MB"``) as a whole number of bytes;
     ValueError for anything else."""
-    import re
 
     if isinstance(value, int) and not isinstance(value, bool):
         n = value

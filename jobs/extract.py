@@ -19,12 +19,12 @@ from actlake.analysis.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.residual_norms import residual_norms
 from actlake.analysis.surprisal import token_surprisal
 from actlake.batching import Window, collate, document_windows, make_batches
-from actlake.categories import ROLE, TYPE8, Categorizer, one_hot
+from actlake.categories import ROLE, Categorizer, one_hot
 from actlake.config import JobConfig
 from actlake.corpus.readers import Reject
 from actlake.jobs.plan import Shard
 from actlake.model import LoadedModel
-from actlake.storage.activations import activation_table, resolve_layers, window_sampled
+from actlake.storage.activations import activation_table, add_token_columns, resolve_layers, window_sampled
 from actlake.storage.layout import RunLayout
 from actlake.storage.shards import Group, ShardFiles
 
@@ -270,15 +270,8 @@ class ShardResults:
             if acts and i in next(iter(acts.values())):
                 self.act_rows.append((w, texts, t8s, s, {layer: by_row[i][:T] for layer, by_row in acts.items()}))
             if self.a.tokens:
-                cols["doc_id"] += [w.doc_id] * T
-                cols["window_index"] += [w.window] * T
-                cols["position"] += range(T)
-                cols["token_id"] += w.ids
-                cols["token"] += texts
+                add_token_columns(cols, w, texts, t8s, s)
                 cols["role"] += [ROLE[r] for r in roles]
-                cols["type8"] += [TYPE8[t] for t in t8s]
-                cols["source"] += [w.source] * T
-                cols["surprisal"] += s
         if r.norms is not None:
             valid = r.mask.bool()  # (B, T): rows in (batch, position) order, as the keys below
             keys = np.stack([np.repeat([w.doc_id for w in batch], lengths), np.repeat([w.window for w in batch], lengths),

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 from actlake.config import JobConfig, resolve_corpus_files
-from actlake.corpus.fingerprint import file_fingerprint, hf_fingerprint
+from actlake.corpus.fingerprint import file_exists, file_fingerprint, hf_fingerprint
 from actlake.corpus.index import INDEX_DIR, index_files, load_points
 from actlake.corpus.readers import HF_STREAM, Entry, file_format, is_url, load_hf, load_hf_stream
-from actlake.errors import CorpusError, StorageError
 
 
 @dataclass(frozen=True)
@@ -62,21 +60,9 @@ def _usable(hit: dict | None, fmt: str, key: dict, every: int) -> bool:
         return False
     if fmt == "parquet":
         return True
-    if "index" not in hit or every % hit["every"] != 0 or not _is_file(hit["index"]):
+    if "index" not in hit or every % hit["every"] != 0 or not file_exists(hit["index"], "corpus index"):
         return False
-    return _is_file(load_points(hit["index"])["file"])
-
-
-def _is_file(path: str) -> bool:
-    """Whether a local file or an object (``s3://…``) exists."""
-    if not is_url(path):
-        return os.path.isfile(path)
-    from actlake.fs import location
-
-    try:
-        return location(path).is_file()
-    except (OSError, StorageError) as e:
-        raise CorpusError(f"{path}: cannot reach the corpus index ({type(e).__name__}: {e})") from None
+    return file_exists(load_points(hit["index"])["file"], "corpus index")
 
 
 def output_location(output_dir: str):

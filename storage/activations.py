@@ -40,25 +40,30 @@ def bytes_per_token(n_layers_stored: int, d: int, dtype: str) -> int:
     return n_layers_stored * (d * (2 if dtype == "float16" else 4) + META_BYTES)
 
 
-def activation_table(rows: list, dtype: str = "float32") -> pa.Table:
-    """rows: (window, token texts, type8 ids, surprisal list, {layer: (T, d) tensor}) per sampled window."""
+def add_token_columns(cols: dict, w, texts: list, t8s: list, surprisal: list) -> None:
+    """Append one window's per-token columns (those of ``cols``' keys that a window gives) to ``cols``."""
     from actlake.categories import TYPE8
 
+    T = len(w.ids)
+    cols["doc_id"] += [w.doc_id] * T
+    cols["window_index"] += [w.window] * T
+    cols["position"] += range(T)
+    cols["token_id"] += w.ids
+    cols["token"] += texts
+    cols["type8"] += [TYPE8[t] for t in t8s]
+    cols["source"] += [w.source] * T
+    cols["surprisal"] += surprisal
+
+
+def activation_table(rows: list, dtype: str = "float32") -> pa.Table:
+    """rows: (window, token texts, type8 ids, surprisal list, {layer: (T, d) tensor}) per sampled window."""
     cols = {k: [] for k in ("doc_id", "window_index", "position", "token_id", "token", "type8", "source",
                             "surprisal", "layer")}
     vecs = []
     for w, texts, t8s, surprisal, acts in rows:
-        T = len(w.ids)
         for layer, h in sorted(acts.items()):
-            cols["doc_id"] += [w.doc_id] * T
-            cols["window_index"] += [w.window] * T
-            cols["position"] += range(T)
-            cols["token_id"] += w.ids
-            cols["token"] += texts
-            cols["type8"] += [TYPE8[t] for t in t8s]
-            cols["source"] += [w.source] * T
-            cols["surprisal"] += surprisal
-            cols["layer"] += [layer] * T
+            add_token_columns(cols, w, texts, t8s, surprisal)
+            cols["layer"] += [layer] * len(w.ids)
             vecs.append(h.float().numpy())
     np_dtype, pa_dtype = (np.float16, pa.float16()) if dtype == "float16" else (np.float32, pa.float32())
     d = vecs[0].shape[1] if vecs else 0

@@ -34,29 +34,12 @@ from actlake.fs import ObjectPath, write_atomic
 class RunLayout:
     root: "Path | ObjectPath"
 
-    @property
-    def tables(self) -> Path:
-        return self.root / "tables"
-
-    @property
-    def staging(self) -> Path:
-        return self.root / "_staging"
-
-    @property
-    def complete(self) -> Path:
-        return self.root / "_complete"
-
-    @property
-    def report(self) -> Path:
-        return self.root / "report"
-
-    @property
-    def run_json(self) -> Path:
-        return self.root / "run.json"
-
-    @property
-    def summary_json(self) -> Path:
-        return self.root / "summary.json"
+    tables = property(lambda self: self.root / "tables")
+    staging = property(lambda self: self.root / "_staging")
+    complete = property(lambda self: self.root / "_complete")
+    report = property(lambda self: self.root / "report")
+    run_json = property(lambda self: self.root / "run.json")
+    summary_json = property(lambda self: self.root / "summary.json")
 
     @property
     def remote(self) -> bool:

@@ -130,19 +130,21 @@ def current_fingerprints(recorded: dict[str, dict]) -> dict[str, dict]:
     for path, fp in recorded.items():
         if fp.get("hash_kind") in ("datasets", "name"):
             now[path] = fp
-        elif _exists(path):
+        elif file_exists(path):
             now[path] = file_fingerprint(path)
     return now
 
 
-def _exists(path: str) -> bool:
+def file_exists(path: str, what: str = "corpus file") -> bool:
+    """Whether a local file or an object (``s3://…``) exists; CorpusError naming ``what`` when its store
+    cannot be reached."""
     from actlake.corpus.readers import is_url
 
     if not is_url(path):
-        return os.path.exists(path)
+        return os.path.isfile(path)
     from actlake.fs import location
 
     try:
         return location(path).is_file()
     except (OSError, StorageError) as e:
-        raise CorpusError(f"{path}: cannot reach corpus file ({type(e).__name__}: {_why(e)})") from None
+        raise CorpusError(f"{path}: cannot reach the {what} ({type(e).__name__}: {_why(e)})") from None

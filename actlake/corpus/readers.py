@@ -181,18 +181,7 @@ def _parse_json_line(index: int, line: bytes, text_field: str, source_field: str
         return Reject(index, "malformed_json", str(e)[:200])
     if not isinstance(obj, dict):
         return Reject(index, "not_an_object", f"got {type(obj).__name__}")
-    text = _get(obj, text_field)
-    if not isinstance(text, str):
-        return Reject(index, "missing_text", f"field {text_field!r} missing or not a string")
-    if not text.strip():
-        return Reject(index, "empty_text", "")
-    source = _get(obj, source_field)
-    source = str(source) if source is not None else "unknown"
-    for name, value in ((text_field, text), (source_field, source)):
-        bad = _unencodable(value)
-        if bad:
-            return Reject(index, "invalid_text", f"field {name!r}: {bad}")
-    return Record(index, text, source)
+    return _row_item(index, obj, text_field, source_field, "field")
 
 
 def _unencodable(text: str) -> str | None:
@@ -236,14 +225,20 @@ def iter_jsonl(path: str, start: int, end: int, text_field: str, source_field: s
                           f"index, and plan again to rebuild it") from None
 
 
-def _row_item(index: int, row: dict, text_field: str, source_field: str) -> Item:
+def _row_item(index: int, row: dict, text_field: str, source_field: str, what: str = "column") -> Item:
+    """The record of a JSON object or a Parquet/HF row (``what`` names its fields in rejects), or why not."""
     text = _get(row, text_field)
     if not isinstance(text, str):
-        return Reject(index, "missing_text", f"column {text_field!r} missing or not a string")
+        return Reject(index, "missing_text", f"{what} {text_field!r} missing or not a string")
     if not text.strip():
         return Reject(index, "empty_text", "")
-    src = _get(row, source_field)
-    return Record(index, text, str(src) if src is not None else "unknown")
+    source = _get(row, source_field)
+    source = str(source) if source is not None else "unknown"
+    for name, value in ((text_field, text), (source_field, source)):
+        bad = _unencodable(value)
+        if bad:
+            return Reject(index, "invalid_text", f"{what} {name!r}: {bad}")
+    return Record(index, text, source)
 
 
 def iter_parquet(path: str, start: int, end: int, text_field: str, source_field: str,
