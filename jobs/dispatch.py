@@ -68,9 +68,9 @@ class Dispatcher:
                 for w in {_key(w): w for w in self.idle if self.open.get(_key(w))}.values():
                     self.idle.remove(w)
                     self.in_flight[w.flush.remote()] = ("flush", w, None)
-            if not any(kind != "ping" for kind, _, _ in self.in_flight.values()):
+            if not self.queue and not any(kind != "ping" for kind, _, _ in self.in_flight.values()):
                 break  # all committed (a worker still restarting is not waited for)
-            if self.alive == 0:
+            if self.alive == 0 or not self.in_flight:
                 lost = list(self.queue) + [s for ss in self.open.values() for s in ss]
                 self.failures += [f"shard {s.shard_id:05d} ({s.path}): no worker left to run it" for s in lost]
                 self.failures.append(f"the last worker failed with: {self.last_death}")
