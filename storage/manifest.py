@@ -149,6 +149,10 @@ def _extraction_files(layout: RunLayout, run: dict) -> dict[str, list[Path]]:
     and by its reduce record."""
     planned = {int(s["shard_id"]) for s in run["shards"]}
     done = committed(layout, run["plan_hash"])
+    if not done.groups and layout.complete.is_dir() and any(p.name.startswith("shard-") for p in layout.complete.iterdir()):
+        raise StorageError(f"{layout.root}: written by an older actlake (one completion record per shard, before commit "
+                           "groups), whose records this version does not read; run `actlake run` with the same config "
+                           "and run id to write it again")
     files: dict[str, list[Path]] = {}
 
     def add(table: str, meta: dict, kinds: tuple[str, ...]):

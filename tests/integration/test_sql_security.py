@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from actlake.cli import main
-from actlake.errors import QueryError
+from actlake.errors import QueryError, StorageError
 from actlake.jobs.run import run_job
 from actlake.storage.sql import open_run, query
 from tests.conftest import job_config
@@ -344,3 +344,14 @@ def test_the_read_only_file_system_serves_listed_files_for_reading_only(tmp_path
         with pytest.raises(PermissionError):
             attempt()
     assert listed.read_bytes() == b"listed" and other.read_bytes() == b"other"
+
+
+def test_a_run_of_the_per_shard_record_format_is_named_not_shown_half_empty(tmp_path):
+    """Runs written before commit groups have ``_complete/shard-N.json``: one line saying to rerun, rather
+    than views that would hold the reduced tables without their shards."""
+    run = tmp_path / "old"
+    (run / "_complete").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"plan_hash": "p", "shards": [{"shard_id": 0}]}))
+    (run / "_complete" / "shard-00000.json").write_text(json.dumps({"shard_id": 0, "plan_hash": "p", "files": {}}))
+    with pytest.raises(StorageError, match=r"older actlake .* run `actlake run` with the same config and run id"):
+        query(run, "SELECT 1")
