@@ -285,14 +285,18 @@ def file_sizes(folder) -> dict[str, int]:
     it: one listing, whatever the number of files (one request per 1,000 objects on S3)."""
     if isinstance(folder, ObjectPath):
         return folder.sizes()
+    import stat as st
+
     out = {}
-    for dirpath, _, names in os.walk(folder):
+    for dirpath, _, names in os.walk(folder):  # does not follow links to folders
         rel = os.path.relpath(dirpath, folder)
         for name in names:
             try:
-                out[name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")] = os.stat(os.path.join(dirpath, name)).st_size
+                info = os.lstat(os.path.join(dirpath, name))
             except FileNotFoundError:
-                pass
+                continue
+            if st.S_ISREG(info.st_mode):  # a link is no file of the run: it could point anywhere
+                out[name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")] = info.st_size
     return out
 
 

@@ -58,6 +58,7 @@ class Dispatcher:
         self.in_flight: dict = {}  # ref -> ("shard", worker, shard) | ("flush", worker, None) | ("ping", worker, None)
         self.open: dict[str, list] = {}  # worker -> shards it ran whose group is not committed yet
         self.summaries: dict[int, dict] = {}
+        self.early: set[int] = set()  # committed (by the worker's other slot) before their own result came back
         self.failures: list[str] = []
         self.alive, self.last_death, self.gone = len(self.workers), "", set()
         while True:
@@ -65,7 +66,8 @@ class Dispatcher:
                 w, s = self.idle.popleft(), self.queue.popleft()
                 self.in_flight[w.process.remote(asdict(s), not self.queue)] = ("shard", w, s)
             if not self.queue:  # nothing left to hand out: idle workers commit what they hold
-                for w in {_key(w): w for w in self.idle if self.open.get(_key(w))}.values():
+                busy = {_key(x) for kind, x, _ in self.in_flight.values() if kind == "shard"}
+                for w in {_key(w): w for w in self.idle if self.open.get(_key(w)) and _key(w) not in busy}.values():
                     self.idle.remove(w)
                     self.in_flight[w.flush.remote()] = ("flush", w, None)
             if not self.queue and not any(kind != "ping" for kind, _, _ in self.in_flight.values()):
@@ -90,11 +92,16 @@ class Dispatcher:
                     self._shard_failed(w, s, e)
                 continue
             if kind == "shard":
-                self.open.setdefault(_key(w), []).append(s)
                 self.summaries[s.shard_id] = result
+                if s.shard_id in self.early:  # its group is already committed
+                    self.early.discard(s.shard_id)
+                    self.on_done(result)
+                else:
+                    self.open.setdefault(_key(w), []).append(s)
                 self._committed(w, result["committed"])
             elif kind == "flush":
                 self._committed(w, result)
+                self._requeue(self.open.pop(_key(w), []), "its worker's group was lost (a failed commit or a restart)")
             self.idle.append(w)
         return [self.summaries[i] for i in sorted(self.summaries)], self.failures
 
@@ -105,7 +112,10 @@ class Dispatcher:
         done = set(ids)
         self.open[_key(w)] = [s for s in self.open.get(_key(w), []) if s.shard_id not in done]
         for sid in sorted(done):
-            self.on_done(self.summaries[sid])
+            if sid in self.summaries:
+                self.on_done(self.summaries[sid])
+            else:  # the worker's other slot: its result is on the way
+                self.early.add(sid)
 
     def _ping(self, w) -> None:
         self.in_flight[w.get_pid.remote()] = ("ping", w, None)
@@ -113,23 +123,26 @@ class Dispatcher:
     def _worker_died(self, w, s) -> None:
         """The worker died (under shard ``s``, or committing): requeue ``s`` and the shards of its open group,
         which died with it; ping the worker until it is back."""
-        lost = ([s] if s is not None else []) + self.open.pop(_key(w), [])
+        self._requeue(([s] if s is not None else []) + self.open.pop(_key(w), []), "its worker died")
+        self._ping(w)
+
+    def _requeue(self, lost: list, why: str) -> None:
+        """Shards a worker held uncommitted and no longer holds: done if the store has them (committed just
+        before), else back to the front of the queue (up to ``max_retries`` times each)."""
         stored = self.committed() if lost else {}
-        for shard in [x for x in lost if x.shard_id in stored]:  # committed before the worker died
+        for shard in [x for x in lost if x.shard_id in stored]:
+            self.early.discard(shard.shard_id)
             self.summaries.setdefault(shard.shard_id, stored[shard.shard_id])
             self.on_done(self.summaries[shard.shard_id])
-        lost = [x for x in lost if x.shard_id not in stored]
-        for shard in reversed(lost):
+        for shard in reversed([x for x in lost if x.shard_id not in stored]):
             self.attempts[shard.shard_id] += 1
             if self.attempts[shard.shard_id] > self.max_retries:
-                self.failures.append(f"shard {shard.shard_id:05d} ({shard.path}): its worker died "
+                self.failures.append(f"shard {shard.shard_id:05d} ({shard.path}): {why}, "
                                      f"{self.attempts[shard.shard_id]} times")
                 log.error("%s", self.failures[-1])
             else:
-                log.warning("worker died holding shard %05d (attempt %d); requeued", shard.shard_id,
-                            self.attempts[shard.shard_id])
+                log.warning("shard %05d requeued (attempt %d): %s", shard.shard_id, self.attempts[shard.shard_id], why)
                 self.queue.appendleft(shard)
-        self._ping(w)
 
     def _commit_failed(self, w, e: Exception) -> None:
         """Writing a group failed (the store refused): its shards fail; a rerun runs them again."""

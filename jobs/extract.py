@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class Extractor:
         self.mqk = ModelQK(lm.model, lm.family)
         self.inputs = capture.LayerInputs(lm.model, lm.family)  # hooks attached per batch, when needed
         self.oom_splits = 0
+        self.tokenizing = threading.Lock()
         self.store_layers = resolve_layers(cfg.activations.layers, lm.model.config.num_hidden_layers)
         self.analyses = enabled(cfg.analyses)  # (class, options) per enabled analysis
         m = self.mqk
@@ -71,7 +73,8 @@ class Extractor:
                 continue
             doc_id = shard.doc_offset + item.index
             try:
-                ws, cut = document_windows(self.lm.tokenizer, item.text, self.cfg.tokenization)
+                with self.tokenizing:  # two shards may be read at once (read-ahead); one tokenizer call at a time
+                    ws, cut = document_windows(self.lm.tokenizer, item.text, self.cfg.tokenization)
             except Exception as e:  # noqa: BLE001 - whatever the tokenizer raises on one record skips that record
                 rejects.append({"file": shard.path, "record": item.index, "reason": "tokenizer_error",
                                 "detail": f"{type(e).__name__}: {e}"[:200].encode("utf-8", "backslashreplace").decode()})

@@ -93,7 +93,8 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
     replaced = previous_aggregates(layout)
     write_reduce_record(layout, plan_hash, published)  # readers see the aggregates this record names, no others
     for path in replaced - {p for p, _ in published.values()}:
-        path.unlink(missing_ok=True)  # an object store's aggregates of an earlier reduce (a disk overwrote them)
+        if layout.remote:  # an object store's aggregates of an earlier reduce (a disk overwrote them)
+            path.unlink(missing_ok=True)
     totals = totals_of(summaries)
     totals["dtype"] = dtype
     totals["groups"] = len(groups)

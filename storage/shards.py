@@ -175,10 +175,12 @@ def _path_ok(layout: RunLayout, table: str, path: str, shard_id: int | None, gro
     return parts[2] == f"shard={shard_id:05d}" and m is not None and int(m.group(1)) == shard_id
 
 
-def _problem(layout: RunLayout, rec: dict, sizes: dict[str, int], taken: dict) -> str | None:
+def _problem(layout: RunLayout, name: str, rec: dict, sizes: dict[str, int], taken: dict, groups: set) -> str | None:
     gid = rec.get("group", "")
-    if not _GROUP.fullmatch(str(gid)):
-        return "no valid group id"
+    if not _GROUP.fullmatch(str(gid)) or name != f"group-{gid}.json" or gid in groups:
+        return "no valid group id, or not the one its name says"
+    if not rec["shards"] or any(not str(sid).isdigit() or str(sid) != str(int(sid)) for sid in rec["shards"]):
+        return "no shards, or a shard id that is not a plain number"
     files = [(f"{t}{PARTIAL_SUFFIX}", m, None, gid) for t, m in rec["partials"].items()]
     for sid, entry in rec["shards"].items():
         if int(sid) in taken:
@@ -205,7 +207,8 @@ def committed(layout: RunLayout, plan_hash: str) -> Committed:
             rec = json.loads(path.read_text())
             if rec.get("plan_hash") != plan_hash:
                 continue
-            why = _problem(layout, rec, sizes, {sid: s["group"] for sid, s in out.shards.items()})
+            why = _problem(layout, path.name, rec, sizes, {sid: s["group"] for sid, s in out.shards.items()},
+                           {g["group"] for g in out.groups})
         except FileNotFoundError:
             continue
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

@@ -1,0 +1,81 @@
+"""The dispatcher's bookkeeping of commit groups, on real Ray actors whose groups behave as scripted.
+
+The actors stand in for ``ShardWorker`` only in what they compute (nothing): they keep a group of
+shard ids and commit it as the real worker does (at ``last``, on ``flush``), so the dispatcher's
+handling of lost groups and of commits that arrive before a shard's own result is tested exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import ray
+
+from actlake.jobs.dispatch import Dispatcher
+from actlake.jobs.plan import Shard
+
+pytestmark = pytest.mark.integration
+
+
+@ray.remote
+class ScriptedWorker:
+    def __init__(self, fail_at: int | None = None, hold_first: bool = False):
+        self.group, self.calls, self.fail_at, self.hold_first = [], 0, fail_at, hold_first
+        self.lock, self.second_added = threading.Lock(), threading.Event()
+
+    def process(self, shard: dict, last: bool = False) -> dict:
+        sid = shard["shard_id"]
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+            self.group.append(sid)
+            if call == self.fail_at:  # the commit fails: like Group.commit, the group is emptied
+                self.group = []
+                raise RuntimeError("the store refused the commit")
+        if self.hold_first and call == 1:  # commit once the other slot's shard is in the group
+            self.second_added.wait(10)
+            with self.lock:
+                committed, self.group = self.group, []
+            return {"shard_id": sid, "committed": committed, "tokens": 1}
+        if self.hold_first and call == 2:
+            self.second_added.set()
+            time.sleep(1.0)  # its result arrives after the first slot committed it
+            return {"shard_id": sid, "committed": [], "tokens": 1}
+        with self.lock:
+            committed = []
+            if last:
+                committed, self.group = self.group, []
+        return {"shard_id": sid, "committed": committed, "tokens": 1}
+
+    def flush(self) -> list[int]:
+        with self.lock:
+            committed, self.group = self.group, []
+        return committed
+
+    def get_pid(self) -> int:
+        return os.getpid()
+
+
+def _shards(n: int) -> list[Shard]:
+    return [Shard(i, f"f{i}.jsonl", "jsonl", 0, 1, i) for i in range(n)]
+
+
+def test_shards_of_a_group_lost_to_a_failed_commit_run_again(ray_local):
+    done = []
+    worker = ScriptedWorker.remote(fail_at=3)
+    summaries, failures = Dispatcher([worker], max_retries=2, on_done=done.append).run(_shards(5))
+    assert len(failures) == 1 and "shard 00002" in failures[0] and "refused" in failures[0]
+    assert sorted(s["shard_id"] for s in done) == [0, 1, 3, 4]  # 0 and 1 ran again, each counted once
+    assert sorted(s["shard_id"] for s in summaries) == [0, 1, 3, 4]
+    ray.kill(worker)
+
+
+def test_a_commit_that_arrives_before_the_shards_own_result_counts_it_once(ray_local):
+    done = []
+    worker = ScriptedWorker.options(max_concurrency=2).remote(hold_first=True)
+    summaries, failures = Dispatcher([worker], max_retries=2, on_done=done.append, slots=2).run(_shards(2))
+    assert failures == [] and sorted(s["shard_id"] for s in done) == [0, 1]
+    ray.kill(worker)

@@ -1,0 +1,41 @@
+"""Which commit records readers accept (storage/shards.py ``committed``), on real files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+
+from actlake.storage.layout import RunLayout
+from actlake.storage.parquet_io import write_parquet
+from actlake.storage.shards import committed
+
+
+def _record(layout: RunLayout, gid: str, shards: dict, partials: dict, name: str | None = None) -> None:
+    rec = {"group": gid, "plan_hash": "p", "partials": partials, "shards": shards}
+    (layout.complete / (name or f"group-{gid}.json")).write_text(json.dumps(rec))
+
+
+def test_only_records_that_say_what_they_are_are_accepted(tmp_path):
+    layout = RunLayout(tmp_path)
+    layout.complete.mkdir()
+    t = pa.table({"a": [1, 2]})
+    files = {}
+    for sid in (0, 1):
+        p = layout.shard_file("documents", sid)
+        files[sid] = {"documents": {"path": layout.relative(p), "rows": 2, "bytes": write_parquet(t, p)}}
+    g0, g1 = "0" * 19 + "1-" + "a" * 8, "0" * 19 + "2-" + "b" * 8
+    p = layout.partial_file("x", g0)
+    partial = {"x": {"path": layout.relative(p), "rows": 2, "bytes": write_parquet(t, p)}}
+    _record(layout, g0, {"0": {"files": files[0], "summary": {}}}, partial)
+    _record(layout, g0, {}, partial, name=f"group-{g1}.json")  # the same group again under another name, no shards
+    _record(layout, "0" * 19 + "5-" + "e" * 8, {"01": {"files": files[1], "summary": {}}}, {})  # a shard id not plain
+    _record(layout, "0" * 19 + "3-" + "c" * 8, {"0": {"files": files[0], "summary": {}}}, {})  # shard 0 again
+    link = layout.shard_file("documents", 1)
+    os.replace(link, tmp_path / "outside.parquet")
+    os.symlink(tmp_path / "outside.parquet", link)  # a link in the run is no file of it
+    _record(layout, "0" * 19 + "4-" + "d" * 8, {"1": {"files": files[1], "summary": {}}}, {})
+    done = committed(layout, "p")
+    assert sorted(done.shards) == [0] and [g["group"] for g in done.groups] == [g0]
+    assert len(done.skipped) == 4, done.skipped
