@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from actlake.config import OutputConfig, RayAddress
-from actlake.config_base import ConfigRoot, Section
+from pydantic import model_validator
+
+from actlake.config_base import ConfigRoot, Section, config_error
 
 
 class TrainResourcesConfig(RayAddress):
@@ -76,6 +78,15 @@ class TrainJob(ConfigRoot):
 
     output: OutputConfig
     resources: TrainResourcesConfig
+
+    @model_validator(mode="after")
+    def _local_output(self):
+        from actlake.fs import url_scheme
+
+        if url_scheme(self.output.dir) not in (None, "file"):
+            config_error(("output", "dir"), f"{self.output.dir!r}: training jobs write to a local folder or a shared "
+                         "mount (object stores hold the runs of `actlake run` only)")
+        return self
 
     @property
     def run_id(self) -> str:

@@ -47,6 +47,10 @@ class PredictorJobConfig(TrainJob.with_defaults(name="predictor")):
     def check(self, err) -> None:
         p, q = self.predictor, self.probes
         p.check(err, "predictor")
+        from actlake.fs import url_scheme
+
+        if url_scheme(self.store) not in (None, "file"):
+            err(("store",), f"{self.store!r}: the activation store must be a local folder or a shared mount")
         if (p.n_heads is None) != (p.head_dim is None):
             err(("predictor", "n_heads"), "set both n_heads and head_dim, or neither")
         if not 0 < p.eval_fraction < 1:

@@ -182,3 +182,16 @@ def test_pydantic_models_keep_the_yaml_shorthands_and_messages(tmp_path):
         load_config(_write(tmp_path, "sharding:\n  commit_seconds: 1e-9\n"), check_files=False)  # PyYAML: a string
     with pytest.raises(ConfigError, match=r"line 1: 'batching': 'batching' must be a mapping, got 3$"):
         load_config(_write(tmp_path, "batching: 3\n"), check_files=False)
+
+
+def test_training_jobs_refuse_object_store_folders_in_one_line(tmp_path, monkeypatch):
+    """Training jobs write checkpoints and read their store as local files: a URL is refused, never a folder 's3:'."""
+    from actlake.jobs.lm.config import LMConfig
+    from actlake.jobs.predictor.config import PredictorJobConfig
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"'output.dir': 's3://b/runs': training jobs write to a local folder"):
+        parse_config({"output": {"dir": "s3://b/runs"}}, root=LMConfig)
+    with pytest.raises(ConfigError, match=r"'store': 's3://b/x': the activation store must be a local folder"):
+        parse_config({"store": "s3://b/x"}, root=PredictorJobConfig)
+    assert list(tmp_path.iterdir()) == []
