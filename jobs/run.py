@@ -298,11 +298,13 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         def stored() -> dict:
             return {sid: dict(e["summary"], shard_id=sid) for sid, e in committed(layout, phash).shards.items()}
 
-        summaries, failures = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored).run(pending)
-        if cfg.model.offload_folder:
-            _close_workers(workers)
-        for w in workers:
-            ray.kill(w)
+        try:
+            summaries, failures = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored).run(pending)
+            if cfg.model.offload_folder:
+                _close_workers(workers)
+        finally:  # also when the driver fails: no actor outlives the job
+            for w in workers:
+                ray.kill(w)
         if failures:
             check_inputs_after_failure(layout, inputs or {}, len(failures))
             raise ActlakeError(f"{len(failures)} shard(s) failed; rerun the same run id to retry them:\n  " + "\n  ".join(failures))
