@@ -125,7 +125,7 @@ class Group:
 
     def commit(self) -> list[int]:
         """Write the partials, then the record (last); the shard ids now complete. Afterwards the group
-        is empty, also when writing failed (its shards are then not complete, and run again on a rerun)."""
+        is empty, also when writing failed (its shards are then not complete; the dispatcher runs them again)."""
         with self.lock:
             return self._commit()
 
