@@ -192,7 +192,10 @@ def _drop_last_shard(store: Path) -> None:
     for meta in entry["files"].values():
         (store / meta["path"]).unlink()
     del record["shards"][str(last["shard_id"])]
-    path.write_text(json.dumps(record))
+    if record["shards"]:
+        path.write_text(json.dumps(record))
+    else:  # its group held only that shard: a store without it has no such record
+        path.unlink()
 
 
 def _damage_copy(store: Path, dest: Path, how: str) -> tuple[Path, dict]:
