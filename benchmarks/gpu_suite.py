@@ -232,6 +232,7 @@ def shard_figure(lm, batches, args) -> dict:
     from actlake.batching import make_batches
     from actlake.jobs.plan import Shard
     from actlake.storage.layout import RunLayout
+    from actlake.storage.shards import Group
 
     ex = extractor("suite", lm, args)
     texts = [lm.tokenizer.decode(w.ids, skip_special_tokens=True) for b in batches for w in b]
@@ -251,7 +252,9 @@ def shard_figure(lm, batches, args) -> dict:
         sync()
         batches_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        summary = ex.process(shard, layout, "bench")
+        group = Group(layout, "bench")
+        summary = ex.process(shard, layout, group)
+        group.commit()  # the shard's tables, its partials and the record: what a worker writes for it
         process_s = time.perf_counter() - t0
     return {"docs": summary["docs"], "tokens": summary["tokens"], "batches_s": batches_s, "process_s": process_s}
 

@@ -48,15 +48,10 @@ def _hash_blocks(path: str, size: int) -> tuple[str, str]:
 
 
 def _stat(path: str) -> tuple[int, int]:
-    """(size, mtime in ns) of a local file (os.stat) or an object (its LastModified)."""
-    from actlake.corpus.readers import is_url
+    """(size, mtime in ns) of a local file or an object (its LastModified)."""
+    from actlake.fs import stat
 
-    if is_url(path):
-        from actlake.fs import stat
-
-        return stat(path)
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
+    return stat(path)
 
 
 def _why(e: Exception) -> str:

@@ -93,9 +93,7 @@ def is_url(path: str) -> bool:
 
 
 def open_file(path: str):
-    """A seekable binary reader of a local file or an object-store URL (see :func:`actlake.fs.open_input`)."""
-    if not is_url(path):
-        return open(path, "rb")
+    """A seekable binary reader of a local file or an object-store URL."""
     from actlake.fs import open_input
 
     return open_input(path)
