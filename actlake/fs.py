@@ -68,10 +68,6 @@ def location(value) -> "Path | ObjectPath":
     return ObjectPath("gs" if s == "gcs" else s, posixpath.normpath(key))
 
 
-def is_remote(path) -> bool:
-    return isinstance(path, ObjectPath)
-
-
 @functools.lru_cache(maxsize=None)
 def filesystem(scheme: str):
     """The process's ``pyarrow.fs`` file system for ``scheme`` (built once, from the environment)."""

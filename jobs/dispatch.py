@@ -145,11 +145,10 @@ class Dispatcher:
                 self.queue.appendleft(shard)
 
     def _commit_failed(self, w, e: Exception) -> None:
-        """Writing a group failed (the store refused): its shards fail; a rerun runs them again."""
+        """Writing a group failed (the store refused): its shards go back to the queue like a dead worker's."""
         cause = str(getattr(e, "cause", None) or e).strip().splitlines()[-1][:500]
-        for s in self.open.pop(_key(w), []):
-            self.failures.append(f"shard {s.shard_id:05d} ({s.path}): its group could not be committed: {cause}")
         log.error("a group could not be committed: %s", cause)
+        self._requeue(self.open.pop(_key(w), []), f"its group could not be committed ({cause})")
         self.idle.append(w)
 
     def _ping_failed(self, w, e: Exception) -> None:

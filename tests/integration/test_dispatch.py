@@ -22,8 +22,10 @@ pytestmark = pytest.mark.integration
 
 @ray.remote
 class ScriptedWorker:
-    def __init__(self, fail_at: int | None = None, hold_first: bool = False):
+    def __init__(self, fail_at: int | None = None, hold_first: bool = False, fail_flushes: int = 0):
         self.group, self.calls, self.fail_at, self.hold_first = [], 0, fail_at, hold_first
+        self.fail_flushes = fail_flushes
+        self.at_last = not fail_flushes  # a worker whose flushes fail commits only on flush
         self.lock, self.second_added = threading.Lock(), threading.Event()
 
     def process(self, shard: dict, last: bool = False) -> dict:
@@ -46,13 +48,16 @@ class ScriptedWorker:
             return {"shard_id": sid, "committed": [], "tokens": 1}
         with self.lock:
             committed = []
-            if last:
+            if last and self.at_last:
                 committed, self.group = self.group, []
         return {"shard_id": sid, "committed": committed, "tokens": 1}
 
     def flush(self) -> list[int]:
         with self.lock:
             committed, self.group = self.group, []
+            if self.fail_flushes:
+                self.fail_flushes -= 1
+                raise RuntimeError("the store refused the commit")
         return committed
 
     def get_pid(self) -> int:
@@ -70,6 +75,19 @@ def test_shards_of_a_group_lost_to_a_failed_commit_run_again(ray_local):
     assert len(failures) == 1 and "shard 00002" in failures[0] and "refused" in failures[0]
     assert sorted(s["shard_id"] for s in done) == [0, 1, 3, 4]  # 0 and 1 ran again, each counted once
     assert sorted(s["shard_id"] for s in summaries) == [0, 1, 3, 4]
+    ray.kill(worker)
+
+
+def test_a_group_whose_commit_fails_runs_again_until_retries_run_out(ray_local):
+    done = []
+    worker = ScriptedWorker.remote(fail_flushes=1)
+    dispatcher = Dispatcher([worker], max_retries=2, on_done=done.append)
+    _, failures = dispatcher.run(_shards(3))
+    assert failures == [] and sorted(s["shard_id"] for s in done) == [0, 1, 2]  # each counted once, after the rerun
+    ray.kill(worker)
+    worker = ScriptedWorker.remote(fail_flushes=10)
+    _, failures = Dispatcher([worker], max_retries=1, on_done=done.append).run(_shards(3))
+    assert len(failures) == 3 and all("could not be committed" in f and "2 times" in f for f in failures)
     ray.kill(worker)
 
 
