@@ -16,8 +16,12 @@ Variants, each on the same batches in turn, best of --rounds per batch:
 - fused:     mass, contributions and geometry only (no attention-weighted sums, no distance profile);
 - habit:     the cache-then-analyse habit's first step: every hidden state copied to the host.
 
-Prints tokens/s, each variant's time over plain's, peak GPU memory, and host synchronisations per
-batch (``torch.cuda.set_sync_debug_mode``, counted over one batch). ``--process`` adds a shard-level
+Prints tokens/s, each variant's time over plain's, peak GPU memory, host synchronisations per
+batch (``torch.cuda.set_sync_debug_mode``, counted over one batch) and tensor operations dispatched
+per layer (views excluded; on a GPU each is about one kernel launch, which is what bounds the small
+models). The suite runs non-strict (``run_batch(strict=False)``, a GPU's default) on any device, so
+``--device cpu --dtype float32`` counts the operations of the same code without a GPU;
+``--op-sources N`` lists the actlake functions that dispatch the most. ``--process`` adds a shard-level
 figure: ``Extractor.process`` on one shard (read, tokenise, batches, Parquet written) against the
 same shard's batches run alone, so the job's own overhead shows. ``--profile VARIANT`` prints the top
 CUDA kernels and CPU operators of that variant over two batches.
@@ -165,7 +169,7 @@ def runners(names, lm, batches, args):
                                                              output_hidden_states=True).hidden_states]
         else:
             ex = extractor(name, lm, args)
-            out[name] = lambda i, ex=ex: ex.run_batch(batches[i])
+            out[name] = lambda i, ex=ex: ex.run_batch(batches[i], strict=False)
     return {k: torch.inference_mode()(f) for k, f in out.items()}
 
 
@@ -199,6 +203,53 @@ def count_syncs(fn, i) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
+
+
+class OpCounter:
+    """Counts the tensor operations dispatched while active (views excluded: they launch no kernel), by
+    operator and by the actlake function that called it. Device-agnostic: on a GPU each is about one
+    kernel launch, so on a CPU it measures how launch-bound the same code would be."""
+
+    def __init__(self):
+        import collections
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not func.is_view:
+                    counter.ops[str(func.overloadpacket)] += 1
+                    counter.sources[counter.caller()] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode, self.ops, self.sources = Mode(), collections.Counter(), collections.Counter()
+
+    @staticmethod
+    def caller() -> str:
+        f = sys._getframe(2)
+        while f is not None:
+            name = f.f_code.co_filename
+            if "/transformers/" in name:
+                return "the model (transformers)"
+            if "site-packages" not in name and "/torch/" not in name and "/benchmarks/" not in name:
+                return f"{Path(name).parent.name}/{Path(name).name}:{f.f_code.co_name}"
+            f = f.f_back
+        return "other"
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def count_ops(fn, i) -> OpCounter:
+    with OpCounter() as counter:
+        fn(i)
+    return counter
 
 
 def peak_memory(fn, i) -> float:
@@ -299,6 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--process", action="store_true", help="also time Extractor.process on one shard")
     p.add_argument("--check", action="store_true", help="compare the suite's statistics with the strict explicit path")
     p.add_argument("--profile", metavar="VARIANT", help="print a torch.profiler table of this variant")
+    p.add_argument("--op-sources", type=int, default=0, metavar="N",
+                   help="print the N actlake functions that dispatch the most operations in the suite")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     import torch
@@ -317,18 +370,26 @@ def main(argv=None) -> int:
                 best[name][i] = min(best[name][i], timed(run[name], i))
     syncs = {n: count_syncs(run[n], 0) for n in names}
     memory = {n: peak_memory(run[n], 0) for n in names}
+    counted = {n: count_ops(run[n], 0) for n in names}
+    layers = lm.model.config.num_hidden_layers
     plain = sum(best["plain"]) if "plain" in best else None
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"{gpu}, {args.model_config}, {args.dtype}, T = {args.seq_len}, {tokens} tokens per batch, "
           f"{len(batches)} batches, best of {args.rounds}")
-    print(f"{'variant':<10} {'tokens/s':>12} {'vs plain':>9} {'peak MiB':>9} {'syncs/batch':>12}")
+    print(f"{'variant':<10} {'tokens/s':>12} {'vs plain':>9} {'peak MiB':>9} {'syncs/batch':>12} {'ops/layer':>10}")
     results = {"gpu": gpu, "model": args.model_config, "seq_len": args.seq_len, "tokens_per_batch": tokens, "variants": {}}
     for name in names:
         total = sum(best[name])
         ratio = total / plain if plain else float("nan")
-        print(f"{name:<10} {tokens * len(batches) / total:>12,.0f} {ratio:>8.2f}x {memory[name]:>9,.0f} {syncs[name]:>12}")
+        ops = sum(counted[name].ops.values())
+        print(f"{name:<10} {tokens * len(batches) / total:>12,.0f} {ratio:>8.2f}x {memory[name]:>9,.0f} {syncs[name]:>12} "
+              f"{ops / layers:>10.1f}")
         results["variants"][name] = {"tokens_per_s": tokens * len(batches) / total, "vs_plain": ratio,
-                                     "peak_mib": memory[name], "syncs": syncs[name]}
+                                     "peak_mib": memory[name], "syncs": syncs[name], "ops_per_batch": ops}
+    if args.op_sources and "suite" in counted:
+        print(f"operations per layer in the suite, by caller (top {args.op_sources}):")
+        for where, n in counted["suite"].sources.most_common(args.op_sources):
+            print(f"  {n / layers:>7.1f}  {where}")
     if args.process:
         fig = shard_figure(lm, batches, args)
         print(f"shard: Extractor.process {fig['process_s']:.3f} s for {fig['tokens']} tokens ({fig['docs']} docs) "
