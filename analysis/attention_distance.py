@@ -15,7 +15,7 @@ import pyarrow as pa
 from actlake.analysis import grid
 from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.protocol import OneTable
-from actlake.analysis.stats import SumStats, np64, tensor, zeros
+from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 
 
 @dataclass
@@ -49,9 +49,9 @@ class AttentionByDistance(OneTable, SumStats):
         if T > self.max_len:
             raise ValueError(f"window of {T} tokens is longer than the distance profile's {self.max_len}")
         off = self.max_len - T  # the batch's m - n = 0 sits at index T - 1, ours at max_len - 1
-        dev = self.attn.device  # with device_map the layer may live elsewhere
-        self.attn[lq.layer, :, off : off + 2 * T - 1] += lq.product("distance").to(dev)
-        self.pairs[lq.layer] += lq.batch.pairs_by_distance(self.max_len).to(dev)
+        accumulate([self.attn[lq.layer, :, off : off + 2 * T - 1], self.pairs[lq.layer]],
+                   [lq.product("distance"), lq.batch.pairs_by_distance(self.max_len)],
+                   self.attn.device)  # with device_map the layer may live elsewhere
 
     def to_arrow(self) -> pa.Table:
         L, H, D = self.attn.shape

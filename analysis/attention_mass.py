@@ -16,7 +16,7 @@ import torch
 
 from actlake.analysis import grid
 from actlake.analysis.protocol import OneTable
-from actlake.analysis.stats import SumStats, np64, tensor, zeros
+from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
 
 
@@ -68,10 +68,9 @@ class AttentionMass(OneTable, SumStats):
     def add_layer(self, lq) -> None:
         """Accumulate one layer of one batch (a :class:`~actlake.analysis.layer_qk.LayerQK`)."""
         per_q = lq.product("mass").double()  # (B, H, T, C), zero on invalid queries
-        q_oh = lq.query_onehot.double()
-        dev = self.mass.device  # with device_map the layer may live elsewhere
-        self.mass[lq.layer] += torch.einsum("bhtk,btq->hqk", per_q, q_oh).to(dev)
-        self.n_queries[lq.layer] += q_oh.sum((0, 1)).to(dev)
+        mass = torch.einsum("bhtk,btq->hqk", per_q, lq.query_onehot.double())
+        accumulate([self.mass[lq.layer], self.n_queries[lq.layer]], [mass, lq.batch.queries_by_category],
+                   self.mass.device)  # with device_map the layer may live elsewhere
 
     def to_arrow(self) -> pa.Table:
         L, H = self.mass.shape[:2]

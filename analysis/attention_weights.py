@@ -37,17 +37,11 @@ def block_elements(device: torch.device) -> int:
 
 
 def key_norm_scale(lq) -> torch.Tensor:
-    """(B, H, T) factor that gives every valid key the mean key norm of its sequence and head."""
+    """(B, H, T) factor that gives every key the mean key norm of its sequence's valid keys and its head
+    (1 for a zero key; padded keys get a finite factor, and no valid query sees them)."""
     norms = lq.key_norms  # (B, H, T)
-    v = lq.batch.validf[:, None, :]
-    mean = (norms * v).sum(-1, keepdim=True) / v.sum(-1, keepdim=True).clamp(min=1)
-    return torch.where(norms > 0, mean / norms.clamp(min=1e-30), torch.ones_like(norms)) * v + (1 - v)
-
-
-def _distance_index(T: int, device) -> torch.Tensor:
-    """(T, T) long: m - n + T - 1 for query m and key n."""
-    m = torch.arange(T, device=device)
-    return m[:, None] - m[None, :] + (T - 1)
+    mean = torch.matmul(norms[:, :, None, :], lq.batch.valid_mean_weights)[..., 0]  # (B, H, 1)
+    return torch.where(norms > 0, mean / norms.clamp(min=1e-30), 1.0)
 
 
 def diagonal_sums_from(rows: torch.Tensor) -> torch.Tensor:
@@ -59,14 +53,6 @@ def diagonal_sums_from(rows: torch.Tensor) -> torch.Tensor:
     padded = F.pad(rows.flip(-1), (0, M))  # (H, M, T + M): row i, column c holds the weight at n = T - 1 - c
     skewed = padded.reshape(H, -1)[:, : M * (T + M - 1)].reshape(H, M, T + M - 1)  # row i shifted right by i
     return skewed.sum(1, dtype=torch.float64)
-
-
-def _padded_onehot(onehot: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, T, C) -> (B, T, width) float32, zero columns added: matrix kernels are much faster on a
-    product 8 or 16 wide than 5 wide."""
-    out = onehot.new_zeros(*onehot.shape[:2], max(width, onehot.shape[-1]), dtype=torch.float32)
-    out[..., : onehot.shape[-1]] = onehot
-    return out
 
 
 def explicit_products(lq, names, value: torch.Tensor | None = None, max_elements: int | None = None) -> dict:
@@ -104,12 +90,12 @@ class _ExplicitPass:
             self.v = expand_kv(value, H)  # (B, H, T, d_v)
             self.dv = self.v.shape[-1]  # value heads may be narrower or wider than query heads
             if self.mass_in_output:
-                onehot8 = _padded_onehot(lq.key_onehot, 8)
+                onehot8 = self.batch.padded_key_onehot(8)
                 self.v = torch.cat([self.v, onehot8[:, None].expand(B, H, T, onehot8.shape[-1])], dim=-1)
             self.out_v = new(B, H, T, self.v.shape[-1])
         self.mass_buf = self.keynorm_buf = None
         if ("mass" in names and not self.mass_in_output) or "mass_keynorm" in names:
-            self.onehot16 = _padded_onehot(lq.key_onehot, 16)  # (B, T, 16)
+            self.onehot16 = self.batch.padded_key_onehot(16)  # (B, T, 16)
             width = self.onehot16.shape[-1]
             if "mass" in names and not self.mass_in_output:
                 self.mass_buf = new(B, H, T, width)
@@ -117,11 +103,11 @@ class _ExplicitPass:
                 self.keynorm_buf = new(B, H, T, width)
                 self.kscale = key_norm_scale(lq)[:, :, None, :]  # (B, H, 1, T)
         if "weighted_qsum" in names:  # invalid queries give nothing: zero rows of q
-            self.qv = lq.query * self.batch.validf[:, None, :, None] if any(self.batch.has_invalid) else lq.query
+            self.qv = lq.valid_query
             self.wq = torch.zeros_like(self.q) if self.mb < T else new(B, H, T, dh)
         if "distance" in names:
             self.distance = torch.zeros(H, 2 * T - 1, dtype=torch.float64, device=self.q.device)
-            self.diag = _distance_index(T, self.q.device)
+            self.diag = self.batch.distance_index(T)
 
     def run(self) -> dict:
         T = self.T
@@ -157,12 +143,8 @@ class _ExplicitPass:
             else:
                 self.wq[s] += torch.matmul(alpha.transpose(-1, -2), self.qv[s, :, m])
         if dist is not None:  # summed over the block's sequences, their valid queries only
-            lengths = batch.lengths
             if not any(batch.has_invalid[s]):
                 dist += alpha.sum(0)
-            elif lengths is not None:  # valid queries are a prefix: add each sequence's rows
-                for i, n in enumerate(lengths[s]):
-                    dist[:, : max(0, n - m.start)] += alpha[i, :, : max(0, n - m.start)]
             else:
                 dist += alpha.mul_(batch.validf[s, None, m, None]).sum(0)
         del alpha
@@ -238,14 +220,14 @@ def flash_products(lq, names) -> dict:
             out["weighted_qsum"] = dv.float()
     if {"mass", "mass_keynorm"} & set(names):
         B, _, T, dh = q.shape
-        onehot = torch.zeros(B, T, dh, dtype=q.dtype, device=q.device)
-        onehot[..., :C] = lq.key_onehot
         if "mass" in names:
+            onehot = lq.batch.padded_key_onehot(dh, q.dtype)  # (B, T, d_h)
             o = flash(q, k, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
             out["mass"] = o[..., :C].float() * valid
         if "mass_keynorm" in names:
+            onehot = lq.batch.padded_key_onehot(dh, torch.float16)
             k16 = (k.float() * key_norm_scale(lq)[..., None]).half()
-            o = flash(q.half(), k16, onehot.half()[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
+            o = flash(q.half(), k16, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
             out["mass_keynorm"] = o[..., :C].float() * valid
     return {n: out[n] for n in names}
 

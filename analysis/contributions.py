@@ -22,7 +22,7 @@ from actlake.analysis import grid
 from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.rope import unrotate
 from actlake.analysis.protocol import OneTable
-from actlake.analysis.stats import SumStats, np64, tensor, zeros
+from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
 
 QUERY_GROUPS_ALL = ("all",)
@@ -39,33 +39,30 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
     """For each (B, H, T, d_h) ``qsum``: ((H, C, d), (H, C)) float64, the sums over keys n in category c
     of x_n * W_K R_n^T qsum(n) and of the bias term (R_n^T qsum(n)) . b_K.
 
-    Never builds the (B, H, T, d) tensor: per category, M = X_c^T [Q_c ...] (d, H * k * d_h) is one
-    GEMM over that category's tokens for all heads and ``qsums`` at once, then
+    Never builds the (B, H, T, d) tensor: the batch's valid keys are gathered sorted by category
+    (:class:`~actlake.analysis.layer_qk.KeyOrder`), then per category M = X_c^T [Q_c ...] (d, H * k * d_h)
+    is one GEMM over that category's rows for all heads and ``qsums`` at once, and
     C_j = sum_k W_K[j, k] M[j, k] per head. Cost O(T d d_h) per head and qsum, the order of one projection.
     """
-    q = torch.cat(qsums, dim=-1) if len(qsums) > 1 else qsums[0]  # (B, H, T, k * d_h)
-    if lq.cos is not None:
-        q = torch.cat([unrotate(p, lq.cos, lq.sin) for p in q.split(qsums[0].shape[-1], dim=-1)], dim=-1)
-    B, H, T, kd = q.shape
-    d, dh, k = lq.x.shape[-1], qsums[0].shape[-1], len(qsums)
-    C = lq.key_onehot.shape[-1]
-    w = _kv_expanded(lq, lq.w_key)  # (H, d, d_h)
-    x = lq.x.reshape(-1, d)  # (B*T, d)
-    q = q.transpose(1, 2).reshape(B * T, H * kd)  # token-major: (B*T, H * k * d_h)
-    m = x.new_zeros(C, d, H * kd)  # (C, d, H * k * d_h)
-    q_by_cat = q.new_zeros(C, H * kd)  # sum of qsum over the category's keys: what the bias term needs
-    for c, idx in enumerate(lq.batch.key_category_index):
-        if idx.numel():
-            qc = q[idx]
-            torch.mm(x[idx].T, qc, out=m[c])
-            q_by_cat[c] = qc.sum(0)
+    q = lq.unrotate(torch.stack(qsums, dim=3))  # (B, H, T, k, d_h)
+    B, H, T, k, dh = q.shape
+    d, C = lq.x.shape[-1], lq.key_onehot.shape[-1]
+    keys = lq.batch.key_order
+    xs = lq.x[keys.seq, keys.pos]  # (N, d): valid keys, category by category
+    qs = q.permute(0, 2, 1, 3, 4)[keys.seq, keys.pos].view(-1, H * k * dh)  # (N, H * k * d_h)
+    m = xs.new_zeros(C, d, H * k * dh)  # (C, d, H * k * d_h)
+    for c, (a, b) in enumerate(keys.spans):
+        if b > a:
+            torch.mm(xs[a:b].T, qs[a:b], out=m[c])
     # C_j = sum_k W_K[j, k] M[j, k] per head and qsum (32 terms: float32 is as exact as the GEMM)
+    w = _kv_expanded(lq, lq.w_key)  # (H, d, d_h)
     per_dim = (m.view(C, d, H, k, dh) * w.transpose(0, 1)[None, :, :, None]).sum(-1)  # (C, d, H, k)
     per_dim = per_dim.permute(3, 2, 0, 1).double()  # (k, H, C, d)
-    bias = torch.zeros(k, H, C, dtype=torch.float64, device=x.device)
-    if lq.b_key is not None:
-        bk = _kv_expanded(lq, lq.b_key).double()  # (H, d_h)
-        bias = torch.einsum("chik,hk->ihc", q_by_cat.view(C, H, k, dh).double(), bk)
+    if lq.b_key is None:
+        return list(zip(per_dim, per_dim.new_zeros(k, H, C)))
+    q_by_cat = torch.mm(keys.member, qs)  # (C, H * k * d_h): each category's sum, what the bias term needs
+    bk = _kv_expanded(lq, lq.b_key)  # (H, d_h)
+    bias = torch.einsum("chik,hk->ihc", q_by_cat.view(C, H, k, dh).double(), bk.double())
     return list(zip(per_dim, bias))
 
 
@@ -84,9 +81,7 @@ def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
     """(B, H, T): (R_n^T qsum(n)) . b_K, the part of the summed scores no dimension of x owns."""
     if lq.b_key is None:
         return qsum.new_zeros(qsum.shape[:3])
-    if lq.cos is not None:
-        qsum = unrotate(qsum, lq.cos, lq.sin)
-    return torch.einsum("bhtk,hk->bht", qsum, _kv_expanded(lq, lq.b_key))
+    return torch.einsum("bhtk,hk->bht", lq.unrotate(qsum), _kv_expanded(lq, lq.b_key))
 
 
 def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
@@ -156,22 +151,27 @@ class Contributions(OneTable, SumStats):
         """Accumulate one layer; ``weighted`` (default: as created) adds the attention-weighted sums."""
         weighted = self.weighted_on if weighted is None else weighted
         l, k_oh = lq.layer, lq.key_onehot  # (B, T, C)
-        valid = lq.batch.validf
         # bidirectional without RoPE: every key of a sequence is seen by the same queries
         per_sequence = not lq.causal and lq.cos is None
         dev = self.contrib.device  # with device_map the layer may live elsewhere
+        targets, values = [], []  # accumulated together at the end (one operation on a GPU)
         general = []  # (query group or None for weighted, qsum (B, H, T, d_h)) for the per-token path
         for g, group in enumerate(self.query_groups):
-            qmask = valid if group == "all" else lq.query_onehot[..., ROLE.index(group)].to(torch.float32)
-            counts = (lq.queries_per_key() if group == "all"
-                      else lq.sum_over_queries(qmask.double()[:, None, :])[:, 0] * lq.valid)  # (B, T)
-            self.n_pairs[l, g] += torch.einsum("bt,btc->c", counts.double(), k_oh).to(dev)
-            q = lq.query * qmask[:, None, :, None]  # (B, H, T, d_h), zero outside the group
+            if group == "all":
+                q = lq.valid_query  # (B, H, T, d_h), zero outside the group
+                n_pairs = lq.batch.pairs_by_key_category
+            else:
+                qmask = lq.query_onehot[..., ROLE.index(group)].to(torch.float32)
+                q = lq.query * qmask[:, None, :, None]
+                counts = lq.sum_over_queries(qmask.double()[:, None, :])[:, 0] * lq.valid  # (B, T)
+                n_pairs = torch.einsum("bt,btc->c", counts.double(), k_oh)
+            targets.append(self.n_pairs[l, g])
+            values.append(n_pairs)
             if per_sequence:
                 qsum = q.sum(2)  # (B, H, d_h)
-                self.contrib[l, :, g] += contributions_per_sequence(lq, qsum).to(dev)
                 bias = bias_term(lq, qsum[:, :, None]).double()[..., 0]  # (B, H)
-                self.bias[l, :, g] += torch.einsum("bh,btc->hc", bias, k_oh).to(dev)
+                targets += [self.contrib[l, :, g], self.bias[l, :, g]]
+                values += [contributions_per_sequence(lq, qsum), torch.einsum("bh,btc->hc", bias, k_oh)]
             else:  # at each key n, the sum of q'_m over the queries that may attend to it
                 general.append((g, lq.sum_over_queries(q)))
         if weighted:
@@ -179,14 +179,12 @@ class Contributions(OneTable, SumStats):
         if general:
             sums = contributions_by_category(lq, *(qsum for _, qsum in general))
             for (g, _), (s, bias) in zip(general, sums):
-                s, bias = s.to(dev), bias.to(dev)
                 if g is None:
-                    self.weighted[l] += s
-                    self.weighted_bias[l] += bias
+                    targets += [self.weighted[l], self.weighted_bias[l]]
                 else:
-                    self.contrib[l, :, g] += s
-                    self.bias[l, :, g] += bias
-        self.n_queries[l] += valid.sum().to(dev)
+                    targets += [self.contrib[l, :, g], self.bias[l, :, g]]
+                values += [s, bias]
+        accumulate(targets + [self.n_queries[l]], values + [lq.batch.n_valid], dev)
 
     def merge(self, other: "Contributions") -> "Contributions":
         assert self.query_groups == other.query_groups

@@ -54,8 +54,9 @@ class DimMoments(OneTable, Analysis):
     nonfinite: torch.Tensor
     """(L+1,) tokens left out per layer because their vector held inf or NaN."""
     unchecked = None
-    """Device scalar from ``from_batch(exact_nonfinite=False)``: layers holding an inf/NaN that was not
-    looked for (then these moments are wrong and the batch must be redone)."""
+    """Device scalar from ``from_batch(exact_nonfinite=False)``: the sum of every hidden state, not finite
+    when one held an inf/NaN that was not looked for (then these moments are wrong and the batch must be
+    redone)."""
 
     @classmethod
     def create(cls, spec, **options) -> "DimMoments":
@@ -69,36 +70,43 @@ class DimMoments(OneTable, Analysis):
         self.moments, self.nonfinite, self.unchecked = merged.moments, merged.nonfinite, part.unchecked
 
     def problems(self) -> list[torch.Tensor]:
-        return [] if self.unchecked is None else [self.unchecked]
+        return [] if self.unchecked is None else [(~torch.isfinite(self.unchecked)).double()]
 
     @classmethod
     def from_batch(cls, hidden_states, valid, role, type8, exact_nonfinite: bool = True) -> "DimMoments":
         """hidden_states: L+1 tensors (B, T, d) on the model's device; valid/role/type8: (B, T) (the host's).
 
         ``exact_nonfinite``: look for inf/NaN in each layer and leave those tokens out (a host sync per
-        layer). False: assume every value is finite and record in :attr:`unchecked` (a device scalar)
-        how many layers were not; the caller reads it once per batch and recomputes with True if any.
+        layer). False: assume every value is finite and keep in :attr:`unchecked` (a device scalar) the
+        sum of every value, which is not finite if one was not; :meth:`problems` says so, the caller
+        reads that once per batch and recomputes with True if so.
         """
         dev = hidden_states[0].device
+        L1, d, G = len(hidden_states), hidden_states[0].shape[-1], len(GROUPS)
         host_ids = group_ids(valid, role, type8).reshape(-1, 3)  # (B*T, 3)
-        work = GroupSums(host_ids, len(GROUPS), hidden_states[0].shape[-1], device=dev)  # shared by the layers
+        work = GroupSums(host_ids, G, d, device=dev)  # shared by the layers
         ids = work.ids
-        per_layer, nonfinite = [], torch.zeros(len(hidden_states), dtype=torch.float64, device=dev)
+        # every layer's sums and maxima go into one buffer each; the moments follow for all layers at once
+        sums = torch.zeros(L1, G, 2 * d, dtype=torch.float64, device=dev)
+        top = torch.zeros(L1, G + 1, d, dtype=hidden_states[0].dtype, device=dev)
+        counts, nonfinite = [work.count] * L1, torch.zeros(L1, dtype=torch.float64, device=dev)
         unchecked = torch.zeros((), dtype=torch.float64, device=dev)
         for layer, h in enumerate(hidden_states):
-            x = h.reshape(-1, h.shape[-1]).to(dev)  # (B*T, d); with device_map the layer may live elsewhere
-            layer_ids, layer_work = ids, work
-            if not exact_nonfinite:
-                unchecked += (~torch.isfinite(x.sum(dtype=torch.float32))).double()
+            x = h.reshape(-1, d).to(dev, top.dtype)  # (B*T, d); with device_map the layer may live elsewhere
+            layer_work = work
+            if not exact_nonfinite:  # inf/NaN anywhere makes the running total non-finite
+                unchecked += x.sum(dtype=torch.float32)
             elif not bool(torch.isfinite(x.sum())):  # inf/NaN somewhere (a sum keeps them): find the tokens
                 finite = torch.isfinite(x).all(-1)
                 nonfinite[layer] = ((~finite) & valid.to(dev).reshape(-1).bool()).sum()
-                layer_ids = torch.where(finite[:, None], ids, len(GROUPS))
-                layer_work = GroupSums(layer_ids, len(GROUPS), x.shape[-1], device=dev)
+                layer_work = GroupSums(torch.where(finite[:, None], ids, G), G, d, device=dev)
+                counts[layer] = layer_work.count
                 x = torch.where(finite[:, None], x, 0)
-            per_layer.append(Moments.from_groups(x, layer_ids, len(GROUPS), layer_work))
-        out = cls(Moments.stack(per_layer), nonfinite)
-        out.unchecked = unchecked
+            layer_work.sums(x, out=sums[layer])
+            layer_work.max_abs(x, out=top[layer])
+        count = torch.stack(counts) if any(c is not work.count for c in counts) else work.count.expand(L1, G)
+        out = cls(Moments.from_sums(count, sums[..., :d], sums[..., d:], top[:, :G]), nonfinite)
+        out.unchecked = unchecked if not exact_nonfinite else None
         return out
 
     def merge(self, other: "DimMoments") -> "DimMoments":

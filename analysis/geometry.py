@@ -18,7 +18,7 @@ import torch
 from actlake.analysis import grid
 from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.protocol import OneTable
-from actlake.analysis.stats import SumStats, np64, tensor, zeros
+from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
 
 
@@ -60,28 +60,21 @@ class Geometry(OneTable, SumStats):
         return cls.zeros(spec.n_layers, spec.n_heads, device=spec.device)
 
     def add_layer(self, lq: LayerQK) -> None:
-        l, k_oh = lq.layer, lq.key_onehot
-        valid = lq.batch.validf
-        q = lq.query * valid[:, None, :, None]  # (B, H, T, d_h)
-        k = lq.key_per_query_head
-        qn, kn = q.norm(dim=-1), lq.key_norms  # (B, H, T)
-        per_key = lq.queries_per_key()  # (B, T)
-        dev = self.n_pairs.device  # with device_map the layer may live elsewhere
-        self.n_pairs[l] += torch.einsum("bt,btc->c", per_key, k_oh).to(dev)
-        self.q_norm[l] += torch.einsum("bht,btc->hc", lq.sum_over_queries(qn).double(), k_oh).to(dev)
-        self.k_norm[l] += torch.einsum("bht,btc->hc", kn.double() * per_key[:, None], k_oh).to(dev)
-        q_unit = q / qn.clamp(min=1e-30)[..., None]
-        if lq.causal:  # at each key, the sum of the unit queries that see it, dotted with the key
-            dots = (lq.sum_over_queries(q_unit) * k).sum(-1)
-        else:  # every key of a sequence sees the same queries
-            dots = torch.matmul(k, q_unit.sum(2)[..., None])[..., 0]
-        cos_sum = dots / kn.clamp(min=1e-30)  # (B, H, T)
-        self.cos[l] += torch.einsum("bht,btc->hc", cos_sum.double(), k_oh).to(dev)
-        self.n_queries[l] += lq.batch.validf.sum().to(dev)
-
+        l, b = lq.layer, lq.batch
+        q, k = lq.valid_query, lq.key_per_query_head  # (B, H, T, d_h), q zero on invalid queries
+        qn, kn = q.norm(dim=-1, keepdim=True), lq.key_norms  # (B, H, T, 1), (B, H, T)
+        q_unit = q / qn.clamp(min=1e-30)
+        both = torch.cat([q_unit, qn], dim=-1)  # (B, H, T, d_h + 1)
+        # at each key, the sums over the queries that see it (causal: m >= n; else every valid query of
+        # the sequence, the same for each key) of the unit queries and of their norms
+        seen = lq.sum_over_queries(both) if lq.causal else both.sum(2, keepdim=True)
+        cos_sum = (k * seen[..., :-1]).sum(-1) / kn.clamp(min=1e-30)  # (B, H, T)
+        per_key = torch.stack([seen[..., -1].expand_as(kn), kn * b.queries_per_key[:, None].float(), cos_sum])
+        by_cat = torch.einsum("sbht,btc->shc", per_key.double(), lq.key_onehot.double())  # (3, H, C)
         # mass per key category, as computed and with keys at their mean norm (zero on invalid queries)
-        self.mass[l] += lq.product("mass").double().sum((0, 2)).to(dev)
-        self.mass_keynorm[l] += lq.product("mass_keynorm").double().sum((0, 2)).to(dev)
+        mass = [lq.product(p).sum((0, 2), dtype=torch.float64) for p in ("mass", "mass_keynorm")]  # (H, C)
+        accumulate([self.n_pairs[l], self.q_norm[l], self.k_norm[l], self.cos[l], self.mass[l], self.mass_keynorm[l],
+                    self.n_queries[l]], [b.pairs_by_key_category, *by_cat, *mass, b.n_valid], self.n_pairs.device)
 
     def to_arrow(self) -> pa.Table:
         L, H, C = self.q_norm.shape

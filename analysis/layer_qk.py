@@ -16,7 +16,7 @@ import torch
 from actlake.analysis.attention_mass import allowed_pairs, expand_kv
 from actlake.analysis.device import to_device
 
-HOST_FACTS = ("needs_mask", "has_invalid", "lengths", "key_category_index")
+HOST_FACTS = ("needs_mask", "has_invalid", "lengths", "key_order")
 """Facts about a batch that depend on its values and steer Python code: computed from host tensors
 (:meth:`BatchInfo.to`), so that no layer waits for the device to answer them."""
 
@@ -94,11 +94,65 @@ class BatchInfo:
         return self.sum_over_queries(v[:, None, :])[:, 0] * v
 
     @cached_property
-    def key_category_index(self) -> list[torch.Tensor]:
-        """Per key category, the flat (b * T + n) indices of its valid tokens."""
+    def key_order(self) -> "KeyOrder":
+        """The batch's valid keys sorted by category (:class:`KeyOrder`)."""
+        B, T, C = self.key_onehot.shape
         cat = self.key_onehot.argmax(-1).reshape(-1)
-        keep = self.key_onehot.sum(-1).reshape(-1) > 0
-        return [torch.nonzero(keep & (cat == c)).flatten() for c in range(self.key_onehot.shape[-1])]
+        cat = torch.where(self.key_onehot.sum(-1).reshape(-1) > 0, cat, C)  # C: not a key
+        order = torch.argsort(cat, stable=True)
+        ends = torch.bincount(cat, minlength=C + 1)[:C].cumsum(0).tolist()
+        spans = list(zip([0] + ends[:-1], ends))
+        member = torch.zeros(C, ends[-1], dtype=torch.float32, device=cat.device)
+        for c, (a, b) in enumerate(spans):
+            member[c, a:b] = 1
+        order = order[: ends[-1]]
+        return KeyOrder(order // T, order % T, spans, member)
+
+    @cached_property
+    def validb(self) -> torch.Tensor:
+        """(B, T) bool."""
+        return self.valid.bool()
+
+    @cached_property
+    def n_valid(self) -> torch.Tensor:
+        """() float64: valid queries of the batch."""
+        return self.valid.sum().to(torch.float64)
+
+    @cached_property
+    def valid_mean_weights(self) -> torch.Tensor:
+        """(B, 1, T, 1) float32: 1 / (valid tokens of the sequence) on valid tokens, 0 elsewhere; a product
+        with it is the mean over each sequence's valid tokens."""
+        v = self.validf
+        return (v / v.sum(-1, keepdim=True).clamp(min=1))[:, None, :, None]
+
+    @cached_property
+    def pairs_by_key_category(self) -> torch.Tensor:
+        """(C,) float64: valid pairs with the key in each category."""
+        return torch.einsum("bt,btc->c", self.queries_per_key, self.key_onehot.to(torch.float64))
+
+    @cached_property
+    def queries_by_category(self) -> torch.Tensor:
+        """(C,) float64: valid queries of each category."""
+        return self.query_onehot.to(torch.float64).sum((0, 1))
+
+    def padded_key_onehot(self, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(B, T, max(width, C)) key categories with zero columns added: matrix kernels are much faster on
+        a product 8 or 16 wide than 5 wide, and attention kernels want V as wide as q."""
+        cache = self.__dict__.setdefault("_padded_onehot", {})
+        if (width, dtype) not in cache:
+            onehot = self.key_onehot
+            out = onehot.new_zeros(*onehot.shape[:2], max(width, onehot.shape[-1]), dtype=dtype)
+            out[..., : onehot.shape[-1]] = onehot
+            cache[width, dtype] = out
+        return cache[width, dtype]
+
+    def distance_index(self, T: int) -> torch.Tensor:
+        """(T, T) long: m - n + T - 1 for query m and key n."""
+        cache = self.__dict__.setdefault("_distance_index", {})
+        if T not in cache:
+            m = torch.arange(T, device=self.valid.device)
+            cache[T] = m[:, None] - m[None, :] + (T - 1)
+        return cache[T]
 
     def pairs_by_distance(self, max_len: int) -> torch.Tensor:
         """(2 * max_len - 1,) float64: valid pairs at each m - n (index m - n + max_len - 1)."""
@@ -115,11 +169,29 @@ class BatchInfo:
                         to_device(self.query_onehot, device))
         for name in HOST_FACTS:
             value = getattr(self, name)
-            out.__dict__[name] = [to_device(t, device) for t in value] if name == "key_category_index" else value
+            out.__dict__[name] = value.to(device) if isinstance(value, KeyOrder) else value
         return out
 
     def select(self, rows: slice) -> "BatchInfo":
         return BatchInfo(self.valid[rows], self.causal, self.key_onehot[rows], self.query_onehot[rows])
+
+
+@dataclass(frozen=True)
+class KeyOrder:
+    """A batch's valid keys sorted by category: ``x[seq, pos]`` (N, ...) holds them category by
+    category, category c in rows ``spans[c]``. Found on the host (the spans steer Python code)."""
+
+    seq: torch.Tensor
+    """(N,) long: the sequence of each sorted key."""
+    pos: torch.Tensor
+    """(N,) long: its position."""
+    spans: list
+    """Per category, (start, end) of its rows."""
+    member: torch.Tensor
+    """(C, N) float32: 1 where row n is a key of category c (a product with it sums by category)."""
+
+    def to(self, device) -> "KeyOrder":
+        return KeyOrder(to_device(self.seq, device), to_device(self.pos, device), self.spans, to_device(self.member, device))
 
 
 def reverse_cumsum_by_product(per_query: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
@@ -160,6 +232,8 @@ class LayerQK:
     cos: torch.Tensor | None = None
     """(B, T, rot) rotary cos (None without RoPE)."""
     sin: torch.Tensor | None = None
+    unrotation: tuple | None = None
+    """:func:`~actlake.analysis.rope.factors` of R_n^T for cos and sin (None: computed when first used)."""
     needs: frozenset = frozenset()
     """Products of the attention weights the analyses will read (computed together, once)."""
     method: str = "explicit"
@@ -190,6 +264,14 @@ class LayerQK:
         return self._cache["k"]
 
     @property
+    def valid_query(self) -> torch.Tensor:
+        """(B, H, T, d_h) q, zero on padded or excluded queries."""
+        if "valid_query" not in self._cache:
+            has_invalid = any(self.batch.has_invalid)
+            self._cache["valid_query"] = self.query * self.batch.validf[:, None, :, None] if has_invalid else self.query
+        return self._cache["valid_query"]
+
+    @property
     def key_norms(self) -> torch.Tensor:
         """(B, H, T) ||k'_n|| per query head."""
         if "key_norms" not in self._cache:
@@ -198,6 +280,16 @@ class LayerQK:
 
     def sum_over_queries(self, per_query: torch.Tensor) -> torch.Tensor:
         return self.batch.sum_over_queries(per_query)
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """R_n^T y at each key position n (y: (B, H, T, ..., d_h)); y itself without RoPE."""
+        from actlake.analysis import rope
+
+        if self.cos is None:
+            return y
+        if self.unrotation is None:
+            self.unrotation = rope.factors(self.cos, self.sin, -1.0)
+        return rope.apply(y, self.unrotation)
 
     def queries_per_key(self) -> torch.Tensor:
         return self.batch.queries_per_key
@@ -238,6 +330,6 @@ class LayerQK:
         """The same layer for a subset of the batch's sequences."""
         cut = lambda t: None if t is None else t[rows]
         return LayerQK(self.layer, self.query[rows], self.key[rows], self.scaling, self.batch.select(rows),
-                       cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin), self.needs,
+                       cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin), None, self.needs,
                        "explicit" if self.method == "flash" else self.method, cut(self.value), self.max_elements)
 

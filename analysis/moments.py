@@ -33,11 +33,17 @@ class Moments:
         ``work``: a :class:`GroupSums` for these ids, reused across calls (several layers of one batch)."""
         work = work or GroupSums(ids, n_groups, x.shape[1], device=x.device)
         count, sums, sq = work.sums(x)
+        return cls.from_sums(count, sums, sq, work.max_abs(x))
+
+    @classmethod
+    def from_sums(cls, count: torch.Tensor, sums: torch.Tensor, sq: torch.Tensor, max_abs: torch.Tensor) -> "Moments":
+        """Moments from per-group counts (..., G), float64 sums and sums of squares (..., G, d) and maxima
+        (any leading axes: the layers of a batch at once)."""
         mean = sums / count.clamp(min=1).unsqueeze(-1)
         # sum_g (x - mean_g)^2 over members, from the sum of squares (float64: outlier dimensions have
         # means far larger than their spread, so float32 would cancel away their variance)
-        m2 = (sq - 2 * mean * sums + count.unsqueeze(-1) * mean * mean).clamp(min=0)
-        return cls(count, mean, m2, work.max_abs(x).double())
+        m2 = (sq - mean * sums).clamp_(min=0)  # sum x^2 - 2 mean sum x + n mean^2, with n mean = sum x
+        return cls(count, mean, m2, max_abs.double())
 
     @classmethod
     def stack(cls, parts: list["Moments"]) -> "Moments":
@@ -67,33 +73,30 @@ class GroupSums:
     across calls (the layers of one batch).
 
     ``ids`` may live on the host while the values live on ``device``: everything that depends on the
-    ids' values (which partitions hold a single group) is decided on the host, so nothing here waits
-    for the device. Sums: the (G, N) membership matrix times [x | x * x] (N, 2d) in float64, ``rows``
-    tokens at a time (on a CPU 512, so the float64 block stays in cache: twice as fast as one product
-    over the batch; on a GPU one product). Maxima: one grouped max per partition of the ids, a plain
-    max for a partition with one group; with ``segmented`` (default on a GPU, where grouped atomics
-    and ``segment_reduce`` are slow) the rows sorted by group (order found on the host), then a plain
-    max over each group's rows.
+    ids' values is decided on the host, so nothing here waits for the device. Sums: the (G, N)
+    membership matrix times [x | x * x] (N, 2d) in float64, ``rows`` tokens at a time (on a CPU 512,
+    so the float64 block stays in cache: twice as fast as one product over the batch; on a GPU one
+    product). Maxima: on a CPU one grouped max (``index_reduce_``) per partition of the ids, a plain
+    max for a partition with one group. With ``segmented`` (default on a GPU, where grouped atomics over
+    every row contend and ``segment_reduce`` is slow): every group's rows, in every partition, cut into
+    chunks of ``chunk`` rows (the last one padded with a repeat of its own rows); one gather, one max
+    per chunk, then a grouped max over the few chunk maxima. Four operations per call whatever the
+    number of groups.
     """
 
     def __init__(self, ids: torch.Tensor, n_groups: int, d: int, rows: int | None = None, device=None,
-                 segmented: bool | None = None):
+                 segmented: bool | None = None, chunk: int = 256):
         device = torch.device(device) if device is not None else ids.device
         segmented = device.type != "cpu" if segmented is None else segmented
         rows = rows or (512 if device.type == "cpu" else 1 << 16)
-        self.single = []  # per partition: (its one group, the rows in it or None for all) or None
-        self.segments = []  # per partition of several groups, on a GPU: (row order by group, [(group, start, end)])
         host_ids = ids.cpu()
+        self.single = []  # per partition: (its one group, the rows in it or None for all) or None
+        self.chunks = _chunks(host_ids, n_groups, chunk, device) if segmented else None
         for s in range(ids.shape[1]):
             groups = torch.unique(host_ids[:, s])
             groups = groups[groups != n_groups]
             if len(groups) != 1:
                 self.single.append(None)
-                if segmented:
-                    order = torch.argsort(host_ids[:, s], stable=True)
-                    ends = torch.bincount(host_ids[:, s], minlength=n_groups + 1)[:n_groups].cumsum(0).tolist()
-                    spans = [(g, a, b) for g, (a, b) in enumerate(zip([0] + ends[:-1], ends)) if b > a]
-                    self.segments.append((to_device(order, device), spans))
                 continue
             inside = host_ids[:, s] == groups[0]
             rows_in = None if bool(inside.all()) else to_device(torch.nonzero(inside).flatten(), device)
@@ -105,10 +108,11 @@ class GroupSums:
         self.buf = torch.empty(max(1, min(rows, ids.shape[0])), 2 * d, dtype=torch.float64, device=device)
         self.n_groups, self.d = n_groups, d
 
-    def sums(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(count (G,), sum (G, d), sum of squares (G, d)) of x (N, d)."""
+    def sums(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(count (G,), sum (G, d), sum of squares (G, d)) of x (N, d). ``out``: a zeroed (G, 2d) float64
+        buffer the sums go into (else a new one)."""
         d, rows = self.d, self.buf.shape[0]
-        both = self.buf.new_zeros(self.n_groups, 2 * d)  # (G, 2d)
+        both = self.buf.new_zeros(self.n_groups, 2 * d) if out is None else out  # (G, 2d)
         for r0 in range(0, x.shape[0], rows):
             block = self.buf[: min(rows, x.shape[0] - r0)]
             block[:, :d] = x[r0 : r0 + rows]
@@ -116,22 +120,47 @@ class GroupSums:
             both.addmm_(self.member_t[:, r0 : r0 + rows], block)
         return self.count, both[:, :d], both[:, d:]
 
-    def max_abs(self, x: torch.Tensor) -> torch.Tensor:
-        """(G, d) largest |x| per group (0 for an empty group), in x's precision (exact)."""
+    def max_abs(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(G, d) largest |x| per group (0 for an empty group), in x's precision (exact). ``out``: a zeroed
+        (G + 1, d) buffer of x's dtype the maxima go into (row G is scratch)."""
         absx = x.abs()
-        out = absx.new_zeros(self.n_groups + 1, x.shape[1])
-        for order, spans in self.segments:  # GPU: rows sorted by group, a plain max per group's rows
-            rows = absx[order]
-            for group, a, b in spans:
-                torch.maximum(out[group], rows[a:b].amax(0), out=out[group])
+        out = absx.new_zeros(self.n_groups + 1, x.shape[1]) if out is None else out
+        if self.chunks is not None:  # one max per chunk of a group's rows, then per group over its chunks
+            rows, group = self.chunks
+            _index_amax(out, group, absx[rows].amax(1))
+            return out[: self.n_groups]
         for s, single in enumerate(self.single):
-            if single is None and self.segments:
-                continue
             if single is None:
-                with warnings.catch_warnings():  # "index_reduce() is in beta": the fastest grouped max here
-                    warnings.simplefilter("ignore", UserWarning)
-                    out.index_reduce_(0, self.ids[:, s], absx, "amax")
+                _index_amax(out, self.ids[:, s], absx)
             else:
                 group, rows = single
                 torch.maximum(out[group], (absx if rows is None else absx[rows]).amax(0), out=out[group])
         return out[: self.n_groups]
+
+
+def _index_amax(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """out[index[i]] = max(out[index[i]], values[i]) for every row i."""
+    with warnings.catch_warnings():  # "index_reduce() is in beta": the fastest grouped max here
+        warnings.simplefilter("ignore", UserWarning)
+        out.index_reduce_(0, index, values, "amax")
+
+
+def _chunks(host_ids: torch.Tensor, n_groups: int, chunk: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows (K, chunk) long, group (K,) long) on ``device``: every non-empty group of every partition,
+    its rows cut into chunks of ``chunk`` (the last padded by repeating the group's first rows). None
+    when no row belongs to a group."""
+    rows, group = [], []
+    for s in range(host_ids.shape[1]):
+        ids = host_ids[:, s]
+        order = torch.argsort(ids, stable=True)
+        ends = torch.bincount(ids, minlength=n_groups + 1)[:n_groups].cumsum(0).tolist()
+        for g, (a, b) in enumerate(zip([0] + ends[:-1], ends)):
+            if b == a:
+                continue
+            members = order[a:b]
+            n = -(-(b - a) // chunk) * chunk
+            rows.append(members.repeat(-(-n // (b - a)))[:n].view(-1, chunk))
+            group.append(torch.full((n // chunk,), g))
+    if not rows:
+        return None
+    return to_device(torch.cat(rows), device), to_device(torch.cat(group), device)

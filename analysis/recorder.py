@@ -11,6 +11,7 @@ from actlake.analysis.attention_mass import AttentionMass
 from actlake.analysis.attention_weights import EXPLICIT_ONLY, flash_applies
 from actlake.analysis.capture import LayerInputs, attention_modules
 from actlake.analysis.layer_qk import BatchInfo, LayerQK
+from actlake.analysis.rope import factors
 from actlake.architectures import blocks, key_weights
 from actlake.errors import AnalysisError
 
@@ -64,29 +65,34 @@ class AttentionRecorder:
         self.needs = frozenset(needs) | ({"mass"} if mass is not None else frozenset())
         self.method, self.reuse_attention, self.strict = method, reuse_attention, strict
         self._batch: dict = {}  # device -> BatchInfo (one per device with device_map)
-        self._problems: dict = {}  # device -> (2,) float64: mismatched mask pairs, layers with inf/NaN
+        self._problems: dict = {}  # device -> (1,) float64: mismatched mask pairs
+        self._totals: dict = {}  # device -> (3,) float32: sums of every layer's q, k and x (non-strict)
         self.replaced_layers = 0
         """Attention calls whose output came from the analyses' weights (the kernel did not run)."""
+        self._rope = None  # (the model's cos, sin, what _rope_of made of them)
         self._checked_masks: list = []  # (mask, is_causal, BatchInfo) already compared (refs keep ids unique)
 
     def problems(self) -> list[torch.Tensor]:
-        """Per device, (2,) float64 on it: query-key pairs where the model's mask differed from the one the
-        statistics assume, and layers holding inf/NaN in q, k or x. Always zero when ``strict``."""
-        return list(self._problems.values())
+        """Per device, (4,) float64 on it: query-key pairs where the model's mask differed from the one the
+        statistics assume, and whether the sums of q, k and x over all layers hold inf/NaN (then some
+        layer did). Always zero when ``strict``."""
+        return [torch.cat([self._problems[d], (~torch.isfinite(self._totals[d])).double()]) for d in self._problems]
 
     def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None):
         layer = self.mqk.layer_of[id(module)]
         dev = query.device  # with device_map, each layer's analyses run where that layer lives
         if dev not in self._batch:
             self._batch[dev] = self.host.to(dev)
-            self._problems[dev] = torch.zeros(2, dtype=torch.float64, device=dev)
+            self._problems[dev] = torch.zeros(1, dtype=torch.float64, device=dev)
+            self._totals[dev] = torch.zeros(3, dtype=torch.float32, device=dev)
         f32 = lambda t: t.detach().to(torch.float32).contiguous()  # blocks of q and k are read many times
         q, k, batch = f32(query), f32(key), self._batch[dev]
         x = f32(self.inputs.x[layer]) if self.inputs is not None else None
         self._check_mask(layer, batch, attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
         any_bad = False
-        if not self.strict:  # counted here, handled by the caller once per batch
-            self._problems[dev][1] += (~torch.isfinite(_total(q, k, x))).double()
+        if not self.strict:  # summed here (inf/NaN make the totals non-finite), read by the caller once per batch
+            sums = [t.sum() for t in (q, k, x) if t is not None]
+            torch._foreach_add_(list(self._totals[dev][: len(sums)]), sums)
         else:
             bad = self._nonfinite_tokens(batch, q, k, x)  # (B, T) bool, or None when every value is finite
             any_bad = bad is not None and bool(bad.any())
@@ -121,8 +127,7 @@ class AttentionRecorder:
             lq.w_key, lq.b_key = self.mqk.weights[layer]
             rope = self.inputs.rope.get(layer)
             if rope is not None and self.mqk.family.rotary:
-                B, T = query.shape[0], query.shape[2]
-                lq.cos, lq.sin = (t.detach().float().expand(B, T, -1) for t in rope)
+                lq.cos, lq.sin, lq.unrotation = self._rope_of(rope, query.shape[0], query.shape[2])
         for consume in self.consumers:
             consume(lq)
         if not replace:
@@ -130,11 +135,19 @@ class AttentionRecorder:
         self.replaced_layers += 1
         return lq.product("output")
 
+    def _rope_of(self, rope: tuple, B: int, T: int) -> tuple:
+        """(cos, sin, R^T factors) in float32 for the model's rotary (cos, sin); computed once while the
+        layers receive the same tensors (models compute them once per forward pass)."""
+        if self._rope is None or self._rope[0] is not rope[0] or self._rope[1] is not rope[1]:
+            cos, sin = (t.detach().float().expand(B, T, -1) for t in rope)
+            self._rope = (rope[0], rope[1], (cos, sin, factors(cos, sin, -1.0)))
+        return self._rope[2]
+
     @staticmethod
     def _nonfinite_tokens(batch: BatchInfo, q, k, x) -> torch.Tensor | None:
         """Real tokens whose q, k or x hold inf/NaN. One sum per tensor first (inf and NaN survive it);
         the per-token test runs only when a sum is not finite."""
-        if bool(torch.isfinite(_total(q, k, x))):
+        if all(bool(torch.isfinite(t.sum())) for t in (q, k, x) if t is not None):
             return None
         finite = torch.isfinite(q).all(-1).all(1) & torch.isfinite(k).all(-1).all(1)  # (B, T)
         if x is not None:
@@ -182,9 +195,3 @@ def tf32_when_exact(query: torch.Tensor):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
-
-
-def _total(q, k, x) -> torch.Tensor:
-    """Sum of every value of q, k (and x): finite exactly when none of them holds inf or NaN (short of an
-    overflow of the sum itself, which then only costs a strict rerun)."""
-    return q.sum() + k.sum() + (x.sum() if x is not None else 0.0)

@@ -34,6 +34,15 @@ class SumStats(Analysis):
         return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in self._tensor_fields()})
 
 
+def accumulate(targets: list[torch.Tensor], values: list[torch.Tensor], device=None) -> None:
+    """``targets[i] += values[i]`` for every i, as one operation (``torch._foreach_add_``: one kernel
+    launch for all of them on a GPU, where the analyses' many small sums are launch-bound). Values are
+    moved to ``device`` (the accumulators', when the layer lives on another GPU) and cast to the
+    targets' dtype."""
+    values = [v.to(device=device or t.device, dtype=t.dtype) for t, v in zip(targets, values, strict=True)]
+    torch._foreach_add_(targets, values)
+
+
 def zeros(*shape: int, device=None) -> torch.Tensor:
     """A float64 accumulator."""
     return torch.zeros(shape, dtype=torch.float64, device=device)

@@ -43,8 +43,10 @@ def test_group_sums_in_row_blocks_equal_the_plain_sums():
         torch.testing.assert_close(count, member.sum(0))
         torch.testing.assert_close(sums, member.T @ x.double(), rtol=1e-12, atol=1e-9)
         torch.testing.assert_close(sq, member.T @ x.double() ** 2, rtol=1e-12, atol=1e-9)
-    for segmented in (False, True):  # grouped max by index_reduce (CPU), by segments of sorted rows (GPU)
-        top = GroupSums(ids, 4, 9, segmented=segmented).max_abs(x)  # group 0: one group over some rows
+    # grouped max by index_reduce (CPU); by chunks of each group's sorted rows (GPU), chunks shorter than,
+    # not dividing, and longer than the groups
+    for segmented, chunk in ((False, 256), (True, 1), (True, 7), (True, 256), (True, 4096)):
+        top = GroupSums(ids, 4, 9, segmented=segmented, chunk=chunk).max_abs(x)  # group 0: one group over some rows
         for k in range(4):
             pick = member[:, k] > 0
             torch.testing.assert_close(top[k], x[pick].abs().amax(0) if pick.any() else torch.zeros(9), rtol=0, atol=0)
