@@ -41,7 +41,7 @@ def key_norm_scale(lq) -> torch.Tensor:
     (1 for a zero key; padded keys get a finite factor, and no valid query sees them)."""
     norms = lq.key_norms  # (B, H, T)
     mean = torch.matmul(norms[:, :, None, :], lq.batch.valid_mean_weights)[..., 0]  # (B, H, 1)
-    return torch.where(norms > 0, mean / norms.clamp(min=1e-30), 1.0)
+    return torch.where(norms > 0, mean / lq.key_norms_safe, 1.0)
 
 
 def diagonal_sums_from(rows: torch.Tensor) -> torch.Tensor:

@@ -68,8 +68,8 @@ class Geometry(OneTable, SumStats):
         # at each key, the sums over the queries that see it (causal: m >= n; else every valid query of
         # the sequence, the same for each key) of the unit queries and of their norms
         seen = lq.sum_over_queries(both) if lq.causal else both.sum(2, keepdim=True)
-        cos_sum = (k * seen[..., :-1]).sum(-1) / kn.clamp(min=1e-30)  # (B, H, T)
-        per_key = torch.stack([seen[..., -1].expand_as(kn), kn * b.queries_per_key[:, None].float(), cos_sum])
+        cos_sum = (k * seen[..., :-1]).sum(-1) / lq.key_norms_safe  # (B, H, T)
+        per_key = torch.stack([seen[..., -1].expand_as(kn), kn * b.queries_per_key_f32[:, None], cos_sum])
         by_cat = torch.einsum("sbht,btc->shc", per_key.double(), lq.key_onehot.double())  # (3, H, C)
         # mass per key category, as computed and with keys at their mean norm (zero on invalid queries)
         mass = [lq.product(p).sum((0, 2), dtype=torch.float64) for p in ("mass", "mass_keynorm")]  # (H, C)

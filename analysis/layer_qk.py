@@ -94,6 +94,11 @@ class BatchInfo:
         return self.sum_over_queries(v[:, None, :])[:, 0] * v
 
     @cached_property
+    def queries_per_key_f32(self) -> torch.Tensor:
+        """:attr:`queries_per_key` in float32 (whole numbers up to T: exact)."""
+        return self.queries_per_key.float()
+
+    @cached_property
     def key_order(self) -> "KeyOrder":
         """The batch's valid keys sorted by category (:class:`KeyOrder`)."""
         B, T, C = self.key_onehot.shape
@@ -277,6 +282,13 @@ class LayerQK:
         if "key_norms" not in self._cache:
             self._cache["key_norms"] = self.key_per_query_head.norm(dim=-1)
         return self._cache["key_norms"]
+
+    @property
+    def key_norms_safe(self) -> torch.Tensor:
+        """(B, H, T) ||k'_n|| clamped to at least 1e-30, to divide by."""
+        if "key_norms_safe" not in self._cache:
+            self._cache["key_norms_safe"] = self.key_norms.clamp(min=1e-30)
+        return self._cache["key_norms_safe"]
 
     def sum_over_queries(self, per_query: torch.Tensor) -> torch.Tensor:
         return self.batch.sum_over_queries(per_query)
