@@ -206,8 +206,9 @@ def count_syncs(fn, i) -> int:
 
 
 class OpCounter:
-    """Counts the tensor operations dispatched while active (views, allocations and composites excluded:
-    they launch no kernel of their own), by operator and by the actlake function that called it. Device-agnostic: on a GPU each is about one
+    """Counts the tensor operations dispatched while active, by operator and by the actlake function that
+    called it: composite operators by what they decompose into, views and allocations not at all (they
+    launch no kernel). Device-agnostic: on a GPU each is about one
     kernel launch, so on a CPU it measures how launch-bound the same code would be."""
 
     def __init__(self):
@@ -219,21 +220,24 @@ class OpCounter:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if counter.launches(func):
+                kwargs = kwargs or {}
+                if counter.composite(func):  # count what it decomposes into (the mode is off in here: re-enter it)
+                    with self:
+                        out = func.decompose(*args, **kwargs)
+                    if out is not NotImplemented:
+                        return out
+                if not (func.is_view or "empty" in func.__name__):  # these launch no kernel
                     counter.ops[str(func.overloadpacket)] += 1
                     counter.sources[counter.caller()] += 1
-                return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs)
 
         self.mode, self.ops, self.sources = Mode(), collections.Counter(), collections.Counter()
 
     @staticmethod
-    def launches(func) -> bool:
-        """Whether ``func`` runs a kernel of its own: not a view, not an allocation, not a composite
-        (those decompose into operations that are counted themselves)."""
+    def composite(func) -> bool:
         import torch
 
-        composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
-        return not (func.is_view or composite or "empty" in func.__name__)
+        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
     @staticmethod
     def caller() -> str:
