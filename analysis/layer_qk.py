@@ -114,11 +114,6 @@ class BatchInfo:
         return KeyOrder(order // T, order % T, spans, member)
 
     @cached_property
-    def validb(self) -> torch.Tensor:
-        """(B, T) bool."""
-        return self.valid.bool()
-
-    @cached_property
     def n_valid(self) -> torch.Tensor:
         """() float64: valid queries of the batch."""
         return self.valid.sum().to(torch.float64)

@@ -338,13 +338,14 @@ def check(lm, batches, args) -> dict:
     ref = Extractor(parse_config(cfg), lm).run_batch(batches[0], strict=True)
     out = {}
     for name, stats in ref.stats.items():
-        for field in stats._tensor_fields():
-            a, b = getattr(fast.stats[name], field), getattr(stats, field)
+        fields = (("moments.mean", "moments.m2", "moments.max_abs") if not hasattr(stats, "_tensor_fields")
+                  else stats._tensor_fields())
+        for field in fields:
+            get = lambda x: x.moments if field.startswith("moments.") else x
+            attr = field.removeprefix("moments.")
+            a, b = getattr(get(fast.stats[name]), attr), getattr(get(stats), attr)
             out[f"{name}.{field}"] = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-    for field in ("mean", "m2", "max_abs"):
-        a, b = getattr(fast.moments.moments, field), getattr(ref.moments.moments, field)
-        out[f"moments.{field}"] = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-    torch.cuda.synchronize()
+    sync()
     return out
 
 
@@ -390,7 +391,8 @@ def main(argv=None) -> int:
     print(f"{gpu}, {args.model_config}, {args.dtype}, T = {args.seq_len}, {tokens} tokens per batch, "
           f"{len(batches)} batches, best of {args.rounds}")
     print(f"{'variant':<10} {'tokens/s':>12} {'vs plain':>9} {'peak MiB':>9} {'syncs/batch':>12} {'ops/layer':>10}")
-    results = {"gpu": gpu, "model": args.model_config, "seq_len": args.seq_len, "tokens_per_batch": tokens, "variants": {}}
+    results = {"gpu": gpu, "model": args.model_config, "seq_len": args.seq_len, "tokens_per_batch": tokens,
+               "layers": layers, "variants": {}}
     for name in names:
         total = sum(best[name])
         ratio = total / plain if plain else float("nan")

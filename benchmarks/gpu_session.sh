@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The README's GPU table in one call on a machine with torch and transformers but neither Ray nor DuckDB
+# (the lent GPU machine): `bash benchmarks/gpu_session.sh OUT_DIR [CONFIG ...]`.
+#
+# Makes the checkout importable as `actlake` without installing it (the package's subfolders are linked
+# into a temporary folder on PYTHONPATH), then runs benchmarks/gpu_suite.py per configuration at the
+# README's shapes, writing one JSON each to OUT_DIR plus the suite's profile for Pythia-410m, and prints
+# the table rows (benchmarks/gpu_table.py). CONFIG defaults to all four; the whole run takes about 15
+# minutes on an H100, most of it building the 6.9b model, so a 10-minute call limit wants two calls
+# (e.g. `... minilm pythia-410m llama-1b`, then `... pythia-6.9b`).
+set -euo pipefail
+out=${1:?usage: gpu_session.sh OUT_DIR [CONFIG ...]}
+shift
+configs=("$@")
+[ ${#configs[@]} -gt 0 ] || configs=(minilm pythia-410m llama-1b pythia-6.9b)
+root=$(cd "$(dirname "$0")/.." && pwd)
+pkg=$(mktemp -d)
+cp -r "$root/actlake" "$pkg/actlake"
+for d in jobs analysis storage; do ln -s "$root/$d" "$pkg/actlake/$d"; done
+export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$out"
+# GPU_SESSION_ARGS: extra gpu_suite arguments for every run (a smoke test on a CPU: "--device cpu --dtype float32
+# --batches 1 --rounds 1"; the last of a repeated argument wins)
+suite() { python "$root/benchmarks/gpu_suite.py" "$@" ${GPU_SESSION_ARGS:-}; }
+for c in "${configs[@]}"; do
+  case $c in
+    minilm)      suite --model-config minilm --seq-len 128 --batch-tokens 16384 --process --json "$out/minilm_16k.json" ;;
+    pythia-410m) suite --model-config pythia-410m --seq-len 1024 --batch-tokens 16384 --process --check --json "$out/p410_16k.json"
+                 suite --model-config pythia-410m --seq-len 1024 --batch-tokens 4096 --variants plain,suite \
+                       --profile suite --json "$out/p410_4k.json" > "$out/p410_4k_profile.txt" ;;
+    llama-1b)    suite --model-config llama-1b --seq-len 1024 --batch-tokens 16384 --check --json "$out/llama_16k.json" ;;
+    pythia-6.9b) suite --model-config pythia-6.9b --seq-len 2048 --batch-tokens 16384 --batches 3 \
+                       --variants plain,suite,attention,fused --json "$out/p69.json" ;;
+    *) echo "unknown configuration $c (minilm, pythia-410m, llama-1b, pythia-6.9b)" >&2; exit 2 ;;
+  esac
+done
+python "$root/benchmarks/gpu_table.py" "$out"/*.json
