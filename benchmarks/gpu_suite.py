@@ -21,7 +21,9 @@ batch (``torch.cuda.set_sync_debug_mode``, counted over one batch) and tensor op
 per layer (views excluded; on a GPU each is about one kernel launch, which is what bounds the small
 models). The suite runs non-strict (``run_batch(strict=False)``, a GPU's default) on any device, so
 ``--device cpu --dtype float32`` counts the operations of the same code without a GPU;
-``--op-sources N`` lists the actlake functions that dispatch the most. ``--process`` adds a shard-level
+``--op-sources N`` lists the actlake functions that dispatch the most. ``--tiny`` keeps the layers and
+heads but gives each head 8 dimensions, so the time left is the host's overhead per operation (what a
+launch-bound GPU waits on); per layer it is the time per batch divided by the layers. ``--process`` adds a shard-level
 figure: ``Extractor.process`` on one shard (read, tokenise, batches, Parquet written) against the
 same shard's batches run alone, so the job's own overhead shows. ``--profile VARIANT`` prints the top
 CUDA kernels and CPU operators of that variant over two batches.
@@ -103,6 +105,11 @@ def build(args):
         cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
         tok = bpe_tokenizer(sample_texts(args.docs))
         cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
+    if args.tiny:  # the same layers and heads, 8 dimensions per head: nearly no arithmetic, only launches
+        cfg.hidden_size = cfg.intermediate_size = 8 * cfg.num_attention_heads
+        cfg.vocab_size = len(tok)
+        if hasattr(cfg, "head_dim"):
+            cfg.head_dim = 8
     cfg._attn_implementation = "sdpa"
     family = family_for(cfg.model_type)
     torch.manual_seed(0)
@@ -364,6 +371,9 @@ def main(argv=None) -> int:
     p.add_argument("--process", action="store_true", help="also time Extractor.process on one shard")
     p.add_argument("--check", action="store_true", help="compare the suite's statistics with the strict explicit path")
     p.add_argument("--profile", metavar="VARIANT", help="print a torch.profiler table of this variant")
+    p.add_argument("--tiny", action="store_true",
+                   help="8 dimensions per head (same layers and heads): the time is then almost all the host's "
+                        "per-operation overhead, which is what bounds a launch-bound GPU run")
     p.add_argument("--op-sources", type=int, default=0, metavar="N",
                    help="print the N actlake functions that dispatch the most operations in the suite")
     p.add_argument("--json", help="also write the results to this file")
@@ -390,17 +400,20 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"{gpu}, {args.model_config}, {args.dtype}, T = {args.seq_len}, {tokens} tokens per batch, "
           f"{len(batches)} batches, best of {args.rounds}")
-    print(f"{'variant':<10} {'tokens/s':>12} {'vs plain':>9} {'peak MiB':>9} {'syncs/batch':>12} {'ops/layer':>10}")
+    print(f"{'variant':<10} {'tokens/s':>12} {'vs plain':>9} {'peak MiB':>9} {'syncs/batch':>12} {'ops/layer':>10} "
+          f"{'µs/layer':>9}")
     results = {"gpu": gpu, "model": args.model_config, "seq_len": args.seq_len, "tokens_per_batch": tokens,
                "layers": layers, "variants": {}}
     for name in names:
         total = sum(best[name])
         ratio = total / plain if plain else float("nan")
         ops = sum(counted[name].ops.values())
+        per_layer = total / len(batches) / layers * 1e6
         print(f"{name:<10} {tokens * len(batches) / total:>12,.0f} {ratio:>8.2f}x {memory[name]:>9,.0f} {syncs[name]:>12} "
-              f"{ops / layers:>10.1f}")
+              f"{ops / layers:>10.1f} {per_layer:>9.0f}")
         results["variants"][name] = {"tokens_per_s": tokens * len(batches) / total, "vs_plain": ratio,
-                                     "peak_mib": memory[name], "syncs": syncs[name], "ops_per_batch": ops}
+                                     "peak_mib": memory[name], "syncs": syncs[name], "ops_per_batch": ops,
+                                     "us_per_layer": per_layer}
     if args.op_sources and "suite" in counted:
         print(f"operations per layer in the suite, by caller (top {args.op_sources}):")
         for where, n in counted["suite"].sources.most_common(args.op_sources):
