@@ -50,10 +50,12 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
     keys = lq.batch.key_order
     xs = lq.x[keys.seq, keys.pos]  # (N, d): valid keys, category by category
     qs = q.permute(0, 2, 1, 3, 4)[keys.seq, keys.pos].view(-1, H * k * dh)  # (N, H * k * d_h)
-    m = xs.new_zeros(C, d, H * k * dh)  # (C, d, H * k * d_h)
+    m = xs.new_empty(C, d, H * k * dh)  # (C, d, H * k * d_h), every category written below
     for c, (a, b) in enumerate(keys.spans):
         if b > a:
             torch.mm(xs[a:b].T, qs[a:b], out=m[c])
+        else:
+            m[c].zero_()
     # C_j = sum_k W_K[j, k] M[j, k] per head and qsum (d_h terms: float32 is as exact as the GEMM), as a
     # batched product (k x d_h) @ (d_h x 1): 4x faster on a CPU than multiplying and summing
     w = _kv_expanded(lq, lq.w_key).transpose(0, 1)  # (d, H, d_h)
