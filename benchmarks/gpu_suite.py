@@ -18,12 +18,13 @@ Variants, each on the same batches in turn, best of --rounds per batch:
 
 Prints tokens/s, each variant's time over plain's, peak GPU memory, host synchronisations per
 batch (``torch.cuda.set_sync_debug_mode``, counted over one batch) and tensor operations dispatched
-per layer (views excluded; on a GPU each is about one kernel launch, which is what bounds the small
-models). The suite runs non-strict (``run_batch(strict=False)``, a GPU's default) on any device, so
+per layer (composites by what they decompose into, views and allocations not at all; on a GPU each
+is about one kernel launch, which is what bounds the small models). The suite runs non-strict (``run_batch(strict=False)``, a GPU's default) on any device, so
 ``--device cpu --dtype float32`` counts the operations of the same code without a GPU;
 ``--op-sources N`` lists the actlake functions that dispatch the most. ``--tiny`` keeps the layers and
-heads but gives each head 8 dimensions, so the time left is the host's overhead per operation (what a
-launch-bound GPU waits on); per layer it is the time per batch divided by the layers. ``--process`` adds a shard-level
+heads but gives each head 8 dimensions: the time left is the host's overhead per operation plus the
+little work that does not grow with the tokens (what a launch-bound GPU waits on); the last column
+gives the time per batch divided by the layers. ``--process`` adds a shard-level
 figure: ``Extractor.process`` on one shard (read, tokenise, batches, Parquet written) against the
 same shard's batches run alone, so the job's own overhead shows. ``--profile VARIANT`` prints the top
 CUDA kernels and CPU operators of that variant over two batches.
@@ -105,7 +106,7 @@ def build(args):
         cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
         tok = bpe_tokenizer(sample_texts(args.docs))
         cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
-    if args.tiny:  # the same layers and heads, 8 dimensions per head: nearly no arithmetic, only launches
+    if args.tiny:  # the same layers and heads, 8 dimensions per head: little arithmetic, mostly launches
         cfg.hidden_size = cfg.intermediate_size = 8 * cfg.num_attention_heads
         cfg.vocab_size = len(tok)
         if hasattr(cfg, "head_dim"):
@@ -372,7 +373,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="compare the suite's statistics with the strict explicit path")
     p.add_argument("--profile", metavar="VARIANT", help="print a torch.profiler table of this variant")
     p.add_argument("--tiny", action="store_true",
-                   help="8 dimensions per head (same layers and heads): the time is then almost all the host's "
+                   help="8 dimensions per head (same layers and heads): the time is then mostly the host's "
                         "per-operation overhead, which is what bounds a launch-bound GPU run")
     p.add_argument("--op-sources", type=int, default=0, metavar="N",
                    help="print the N actlake functions that dispatch the most operations in the suite")
