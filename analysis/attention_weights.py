@@ -40,7 +40,7 @@ def key_norm_scale(lq) -> torch.Tensor:
     """(B, H, T) factor that gives every key the mean key norm of its sequence's valid keys and its head
     (1 for a zero key; padded keys get a finite factor, and no valid query sees them)."""
     norms = lq.key_norms  # (B, H, T)
-    mean = torch.matmul(norms[:, :, None, :], lq.batch.valid_mean_weights)[..., 0]  # (B, H, 1)
+    mean = (norms * lq.batch.valid_mean_weights[..., 0]).sum(-1, keepdim=True)  # (B, H, 1), float32 (not TF32)
     return torch.where(norms > 0, mean / lq.key_norms_safe, 1.0)
 
 

@@ -19,6 +19,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
+from actlake.analysis.device import full_float32
 from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.rope import unrotate
 from actlake.analysis.protocol import OneTable
@@ -57,13 +58,16 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
         else:
             m[c].zero_()
     # C_j = sum_k W_K[j, k] M[j, k] per head and qsum (d_h terms: float32 is as exact as the GEMM), as a
-    # batched product (k x d_h) @ (d_h x 1): 4x faster on a CPU than multiplying and summing
+    # batched product (k x d_h) @ (d_h x 1): 4x faster on a CPU than multiplying and summing; in full
+    # float32 (M's entries are sums, which TF32 would round)
     w = _kv_expanded(lq, lq.w_key).transpose(0, 1)  # (d, H, d_h)
-    per_dim = torch.matmul(m.view(C, d, H, k, dh), w[..., None])[..., 0]  # (C, d, H, k)
+    with full_float32():
+        per_dim = torch.matmul(m.view(C, d, H, k, dh), w[..., None])[..., 0]  # (C, d, H, k)
     per_dim = per_dim.permute(3, 2, 0, 1).double()  # (k, H, C, d)
     if lq.b_key is None:
         return list(zip(per_dim, per_dim.new_zeros(k, H, C)))
-    q_by_cat = torch.mm(keys.member, qs)  # (C, H * k * d_h): each category's sum, what the bias term needs
+    with full_float32():  # (C, H * k * d_h): each category's sum, what the bias term needs
+        q_by_cat = torch.mm(keys.member, qs)
     bk = _kv_expanded(lq, lq.b_key)  # (H, d_h)
     bias = torch.einsum("chik,hk->ihc", q_by_cat.view(C, H, k, dh).double(), bk.double())
     return list(zip(per_dim, bias))

@@ -8,6 +8,8 @@ every function here is the identity (or a plain copy), so CPU code paths are unc
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -26,3 +28,16 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
         return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return out.copy_(t, non_blocking=True)
+
+
+@contextlib.contextmanager
+def full_float32():
+    """Float32 matrix products in full precision inside, TF32 or not outside: for products whose inputs
+    TF32 would round (sums of the model's values, reciprocals), while the analyses of a 16-bit model run
+    with TF32 on (:func:`actlake.analysis.recorder.tf32_when_exact`)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before

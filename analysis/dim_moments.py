@@ -7,6 +7,7 @@ left out of the moments.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,7 +89,8 @@ class DimMoments(OneTable, Analysis):
         ids = work.ids
         # every layer's sums and maxima go into one buffer each; the moments follow for all layers at once
         sums = torch.zeros(L1, G, 2 * d, dtype=torch.float64, device=dev)
-        top = torch.zeros(L1, G + 1, d, dtype=hidden_states[0].dtype, device=dev)
+        dtype = functools.reduce(torch.promote_types, (h.dtype for h in hidden_states))  # every layer exact in it
+        top = torch.zeros(L1, G + 1, d, dtype=dtype, device=dev)
         counts, nonfinite = [work.count] * L1, torch.zeros(L1, dtype=torch.float64, device=dev)
         unchecked = torch.zeros((), dtype=torch.float64, device=dev)
         for layer, h in enumerate(hidden_states):

@@ -92,7 +92,7 @@ class GroupSums:
         host_ids = ids.cpu()
         self.single = []  # per partition: (its one group, the rows in it or None for all) or None
         self.chunks = _chunks(host_ids, n_groups, chunk, device) if segmented else None
-        for s in range(ids.shape[1]):
+        for s in range(ids.shape[1] if self.chunks is None else 0):  # the chunks cover every partition
             groups = torch.unique(host_ids[:, s])
             groups = groups[groups != n_groups]
             if len(groups) != 1:

@@ -13,15 +13,24 @@ out=${1:?usage: gpu_session.sh OUT_DIR [CONFIG ...]}
 shift
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=(minilm pythia-410m llama-1b pythia-6.9b)
+for c in "${configs[@]}"; do
+  case $c in minilm|pythia-410m|llama-1b|pythia-6.9b) ;;
+    *) echo "unknown configuration $c (minilm, pythia-410m, llama-1b, pythia-6.9b)" >&2; exit 2 ;;
+  esac
+done
 root=$(cd "$(dirname "$0")/.." && pwd)
 pkg=$(mktemp -d)
+trap 'rm -rf "$pkg"' EXIT
 cp -r "$root/actlake" "$pkg/actlake"
 for d in jobs analysis storage; do ln -s "$root/$d" "$pkg/actlake/$d"; done
 export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$out"
 # GPU_SESSION_ARGS: extra gpu_suite arguments for every run (a smoke test on a CPU: "--device cpu --dtype float32
 # --batches 1 --rounds 1"; the last of a repeated argument wins)
-suite() { python "$root/benchmarks/gpu_suite.py" "$@" ${GPU_SESSION_ARGS:-}; }
+# PYTHON: the interpreter (default python3). A configuration that fails is reported and the others go on.
+py=${PYTHON:-python3}
+failed=()
+suite() { "$py" "$root/benchmarks/gpu_suite.py" "$@" ${GPU_SESSION_ARGS:-} || failed+=("$*"); }
 for c in "${configs[@]}"; do
   case $c in
     minilm)      suite --model-config minilm --seq-len 128 --batch-tokens 16384 --process --json "$out/minilm_16k.json" ;;
@@ -31,7 +40,10 @@ for c in "${configs[@]}"; do
     llama-1b)    suite --model-config llama-1b --seq-len 1024 --batch-tokens 16384 --check --json "$out/llama_16k.json" ;;
     pythia-6.9b) suite --model-config pythia-6.9b --seq-len 2048 --batch-tokens 16384 --batches 3 \
                        --variants plain,suite,attention,fused --json "$out/p69.json" ;;
-    *) echo "unknown configuration $c (minilm, pythia-410m, llama-1b, pythia-6.9b)" >&2; exit 2 ;;
   esac
 done
-python "$root/benchmarks/gpu_table.py" "$out"/*.json
+"$py" "$root/benchmarks/gpu_table.py" "$out"/*.json
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'failed: %s\n' "${failed[@]}" >&2
+  exit 1
+fi

@@ -83,6 +83,18 @@ def test_dim_moments_halves_equal_whole_and_roundtrip_arrow():
                 np.testing.assert_array_equal(whole.moments.max_abs[layer, g], np.abs(sel).max(0))
 
 
+def test_layers_of_different_dtypes_keep_their_values():
+    """A float16 layer beside a float32 one whose values float16 cannot hold: each layer's moments are its
+    own values (nothing is cast to the first layer's dtype)."""
+    hs, valid, role, type8 = _random_batch(2)
+    hs = [hs[0].half(), hs[1] * 1e5, hs[2]]  # |values| up to ~1e6: beyond float16's 65504
+    mixed = DimMoments.from_batch(hs, valid, role, type8)
+    alone = DimMoments.from_batch([h.float() for h in hs], valid, role, type8)
+    assert bool(torch.isfinite(mixed.moments.max_abs).all()) and float(mixed.nonfinite.sum()) == 0
+    for f in ("count", "mean", "m2", "max_abs"):
+        torch.testing.assert_close(getattr(mixed.moments, f), getattr(alone.moments, f), rtol=0, atol=0)
+
+
 def test_nonfinite_tokens_are_counted_and_excluded():
     hs, valid, role, type8 = _random_batch(1)
     valid[:] = 1
