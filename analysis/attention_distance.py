@@ -50,8 +50,7 @@ class AttentionByDistance(OneTable, SumStats):
             raise ValueError(f"window of {T} tokens is longer than the distance profile's {self.max_len}")
         off = self.max_len - T  # the batch's m - n = 0 sits at index T - 1, ours at max_len - 1
         accumulate([self.attn[lq.layer, :, off : off + 2 * T - 1], self.pairs[lq.layer]],
-                   [lq.product("distance"), lq.batch.pairs_by_distance(self.max_len)],
-                   self.attn.device)  # with device_map the layer may live elsewhere
+                   [lq.product("distance"), lq.batch.pairs_by_distance(self.max_len)])
 
     def to_arrow(self) -> pa.Table:
         L, H, D = self.attn.shape

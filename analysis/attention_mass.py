@@ -69,8 +69,7 @@ class AttentionMass(OneTable, SumStats):
         """Accumulate one layer of one batch (a :class:`~actlake.analysis.layer_qk.LayerQK`)."""
         per_q = lq.product("mass").double()  # (B, H, T, C), zero on invalid queries
         mass = torch.einsum("bhtk,btq->hqk", per_q, lq.query_onehot.double())
-        accumulate([self.mass[lq.layer], self.n_queries[lq.layer]], [mass, lq.batch.queries_by_category],
-                   self.mass.device)  # with device_map the layer may live elsewhere
+        accumulate([self.mass[lq.layer], self.n_queries[lq.layer]], [mass, lq.batch.queries_by_category])
 
     def to_arrow(self) -> pa.Table:
         L, H = self.mass.shape[:2]

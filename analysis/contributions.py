@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
-from actlake.analysis.device import full_float32
+from actlake.analysis.device import tf32
 from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.rope import unrotate
 from actlake.analysis.protocol import OneTable
@@ -61,12 +61,12 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
     # batched product (k x d_h) @ (d_h x 1): 4x faster on a CPU than multiplying and summing; in full
     # float32 (M's entries are sums, which TF32 would round)
     w = _kv_expanded(lq, lq.w_key).transpose(0, 1)  # (d, H, d_h)
-    with full_float32():
+    with tf32(False):
         per_dim = torch.matmul(m.view(C, d, H, k, dh), w[..., None])[..., 0]  # (C, d, H, k)
     per_dim = per_dim.permute(3, 2, 0, 1).double()  # (k, H, C, d)
     if lq.b_key is None:
         return list(zip(per_dim, per_dim.new_zeros(k, H, C)))
-    with full_float32():  # (C, H * k * d_h): each category's sum, what the bias term needs
+    with tf32(False):  # (C, H * k * d_h): each category's sum, what the bias term needs
         q_by_cat = torch.mm(keys.member, qs)
     bk = _kv_expanded(lq, lq.b_key)  # (H, d_h)
     bias = torch.einsum("chik,hk->ihc", q_by_cat.view(C, H, k, dh).double(), bk.double())
@@ -160,7 +160,6 @@ class Contributions(OneTable, SumStats):
         l, k_oh = lq.layer, lq.key_onehot  # (B, T, C)
         # bidirectional without RoPE: every key of a sequence is seen by the same queries
         per_sequence = not lq.causal and lq.cos is None
-        dev = self.contrib.device  # with device_map the layer may live elsewhere
         targets, values = [], []  # accumulated together at the end (one operation on a GPU)
         general = []  # (query group or None for weighted, qsum (B, H, T, d_h)) for the per-token path
         for g, group in enumerate(self.query_groups):
@@ -191,7 +190,7 @@ class Contributions(OneTable, SumStats):
                 else:
                     targets += [self.contrib[l, :, g], self.bias[l, :, g]]
                 values += [s, bias]
-        accumulate(targets + [self.n_queries[l]], values + [lq.batch.n_valid], dev)
+        accumulate(targets + [self.n_queries[l]], values + [lq.batch.n_valid])
 
     def merge(self, other: "Contributions") -> "Contributions":
         assert self.query_groups == other.query_groups

@@ -31,12 +31,12 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def full_float32():
-    """Float32 matrix products in full precision inside, TF32 or not outside: for products whose inputs
-    TF32 would round (sums of the model's values, reciprocals), while the analyses of a 16-bit model run
-    with TF32 on (:func:`actlake.analysis.recorder.tf32_when_exact`)."""
+def tf32(enabled: bool):
+    """TF32 for float32 matrix products on CUDA on (``enabled``) or off inside, as before outside.
+    Off: full float32 for products whose inputs TF32 would round (sums of the model's values) while the
+    analyses of a 16-bit model run with it on (:func:`actlake.analysis.recorder.tf32_when_exact`)."""
     before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = enabled
     try:
         yield
     finally:

@@ -106,8 +106,7 @@ class DimMoments(OneTable, Analysis):
                 x = torch.where(finite[:, None], x, 0)
             layer_work.sums(x, out=sums[layer])
             layer_work.max_abs(x, out=top[layer])
-        count = torch.stack(counts) if any(c is not work.count for c in counts) else work.count.repeat(L1, 1)
-        out = cls(Moments.from_sums(count, sums[..., :d], sums[..., d:], top[:, :G]), nonfinite)
+        out = cls(Moments.from_sums(torch.stack(counts), sums[..., :d], sums[..., d:], top[:, :G]), nonfinite)
         out.unchecked = unchecked if not exact_nonfinite else None
         return out
 

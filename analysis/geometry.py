@@ -74,7 +74,7 @@ class Geometry(OneTable, SumStats):
         # mass per key category, as computed and with keys at their mean norm (zero on invalid queries)
         mass = [lq.product(p).sum((0, 2), dtype=torch.float64) for p in ("mass", "mass_keynorm")]  # (H, C)
         accumulate([self.n_pairs[l], self.q_norm[l], self.k_norm[l], self.cos[l], self.mass[l], self.mass_keynorm[l],
-                    self.n_queries[l]], [b.pairs_by_key_category, *by_cat, *mass, b.n_valid], self.n_pairs.device)
+                    self.n_queries[l]], [b.pairs_by_key_category, *by_cat, *mass, b.n_valid])
 
     def to_arrow(self) -> pa.Table:
         L, H, C = self.q_norm.shape

@@ -45,10 +45,6 @@ class Moments:
         m2 = (sq - mean * sums).clamp_(min=0)  # sum x^2 - 2 mean sum x + n mean^2, with n mean = sum x
         return cls(count, mean, m2, max_abs.double())
 
-    @classmethod
-    def stack(cls, parts: list["Moments"]) -> "Moments":
-        return cls(*(torch.stack([getattr(p, f) for p in parts]) for f in ("count", "mean", "m2", "max_abs")))
-
     def merge(self, other: "Moments") -> "Moments":
         other = other.to(self.count.device)
         n_a, n_b = self.count[..., None], other.count[..., None]

@@ -10,6 +10,7 @@ import torch
 from actlake.analysis.attention_mass import AttentionMass
 from actlake.analysis.attention_weights import EXPLICIT_ONLY, flash_applies
 from actlake.analysis.capture import LayerInputs, attention_modules
+from actlake.analysis.device import tf32
 from actlake.analysis.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.rope import factors
 from actlake.architectures import blocks, key_weights
@@ -180,18 +181,11 @@ class AttentionRecorder:
                 "would not describe what the model attends to")
 
 
-@contextlib.contextmanager
 def tf32_when_exact(query: torch.Tensor):
     """On a GPU, float32 products on tensor cores (TF32: 10-bit mantissa inputs, float32 accumulation)
     while the analyses of a bfloat16 / float16 model run: q, k and x of such a model are exact in TF32,
     and the attention weights are rounded to 2^-11 relative, below the model's own rounding. Float32
     models keep full float32 products."""
     if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16):
-        yield
-        return
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        return contextlib.nullcontext()
+    return tf32(True)

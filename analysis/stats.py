@@ -34,13 +34,12 @@ class SumStats(Analysis):
         return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in self._tensor_fields()})
 
 
-def accumulate(targets: list[torch.Tensor], values: list[torch.Tensor], device=None) -> None:
+def accumulate(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     """``targets[i] += values[i]`` for every i, as one operation (``torch._foreach_add_``: one kernel
     launch for all of them on a GPU, where the analyses' many small sums are launch-bound). Values are
-    moved to ``device`` (the accumulators', when the layer lives on another GPU) and cast to the
-    targets' dtype."""
-    values = [v.to(device=device or t.device, dtype=t.dtype) for t, v in zip(targets, values, strict=True)]
-    torch._foreach_add_(targets, values)
+    moved to their target's device (with device_map a layer may live on another GPU than the
+    accumulators) and dtype."""
+    torch._foreach_add_(targets, [v.to(t.device, t.dtype) for t, v in zip(targets, values, strict=True)])
 
 
 def zeros(*shape: int, device=None) -> torch.Tensor:
