@@ -196,6 +196,9 @@ def flash_products(lq, names) -> dict:
     - ``mass``: the forward pass with V = the one-hot key categories (METHODS.md §2);
     - ``mass_keynorm``: the same with keys rescaled to their sequence's mean norm, in float16 (the
       rescaled keys are not exact in bfloat16; 2^-11 relative instead of 2^-8).
+    - ``distance`` (asked for only with ``lq.distance_kernel``): the Triton kernel of
+      :mod:`~actlake.analysis.distance_kernel`, from the log-sum-exp of the forward call for the output
+      or the mass (or of one made for it).
 
     Outputs are rounded to the kernel's dtype (bfloat16: 2^-9 relative per entry), then summed in
     float64 by the analyses; padded queries give nothing.
@@ -208,8 +211,9 @@ def flash_products(lq, names) -> dict:
     k = expand_kv(k, H)
     valid = lq.batch.validf[:, None, :, None]
     scale = float(lq.scaling)
-    out = {}
-    if {"output", "weighted_qsum"} & set(names):
+    out, lse = {}, None
+    names = set(names)
+    if {"output", "weighted_qsum"} & names or ("distance" in names and "mass" not in names):
         v = expand_kv(v, H) if v is not None else torch.zeros_like(q)
         o, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = flash(q, k, v, 0.0, True, False, scale=scale)
         out["output"] = o
@@ -222,13 +226,18 @@ def flash_products(lq, names) -> dict:
         B, _, T, dh = q.shape
         if "mass" in names:
             onehot = lq.batch.padded_key_onehot(dh, q.dtype)  # (B, T, d_h)
-            o = flash(q, k, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
+            o, lse_mass = flash(q, k, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[:2]
             out["mass"] = o[..., :C].float() * valid
+            lse = lse_mass if lse is None else lse
         if "mass_keynorm" in names:
             onehot = lq.batch.padded_key_onehot(dh, torch.float16)
             k16 = (k.float() * key_norm_scale(lq)[..., None]).half()
             o = flash(q.half(), k16, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
             out["mass_keynorm"] = o[..., :C].float() * valid
+    if "distance" in names:  # the weights again, tile by tile, from the log-sum-exp of a forward call above
+        from actlake.analysis.distance_kernel import layer_profile
+
+        out["distance"] = layer_profile(lq, lse)
     return {n: out[n] for n in names}
 
 
@@ -236,6 +245,26 @@ def flash_applies(lq_query: torch.Tensor, batch) -> bool:
     """Whether :func:`flash_products` can serve this layer: CUDA, 16-bit q, causal, right padding."""
     return (lq_query.device.type == "cuda" and lq_query.dtype in (torch.bfloat16, torch.float16)
             and batch.causal and batch.lengths is not None and lq_query.shape[-1] <= 256)
+
+
+def distance_kernel_on(setting: str, device: torch.device, dtype: torch.dtype, causal: bool) -> bool:
+    """Whether the Triton kernel gives the distance profile (``analyses.distance_kernel``): only where
+    :func:`flash_products` serves the layers (CUDA, a causal 16-bit model). ``triton`` elsewhere, or
+    without the package, is a ConfigError."""
+    import importlib.util
+
+    from actlake.errors import ConfigError
+
+    applies = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and causal
+    installed = importlib.util.find_spec("triton") is not None
+    if setting == "triton" and not applies:
+        raise ConfigError(f"analyses.distance_kernel: triton needs a CUDA device and a causal model in bfloat16 or "
+                          f"float16; this worker has {device.type}, {str(dtype).removeprefix('torch.')}, "
+                          f"{'causal' if causal else 'bidirectional'} (set it to auto or blocks)")
+    if setting == "triton" and not installed:
+        raise ConfigError("analyses.distance_kernel: triton needs the triton package on the workers (pip install "
+                          "triton), or set it to auto or blocks")
+    return setting != "blocks" and applies and installed
 
 
 def fused_products(lq, names) -> dict:

@@ -14,6 +14,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import capture
+from actlake.analysis.attention_weights import distance_kernel_on
 from actlake.analysis.device import to_device, to_host
 from actlake.analysis.protocol import HiddenBatch, ModelSpec, enabled, products
 from actlake.analysis.recorder import AttentionRecorder, ModelQK
@@ -49,6 +50,7 @@ class Extractor:
         self.store_layers = resolve_layers(cfg.activations.layers, lm.model.config.num_hidden_layers)
         self.analyses = enabled(cfg.analyses)  # (class, options) per enabled analysis
         m = self.mqk
+        self.distance_kernel = distance_kernel_on(cfg.analyses.distance_kernel, lm.device, lm.dtype, lm.family.causal)
         self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
                               cfg.tokenization.max_length, lm.device)
 
@@ -123,7 +125,8 @@ class Extractor:
             recorder = AttentionRecorder(self.mqk, mask, one_hot(role, len(ROLE), mask), [x.add_layer for x in attention],
                                          inputs=inputs, needs=products(attention), method=a.attention_weights,
                                          strict=strict, on_excluded=[x.nonfinite_excluded for x in attention
-                                                                     if hasattr(x, "nonfinite_excluded")])
+                                                                     if hasattr(x, "nonfinite_excluded")],
+                                         distance_kernel=self.distance_kernel)
             if attention:
                 stack.enter_context(capture.recording(recorder))
             need_hidden = a.residual_norms or bool(hidden) or bool(self.store_layers)  # else not kept
