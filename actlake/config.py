@@ -122,9 +122,9 @@ class AnalysesConfig(Section):
     attention_by_distance: bool = True
     """Mean attention weight per relative position m - n (needs explicit attention weights)."""
     attention_weights: Literal["auto", "explicit", "fused"] = "auto"
-    """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: on a GPU with a causal 16-bit model, FlashAttention kernels for the output, both masses and the weighted sums, and attention_by_distance as `distance_kernel` says; else fused on a GPU when no enabled analysis needs the weights; else explicit."""
-    distance_kernel: Literal["auto", "triton", "blocks"] = "auto"
-    """Where FlashAttention serves the other products (`attention_weights: auto`, a CUDA GPU, a causal model in bfloat16 or float16), how attention_by_distance gets its sums. `triton`: a Triton kernel rebuilds the weights tile by tile from q, k and the flash forward pass's log-sum-exp (no T x T matrix in memory; needs the `triton` package, which PyTorch's CUDA wheels install; on its first layer in a worker it is compared with explicit weights, and a disagreement stops the job). `blocks`: explicit weights in blocks. `auto`: triton when the package is installed, else blocks. Elsewhere (CPUs, float32 or bidirectional models) the profile always comes from explicit weights, and `triton` is refused."""
+    """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: on a GPU with a causal 16-bit model, FlashAttention kernels for the output and both masses, and the weighted sums and attention_by_distance as `attention_kernels` says; else fused on a GPU when no enabled analysis needs the weights; else explicit."""
+    attention_kernels: Literal["auto", "triton", "torch"] = "auto"
+    """Where FlashAttention serves the attention products (`attention_weights: auto`, a CUDA GPU, a causal model in bfloat16 or float16), how attention_by_distance and the weighted contributions get theirs. `triton`: two Triton kernels rebuild the weights tile by tile from q, k and the flash forward pass's log-sum-exp (no T x T matrix in memory, no backward pass; needs the `triton` package, which PyTorch's CUDA wheels install; on its first layer a worker also computes both from explicit weights, and a disagreement stops the job). `torch`: the distance profile from explicit weights in blocks, the weighted sums from FlashAttention's backward pass. `auto`: triton when the package is installed, else torch. Elsewhere (CPUs, float32 or bidirectional models) explicit weights serve both, and `triton` is refused."""
     custom: list[CustomAnalysisConfig] = []
     """Your own analyses, run and reduced like the built-in ones (README: Your own analysis)."""
     surprisal: Optional[bool] = None
@@ -251,9 +251,9 @@ def _check_values(cfg: JobConfig, err) -> None:
             if getattr(a, name) and (name != "weighted_contributions" or a.contributions):
                 err(("analyses", "attention_weights"), f"'fused' computes no attention weights, which analyses.{name} "
                     f"needs: set analyses.{name}: false or attention_weights: explicit/auto")
-    if a.distance_kernel == "triton" and a.attention_weights != "auto":
-        err(("analyses", "distance_kernel"), f"'triton' serves the FlashAttention path of attention_weights: auto, "
-            f"not {a.attention_weights!r}: set distance_kernel: auto or blocks, or attention_weights: auto")
+    if a.attention_kernels == "triton" and a.attention_weights != "auto":
+        err(("analyses", "attention_kernels"), f"'triton' serves the FlashAttention path of attention_weights: auto, "
+            f"not {a.attention_weights!r}: set attention_kernels: auto or torch, or attention_weights: auto")
     for i, c in enumerate(a.custom):
         module, _, cls = c.analysis.partition(":")
         if not module or not cls or not all(p.isidentifier() for p in module.split(".") + [cls]):

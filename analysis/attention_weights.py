@@ -29,6 +29,8 @@ EXPLICIT_ONLY = frozenset({"weighted_qsum", "distance", "output"})
 """Products only the explicit pass gives."""
 FLASH = frozenset({"output", "mass", "mass_keynorm", "weighted_qsum"})
 """Products :func:`flash_products` gives (causal attention, right padding, 16-bit q and k on CUDA)."""
+TRITON = frozenset({"distance", "weighted_qsum"})
+"""Products the Triton kernels of :mod:`~actlake.analysis.attention_kernels` give on the same path."""
 
 
 def block_elements(device: torch.device) -> int:
@@ -196,9 +198,9 @@ def flash_products(lq, names) -> dict:
     - ``mass``: the forward pass with V = the one-hot key categories (METHODS.md §2);
     - ``mass_keynorm``: the same with keys rescaled to their sequence's mean norm, in float16 (the
       rescaled keys are not exact in bfloat16; 2^-11 relative instead of 2^-8).
-    - ``distance`` (asked for only with ``lq.distance_kernel``): the Triton kernel of
-      :mod:`~actlake.analysis.distance_kernel`, from the log-sum-exp of the forward call for the output
-      or the mass (or of one made for it).
+    - with ``lq.triton``, ``weighted_qsum`` and ``distance`` (:data:`TRITON`) instead come from the Triton
+      kernels of :mod:`~actlake.analysis.attention_kernels`, given the log-sum-exp of the forward call for
+      the output or the mass (or of one made for them): no backward pass.
 
     Outputs are rounded to the kernel's dtype (bfloat16: 2^-9 relative per entry), then summed in
     float64 by the analyses; padded queries give nothing.
@@ -213,11 +215,12 @@ def flash_products(lq, names) -> dict:
     scale = float(lq.scaling)
     out, lse = {}, None
     names = set(names)
-    if {"output", "weighted_qsum"} & names or ("distance" in names and "mass" not in names):
+    kernels = names & TRITON if lq.triton else set()
+    if "output" in names or "weighted_qsum" in names - kernels or (kernels and "mass" not in names):
         v = expand_kv(v, H) if v is not None else torch.zeros_like(q)
         o, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = flash(q, k, v, 0.0, True, False, scale=scale)
         out["output"] = o
-        if "weighted_qsum" in names:
+        if "weighted_qsum" in names - kernels:
             grad = q * valid.to(q.dtype)
             _, _, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 grad, q, k, v, o, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
@@ -234,10 +237,10 @@ def flash_products(lq, names) -> dict:
             k16 = (k.float() * key_norm_scale(lq)[..., None]).half()
             o = flash(q.half(), k16, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
             out["mass_keynorm"] = o[..., :C].float() * valid
-    if "distance" in names:  # the weights again, tile by tile, from the log-sum-exp of a forward call above
-        from actlake.analysis.distance_kernel import layer_profile
+    if kernels:  # the weights again, tile by tile, from the log-sum-exp of a forward call above
+        from actlake.analysis.attention_kernels import layer_products
 
-        out["distance"] = layer_profile(lq, lse)
+        out.update(layer_products(lq, kernels, lse))
     return {n: out[n] for n in names}
 
 
@@ -247,9 +250,9 @@ def flash_applies(lq_query: torch.Tensor, batch) -> bool:
             and batch.causal and batch.lengths is not None and lq_query.shape[-1] <= 256)
 
 
-def distance_kernel_on(setting: str, device: torch.device, dtype: torch.dtype, causal: bool) -> bool:
-    """Whether the Triton kernel gives the distance profile (``analyses.distance_kernel``): only where
-    :func:`flash_products` serves the layers (CUDA, a causal 16-bit model). ``triton`` elsewhere, or
+def triton_kernels_on(setting: str, device: torch.device, dtype: torch.dtype, causal: bool) -> bool:
+    """Whether the Triton kernels give the :data:`TRITON` products (``analyses.attention_kernels``): only
+    where :func:`flash_products` serves the layers (CUDA, a causal 16-bit model). ``triton`` elsewhere, or
     without the package, is a ConfigError."""
     import importlib.util
 
@@ -258,13 +261,13 @@ def distance_kernel_on(setting: str, device: torch.device, dtype: torch.dtype, c
     applies = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and causal
     installed = importlib.util.find_spec("triton") is not None
     if setting == "triton" and not applies:
-        raise ConfigError(f"analyses.distance_kernel: triton needs a CUDA device and a causal model in bfloat16 or "
+        raise ConfigError(f"analyses.attention_kernels: triton needs a CUDA device and a causal model in bfloat16 or "
                           f"float16; this worker has {device.type}, {str(dtype).removeprefix('torch.')}, "
-                          f"{'causal' if causal else 'bidirectional'} (set it to auto or blocks)")
+                          f"{'causal' if causal else 'bidirectional'} (set it to auto or torch)")
     if setting == "triton" and not installed:
-        raise ConfigError("analyses.distance_kernel: triton needs the triton package on the workers (pip install "
-                          "triton), or set it to auto or blocks")
-    return setting != "blocks" and applies and installed
+        raise ConfigError("analyses.attention_kernels: triton needs the triton package on the workers (pip "
+                          "install triton), or set it to auto or torch")
+    return setting != "torch" and applies and installed
 
 
 def fused_products(lq, names) -> dict:

@@ -244,9 +244,9 @@ class LayerQK:
     """Attention weights per explicit block (None: the device default)."""
     native: tuple | None = None
     """(query, key, value) as the model's kernel received them (its dtype), for ``method == "flash"``."""
-    distance_kernel: bool = False
-    """With ``method == "flash"``: the ``distance`` product from the Triton kernel
-    (:mod:`~actlake.analysis.distance_kernel`) instead of explicit blocks."""
+    triton: bool = False
+    """With ``method == "flash"``: the ``distance`` and ``weighted_qsum`` products from the Triton kernels
+    (:mod:`~actlake.analysis.attention_kernels`) instead of explicit blocks and FlashAttention's backward."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     # shortcuts to the batch
@@ -319,15 +319,15 @@ class LayerQK:
 
         The first request computes every product in ``needs`` (plus this one) in a single pass
         (explicit blocks, or the fused kernel when ``method == "fused"`` and that suffices; with
-        ``method == "flash"``, FlashAttention kernels for all but the distance profile, which the Triton
-        kernel gives with ``distance_kernel``).
+        ``method == "flash"``, FlashAttention kernels for all but the distance profile, which explicit
+        blocks give, or with ``triton`` the Triton kernels).
         """
         from actlake.analysis import attention_weights as aw
 
         if name not in self._cache:
             todo = (set(self.needs) | {name}) - self._cache.keys()
             if self.method == "flash":
-                flash = aw.FLASH | ({"distance"} if self.distance_kernel else frozenset())
+                flash = aw.FLASH | (aw.TRITON if self.triton else frozenset())
                 self._cache.update(aw.flash_products(self, todo & flash))
                 todo -= flash
             if not todo:

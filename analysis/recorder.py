@@ -50,7 +50,8 @@ class AttentionRecorder:
     the fused kernel when ``needs`` allows) or ``auto`` (fused on a GPU when ``needs`` allows, else explicit).
     ``reuse_attention``: when the weights are computed explicitly anyway, hand the model its attention
     output from them instead of running the SDPA kernel a second time.
-    ``distance_kernel``: on layers FlashAttention serves, the distance profile from the Triton kernel.
+    ``triton``: on layers FlashAttention serves, the distance profile and the weighted sums from the
+    Triton kernels (:mod:`~actlake.analysis.attention_kernels`).
     ``strict``: check each layer's mask and look for inf/NaN tokens as it comes (both read a value back
     from the device, once per layer). False: assume both are fine and count on the device what
     contradicts it (:meth:`problems`); the caller reads that once per batch and, if it is not zero,
@@ -60,13 +61,13 @@ class AttentionRecorder:
     def __init__(self, mqk: ModelQK, valid: torch.Tensor, role_onehot: torch.Tensor,
                  consumers: list[Callable[[LayerQK], None]], mass: AttentionMass | None = None,
                  inputs: LayerInputs | None = None, needs=frozenset(), method: str = "auto",
-                 reuse_attention: bool = True, strict: bool = True, on_excluded=(), distance_kernel: bool = False):
+                 reuse_attention: bool = True, strict: bool = True, on_excluded=(), triton: bool = False):
         self.mqk, self.consumers, self.mass, self.inputs = mqk, consumers, mass, inputs
         self.on_excluded = list(on_excluded) + ([mass.nonfinite_excluded] if mass is not None else [])
         self.host = BatchInfo(valid.cpu(), mqk.family.causal, role_onehot.cpu(), role_onehot.cpu())
         self.needs = frozenset(needs) | ({"mass"} if mass is not None else frozenset())
         self.method, self.reuse_attention, self.strict = method, reuse_attention, strict
-        self.distance_kernel = distance_kernel
+        self.triton = triton
         self._batch: dict = {}  # device -> BatchInfo (one per device with device_map)
         self._problems: dict = {}  # device -> (1,) float64: mismatched mask pairs
         self._totals: dict = {}  # device -> (3,) float32: sums of every layer's q, k and x (non-strict)
@@ -118,7 +119,7 @@ class AttentionRecorder:
         lq = LayerQK(layer, q, k, float(scaling), batch, needs=self.needs | ({"output"} if replace else frozenset()),
                      method=method, value=f32(value) if replace and method == "explicit" else None,
                      native=(query.detach(), key.detach(), value.detach() if value is not None else None),
-                     distance_kernel=self.distance_kernel and method == "flash")
+                     triton=self.triton and method == "flash")
         with tf32_when_exact(query):
             return self._feed(lq, layer, query, x, replace)
 

@@ -39,7 +39,7 @@ for c in "${configs[@]}"; do
                        --profile suite --json "$out/p410_4k.json" > "$out/p410_4k_profile.txt" ;;
     llama-1b)    suite --model-config llama-1b --seq-len 1024 --batch-tokens 16384 --check --json "$out/llama_16k.json" ;;
     pythia-6.9b) suite --model-config pythia-6.9b --seq-len 2048 --batch-tokens 16384 --batches 3 \
-                       --variants plain,suite,blocks,attention,fused --json "$out/p69.json" ;;
+                       --variants plain,suite,torch,attention,fused --json "$out/p69.json" ;;
   esac
 done
 "$py" "$root/benchmarks/gpu_table.py" "$out"/*.json

@@ -12,8 +12,9 @@ Variants, each on the same batches in turn, best of --rounds per batch:
 
 - plain:     the model's forward pass (SDPA), nothing captured;
 - suite:     ``Extractor.run_batch`` with the default analyses (what ``actlake run`` computes);
-- blocks:    the suite with the distance profile from explicit weights in blocks instead of the Triton
-             kernel (``analyses.distance_kernel: blocks``; the same as suite where the kernel does not apply);
+- torch:     the suite without the Triton kernels (``analyses.attention_kernels: torch``): the distance
+             profile from explicit weights in blocks, the weighted sums from FlashAttention's backward pass
+             (the same as suite where the kernels do not apply);
 - attention: the suite without the hidden-state statistics (residual norms, moments);
 - fused:     mass, contributions and geometry only (no attention-weighted sums, no distance profile);
 - habit:     the cache-then-analyse habit's first step: every hidden state copied to the host.
@@ -57,7 +58,7 @@ CONFIGS = {
                         intermediate_size=16384, rotary_pct=0.25, vocab_size=50432, max_position_embeddings=2048,
                         use_parallel_residual=True),
 }
-VARIANTS = ("plain", "suite", "blocks", "attention", "fused", "habit")
+VARIANTS = ("plain", "suite", "torch", "attention", "fused", "habit")
 
 
 def minilm_dir(args) -> str:
@@ -154,8 +155,8 @@ def extractor(name: str, lm, args):
     analyses = {"tokens": False}
     if name == "attention":
         analyses.update(residual_norms=False, dim_moments=False)
-    if name == "blocks":
-        analyses.update(distance_kernel="blocks")
+    if name == "torch":
+        analyses.update(attention_kernels="torch")
     if name == "fused":
         analyses.update(residual_norms=False, dim_moments=False, attention_weights="fused",
                         weighted_contributions=False, attention_by_distance=False)

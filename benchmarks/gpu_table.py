@@ -18,7 +18,7 @@ def row(r: dict) -> str:
     ratio = lambda n: f"{v[n]['vs_plain']:.2f}×" if n in v else "—"
     cell = lambda key, fmt: " / ".join(fmt(v[n][key]) if n in v and key in v[n] else "—" for n in ("plain", "suite"))
     return (f"| {NAMES.get(r['model'], r['model'])} ({r['seq_len']}, {r['tokens_per_batch']:,}) "
-            f"| {v['plain']['tokens_per_s']:,.0f} | {ratio('suite')} | {ratio('blocks')} | {ratio('attention')} | {ratio('fused')} "
+            f"| {v['plain']['tokens_per_s']:,.0f} | {ratio('suite')} | {ratio('torch')} | {ratio('attention')} | {ratio('fused')} "
             f"| {ratio('habit')} | {cell('peak_mib', lambda x: f'{x:,.0f}')} | {cell('syncs', str)} "
             f"| {cell('ops_per_batch', lambda x: format(x / r.get('layers', float('nan')), '.1f'))} |")
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         print("no gpu_suite results with a plain variant", file=sys.stderr)
         return 1
     print(f"{results[0].get('gpu', '?')}")
-    print("| config (T, tokens per batch) | plain tokens/s | suite | suite, distance in blocks | attention only "
+    print("| config (T, tokens per batch) | plain tokens/s | suite | suite without Triton kernels | attention only "
           "| fused | habit "
           "| peak MiB plain / suite | syncs per batch plain / suite | operations per layer plain / suite |")
     print("|---|---|---|---|---|---|---|---|---|---|")

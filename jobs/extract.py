@@ -14,7 +14,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import capture
-from actlake.analysis.attention_weights import distance_kernel_on
+from actlake.analysis.attention_weights import triton_kernels_on
 from actlake.analysis.device import to_device, to_host
 from actlake.analysis.protocol import HiddenBatch, ModelSpec, enabled, products
 from actlake.analysis.recorder import AttentionRecorder, ModelQK
@@ -50,7 +50,7 @@ class Extractor:
         self.store_layers = resolve_layers(cfg.activations.layers, lm.model.config.num_hidden_layers)
         self.analyses = enabled(cfg.analyses)  # (class, options) per enabled analysis
         m = self.mqk
-        self.distance_kernel = distance_kernel_on(cfg.analyses.distance_kernel, lm.device, lm.dtype, lm.family.causal)
+        self.triton = triton_kernels_on(cfg.analyses.attention_kernels, lm.device, lm.dtype, lm.family.causal)
         self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
                               cfg.tokenization.max_length, lm.device)
 
@@ -126,7 +126,7 @@ class Extractor:
                                          inputs=inputs, needs=products(attention), method=a.attention_weights,
                                          strict=strict, on_excluded=[x.nonfinite_excluded for x in attention
                                                                      if hasattr(x, "nonfinite_excluded")],
-                                         distance_kernel=self.distance_kernel)
+                                         triton=self.triton)
             if attention:
                 stack.enter_context(capture.recording(recorder))
             need_hidden = a.residual_norms or bool(hidden) or bool(self.store_layers)  # else not kept

@@ -1,0 +1,189 @@
+"""Triton kernels for the products of causal attention weights that FlashAttention does not give cheaply.
+
+Both rebuild the weights tile by tile from q, k and the softmax's log-sum-exp per query, which the
+FlashAttention forward call made anyway (for the output or the mass) returns: alpha = exp(scale q.k
+- lse), on tensor cores in the model's dtype, like the kernel that computed the layer's output. No
+T x T matrix is ever in memory, and tiles above the causal diagonal are skipped.
+
+- :func:`distance_profile` (METHODS.md §4): for every head and distance m - n, the summed weight. Grouping
+  by m - n inside a tile has no matrix form, so the kernel does not group: one program per (sequence,
+  head, block diagonal D) walks the tiles (query block I, key block I - D), whose entry (i, j) always
+  lies at distance D * BLOCK + i - j, and adds them up elementwise in registers (no atomics, no scratch
+  memory). Out comes one BLOCK x BLOCK tile per (sequence, head, D), B * H * T * BLOCK floats
+  (Pythia-410m, 16 windows of 1,024 tokens: 64 MB), which PyTorch sums over the sequences and then
+  along its diagonals. Cost: half a causal QK^T product.
+- :func:`weighted_qsum` (METHODS.md §3): at each key n, sum_m alpha_mn q_m over valid queries. One program
+  per (sequence, head, key block) walks the query blocks at or after it: two products per tile (QK^T and
+  alpha^T Q), where FlashAttention's backward pass, which gave it as dV, makes five (it also computes dQ
+  and dK, which nothing reads).
+
+CPU tests run the same kernels through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is
+imported), on small shapes, against the explicit weights. :func:`layer_products` also compares them with
+the explicit weights on the first layer a process runs on each device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from actlake.analysis.attention_weights import diagonal_sums_from, explicit_products
+from actlake.errors import AnalysisError
+
+LOG2E = 1.4426950408889634
+AGREEMENT = 1e-2
+"""Largest |kernel - explicit weights| / largest |value| allowed at the first layer a process runs on a
+device; 16-bit inputs put the two about 1e-3 apart at most, a wrong log-sum-exp convention or a
+miscompiled kernel far more."""
+_verified: set = set()  # devices whose kernels matched the explicit weights in this process
+
+
+@triton.jit
+def _rows(ptr, base, pos, s_t, s_d, T, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """(len(pos), D_PAD) rows at positions ``pos`` of one head, zero beyond T and beyond HEAD_DIM."""
+    c = tl.arange(0, D_PAD)
+    return tl.load(ptr + base + pos[:, None] * s_t + c[None, :] * s_d,
+                   mask=(pos[:, None] < T) & (c[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _weights(q, k, lse, valid, m, n, scale_log2e, DOT_F32: tl.constexpr):
+    """(BLOCK, BLOCK) float32 weights of queries m (rows q, their lse and validity) on keys n (rows k);
+    zero where n > m or the query is not valid. ``DOT_F32``: multiply in float32 (the interpreter's
+    bfloat16 products are wrong; products of bfloat16 numbers are exact in float32)."""
+    if DOT_F32:
+        q, k = q.to(tl.float32), k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k))  # float32 accumulation
+    p = tl.exp2(s * scale_log2e - lse[:, None] * 1.4426950408889634)
+    return tl.where((m[:, None] >= n[None, :]) & (valid[:, None] > 0), p, 0.0)
+
+
+@triton.jit
+def _distance_tiles(q_ptr, k_ptr, lse_ptr, valid_ptr, out_ptr, n_heads, kv_group, T, n_blocks,
+                    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sl_b, sl_h, sl_t, sv_b, sv_t, scale_log2e,
+                    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (b * H + h, D): out[b, h, D] = sum over query blocks I >= D of the weights' tile of queries
+    I * BLOCK + i and keys (I - D) * BLOCK + j."""
+    bh = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: large batches pass 2^31 elements
+    D = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    i = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for I in range(D, n_blocks):
+        m, n = I * BLOCK + i, (I - D) * BLOCK + i  # (BLOCK,) query and key positions
+        q = _rows(q_ptr, b * sq_b + h * sq_h, m, sq_t, sq_d, T, HEAD_DIM, D_PAD)  # (BLOCK, D_PAD)
+        k = _rows(k_ptr, b * sk_b + (h // kv_group) * sk_h, n, sk_t, sk_d, T, HEAD_DIM, D_PAD)
+        lse = tl.load(lse_ptr + b * sl_b + h * sl_h + m * sl_t, mask=m < T, other=0.0)  # (BLOCK,)
+        valid = tl.load(valid_ptr + b * sv_b + m * sv_t, mask=m < T, other=0.0)
+        acc += _weights(q, k, lse, valid, m, n, scale_log2e, DOT_F32)
+    tl.store(out_ptr + ((bh * n_blocks + D) * BLOCK + i[:, None]) * BLOCK + i[None, :], acc)
+
+
+@triton.jit
+def _weighted_qsum_rows(q_ptr, k_ptr, lse_ptr, valid_ptr, out_ptr, n_heads, kv_group, T, n_blocks,
+                        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sl_b, sl_h, sl_t, sv_b, sv_t, scale_log2e,
+                        BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (b * H + h, J): out[b, h, n] = sum over valid queries m >= n of alpha_mn q_m, for the keys
+    n of block J (out: (B, H, T, HEAD_DIM) float32, contiguous)."""
+    bh = tl.program_id(0).to(tl.int64)
+    J = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    i = tl.arange(0, BLOCK)
+    n = J * BLOCK + i
+    k = _rows(k_ptr, b * sk_b + (h // kv_group) * sk_h, n, sk_t, sk_d, T, HEAD_DIM, D_PAD)  # (BLOCK, D_PAD)
+    acc = tl.zeros((BLOCK, D_PAD), dtype=tl.float32)
+    for I in range(J, n_blocks):
+        m = I * BLOCK + i
+        q = _rows(q_ptr, b * sq_b + h * sq_h, m, sq_t, sq_d, T, HEAD_DIM, D_PAD)
+        lse = tl.load(lse_ptr + b * sl_b + h * sl_h + m * sl_t, mask=m < T, other=0.0)
+        valid = tl.load(valid_ptr + b * sv_b + m * sv_t, mask=m < T, other=0.0)
+        p = _weights(q, k, lse, valid, m, n, scale_log2e, DOT_F32)  # (BLOCK queries, BLOCK keys)
+        if DOT_F32:
+            acc += tl.dot(tl.trans(p), q.to(tl.float32))
+        else:  # alpha rounded to the model's dtype, as FlashAttention's backward pass rounds it for dV
+            acc += tl.dot(tl.trans(p).to(q.dtype), q)
+    c = tl.arange(0, D_PAD)
+    tl.store(out_ptr + ((bh * T + n[:, None]) * HEAD_DIM + c[None, :]), acc,
+             mask=(n[:, None] < T) & (c[None, :] < HEAD_DIM))
+
+
+def block_size(T: int) -> int:
+    """Queries (and keys) per tile: 64, or less for short windows (at least 16, what tl.dot needs)."""
+    return max(16, min(64, triton.next_power_of_2(T)))
+
+
+def _launch(kernel, out, q, k, lse, validf, scale) -> None:
+    """Run ``kernel`` on (B * H, blocks) programs. q (B, H, T, d_h), k (B, H_kv, T, d_h) 16-bit on a GPU;
+    lse (B, H, T) float32; validf (B, T) 1.0 for valid queries."""
+    if q.device.type != "cuda" and not interpreted():
+        raise ValueError("the Triton attention kernels run on CUDA tensors, or on CPU tensors under "
+                         "TRITON_INTERPRET=1 (tests)")
+    B, H, T, dh = q.shape
+    BL = block_size(T)
+    kernel[(B * H, -(-T // BL))](
+        q, k, lse, validf, out, H, H // k.shape[1], T, -(-T // BL),
+        *q.stride(), *k.stride(), *lse.stride(), *validf.stride(), scale * LOG2E,
+        BLOCK=BL, HEAD_DIM=dh, D_PAD=triton.next_power_of_2(dh),
+        DOT_F32=q.device.type == "cpu" and q.dtype == torch.bfloat16, num_warps=4)
+
+
+def distance_profile(q, k, lse, validf, scale: float) -> torch.Tensor:
+    """(H, 2T - 1) float64: summed causal attention weight at each m - n (index m - n + T - 1) over the
+    batch's valid queries; zero at negative distances. Arguments as :func:`_launch`; right padding is
+    assumed (valid queries see only valid keys), as on the FlashAttention path this serves."""
+    B, H, T, _ = q.shape
+    BL = block_size(T)
+    n_blocks = -(-T // BL)
+    tiles = torch.empty(B, H, n_blocks, BL, BL, dtype=torch.float32, device=q.device)
+    _launch(_distance_tiles, tiles, q, k, lse, validf, scale)
+    # tile D's entry (i, j) is at m - n = D * BL + i - j; diagonal_sums_from gives, per tile, the sums at
+    # c = i - j + BL - 1, i.e. at profile index D * BL + c + T - BL
+    span = diagonal_sums_from(tiles.sum(0).view(H * n_blocks, BL, BL)).view(H, n_blocks, 2 * BL - 1)
+    flat = span.new_zeros(H, (n_blocks + 1) * BL)  # position D * BL + c
+    flat[:, : n_blocks * BL] += span[..., :BL].reshape(H, -1)
+    flat[:, BL:] += torch.nn.functional.pad(span[..., BL:], (0, 1)).reshape(H, -1)
+    out = span.new_zeros(H, 2 * T - 1)
+    start = max(0, T - BL)  # profile index of flat's position max(0, BL - T)
+    out[:, start:] = flat[:, start + BL - T : start + BL - T + 2 * T - 1 - start]
+    return out
+
+
+def weighted_qsum(q, k, lse, validf, scale: float) -> torch.Tensor:
+    """(B, H, T, d_h) float32: at each key n, sum_m alpha_mn q_m over the valid queries m >= n (METHODS.md
+    §3, the ``weighted_qsum`` product). Arguments as :func:`_launch`."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    _launch(_weighted_qsum_rows, out, q, k, lse, validf, scale)
+    return out
+
+
+def layer_products(lq, names, lse: torch.Tensor) -> dict:
+    """``names`` (of :data:`~actlake.analysis.attention_weights.TRITON`) of one layer from the kernels, with ``lse`` (B, H, >= T) of a
+    FlashAttention forward call on the same q and k. The first call on each device in a process also
+    computes them from explicit weights and raises if the two disagree (one host synchronisation, once)."""
+    q, k, _ = lq.native
+    T = q.shape[2]
+    args = (q, k, lse[..., :T], lq.batch.validf, lq.scaling)
+    out = {}
+    if "distance" in names:
+        out["distance"] = distance_profile(*args)
+    if "weighted_qsum" in names:
+        out["weighted_qsum"] = weighted_qsum(*args)
+    if q.device not in _verified and out:
+        ref = explicit_products(lq, set(out), max_elements=lq.max_elements)
+        for name, value in out.items():
+            err = float((value - ref[name]).abs().max() / ref[name].abs().max().clamp(min=1e-30))
+            if not err <= AGREEMENT:
+                raise AnalysisError(
+                    f"attention layer {lq.layer}: the Triton kernel for {name} disagrees with explicit attention "
+                    f"weights on {q.device} (largest difference {err:.2e} of the largest value); set "
+                    "analyses.attention_kernels: torch and report this with your GPU, torch and triton versions")
+        _verified.add(q.device)
+    return out
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")

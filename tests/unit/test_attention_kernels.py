@@ -1,0 +1,100 @@
+"""The Triton kernels of analysis/attention_kernels.py, run through Triton's interpreter on CPU tensors,
+against the explicit weights' products: causal windows with right padding, grouped-query heads, head
+sizes that are not powers of two, windows shorter than one tile and not a whole number of tiles, and
+the 16-bit dtypes the kernels see on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from actlake.analysis.attention_mass import expand_kv  # noqa: E402
+from actlake.analysis.attention_weights import explicit_products, triton_kernels_on  # noqa: E402
+from actlake.analysis.layer_qk import BatchInfo, LayerQK  # noqa: E402
+from actlake.categories import one_hot  # noqa: E402
+from actlake.errors import AnalysisError, ConfigError  # noqa: E402
+
+CASES = [
+    (3, 4, 4, 37, 32, torch.bfloat16),   # padding, T < one 64-token tile
+    (2, 4, 2, 70, 24, torch.float16),    # grouped-query heads, d_h not a power of two, 2 tiles
+    (2, 2, 1, 128, 16, torch.bfloat16),  # T a whole number of tiles
+    (2, 2, 2, 5, 16, torch.float32),     # shorter than the smallest tile
+    (1, 1, 1, 1, 16, torch.bfloat16),    # one token
+]
+
+
+def _layer(B, H, H_kv, T, dh, dtype, seed=0):
+    """(LayerQK with 16-bit ``native`` q and k, log-sum-exp (B, H, T) as the flash forward returns it)."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, H, T, dh, generator=g) * 1.5).to(dtype)
+    k = (torch.randn(B, H_kv, T, dh, generator=g) * 1.5).to(dtype)
+    lengths = [T] + [max(1, T - 3 * i - 1) for i in range(1, B)]
+    valid = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+    onehot = one_hot(torch.zeros(B, T, dtype=torch.long), 5, valid)
+    scale = dh ** -0.5
+    lq = LayerQK(0, q.float(), k.float(), scale, BatchInfo(valid, True, onehot, onehot), native=(q, k, None))
+    logits = (q.double() @ expand_kv(k, H).double().transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    return lq, torch.logsumexp(logits, -1).float()
+
+
+@pytest.mark.parametrize("B,H,H_kv,T,dh,dtype", CASES)
+def test_distance_kernel_equals_the_explicit_weights_profile(B, H, H_kv, T, dh, dtype):
+    from actlake.analysis.attention_kernels import distance_profile
+
+    lq, lse = _layer(B, H, H_kv, T, dh, dtype)
+    want = explicit_products(lq, {"distance"})["distance"]
+    got = distance_profile(lq.native[0], lq.native[1], lse, lq.batch.validf, lq.scaling)
+    assert got.dtype == torch.float64 and got.shape == (H, 2 * T - 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the identity behind the table: every valid query's weights sum to 1
+    torch.testing.assert_close(got.sum(1), lq.batch.validf.sum().double().expand(H), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("B,H,H_kv,T,dh,dtype", CASES)
+def test_weighted_qsum_kernel_equals_the_explicit_weights_sums(B, H, H_kv, T, dh, dtype):
+    """sum_m alpha_mn q_m at each key, over valid queries. On a GPU the kernel rounds alpha to the
+    model's dtype before the product (as FlashAttention's backward pass does); on CPU tensors bfloat16
+    is multiplied in float32, float16 in float16: the tolerance is float16's."""
+    from actlake.analysis.attention_kernels import weighted_qsum
+
+    lq, lse = _layer(B, H, H_kv, T, dh, dtype, seed=1)
+    want = explicit_products(lq, {"weighted_qsum"})["weighted_qsum"]
+    got = weighted_qsum(lq.native[0], lq.native[1], lse, lq.batch.validf, lq.scaling)
+    assert got.dtype == torch.float32 and got.shape == (B, H, T, dh)
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    # identity: summed over keys, the weighted sums give the sum of the valid queries (each row of alpha sums to 1)
+    torch.testing.assert_close(got.sum(2).double(), (lq.query * lq.batch.validf[:, None, :, None]).sum(2).double(),
+                               rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_layer_products_refuse_kernels_that_disagree_with_the_weights():
+    """The first layer a process runs on a device is compared with explicit weights: a log-sum-exp in the
+    wrong units (log2 instead of natural log) stops the run, naming the setting that avoids the kernels."""
+    from actlake.analysis import attention_kernels
+
+    lq, lse = _layer(2, 2, 2, 20, 16, torch.bfloat16)
+    attention_kernels._verified.discard(torch.device("cpu"))
+    with pytest.raises(AnalysisError, match="attention_kernels: torch"):
+        attention_kernels.layer_products(lq, {"distance", "weighted_qsum"}, lse * 1.4426950408889634)
+    assert torch.device("cpu") not in attention_kernels._verified
+    longer = torch.cat([lse, lse[..., :3]], -1)  # kernels that pad the log-sum-exp's last axis
+    got = attention_kernels.layer_products(lq, {"distance", "weighted_qsum"}, longer)
+    assert torch.device("cpu") in attention_kernels._verified
+    want = explicit_products(lq, {"distance", "weighted_qsum"})
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_serve_only_the_flash_path():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert not triton_kernels_on("auto", cpu, torch.float32, True)
+    assert triton_kernels_on("auto", cuda, torch.bfloat16, True)
+    assert not triton_kernels_on("torch", cuda, torch.bfloat16, True)
+    assert not triton_kernels_on("auto", cuda, torch.bfloat16, False)  # bidirectional: explicit blocks
+    for device, dtype, causal in ((cpu, torch.float32, True), (cuda, torch.float32, True), (cuda, torch.float16, False)):
+        with pytest.raises(ConfigError, match="analyses.attention_kernels: triton needs a CUDA device"):
+            triton_kernels_on("triton", device, dtype, causal)
