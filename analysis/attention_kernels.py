@@ -126,7 +126,7 @@ def _launch(kernel, out, q, k, lse, validf, scale) -> None:
     kernel[(B * H, -(-T // BL))](
         q, k, lse, validf, out, H, H // k.shape[1], T, -(-T // BL),
         *q.stride(), *k.stride(), *lse.stride(), *validf.stride(), scale * LOG2E,
-        BLOCK=BL, HEAD_DIM=dh, D_PAD=triton.next_power_of_2(dh),
+        BLOCK=BL, HEAD_DIM=dh, D_PAD=max(16, triton.next_power_of_2(dh)),  # tl.dot wants 16 or more
         DOT_F32=q.device.type == "cpu" and q.dtype == torch.bfloat16, num_warps=4)
 
 

@@ -22,6 +22,7 @@ CASES = [
     (2, 2, 1, 128, 16, torch.bfloat16),  # T a whole number of tiles
     (2, 2, 2, 5, 16, torch.float32),     # shorter than the smallest tile
     (1, 1, 1, 1, 16, torch.bfloat16),    # one token
+    (2, 2, 2, 19, 8, torch.float16),     # heads narrower than tl.dot's 16 (tiny test models)
 ]
 
 
