@@ -8,12 +8,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-if not __import__("torch").cuda.is_available():  # Triton kernels run on CPU tensors through Triton's
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # interpreter, chosen before triton is first imported
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through Triton's interpreter, which
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be chosen before triton is first imported
 
 FAMILIES = ("bert", "gpt2", "gpt_neox", "llama")
 
