@@ -52,11 +52,13 @@ def _rows(ptr, base, pos, s_t, s_d, T, HEAD_DIM: tl.constexpr, D_PAD: tl.constex
 @triton.jit
 def _weights(q, k, lse, valid, m, n, scale_log2e, DOT_F32: tl.constexpr):
     """(BLOCK, BLOCK) float32 weights of queries m (rows q, their lse and validity) on keys n (rows k);
-    zero where n > m or the query is not valid. ``DOT_F32``: multiply in float32 (the interpreter's
-    bfloat16 products are wrong; products of bfloat16 numbers are exact in float32)."""
+    zero where n > m or the query is not valid. ``DOT_F32``: multiply in full float32 (the interpreter's
+    bfloat16 products are wrong, and products of bfloat16 numbers are exact in float32; float32 inputs,
+    which only tests give, would otherwise be rounded to TF32)."""
     if DOT_F32:
-        q, k = q.to(tl.float32), k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k))  # float32 accumulation
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # 16-bit inputs, float32 accumulation
     p = tl.exp2(s * scale_log2e - lse[:, None] * 1.4426950408889634)
     return tl.where((m[:, None] >= n[None, :]) & (valid[:, None] > 0), p, 0.0)
 
@@ -102,7 +104,7 @@ def _weighted_qsum_rows(q_ptr, k_ptr, lse_ptr, valid_ptr, out_ptr, n_heads, kv_g
         valid = tl.load(valid_ptr + b * sv_b + m * sv_t, mask=m < T, other=0.0)
         p = _weights(q, k, lse, valid, m, n, scale_log2e, DOT_F32)  # (BLOCK queries, BLOCK keys)
         if DOT_F32:
-            acc += tl.dot(tl.trans(p), q.to(tl.float32))
+            acc += tl.dot(tl.trans(p), q.to(tl.float32), input_precision="ieee")
         else:  # alpha rounded to the model's dtype, as FlashAttention's backward pass rounds it for dV
             acc += tl.dot(tl.trans(p).to(q.dtype), q)
     c = tl.arange(0, D_PAD)
@@ -127,7 +129,7 @@ def _launch(kernel, out, q, k, lse, validf, scale) -> None:
         q, k, lse, validf, out, H, H // k.shape[1], T, -(-T // BL),
         *q.stride(), *k.stride(), *lse.stride(), *validf.stride(), scale * LOG2E,
         BLOCK=BL, HEAD_DIM=dh, D_PAD=max(16, triton.next_power_of_2(dh)),  # tl.dot wants 16 or more
-        DOT_F32=q.device.type == "cpu" and q.dtype == torch.bfloat16, num_warps=4)
+        DOT_F32=q.dtype == torch.float32 or (q.device.type == "cpu" and q.dtype == torch.bfloat16), num_warps=4)
 
 
 def distance_profile(q, k, lse, validf, scale: float) -> torch.Tensor:

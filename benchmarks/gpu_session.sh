@@ -5,7 +5,7 @@
 # Makes the checkout importable as `actlake` without installing it (the package's subfolders are linked
 # into a temporary folder on PYTHONPATH), then runs benchmarks/gpu_suite.py per configuration at the
 # README's shapes, writing one JSON each to OUT_DIR plus the suite's profile for Pythia-410m, and prints
-# the table rows (benchmarks/gpu_table.py). CONFIG defaults to all four; the whole run takes about 15
+# the table rows (benchmarks/gpu_table.py). Before that, the Triton kernels' tests, where pytest is installed. CONFIG defaults to all four; the whole run takes about 15
 # minutes on an H100, most of it building the 6.9b model, so a 10-minute call limit wants two calls
 # (e.g. `... minilm pythia-410m llama-1b`, then `... pythia-6.9b`).
 set -euo pipefail
@@ -31,6 +31,15 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 failed=()
 suite() { "$py" "$root/benchmarks/gpu_suite.py" "$@" ${GPU_SESSION_ARGS:-} || failed+=("$*"); }
+# the Triton kernels' tests, compiled on the GPU (the same file runs through the interpreter in CI), when
+# pytest is there; first, as a kernel that does not compile or disagrees also stops the suite's runs
+if "$py" -c "import pytest" 2>/dev/null; then
+  (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/unit/test_attention_kernels.py) > "$out/kernel_tests.txt" 2>&1 \
+    || failed+=("tests/unit/test_attention_kernels.py (see $out/kernel_tests.txt)")
+  tail -n 1 "$out/kernel_tests.txt"
+else
+  echo "pytest is not installed: the kernels' tests did not run" | tee "$out/kernel_tests.txt"
+fi
 for c in "${configs[@]}"; do
   case $c in
     minilm)      suite --model-config minilm --seq-len 128 --batch-tokens 16384 --process --json "$out/minilm_16k.json" ;;
