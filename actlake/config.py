@@ -122,9 +122,9 @@ class AnalysesConfig(Section):
     attention_by_distance: bool = True
     """Mean attention weight per relative position m - n (needs explicit attention weights)."""
     attention_weights: Literal["auto", "explicit", "fused"] = "auto"
-    """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: on a GPU with a causal 16-bit model, FlashAttention kernels for the output and both masses, and the weighted sums and attention_by_distance as `attention_kernels` says; else fused on a GPU when no enabled analysis needs the weights; else explicit."""
-    attention_kernels: Literal["auto", "triton", "torch"] = "auto"
-    """Where FlashAttention serves the attention products (`attention_weights: auto`, a CUDA GPU, a causal model in bfloat16 or float16), how attention_by_distance and the weighted contributions get theirs. `triton`: two Triton kernels rebuild the weights tile by tile from q, k and the flash forward pass's log-sum-exp (no T x T matrix in memory, no backward pass; needs the `triton` package, which PyTorch's CUDA wheels install; on its first layer a worker also computes both from explicit weights, and a disagreement stops the job). `torch`: the distance profile from explicit weights in blocks, the weighted sums from FlashAttention's backward pass. `auto`: triton when the package is installed, else torch. Elsewhere (CPUs, float32 or bidirectional models) explicit weights serve both, and `triton` is refused."""
+    """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: on a GPU with a causal 16-bit model, FlashAttention kernels for the output and both masses, and the weighted sums and attention_by_distance as `triton_kernels` says; else fused on a GPU when no enabled analysis needs the weights; else explicit."""
+    triton_kernels: Optional[bool] = None
+    """Triton kernels on GPU workers (needs the `triton` package, which PyTorch's CUDA wheels install). Where FlashAttention serves the attention products (`attention_weights: auto`, a causal model in bfloat16 or float16), two kernels rebuild the weights tile by tile from q, k and the flash forward pass's log-sum-exp for attention_by_distance and the weighted contributions (no T x T matrix in memory, no backward pass); dim_moments reads each layer's hidden states once in the model's dtype and sums them in float64 in one kernel. The first use of each kernel in a worker is also computed the PyTorch way, and a disagreement stops the job. false: PyTorch operators only (explicit weights in blocks for the distance profile, FlashAttention's backward pass for the weighted sums, float64 products for the moments). null: the kernels on CUDA workers that have the package. true: required (a CPU worker, or one without the package, is an error)."""
     custom: list[CustomAnalysisConfig] = []
     """Your own analyses, run and reduced like the built-in ones (README: Your own analysis)."""
     surprisal: Optional[bool] = None
@@ -251,9 +251,6 @@ def _check_values(cfg: JobConfig, err) -> None:
             if getattr(a, name) and (name != "weighted_contributions" or a.contributions):
                 err(("analyses", "attention_weights"), f"'fused' computes no attention weights, which analyses.{name} "
                     f"needs: set analyses.{name}: false or attention_weights: explicit/auto")
-    if a.attention_kernels == "triton" and a.attention_weights != "auto":
-        err(("analyses", "attention_kernels"), f"'triton' serves the FlashAttention path of attention_weights: auto, "
-            f"not {a.attention_weights!r}: set attention_kernels: auto or torch, or attention_weights: auto")
     for i, c in enumerate(a.custom):
         module, _, cls = c.analysis.partition(":")
         if not module or not cls or not all(p.isidentifier() for p in module.split(".") + [cls]):

@@ -30,7 +30,7 @@ EXPLICIT_ONLY = frozenset({"weighted_qsum", "distance", "output"})
 FLASH = frozenset({"output", "mass", "mass_keynorm", "weighted_qsum"})
 """Products :func:`flash_products` gives (causal attention, right padding, 16-bit q and k on CUDA)."""
 TRITON = frozenset({"distance", "weighted_qsum"})
-"""Products the Triton kernels of :mod:`~actlake.analysis.attention_kernels` give on the same path."""
+"""Products the Triton kernels of :mod:`~actlake.analysis.kernels` give on the same path."""
 
 
 def block_elements(device: torch.device) -> int:
@@ -199,7 +199,7 @@ def flash_products(lq, names) -> dict:
     - ``mass_keynorm``: the same with keys rescaled to their sequence's mean norm, in float16 (the
       rescaled keys are not exact in bfloat16; 2^-11 relative instead of 2^-8).
     - with ``lq.triton``, ``weighted_qsum`` and ``distance`` (:data:`TRITON`) instead come from the Triton
-      kernels of :mod:`~actlake.analysis.attention_kernels`, given the log-sum-exp of the forward call for
+      kernels of :mod:`~actlake.analysis.kernels`, given the log-sum-exp of the forward call for
       the output or the mass (or of one made for them): no backward pass.
 
     Outputs are rounded to the kernel's dtype (bfloat16: 2^-9 relative per entry), then summed in
@@ -238,7 +238,7 @@ def flash_products(lq, names) -> dict:
             o = flash(q.half(), k16, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
             out["mass_keynorm"] = o[..., :C].float() * valid
     if kernels:  # the weights again, tile by tile, from the log-sum-exp of a forward call above
-        from actlake.analysis.attention_kernels import layer_products
+        from actlake.analysis.kernels import layer_products
 
         out.update(layer_products(lq, kernels, lse))
     return {n: out[n] for n in names}
@@ -250,24 +250,23 @@ def flash_applies(lq_query: torch.Tensor, batch) -> bool:
             and batch.causal and batch.lengths is not None and lq_query.shape[-1] <= 256)
 
 
-def triton_kernels_on(setting: str, device: torch.device, dtype: torch.dtype, causal: bool) -> bool:
-    """Whether the Triton kernels give the :data:`TRITON` products (``analyses.attention_kernels``): only
-    where :func:`flash_products` serves the layers (CUDA, a causal 16-bit model). ``triton`` elsewhere, or
-    without the package, is a ConfigError."""
+def triton_kernels_on(setting: bool | None, device: torch.device) -> bool:
+    """Whether this worker uses the Triton kernels of :mod:`~actlake.analysis.kernels`
+    (``analyses.triton_kernels``): on a CUDA device with the package installed, unless ``setting`` is
+    False. True where they cannot run is a ConfigError. (The attention kernels serve only the layers
+    :func:`flash_products` serves.)"""
     import importlib.util
 
     from actlake.errors import ConfigError
 
-    applies = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and causal
     installed = importlib.util.find_spec("triton") is not None
-    if setting == "triton" and not applies:
-        raise ConfigError(f"analyses.attention_kernels: triton needs a CUDA device and a causal model in bfloat16 or "
-                          f"float16; this worker has {device.type}, {str(dtype).removeprefix('torch.')}, "
-                          f"{'causal' if causal else 'bidirectional'} (set it to auto or torch)")
-    if setting == "triton" and not installed:
-        raise ConfigError("analyses.attention_kernels: triton needs the triton package on the workers (pip "
-                          "install triton), or set it to auto or torch")
-    return setting != "torch" and applies and installed
+    if setting and device.type != "cuda":
+        raise ConfigError(f"analyses.triton_kernels: true needs a CUDA device; this worker has {device.type} "
+                          "(set it to null or false)")
+    if setting and not installed:
+        raise ConfigError("analyses.triton_kernels: true needs the triton package on the workers (pip install "
+                          "triton); set it to null or false")
+    return setting is not False and device.type == "cuda" and installed
 
 
 def fused_products(lq, names) -> dict:

@@ -15,6 +15,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
+from actlake.analysis.device import to_device
 from actlake.analysis.moments import GroupSums, Moments
 from actlake.analysis.protocol import Analysis, OneTable
 from actlake.analysis.stats import np64, tensor
@@ -66,7 +67,8 @@ class DimMoments(OneTable, Analysis):
         return cls(Moments(z(L1, G), z(L1, G, d), z(L1, G, d), z(L1, G, d)), z(L1))
 
     def add_hidden(self, hidden_states, batch) -> None:
-        part = DimMoments.from_batch(hidden_states, batch.valid, batch.role, batch.type8, exact_nonfinite=batch.strict)
+        part = DimMoments.from_batch(hidden_states, batch.valid, batch.role, batch.type8, exact_nonfinite=batch.strict,
+                                     kernel=batch.triton)
         merged = self.merge(part)
         self.moments, self.nonfinite, self.unchecked = merged.moments, merged.nonfinite, part.unchecked
 
@@ -74,17 +76,22 @@ class DimMoments(OneTable, Analysis):
         return [] if self.unchecked is None else [(~torch.isfinite(self.unchecked)).double()]
 
     @classmethod
-    def from_batch(cls, hidden_states, valid, role, type8, exact_nonfinite: bool = True) -> "DimMoments":
+    def from_batch(cls, hidden_states, valid, role, type8, exact_nonfinite: bool = True, kernel: bool = False) -> "DimMoments":
         """hidden_states: L+1 tensors (B, T, d) on the model's device; valid/role/type8: (B, T) (the host's).
 
         ``exact_nonfinite``: look for inf/NaN in each layer and leave those tokens out (a host sync per
         layer). False: assume every value is finite and keep in :attr:`unchecked` (a device scalar) the
         sum of every value, which is not finite if one was not; :meth:`problems` says so, the caller
         reads that once per batch and recomputes with True if so.
+        ``kernel``: with ``exact_nonfinite`` False, each layer's sums and maxima from one Triton kernel
+        (:func:`~actlake.analysis.kernels.group_moments`: hidden states read once in their dtype) instead of
+        float64 products; :attr:`unchecked` is then the sum of the valid tokens' values, the ones that count.
         """
         dev = hidden_states[0].device
         L1, d, G = len(hidden_states), hidden_states[0].shape[-1], len(GROUPS)
         host_ids = group_ids(valid, role, type8).reshape(-1, 3)  # (B*T, 3)
+        if kernel and not exact_nonfinite:
+            return cls._from_kernel(hidden_states, host_ids, G, d)
         work = GroupSums(host_ids, G, d, device=dev)  # shared by the layers
         ids = work.ids
         # every layer's sums and maxima go into one buffer each; the moments follow for all layers at once
@@ -108,6 +115,30 @@ class DimMoments(OneTable, Analysis):
             layer_work.max_abs(x, out=top[layer])
         out = cls(Moments.from_sums(torch.stack(counts), sums[..., :d], sums[..., d:], top[:, :G]), nonfinite)
         out.unchecked = unchecked if not exact_nonfinite else None
+        return out
+
+    @classmethod
+    def _from_kernel(cls, hidden_states, host_ids: torch.Tensor, G: int, d: int) -> "DimMoments":
+        """:meth:`from_batch` without the inf/NaN search, each layer by :func:`~actlake.analysis.kernels.group_moments`."""
+        from actlake.analysis import kernels
+
+        dev, L1 = hidden_states[0].device, len(hidden_states)
+        ids = to_device(torch.cat([host_ids, torch.full_like(host_ids[:, :1], G)], 1).int(), dev)  # S = 4 for tl.arange
+        count = to_device(torch.bincount(host_ids.flatten(), minlength=G + 1)[:G].double(), dev)  # (G,)
+        acc = torch.empty(L1, 3, G, d, dtype=torch.float64, device=dev)  # (sum, sum of squares, max |x|) per layer
+        for layer, h in enumerate(hidden_states):
+            kernels.group_moments(h.reshape(-1, d).to(dev), ids, G, out=acc[layer])  # device_map: to the first device
+        if ("moments", dev) not in kernels._verified:  # the first batch of a process: the float64 products too
+            x = hidden_states[-1].reshape(-1, d).to(dev)
+            work = GroupSums(host_ids, G, d, device=dev)
+            _, sums, sq = work.sums(x)
+            pairs = (("sums", acc[-1, 0], sums), ("squares", acc[-1, 1], sq), ("max |x|", acc[-1, 2], work.max_abs(x)))
+            if all([kernels.check_agreement(f"dim_moments, last layer, {name}", got, want.double())
+                    for name, got, want in pairs]):
+                kernels._verified.add(("moments", dev))
+        out = cls(Moments.from_sums(count.expand(L1, G).clone(), acc[:, 0], acc[:, 1], acc[:, 2]),
+                  torch.zeros(L1, dtype=torch.float64, device=dev))
+        out.unchecked = acc[:, 0].sum()  # inf/NaN in any valid token's value makes it non-finite
         return out
 
     def merge(self, other: "DimMoments") -> "DimMoments":

@@ -246,7 +246,7 @@ class LayerQK:
     """(query, key, value) as the model's kernel received them (its dtype), for ``method == "flash"``."""
     triton: bool = False
     """With ``method == "flash"``: the ``distance`` and ``weighted_qsum`` products from the Triton kernels
-    (:mod:`~actlake.analysis.attention_kernels`) instead of explicit blocks and FlashAttention's backward."""
+    (:mod:`~actlake.analysis.kernels`) instead of explicit blocks and FlashAttention's backward."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     # shortcuts to the batch

@@ -60,6 +60,8 @@ class HiddenBatch:
     strict: bool
     """Look for inf/NaN values as they come (may read the device back). False: count them on the device
     and report them through :meth:`Analysis.problems`; the batch is then run again strictly."""
+    triton: bool = False
+    """The worker uses Triton kernels (:mod:`~actlake.analysis.kernels`; a CUDA device)."""
 
 
 class Analysis(ABC):

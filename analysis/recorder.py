@@ -51,7 +51,7 @@ class AttentionRecorder:
     ``reuse_attention``: when the weights are computed explicitly anyway, hand the model its attention
     output from them instead of running the SDPA kernel a second time.
     ``triton``: on layers FlashAttention serves, the distance profile and the weighted sums from the
-    Triton kernels (:mod:`~actlake.analysis.attention_kernels`).
+    Triton kernels (:mod:`~actlake.analysis.kernels`).
     ``strict``: check each layer's mask and look for inf/NaN tokens as it comes (both read a value back
     from the device, once per layer). False: assume both are fine and count on the device what
     contradicts it (:meth:`problems`); the caller reads that once per batch and, if it is not zero,

@@ -34,8 +34,8 @@ suite() { "$py" "$root/benchmarks/gpu_suite.py" "$@" ${GPU_SESSION_ARGS:-} || fa
 # the Triton kernels' tests, compiled on the GPU (the same file runs through the interpreter in CI), when
 # pytest is there; first, as a kernel that does not compile or disagrees also stops the suite's runs
 if "$py" -c "import pytest" 2>/dev/null; then
-  (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/unit/test_attention_kernels.py) > "$out/kernel_tests.txt" 2>&1 \
-    || failed+=("tests/unit/test_attention_kernels.py (see $out/kernel_tests.txt)")
+  (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py) > "$out/kernel_tests.txt" 2>&1 \
+    || failed+=("tests/unit/test_kernels.py (see $out/kernel_tests.txt)")
   tail -n 1 "$out/kernel_tests.txt"
 else
   echo "pytest is not installed: the kernels' tests did not run" | tee "$out/kernel_tests.txt"

@@ -12,9 +12,9 @@ Variants, each on the same batches in turn, best of --rounds per batch:
 
 - plain:     the model's forward pass (SDPA), nothing captured;
 - suite:     ``Extractor.run_batch`` with the default analyses (what ``actlake run`` computes);
-- torch:     the suite without the Triton kernels (``analyses.attention_kernels: torch``): the distance
-             profile from explicit weights in blocks, the weighted sums from FlashAttention's backward pass
-             (the same as suite where the kernels do not apply);
+- torch:     the suite without the Triton kernels (``analyses.triton_kernels: false``): the distance
+             profile from explicit weights in blocks, the weighted sums from FlashAttention's backward pass,
+             the moments from float64 products (the same as suite where the kernels do not apply);
 - attention: the suite without the hidden-state statistics (residual norms, moments);
 - fused:     mass, contributions and geometry only (no attention-weighted sums, no distance profile);
 - habit:     the cache-then-analyse habit's first step: every hidden state copied to the host.
@@ -156,7 +156,7 @@ def extractor(name: str, lm, args):
     if name == "attention":
         analyses.update(residual_norms=False, dim_moments=False)
     if name == "torch":
-        analyses.update(attention_kernels="torch")
+        analyses.update(triton_kernels=False)
     if name == "fused":
         analyses.update(residual_norms=False, dim_moments=False, attention_weights="fused",
                         weighted_contributions=False, attention_by_distance=False)

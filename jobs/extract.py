@@ -50,7 +50,7 @@ class Extractor:
         self.store_layers = resolve_layers(cfg.activations.layers, lm.model.config.num_hidden_layers)
         self.analyses = enabled(cfg.analyses)  # (class, options) per enabled analysis
         m = self.mqk
-        self.triton = triton_kernels_on(cfg.analyses.attention_kernels, lm.device, lm.dtype, lm.family.causal)
+        self.triton = triton_kernels_on(cfg.analyses.triton_kernels, lm.device)
         self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
                               cfg.tokenization.max_length, lm.device)
 
@@ -137,7 +137,7 @@ class Extractor:
         if a.residual_norms:
             result.norms = to_host(residual_norms(hs))
         for x in hidden:
-            x.add_hidden(hs, HiddenBatch(mask, role, type8, strict))
+            x.add_hidden(hs, HiddenBatch(mask, role, type8, strict, self.triton))
         if self.store_layers:
             keep = [i for i, w in enumerate(batch) if window_sampled(self.cfg.activations, w.doc_id, w.window)]
             rows = to_device(torch.tensor(keep, dtype=torch.long), hs[0].device)

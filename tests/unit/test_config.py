@@ -38,13 +38,6 @@ def test_fused_attention_weights_refuse_analyses_that_need_the_weights(tmp_path)
     assert load_config(_write(tmp_path, ok), check_files=False).analyses.attention_weights == "fused"
 
 
-def test_the_triton_kernels_need_the_flash_path(tmp_path):
-    p = _write(tmp_path, "analyses:\n  attention_weights: explicit\n  attention_kernels: triton\n")
-    with pytest.raises(ConfigError, match=r"line 3.*analyses.attention_kernels.*'triton' serves the FlashAttention path"):
-        load_config(p, check_files=False)
-    for ok in ("explicit\n  attention_kernels: torch", "auto\n  attention_kernels: triton"):
-        assert load_config(_write(tmp_path, f"analyses:\n  attention_weights: {ok}\n"), check_files=False)
-
 
 def test_missing_corpus_file_and_model_folder(tmp_path):
     p = _write(tmp_path, f"corpus:\n  paths: [{tmp_path}/nothing/*.jsonl]\n")

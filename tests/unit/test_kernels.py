@@ -1,4 +1,4 @@
-"""The Triton kernels of analysis/attention_kernels.py against the explicit weights' products, compiled on
+"""The Triton kernels of analysis/kernels.py against the explicit weights' products and the PyTorch moments, compiled on
 CUDA tensors where there is a GPU, else through Triton's interpreter on CPU tensors (conftest.py sets
 TRITON_INTERPRET=1 there): causal windows with right padding, grouped-query heads, head
 sizes that are not powers of two, windows shorter than one tile and not a whole number of tiles, and
@@ -46,7 +46,7 @@ def _layer(B, H, H_kv, T, dh, dtype, seed=0):
 
 @pytest.mark.parametrize("B,H,H_kv,T,dh,dtype", CASES)
 def test_distance_kernel_equals_the_explicit_weights_profile(B, H, H_kv, T, dh, dtype):
-    from actlake.analysis.attention_kernels import distance_profile
+    from actlake.analysis.kernels import distance_profile
 
     lq, lse = _layer(B, H, H_kv, T, dh, dtype)
     want = explicit_products(lq, {"distance"})["distance"]
@@ -63,7 +63,7 @@ def test_weighted_qsum_kernel_equals_the_explicit_weights_sums(B, H, H_kv, T, dh
     """sum_m alpha_mn q_m at each key, over valid queries. On a GPU the kernel rounds alpha to the
     model's dtype before the product (as FlashAttention's backward pass does): bfloat16's 2^-9, float16's
     2^-11 relative per weight; on CPU tensors bfloat16 is multiplied in float32."""
-    from actlake.analysis.attention_kernels import weighted_qsum
+    from actlake.analysis.kernels import weighted_qsum
 
     lq, lse = _layer(B, H, H_kv, T, dh, dtype, seed=1)
     want = explicit_products(lq, {"weighted_qsum"})["weighted_qsum"]
@@ -79,29 +79,81 @@ def test_weighted_qsum_kernel_equals_the_explicit_weights_sums(B, H, H_kv, T, dh
 def test_layer_products_refuse_kernels_that_disagree_with_the_weights():
     """The first layer a process runs on a device is compared with explicit weights: a log-sum-exp in the
     wrong units (log2 instead of natural log) stops the run, naming the setting that avoids the kernels."""
-    from actlake.analysis import attention_kernels
+    from actlake.analysis import kernels
 
     lq, lse = _layer(2, 2, 2, 20, 16, torch.bfloat16)
-    dev = lq.native[0].device  # cuda:0 where DEVICE says cuda
-    attention_kernels._verified.discard(dev)
-    with pytest.raises(AnalysisError, match="attention_kernels: torch"):
-        attention_kernels.layer_products(lq, {"distance", "weighted_qsum"}, lse * 1.4426950408889634)
-    assert dev not in attention_kernels._verified
+    dev = ("attention", lq.native[0].device)  # cuda:0 where DEVICE says cuda
+    kernels._verified.discard(dev)
+    with pytest.raises(AnalysisError, match="triton_kernels: false"):
+        kernels.layer_products(lq, {"distance", "weighted_qsum"}, lse * 1.4426950408889634)
+    assert dev not in kernels._verified
     longer = torch.cat([lse, lse[..., :3]], -1)  # kernels that pad the log-sum-exp's last axis
-    got = attention_kernels.layer_products(lq, {"distance", "weighted_qsum"}, longer)
-    assert dev in attention_kernels._verified
+    got = kernels.layer_products(lq, {"distance", "weighted_qsum"}, longer)
+    assert dev in kernels._verified
     want = explicit_products(lq, {"distance", "weighted_qsum"})
     for name in want:
         tol = 1e-5 if DEVICE.type == "cpu" else 1e-2 * want[name].abs().max().item()
         torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol)
 
 
-def test_the_kernels_serve_only_the_flash_path():
+def test_the_kernels_serve_cuda_workers_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert not triton_kernels_on("auto", cpu, torch.float32, True)
-    assert triton_kernels_on("auto", cuda, torch.bfloat16, True)
-    assert not triton_kernels_on("torch", cuda, torch.bfloat16, True)
-    assert not triton_kernels_on("auto", cuda, torch.bfloat16, False)  # bidirectional: explicit blocks
-    for device, dtype, causal in ((cpu, torch.float32, True), (cuda, torch.float32, True), (cuda, torch.float16, False)):
-        with pytest.raises(ConfigError, match="analyses.attention_kernels: triton needs a CUDA device"):
-            triton_kernels_on("triton", device, dtype, causal)
+    assert not triton_kernels_on(None, cpu) and not triton_kernels_on(False, cpu)
+    assert triton_kernels_on(None, cuda) and triton_kernels_on(True, cuda)  # triton is installed here
+    assert not triton_kernels_on(False, cuda)
+    with pytest.raises(ConfigError, match="analyses.triton_kernels: true needs a CUDA device; this worker has cpu"):
+        triton_kernels_on(True, cpu)
+
+
+def _hidden(L1=3, B=3, T=50, d=70, dtype=torch.bfloat16, seed=2):
+    """Hidden states (outlier dimensions included) with padding, role and type8 ids, as add_hidden sees them."""
+    g = torch.Generator().manual_seed(seed)
+    hs = [(torch.randn(B, T, d, generator=g) + torch.linspace(-40, 60, d)).to(DEVICE, dtype) for _ in range(L1)]
+    valid = torch.ones(B, T, dtype=torch.long)
+    valid[1, 31:] = 0
+    valid[2, 5:] = 0
+    return hs, valid, torch.randint(0, 4, (B, T), generator=g), torch.randint(0, 8, (B, T), generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_group_moments_kernel_equals_the_float64_products(dtype):
+    """Sums, sums of squares and maxima per group: 150 rows (not a whole number of 128-row tiles), 70
+    dimensions (not of 64), rows in no group, three partitions."""
+    from actlake.analysis.dim_moments import GROUPS, group_ids
+    from actlake.analysis.kernels import group_moments
+    from actlake.analysis.moments import GroupSums
+
+    hs, valid, role, type8 = _hidden(dtype=dtype)
+    ids = group_ids(valid, role, type8).reshape(-1, 3)
+    x = hs[0].reshape(-1, hs[0].shape[-1])
+    got = group_moments(x, ids.to(DEVICE), len(GROUPS))
+    work = GroupSums(ids, len(GROUPS), x.shape[1], device=DEVICE, segmented=False)
+    _, sums, sq = work.sums(x.double())
+    torch.testing.assert_close(got[0], sums, rtol=1e-12, atol=1e-9)
+    torch.testing.assert_close(got[1], sq, rtol=1e-12, atol=1e-9)
+    assert torch.equal(got[2], work.max_abs(x.double()))  # maxima are exact
+
+
+def test_dim_moments_from_the_kernel_equal_the_strict_path():
+    """DimMoments of a batch through the kernel (non-strict, as on a GPU) against the strict PyTorch path;
+    the unchecked sum turns non-finite when a valid token holds an inf, not when a padded one does."""
+    from actlake.analysis import kernels
+    from actlake.analysis.dim_moments import DimMoments
+
+    hs, valid, role, type8 = _hidden()
+    kernels._verified.discard(("moments", hs[0].device))
+    want = DimMoments.from_batch(hs, valid, role, type8, exact_nonfinite=True)
+    got = DimMoments.from_batch(hs, valid, role, type8, exact_nonfinite=False, kernel=True)
+    for f in ("count", "mean", "m2", "max_abs"):
+        torch.testing.assert_close(getattr(got.moments, f), getattr(want.moments, f), rtol=1e-10, atol=1e-8)
+    assert bool(torch.isfinite(got.unchecked)) and not got.problems()[0].any()
+    assert ("moments", hs[0].device) in kernels._verified  # the first batch was checked against PyTorch
+    kernels._verified.discard(("moments", hs[0].device))
+    hs[-1][0, 7, 3] = float("inf")  # an inf in the compared layer: no comparison, no error; the strict rerun tells
+    assert DimMoments.from_batch(hs, valid, role, type8, False, kernel=True).problems()[0].any()
+    assert ("moments", hs[0].device) not in kernels._verified
+    hs[-1][0, 7, 3] = 0.0
+    hs[1][2, 40, 3] = float("inf")  # padding: counts for no statistic
+    assert bool(torch.isfinite(DimMoments.from_batch(hs, valid, role, type8, False, kernel=True).unchecked))
+    hs[1][0, 7, 3] = float("inf")
+    assert DimMoments.from_batch(hs, valid, role, type8, False, kernel=True).problems()[0].any()

@@ -1,6 +1,7 @@
-"""Triton kernels for the products of causal attention weights that FlashAttention does not give cheaply.
+"""Triton kernels for what PyTorch operators give only at many times the memory traffic on a GPU.
 
-Both rebuild the weights tile by tile from q, k and the softmax's log-sum-exp per query, which the
+Attention (the FlashAttention path: causal, right padding, 16-bit): two products of the weights that
+FlashAttention does not give cheaply. Both rebuild the weights tile by tile from q, k and the softmax's log-sum-exp per query, which the
 FlashAttention forward call made anyway (for the output or the mass) returns: alpha = exp(scale q.k
 - lse), on tensor cores in the model's dtype, like the kernel that computed the layer's output. No
 T x T matrix is ever in memory, and tiles above the causal diagonal are skipped.
@@ -16,6 +17,11 @@ T x T matrix is ever in memory, and tiles above the causal diagonal are skipped.
   per (sequence, head, key block) walks the query blocks at or after it: two products per tile (QK^T and
   alpha^T Q), where FlashAttention's backward pass, which gave it as dV, makes five (it also computes dQ
   and dK, which nothing reads).
+
+Residual stream (:func:`group_moments`): per group of tokens and dimension, the sum, the sum of squares
+and the largest |x| of one layer's hidden states, read once in the model's dtype and summed in float64,
+where the PyTorch path writes and reads [x | x^2] as float64 (16 times the bytes of a bfloat16 x) for a
+product with the membership matrix.
 
 CPU tests run the same kernels through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is
 imported), on small shapes, against the explicit weights. :func:`layer_products` also compares them with
@@ -35,10 +41,10 @@ from actlake.errors import AnalysisError
 
 LOG2E = 1.4426950408889634
 AGREEMENT = 1e-2
-"""Largest |kernel - explicit weights| / largest |value| allowed at the first layer a process runs on a
-device; 16-bit inputs put the two about 1e-3 apart at most, a wrong log-sum-exp convention or a
-miscompiled kernel far more."""
-_verified: set = set()  # devices whose kernels matched the explicit weights in this process
+"""Largest |kernel - PyTorch| / largest |value| allowed at the first use of a kernel on a device in a
+process; 16-bit inputs put the attention products about 1e-3 apart at most (the moments, float64 both
+ways, 1e-15), a wrong log-sum-exp convention or a miscompiled kernel far more."""
+_verified: set = set()  # (kernel, device) pairs that matched the PyTorch path in this process
 
 
 @triton.jit
@@ -173,19 +179,76 @@ def layer_products(lq, names, lse: torch.Tensor) -> dict:
         out["distance"] = distance_profile(*args)
     if "weighted_qsum" in names:
         out["weighted_qsum"] = weighted_qsum(*args)
-    if q.device not in _verified and out:
+    if ("attention", q.device) not in _verified and out:
         ref = explicit_products(lq, set(out), max_elements=lq.max_elements)
-        for name, value in out.items():
-            err = float((value - ref[name]).abs().max() / ref[name].abs().max().clamp(min=1e-30))
-            if not err <= AGREEMENT:
-                raise AnalysisError(
-                    f"attention layer {lq.layer}: the Triton kernel for {name} disagrees with explicit attention "
-                    f"weights on {q.device} (largest difference {err:.2e} of the largest value); set "
-                    "analyses.attention_kernels: torch and report this with your GPU, torch and triton versions")
-        _verified.add(q.device)
+        if all([check_agreement(f"attention layer {lq.layer}: {name}", value, ref[name]) for name, value in out.items()]):
+            _verified.add(("attention", q.device))
     return out
+
+
+def check_agreement(what: str, kernel: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Raise AnalysisError when a kernel's output is further than :data:`AGREEMENT` (relative to the largest
+    |value|) from what PyTorch operators give for the same input (one host synchronisation). False, without
+    comparing, when the reference is not finite: the input held inf/NaN, and the batch runs again strictly."""
+    if not bool(torch.isfinite(reference).all()):
+        return False
+    err = float((kernel - reference).abs().max() / reference.abs().max().clamp(min=1e-30))
+    if not err <= AGREEMENT:
+        raise AnalysisError(
+            f"{what}: the Triton kernel disagrees with PyTorch on {kernel.device} (largest difference {err:.2e} of "
+            "the largest value); set analyses.triton_kernels: false and report this with your GPU, torch and triton "
+            "versions")
+    return True
 
 
 def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: on CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+@triton.jit
+def _group_moments_tiles(x_ptr, ids_ptr, out_ptr, N, d, n_groups, sx_n, sx_d, si_n, si_s,
+                         S: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """Program (row tile r, column tile c): for each group g, the float64 sum, sum of squares and max |x|
+    over the tile's rows in g (a row is in g when any of its S partition ids is g), written to
+    out[0..2, r, g, columns] (out: (3, R, G, d) float64, contiguous)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    rows = r * BR + tl.arange(0, BR)
+    cols = c * BD + tl.arange(0, BD)
+    inside = (rows[:, None] < N) & (cols[None, :] < d)
+    x = tl.load(x_ptr + rows[:, None] * sx_n + cols[None, :] * sx_d, mask=inside, other=0.0).to(tl.float64)
+    ids = tl.load(ids_ptr + rows[:, None] * si_n + tl.arange(0, S)[None, :] * si_s,
+                  mask=rows[:, None] < N, other=n_groups)  # (BR, S); n_groups: no group
+    plane = (tl.num_programs(0) * n_groups).to(tl.int64) * d  # elements per output (R * G * d)
+    for g in range(n_groups):
+        member = tl.max((ids == g).to(tl.int32), axis=1) > 0  # (BR,)
+        xs = tl.where(member[:, None], x, 0.0)
+        at = out_ptr + (r * n_groups + g) * d + cols
+        tl.store(at, tl.sum(xs, axis=0), mask=cols < d)
+        tl.store(at + plane, tl.sum(xs * xs, axis=0), mask=cols < d)
+        tl.store(at + 2 * plane, tl.max(tl.abs(xs), axis=0), mask=cols < d)
+
+
+def group_moments(x: torch.Tensor, ids: torch.Tensor, n_groups: int, out: torch.Tensor | None = None,
+                  rows: int = 128, cols: int = 64) -> torch.Tensor:
+    """(3, G, d) float64: per group, the sum, the sum of squares and the largest |x| of ``x`` (N, d) (any
+    float dtype), over the groups of ``ids`` (N, S) int (a row's group in each of S partitions;
+    ``n_groups``: none). Empty groups give zeros. Float64 sums within tiles of ``rows`` rows, then over
+    the tiles (deterministic: no atomics); maxima are exact. ``out``: a contiguous (3, G, d) float64
+    tensor to write into."""
+    if x.device.type != "cuda" and not interpreted():
+        raise ValueError("the Triton kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests)")
+    N, d = x.shape
+    S = ids.shape[1]
+    if S & (S - 1):  # tl.arange needs a power of two
+        pad = triton.next_power_of_2(S) - S
+        ids = torch.cat([ids, ids.new_full((N, pad), n_groups)], 1)
+    R = max(1, -(-N // rows))
+    tiles = torch.empty(3, R, n_groups, d, dtype=torch.float64, device=x.device)
+    _group_moments_tiles[(R, -(-d // cols))](x, ids, tiles, N, d, n_groups, *x.stride(), *ids.stride(),
+                                               S=ids.shape[1], BR=rows, BD=cols, num_warps=8)
+    out = torch.empty(3, n_groups, d, dtype=torch.float64, device=x.device) if out is None else out
+    torch.sum(tiles[:2], 1, out=out[:2])
+    torch.amax(tiles[2], 0, out=out[2])
+    return out
