@@ -1,10 +1,11 @@
 """Triton kernels for what PyTorch operators give only at many times the memory traffic on a GPU.
 
 Attention (the FlashAttention path: causal, right padding, 16-bit): two products of the weights that
-FlashAttention does not give cheaply. Both rebuild the weights tile by tile from q, k and the softmax's log-sum-exp per query, which the
-FlashAttention forward call made anyway (for the output or the mass) returns: alpha = exp(scale q.k
-- lse), on tensor cores in the model's dtype, like the kernel that computed the layer's output. No
-T x T matrix is ever in memory, and tiles above the causal diagonal are skipped.
+FlashAttention does not give cheaply. Both rebuild the weights tile by tile from q, k and the softmax's
+log-sum-exp per query, which the FlashAttention forward call made anyway (for the output or the mass)
+returns: alpha = exp(scale q.k - lse), on tensor cores in the model's dtype, like the kernel that
+computed the layer's output. No T x T matrix is ever in memory, and tiles above the causal diagonal
+are skipped.
 
 - :func:`distance_profile` (METHODS.md §4): for every head and distance m - n, the summed weight. Grouping
   by m - n inside a tile has no matrix form, so the kernel does not group: one program per (sequence,
@@ -20,12 +21,13 @@ T x T matrix is ever in memory, and tiles above the causal diagonal are skipped.
 
 Residual stream (:func:`group_moments`): per group of tokens and dimension, the sum, the sum of squares
 and the largest |x| of one layer's hidden states, read once in the model's dtype and summed in float64,
-where the PyTorch path writes and reads [x | x^2] as float64 (16 times the bytes of a bfloat16 x) for a
-product with the membership matrix.
+where the PyTorch path writes and reads [x | x^2] in float64 (16 bytes per value, where a bfloat16 x has 2)
+for a product with the membership matrix.
 
 CPU tests run the same kernels through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is
-imported), on small shapes, against the explicit weights. :func:`layer_products` also compares them with
-the explicit weights on the first layer a process runs on each device.
+imported), on small shapes, against the PyTorch way. In a job, the first use of each kernel on a device
+is also compared with the PyTorch way (:func:`layer_products`, ``DimMoments._from_kernel``;
+:func:`check_agreement`).
 """
 
 from __future__ import annotations
