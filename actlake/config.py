@@ -120,7 +120,7 @@ class AnalysesConfig(Section):
     geometry: bool = True
     """Mean ||q||, ||k||, cos(q, k) per key category and the key-normalised attention mass."""
     attention_by_distance: bool = True
-    """Mean attention weight per relative position m - n (needs explicit attention weights)."""
+    """Mean attention weight per relative position m - n (needs the weights: explicit blocks, or a Triton kernel on the FlashAttention path; not `attention_weights: fused`)."""
     attention_weights: Literal["auto", "explicit", "fused"] = "auto"
     """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: on a GPU with a causal 16-bit model, FlashAttention kernels for the output and both masses, and the weighted sums and attention_by_distance as `triton_kernels` says; else fused on a GPU when no enabled analysis needs the weights; else explicit."""
     triton_kernels: Optional[bool] = None
