@@ -245,15 +245,25 @@ def flash_products(lq, names) -> dict:
 
 
 def flash_applies(lq_query: torch.Tensor, batch) -> bool:
-    """Whether :func:`flash_products` can serve this layer: CUDA, 16-bit q, causal, right padding."""
+    """Whether :func:`flash_products` can serve this layer: CUDA with FlashAttention (compute capability 8.0
+    or newer), 16-bit q, head size a multiple of 8 up to 256, causal, right padding."""
     return (lq_query.device.type == "cuda" and lq_query.dtype in (torch.bfloat16, torch.float16)
-            and batch.causal and batch.lengths is not None and lq_query.shape[-1] <= 256)
+            and batch.causal and batch.lengths is not None and lq_query.shape[-1] <= 256
+            and lq_query.shape[-1] % 8 == 0 and ampere_or_newer(lq_query.device))
+
+
+def ampere_or_newer(device: torch.device) -> bool:
+    """Compute capability 8.0 or newer (FlashAttention's kernels, Triton's bfloat16 products). True where
+    CUDA is not present to ask (tests that only name a CUDA device)."""
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def triton_kernels_on(setting: bool | None, device: torch.device) -> bool:
     """Whether this worker uses the Triton kernels of :mod:`~actlake.analysis.kernels`
-    (``analyses.triton_kernels``): on a CUDA device with the package installed, unless ``setting`` is
-    False. True where they cannot run is a ConfigError. (The attention kernels serve only the layers
+    (``analyses.triton_kernels``): on a CUDA device of compute capability 8.0 or newer with the package
+    installed, unless ``setting`` is False. True where they cannot run is a ConfigError. (The attention kernels serve only the layers
     :func:`flash_products` serves.)"""
     import importlib.util
 
@@ -263,6 +273,11 @@ def triton_kernels_on(setting: bool | None, device: torch.device) -> bool:
     if setting and device.type != "cuda":
         raise ConfigError(f"analyses.triton_kernels: true needs a CUDA device; this worker has {device.type} "
                           "(set it to null or false)")
+    if device.type == "cuda" and not ampere_or_newer(device):
+        if setting:
+            raise ConfigError(f"analyses.triton_kernels: true needs a GPU of compute capability 8.0 or newer; "
+                              f"{device} has {torch.cuda.get_device_capability(device)} (set it to null or false)")
+        return False
     if setting and not installed:
         raise ConfigError("analyses.triton_kernels: true needs the triton package on the workers (pip install "
                           "triton); set it to null or false")

@@ -32,6 +32,7 @@ is also compared with the PyTorch way (:func:`layer_products`, ``DimMoments._fro
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -69,6 +70,18 @@ def _weights(q, k, lse, valid, m, n, scale_log2e, DOT_F32: tl.constexpr):
         s = tl.dot(q, tl.trans(k))  # 16-bit inputs, float32 accumulation
     p = tl.exp2(s * scale_log2e - lse[:, None] * 1.4426950408889634)
     return tl.where((m[:, None] >= n[None, :]) & (valid[:, None] > 0), p, 0.0)
+
+
+@triton.jit
+def _weights_t(q, k, lse, valid, m, n, scale_log2e, DOT_F32: tl.constexpr):
+    """:func:`_weights` transposed, (BLOCK keys, BLOCK queries), computed as k q^T: already in the layout
+    of the accumulator of a product alpha^T Q (no conversion through shared memory)."""
+    if DOT_F32:
+        s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(k, tl.trans(q))
+    p = tl.exp2(s * scale_log2e - lse[None, :] * 1.4426950408889634)
+    return tl.where((m[None, :] >= n[:, None]) & (valid[None, :] > 0), p, 0.0)
 
 
 @triton.jit
@@ -110,19 +123,33 @@ def _weighted_qsum_rows(q_ptr, k_ptr, lse_ptr, valid_ptr, out_ptr, n_heads, kv_g
         q = _rows(q_ptr, b * sq_b + h * sq_h, m, sq_t, sq_d, T, HEAD_DIM, D_PAD)
         lse = tl.load(lse_ptr + b * sl_b + h * sl_h + m * sl_t, mask=m < T, other=0.0)
         valid = tl.load(valid_ptr + b * sv_b + m * sv_t, mask=m < T, other=0.0)
-        p = _weights(q, k, lse, valid, m, n, scale_log2e, DOT_F32)  # (BLOCK queries, BLOCK keys)
+        pt = _weights_t(q, k, lse, valid, m, n, scale_log2e, DOT_F32)  # (BLOCK keys, BLOCK queries)
         if DOT_F32:
-            acc += tl.dot(tl.trans(p), q.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(pt, q.to(tl.float32), input_precision="ieee")
         else:  # alpha rounded to the model's dtype, as FlashAttention's backward pass rounds it for dV
-            acc += tl.dot(tl.trans(p).to(q.dtype), q)
+            acc += tl.dot(pt.to(q.dtype), q)
     c = tl.arange(0, D_PAD)
     tl.store(out_ptr + ((bh * T + n[:, None]) * HEAD_DIM + c[None, :]), acc,
              mask=(n[:, None] < T) & (c[None, :] < HEAD_DIM))
 
 
-def block_size(T: int) -> int:
-    """Queries (and keys) per tile: 64, or less for short windows (at least 16, what tl.dot needs)."""
-    return max(16, min(64, triton.next_power_of_2(T)))
+def block_size(T: int, head_dim: int = 64) -> int:
+    """Queries (and keys) per tile: 64 (32 for heads of more than 128 dimensions, which would spill
+    registers), or less for short windows (at least 16, what tl.dot needs)."""
+    return max(16, min(64 if head_dim <= 128 else 32, triton.next_power_of_2(T)))
+
+
+def _run(kernel, grid, device: torch.device, *args, **meta) -> None:
+    """Launch ``kernel`` on ``device`` (Triton launches on the current CUDA device, not on the tensors':
+    layers split over GPUs would otherwise hand one GPU another's pointers). A kernel that fails to
+    compile or launch is an AnalysisError naming the setting that avoids it."""
+    try:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            kernel[grid](*args, **meta)
+    except Exception as e:  # noqa: BLE001 - Triton raises compilation, resource and driver errors of many types
+        name = getattr(kernel, "__name__", "kernel")
+        raise AnalysisError(f"the Triton kernel {name} failed on {device} ({type(e).__name__}: {str(e)[:300]}); "
+                            "set analyses.triton_kernels: false") from e
 
 
 def _launch(kernel, out, q, k, lse, validf, scale) -> None:
@@ -132,8 +159,8 @@ def _launch(kernel, out, q, k, lse, validf, scale) -> None:
         raise ValueError("the Triton attention kernels run on CUDA tensors, or on CPU tensors under "
                          "TRITON_INTERPRET=1 (tests)")
     B, H, T, dh = q.shape
-    BL = block_size(T)
-    kernel[(B * H, -(-T // BL))](
+    BL = block_size(T, dh)
+    _run(kernel, (B * H, -(-T // BL)), q.device,
         q, k, lse, validf, out, H, H // k.shape[1], T, -(-T // BL),
         *q.stride(), *k.stride(), *lse.stride(), *validf.stride(), scale * LOG2E,
         BLOCK=BL, HEAD_DIM=dh, D_PAD=max(16, triton.next_power_of_2(dh)),  # tl.dot wants 16 or more
@@ -144,8 +171,8 @@ def distance_profile(q, k, lse, validf, scale: float) -> torch.Tensor:
     """(H, 2T - 1) float64: summed causal attention weight at each m - n (index m - n + T - 1) over the
     batch's valid queries; zero at negative distances. Arguments as :func:`_launch`; right padding is
     assumed (valid queries see only valid keys), as on the FlashAttention path this serves."""
-    B, H, T, _ = q.shape
-    BL = block_size(T)
+    B, H, T, dh = q.shape
+    BL = block_size(T, dh)
     n_blocks = -(-T // BL)
     tiles = torch.empty(B, H, n_blocks, BL, BL, dtype=torch.float32, device=q.device)
     _launch(_distance_tiles, tiles, q, k, lse, validf, scale)
@@ -220,20 +247,21 @@ def _group_moments_tiles(x_ptr, ids_ptr, out_ptr, N, d, n_groups, sx_n, sx_d, si
     cols = c * BD + tl.arange(0, BD)
     inside = (rows[:, None] < N) & (cols[None, :] < d)
     x = tl.load(x_ptr + rows[:, None] * sx_n + cols[None, :] * sx_d, mask=inside, other=0.0).to(tl.float64)
+    x2 = x * x
+    ax = tl.abs(x)
     ids = tl.load(ids_ptr + rows[:, None] * si_n + tl.arange(0, S)[None, :] * si_s,
                   mask=rows[:, None] < N, other=n_groups)  # (BR, S); n_groups: no group
     plane = (tl.num_programs(0) * n_groups).to(tl.int64) * d  # elements per output (R * G * d)
     for g in range(n_groups):
         member = tl.max((ids == g).to(tl.int32), axis=1) > 0  # (BR,)
-        xs = tl.where(member[:, None], x, 0.0)
         at = out_ptr + (r * n_groups + g) * d + cols
-        tl.store(at, tl.sum(xs, axis=0), mask=cols < d)
-        tl.store(at + plane, tl.sum(xs * xs, axis=0), mask=cols < d)
-        tl.store(at + 2 * plane, tl.max(tl.abs(xs), axis=0), mask=cols < d)
+        tl.store(at, tl.sum(tl.where(member[:, None], x, 0.0), axis=0), mask=cols < d)
+        tl.store(at + plane, tl.sum(tl.where(member[:, None], x2, 0.0), axis=0), mask=cols < d)
+        tl.store(at + 2 * plane, tl.max(tl.where(member[:, None], ax, 0.0), axis=0), mask=cols < d)
 
 
 def group_moments(x: torch.Tensor, ids: torch.Tensor, n_groups: int, out: torch.Tensor | None = None,
-                  rows: int = 128, cols: int = 64) -> torch.Tensor:
+                  rows: int = 64, cols: int = 64) -> torch.Tensor:
     """(3, G, d) float64: per group, the sum, the sum of squares and the largest |x| of ``x`` (N, d) (any
     float dtype), over the groups of ``ids`` (N, S) int (a row's group in each of S partitions;
     ``n_groups``: none). Empty groups give zeros. Float64 sums within tiles of ``rows`` rows, then over
@@ -248,8 +276,8 @@ def group_moments(x: torch.Tensor, ids: torch.Tensor, n_groups: int, out: torch.
         ids = torch.cat([ids, ids.new_full((N, pad), n_groups)], 1)
     R = max(1, -(-N // rows))
     tiles = torch.empty(3, R, n_groups, d, dtype=torch.float64, device=x.device)
-    _group_moments_tiles[(R, -(-d // cols))](x, ids, tiles, N, d, n_groups, *x.stride(), *ids.stride(),
-                                               S=ids.shape[1], BR=rows, BD=cols, num_warps=8)
+    _run(_group_moments_tiles, (R, -(-d // cols)), x.device, x, ids, tiles, N, d, n_groups, *x.stride(),
+         *ids.stride(), S=ids.shape[1], BR=rows, BD=cols, num_warps=4)
     out = torch.empty(3, n_groups, d, dtype=torch.float64, device=x.device) if out is None else out
     torch.sum(tiles[:2], 1, out=out[:2])
     torch.amax(tiles[2], 0, out=out[2])

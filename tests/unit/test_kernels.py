@@ -25,6 +25,7 @@ CASES = [
     (2, 2, 2, 5, 16, torch.float32),     # shorter than the smallest tile
     (1, 1, 1, 1, 16, torch.bfloat16),    # one token
     (2, 2, 2, 19, 8, torch.float16),     # heads narrower than tl.dot's 16 (tiny test models)
+    (1, 2, 1, 70, 160, torch.bfloat16),  # heads over 128 dimensions: 32-token tiles
 ]
 
 
@@ -94,6 +95,13 @@ def test_layer_products_refuse_kernels_that_disagree_with_the_weights():
     for name in want:
         tol = 1e-5 if DEVICE.type == "cpu" else 1e-2 * want[name].abs().max().item()
         torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol)
+
+
+def test_a_kernel_that_fails_to_run_names_the_setting_that_avoids_it():
+    from actlake.analysis.kernels import _distance_tiles, _run
+
+    with pytest.raises(AnalysisError, match=r"Triton kernel .* failed on .*analyses.triton_kernels: false"):
+        _run(_distance_tiles, (1, 1), DEVICE, torch.zeros(1, device=DEVICE))  # arguments missing
 
 
 def test_the_kernels_serve_cuda_workers_only():
