@@ -165,3 +165,46 @@ def test_dim_moments_from_the_kernel_equal_the_strict_path():
     assert bool(torch.isfinite(DimMoments.from_batch(hs, valid, role, type8, False, kernel=True).unchecked))
     hs[1][0, 7, 3] = float("inf")
     assert DimMoments.from_batch(hs, valid, role, type8, False, kernel=True).problems()[0].any()
+
+
+COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from actlake.analysis import kernels
+
+CASES = [
+    ("_distance_tiles", "bf16", dict(BLOCK=64, HEAD_DIM=64, D_PAD=64, DOT_F32=False)),
+    ("_distance_tiles", "fp16", dict(BLOCK=32, HEAD_DIM=160, D_PAD=256, DOT_F32=False)),
+    ("_weighted_qsum_rows", "bf16", dict(BLOCK=64, HEAD_DIM=80, D_PAD=128, DOT_F32=False)),
+    ("_weighted_qsum_rows", "fp16", dict(BLOCK=32, HEAD_DIM=256, D_PAD=256, DOT_F32=False)),
+    ("_group_moments_tiles", "bf16", dict(S=4, BR=64, BD=64)),
+    ("_group_moments_tiles", "fp32", dict(S=4, BR=64, BD=64)),
+]
+for kernel, dtype, consts in CASES:
+    fn = getattr(kernels, kernel)
+    pointers = {"q_ptr": dtype, "k_ptr": dtype, "x_ptr": dtype, "lse_ptr": "fp32", "valid_ptr": "fp32",
+                "ids_ptr": "i32", "out_ptr": "fp64" if kernel == "_group_moments_tiles" else "fp32"}
+    signature = {a: "constexpr" if a in consts else ("*" + pointers[a] if a in pointers else
+                 "fp32" if a == "scale_log2e" else "i32") for a in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4})
+    assert compiled.asm["cubin"], kernel
+    print("compiled", kernel, dtype, consts)
+"""
+
+
+def test_kernels_compile_for_an_h100():
+    """Ahead-of-time compilation to H100 machine code (sm_90, through the ptxas in triton's wheel), in a
+    process without the interpreter: the interpreter accepts constructs the GPU compiler does not, and CI
+    has no GPU. Only compilation: no kernel runs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("compiled") == 6
