@@ -197,9 +197,10 @@ def weighted_qsum(q, k, lse, validf, scale: float) -> torch.Tensor:
 
 
 def layer_products(lq, names, lse: torch.Tensor) -> dict:
-    """``names`` (of :data:`~actlake.analysis.attention_weights.TRITON`) of one layer from the kernels, with ``lse`` (B, H, >= T) of a
-    FlashAttention forward call on the same q and k. The first call on each device in a process also
-    computes them from explicit weights and raises if the two disagree (one host synchronisation, once)."""
+    """``names`` (of :data:`~actlake.analysis.attention_weights.TRITON`) of one layer from the kernels,
+    with ``lse`` (B, H, >= T) of a FlashAttention forward call on the same q and k. The first call on each
+    device in a process also computes them from explicit weights and raises if the two disagree (one host
+    synchronisation, once; skipped while an input holds inf/NaN)."""
     q, k, _ = lq.native
     T = q.shape[2]
     args = (q, k, lse[..., :T], lq.batch.validf, lq.scaling)
