@@ -21,6 +21,8 @@ Two ways to get them:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -252,9 +254,10 @@ def flash_applies(lq_query: torch.Tensor, batch) -> bool:
             and lq_query.shape[-1] % 8 == 0 and ampere_or_newer(lq_query.device))
 
 
+@functools.lru_cache
 def ampere_or_newer(device: torch.device) -> bool:
-    """Compute capability 8.0 or newer (FlashAttention's kernels, Triton's bfloat16 products). True where
-    CUDA is not present to ask (tests that only name a CUDA device)."""
+    """Compute capability 8.0 or newer (FlashAttention's kernels, Triton's bfloat16 products); asked once
+    per device. True where CUDA is not present to ask (tests that only name a CUDA device)."""
     if not torch.cuda.is_available():
         return True
     return torch.cuda.get_device_capability(device) >= (8, 0)

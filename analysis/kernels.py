@@ -59,27 +59,17 @@ def _rows(ptr, base, pos, s_t, s_d, T, HEAD_DIM: tl.constexpr, D_PAD: tl.constex
 
 
 @triton.jit
-def _weights(q, k, lse, valid, m, n, scale_log2e, DOT_F32: tl.constexpr):
-    """(BLOCK, BLOCK) float32 weights of queries m (rows q, their lse and validity) on keys n (rows k);
-    zero where n > m or the query is not valid. ``DOT_F32``: multiply in full float32 (the interpreter's
-    bfloat16 products are wrong, and products of bfloat16 numbers are exact in float32; float32 inputs,
-    which only tests give, would otherwise be rounded to TF32)."""
-    if DOT_F32:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))  # 16-bit inputs, float32 accumulation
-    p = tl.exp2(s * scale_log2e - lse[:, None] * 1.4426950408889634)
-    return tl.where((m[:, None] >= n[None, :]) & (valid[:, None] > 0), p, 0.0)
-
-
-@triton.jit
 def _weights_t(q, k, lse, valid, m, n, scale_log2e, DOT_F32: tl.constexpr):
-    """:func:`_weights` transposed, (BLOCK keys, BLOCK queries), computed as k q^T: already in the layout
-    of the accumulator of a product alpha^T Q (no conversion through shared memory)."""
+    """(BLOCK keys, BLOCK queries) float32 weights of queries m (rows q, their lse and validity) on keys n
+    (rows k), transposed: computed as k q^T, already in the layout of the accumulator of a product
+    alpha^T Q (no conversion through shared memory). Zero where n > m or the query is not valid.
+    ``DOT_F32``: multiply in full float32 (the interpreter's bfloat16 products are wrong, and products of
+    bfloat16 numbers are exact in float32; float32 inputs, which only tests give, would otherwise be
+    rounded to TF32)."""
     if DOT_F32:
         s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
     else:
-        s = tl.dot(k, tl.trans(q))
+        s = tl.dot(k, tl.trans(q))  # 16-bit inputs, float32 accumulation
     p = tl.exp2(s * scale_log2e - lse[None, :] * 1.4426950408889634)
     return tl.where((m[None, :] >= n[:, None]) & (valid[None, :] > 0), p, 0.0)
 
@@ -88,8 +78,8 @@ def _weights_t(q, k, lse, valid, m, n, scale_log2e, DOT_F32: tl.constexpr):
 def _distance_tiles(q_ptr, k_ptr, lse_ptr, valid_ptr, out_ptr, n_heads, kv_group, T, n_blocks,
                     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sl_b, sl_h, sl_t, sv_b, sv_t, scale_log2e,
                     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr):
-    """Program (b * H + h, D): out[b, h, D] = sum over query blocks I >= D of the weights' tile of queries
-    I * BLOCK + i and keys (I - D) * BLOCK + j."""
+    """Program (b * H + h, D): out[b, h, D] = sum over query blocks I >= D of the weights' tile of keys
+    (I - D) * BLOCK + j and queries I * BLOCK + i (transposed: rows are keys)."""
     bh = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: large batches pass 2^31 elements
     D = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
@@ -101,7 +91,7 @@ def _distance_tiles(q_ptr, k_ptr, lse_ptr, valid_ptr, out_ptr, n_heads, kv_group
         k = _rows(k_ptr, b * sk_b + (h // kv_group) * sk_h, n, sk_t, sk_d, T, HEAD_DIM, D_PAD)
         lse = tl.load(lse_ptr + b * sl_b + h * sl_h + m * sl_t, mask=m < T, other=0.0)  # (BLOCK,)
         valid = tl.load(valid_ptr + b * sv_b + m * sv_t, mask=m < T, other=0.0)
-        acc += _weights(q, k, lse, valid, m, n, scale_log2e, DOT_F32)
+        acc += _weights_t(q, k, lse, valid, m, n, scale_log2e, DOT_F32)
     tl.store(out_ptr + ((bh * n_blocks + D) * BLOCK + i[:, None]) * BLOCK + i[None, :], acc)
 
 
@@ -176,9 +166,10 @@ def distance_profile(q, k, lse, validf, scale: float) -> torch.Tensor:
     n_blocks = -(-T // BL)
     tiles = torch.empty(B, H, n_blocks, BL, BL, dtype=torch.float32, device=q.device)
     _launch(_distance_tiles, tiles, q, k, lse, validf, scale)
-    # tile D's entry (i, j) is at m - n = D * BL + i - j; diagonal_sums_from gives, per tile, the sums at
-    # c = i - j + BL - 1, i.e. at profile index D * BL + c + T - BL
-    span = diagonal_sums_from(tiles.sum(0).view(H * n_blocks, BL, BL)).view(H, n_blocks, 2 * BL - 1)
+    # tile D's entry (i, j) (query i, key j once transposed) is at m - n = D * BL + i - j; diagonal_sums_from
+    # gives, per tile, the sums at c = i - j + BL - 1, i.e. at profile index D * BL + c + T - BL
+    by_query = tiles.sum(0).transpose(-1, -2).reshape(H * n_blocks, BL, BL)
+    span = diagonal_sums_from(by_query).view(H, n_blocks, 2 * BL - 1)
     flat = span.new_zeros(H, (n_blocks + 1) * BL)  # position D * BL + c
     flat[:, : n_blocks * BL] += span[..., :BL].reshape(H, -1)
     flat[:, BL:] += torch.nn.functional.pad(span[..., BL:], (0, 1)).reshape(H, -1)
