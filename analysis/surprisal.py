@@ -1,7 +1,7 @@
 """Per-token surprisal from a causal LM head (METHODS.md §5): s_t = -log p(x_t | x_<t), in nats.
 
 Logits are formed in chunks of tokens from the final (normalised) hidden state, so a batch never
-holds all (B, T, V) logits at once.
+holds all (B, T, V) logits at once: about :data:`CHUNK_LOGITS` at a time, whatever the vocabulary.
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ import torch
 
 from actlake.analysis.device import to_device
 
-CHUNK_TOKENS = 1024
-"""Tokens whose logits are formed at once."""
+CHUNK_LOGITS = 1 << 24
+"""Logits formed at once (tokens × vocabulary): with the float32 copy and its log-softmax about 170 MB of
+device memory for a 16-bit model (Pythia's 50,304-token vocabulary: 333 tokens at a time; 1,024 tokens
+at a time took 515 MB)."""
 
 
 @torch.no_grad()
 def token_surprisal(head: torch.nn.Module, last_hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-                    chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+                    chunk_logits: int = CHUNK_LOGITS) -> torch.Tensor:
     """(B, T, d) on the model's device, (B, T), (B, T) on the host -> (B, T) float32 surprisal on the
     model's device; NaN at position 0 and at padding.
 
@@ -35,6 +37,7 @@ def token_surprisal(head: torch.nn.Module, last_hidden: torch.Tensor, ids: torch
     h = last_hidden[:, :-1].reshape(B * (T - 1), -1)[flat]  # (N, d)
     target = to_device(ids[:, 1:].reshape(-1), dev)[flat]  # (N,)
     nll = torch.empty(flat.shape[0], dtype=torch.float32, device=dev)
+    chunk = max(1, chunk_logits // (getattr(head, "out_features", None) or head.weight.shape[0]))  # tokens per chunk
     for s in range(0, flat.shape[0], chunk):
         logits = head(h[s : s + chunk]).float().to(dev)  # (n, V); with device_map the head may live elsewhere
         lp = torch.log_softmax(logits, dim=-1)
