@@ -108,7 +108,8 @@ def attention_modules(model, family) -> dict[int, int]:
 
 class LayerInputs:
     """Hooks that keep, per layer of the current forward pass, the key projection's input x
-    (B, T, d) and the rotary (cos, sin) the attention module received. Use as a context manager:
+    (B, T, d) until the recorder takes it (``x.pop``: one layer's at a time, not every layer's), and
+    the rotary (cos, sin) the attention module received. Use as a context manager:
     hooks are removed on exit, whatever happens."""
 
     def __init__(self, model, family):
@@ -146,4 +147,58 @@ class LayerInputs:
             pe = kwargs.get("position_embeddings")
             if pe is not None:
                 self.rope[i] = pe
+        return hook
+
+
+class HiddenStream:
+    """Hooks that hand each hidden state to ``consume(layer, h)`` as the model produces it, so that no
+    hidden state outlives the analyses of it (``output_hidden_states`` keeps all L+1 until the forward
+    pass returns: L+1 times (B, T, d) of device memory).
+
+    Layers follow Hugging Face's ``hidden_states`` order: 0 is the first block's input (the embeddings),
+    ℓ in 1…L-1 the output of block ℓ-1. Hidden state L is the model's ``last_hidden_state`` (transformers
+    ties ``hidden_states[-1]`` to it: after the final norm where the model has one), which the caller
+    hands over once the forward pass returns (:meth:`last`). Use as a context manager: hooks are removed
+    on exit, whatever happens."""
+
+    def __init__(self, model, family):
+        from actlake.architectures import blocks
+
+        self._blocks = blocks(model, family)
+        self._handles: list = []
+        self.consume: Callable[[int, torch.Tensor], None] | None = None
+
+    @property
+    def n_layers(self) -> int:
+        return len(self._blocks)
+
+    def __call__(self, consume: Callable[[int, torch.Tensor], None]) -> "HiddenStream":
+        self.consume = consume
+        return self
+
+    def __enter__(self) -> "HiddenStream":
+        try:
+            self._handles.append(self._blocks[0].register_forward_pre_hook(self._first, with_kwargs=True))
+            for i, block in enumerate(self._blocks[:-1]):  # the last block's output is not hidden state L
+                self._handles.append(block.register_forward_hook(self._output_of(i)))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def last(self, last_hidden_state: torch.Tensor) -> None:
+        """Hand over hidden state L (the forward pass's ``last_hidden_state``)."""
+        self.consume(self.n_layers, last_hidden_state)
+
+    def _first(self, module, args, kwargs):
+        self.consume(0, (args[0] if args else kwargs["hidden_states"]).detach())
+
+    def _output_of(self, i: int):
+        def hook(module, args, output):
+            self.consume(i + 1, (output[0] if isinstance(output, tuple) else output).detach())
         return hook

@@ -7,7 +7,6 @@ left out of the moments.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +54,8 @@ class DimMoments(OneTable, Analysis):
     """Shape (L+1, G, d)."""
     nonfinite: torch.Tensor
     """(L+1,) tokens left out per layer because their vector held inf or NaN."""
+    _batch = None
+    """The current batch's :class:`BatchMoments` while its hidden states arrive (``add_hidden``)."""
     unchecked = None
     """Device scalar from ``from_batch(exact_nonfinite=False)``: the sum of every hidden state, not finite
     when one held an inf/NaN that was not looked for (then these moments are wrong and the batch must be
@@ -66,11 +67,15 @@ class DimMoments(OneTable, Analysis):
         z = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=dev)
         return cls(Moments(z(L1, G), z(L1, G, d), z(L1, G, d), z(L1, G, d)), z(L1))
 
-    def add_hidden(self, hidden_states, batch) -> None:
-        part = DimMoments.from_batch(hidden_states, batch.valid, batch.role, batch.type8, exact_nonfinite=batch.strict,
-                                     kernel=batch.triton)
-        merged = self.merge(part)
-        self.moments, self.nonfinite, self.unchecked = merged.moments, merged.nonfinite, part.unchecked
+    def add_hidden(self, layer, h, batch) -> None:
+        if layer == 0:
+            self._batch = BatchMoments(self.moments.mean.shape[0], h.shape[-1], batch.valid, batch.role, batch.type8,
+                                       self.moments.mean.device, exact_nonfinite=batch.strict, kernel=batch.triton)
+        self._batch.add(layer, h)
+        if layer == self.moments.mean.shape[0] - 1:  # the batch's last hidden state
+            part, self._batch = self._batch.finish(), None
+            merged = self.merge(part)
+            self.moments, self.nonfinite, self.unchecked = merged.moments, merged.nonfinite, part.unchecked
 
     def problems(self) -> list[torch.Tensor]:
         return [] if self.unchecked is None else [(~torch.isfinite(self.unchecked)).double()]
@@ -78,68 +83,12 @@ class DimMoments(OneTable, Analysis):
     @classmethod
     def from_batch(cls, hidden_states, valid, role, type8, exact_nonfinite: bool = True, kernel: bool = False) -> "DimMoments":
         """hidden_states: L+1 tensors (B, T, d) on the model's device; valid/role/type8: (B, T) (the host's).
-
-        ``exact_nonfinite``: look for inf/NaN in each layer and leave those tokens out (a host sync per
-        layer). False: assume every value is finite and keep in :attr:`unchecked` (a device scalar) the
-        sum of every value, which is not finite if one was not; :meth:`problems` says so, the caller
-        reads that once per batch and recomputes with True if so.
-        ``kernel``: with ``exact_nonfinite`` False, each layer's sums and maxima from one Triton kernel
-        (:func:`~actlake.analysis.kernels.group_moments`: hidden states read once in their dtype) instead of
-        float64 products; :attr:`unchecked` is then the sum of the valid tokens' values, the ones that count.
-        """
-        dev = hidden_states[0].device
-        L1, d, G = len(hidden_states), hidden_states[0].shape[-1], len(GROUPS)
-        host_ids = group_ids(valid, role, type8).reshape(-1, 3)  # (B*T, 3)
-        if kernel and not exact_nonfinite:
-            return cls._from_kernel(hidden_states, host_ids, G, d)
-        work = GroupSums(host_ids, G, d, device=dev)  # shared by the layers
-        ids = work.ids
-        # every layer's sums and maxima go into one buffer each; the moments follow for all layers at once
-        sums = torch.zeros(L1, G, 2 * d, dtype=torch.float64, device=dev)
-        dtype = functools.reduce(torch.promote_types, (h.dtype for h in hidden_states))  # every layer exact in it
-        top = torch.zeros(L1, G + 1, d, dtype=dtype, device=dev)
-        counts, nonfinite = [work.count] * L1, torch.zeros(L1, dtype=torch.float64, device=dev)
-        unchecked = torch.zeros((), dtype=torch.float64, device=dev)
+        The options are :class:`BatchMoments`'s."""
+        work = BatchMoments(len(hidden_states), hidden_states[0].shape[-1], valid, role, type8, hidden_states[0].device,
+                            exact_nonfinite, kernel)
         for layer, h in enumerate(hidden_states):
-            x = h.reshape(-1, d).to(dev, top.dtype)  # (B*T, d); with device_map the layer may live elsewhere
-            layer_work = work
-            if not exact_nonfinite:  # inf/NaN anywhere makes the running total non-finite
-                unchecked += x.sum(dtype=torch.float32)
-            elif not bool(torch.isfinite(x.sum())):  # inf/NaN somewhere (a sum keeps them): find the tokens
-                finite = torch.isfinite(x).all(-1)
-                nonfinite[layer] = ((~finite) & valid.to(dev).reshape(-1).bool()).sum()
-                layer_work = GroupSums(torch.where(finite[:, None], ids, G), G, d, device=dev)
-                counts[layer] = layer_work.count
-                x = torch.where(finite[:, None], x, 0)
-            layer_work.sums(x, out=sums[layer])
-            layer_work.max_abs(x, out=top[layer])
-        out = cls(Moments.from_sums(torch.stack(counts), sums[..., :d], sums[..., d:], top[:, :G]), nonfinite)
-        out.unchecked = unchecked if not exact_nonfinite else None
-        return out
-
-    @classmethod
-    def _from_kernel(cls, hidden_states, host_ids: torch.Tensor, G: int, d: int) -> "DimMoments":
-        """:meth:`from_batch` without the inf/NaN search, each layer by :func:`~actlake.analysis.kernels.group_moments`."""
-        from actlake.analysis import kernels
-
-        dev, L1 = hidden_states[0].device, len(hidden_states)
-        ids = to_device(torch.cat([host_ids, torch.full_like(host_ids[:, :1], G)], 1).int(), dev)  # S = 4 for tl.arange
-        count = to_device(torch.bincount(host_ids.flatten(), minlength=G + 1)[:G].double(), dev)  # (G,)
-        acc = torch.empty(L1, 3, G, d, dtype=torch.float64, device=dev)  # (sum, sum of squares, max |x|) per layer
-        for layer, h in enumerate(hidden_states):
-            kernels.group_moments(h.reshape(-1, d).to(dev), ids, G, out=acc[layer])  # device_map: to the first device
-        if ("moments", dev) not in kernels._verified:  # the first batch of a process: the float64 products too
-            x = hidden_states[-1].reshape(-1, d).to(dev)
-            work = GroupSums(host_ids, G, d, device=dev)
-            _, sums, sq = work.sums(x)
-            pairs = (("sums", acc[-1, 0], sums), ("squares", acc[-1, 1], sq), ("max |x|", acc[-1, 2], work.max_abs(x)))
-            if all([kernels.check_agreement(f"dim_moments, last layer, {name}", got, want.double())
-                    for name, got, want in pairs]):
-                kernels._verified.add(("moments", dev))
-        out = cls(Moments.from_sums(count.expand(L1, G).clone(), acc[:, 0], acc[:, 1], acc[:, 2]),
-                  torch.zeros(L1, dtype=torch.float64, device=dev))
-        out.unchecked = acc[:, 0].sum()  # inf/NaN in any valid token's value makes it non-finite
-        return out
+            work.add(layer, h)
+        return work.finish()
 
     def merge(self, other: "DimMoments") -> "DimMoments":
         return DimMoments(self.moments.merge(other.moments), self.nonfinite + other.nonfinite.to(self.nonfinite.device))
@@ -197,6 +146,87 @@ class DimMoments(OneTable, Analysis):
             blocks.append((4, ("outlier_dims_by_category",
                                "Fig. 3 (seed 001): outlier dimensions' mean value by token category", c)))
         return blocks
+
+
+class BatchMoments:
+    """One batch's :class:`DimMoments`, built from its hidden states one layer at a time (as the model
+    produces them; none is kept).
+
+    ``exact_nonfinite``: look for inf/NaN in each layer and leave those tokens out (a host sync per
+    layer). False: assume every value is finite and keep in ``unchecked`` (a device scalar) the sum of
+    every value, which is not finite if one was not; :meth:`DimMoments.problems` says so, the caller
+    reads that once per batch and recomputes with True if so.
+    ``kernel``: with ``exact_nonfinite`` False, each layer's sums and maxima from one Triton kernel
+    (:func:`~actlake.analysis.kernels.group_moments`: hidden states read once in their dtype) instead of
+    float64 products; ``unchecked`` is then the sum of the valid tokens' values, the ones that count.
+    """
+
+    def __init__(self, n_hidden: int, d: int, valid, role, type8, device, exact_nonfinite: bool = True,
+                 kernel: bool = False):
+        G, L1, dev = len(GROUPS), n_hidden, torch.device(device)
+        self.G, self.d, self.dev, self.valid = G, d, dev, valid
+        self.exact_nonfinite = exact_nonfinite
+        self.kernel = kernel and not exact_nonfinite
+        self.host_ids = group_ids(valid, role, type8).reshape(-1, 3)  # (B*T, 3)
+        self.nonfinite = torch.zeros(L1, dtype=torch.float64, device=dev)
+        if self.kernel:
+            self.ids = to_device(torch.cat([self.host_ids, torch.full_like(self.host_ids[:, :1], G)], 1).int(), dev)  # S = 4
+            count = to_device(torch.bincount(self.host_ids.flatten(), minlength=G + 1)[:G].double(), dev)  # (G,)
+            self.counts = count.expand(L1, G).clone()
+            self.acc = torch.empty(L1, 3, G, d, dtype=torch.float64, device=dev)  # (sum, sum of squares, max |x|)
+            return
+        self.work = GroupSums(self.host_ids, G, d, device=dev)  # shared by the layers
+        # every layer's sums and maxima go into one buffer each; the moments follow for all layers at once
+        self.sums = torch.zeros(L1, G, 2 * d, dtype=torch.float64, device=dev)
+        self.top = torch.zeros(L1, G, d, dtype=torch.float64, device=dev)
+        self.counts = [self.work.count] * L1
+        self.unchecked = torch.zeros((), dtype=torch.float64, device=dev)
+
+    def add(self, layer: int, h: torch.Tensor) -> None:
+        """Hidden state ``layer`` (B, T, d), on any device (with device_map: moved to this one's)."""
+        x = h.reshape(-1, self.d).to(self.dev)  # (B*T, d)
+        if self.kernel:
+            from actlake.analysis import kernels
+
+            kernels.group_moments(x, self.ids, self.G, out=self.acc[layer])
+            if layer == self.acc.shape[0] - 1 and ("moments", self.dev) not in kernels._verified:
+                self._verify(x)  # the first batch of a process: the float64 products too
+            return
+        work = self.work
+        if not self.exact_nonfinite:  # inf/NaN anywhere makes the running total non-finite
+            self.unchecked += x.sum(dtype=torch.float32)
+        elif not bool(torch.isfinite(x.sum())):  # inf/NaN somewhere (a sum keeps them): find the tokens
+            finite = torch.isfinite(x).all(-1)
+            self.nonfinite[layer] = ((~finite) & self.valid.to(self.dev).reshape(-1).bool()).sum()
+            work = GroupSums(torch.where(finite[:, None], work.ids, self.G), self.G, self.d, device=self.dev)
+            self.counts[layer] = work.count
+            x = torch.where(finite[:, None], x, 0)
+        work.sums(x, out=self.sums[layer])
+        self.top[layer] = work.max_abs(x)  # in x's own dtype (exact), then float64
+
+    def _verify(self, x: torch.Tensor) -> None:
+        """The kernel's sums of the last layer against the float64 products (once per process and device)."""
+        from actlake.analysis import kernels
+
+        work, acc = GroupSums(self.host_ids, self.G, self.d, device=self.dev), self.acc[-1]
+        _, sums, sq = work.sums(x)
+        pairs = (("sums", acc[0], sums), ("squares", acc[1], sq), ("max |x|", acc[2], work.max_abs(x)))
+        if all([kernels.check_agreement(f"dim_moments, last layer, {name}", got, want.double())
+                for name, got, want in pairs]):
+            kernels._verified.add(("moments", self.dev))
+
+    def finish(self) -> DimMoments:
+        if self.kernel:
+            acc = self.acc
+            out = DimMoments(Moments.from_sums(self.counts, acc[:, 0], acc[:, 1], acc[:, 2]), self.nonfinite)
+            out.unchecked = acc[:, 0].sum()  # inf/NaN in any valid token's value makes it non-finite
+            return out
+        d = self.d
+        out = DimMoments(Moments.from_sums(torch.stack(self.counts), self.sums[..., :d], self.sums[..., d:], self.top),
+                         self.nonfinite)
+        out.unchecked = self.unchecked if not self.exact_nonfinite else None
+        return out
+
 
 
 def top_outlier_dims(con, k: int = 3) -> list[int]:

@@ -32,7 +32,8 @@ READS = frozenset({"attention", "layer_inputs", "hidden_states", "mass", "mass_k
 """What an analysis may read. ``attention``: :meth:`Analysis.add_layer` is called with each layer's
 LayerQK. ``layer_inputs``: that LayerQK carries x, W_K, b_K and RoPE angles. Products of the attention
 weights (``mass`` …): computed before ``add_layer`` and read with ``lq.product(name)``.
-``hidden_states``: :meth:`Analysis.add_hidden` is called once per batch with every hidden state."""
+``hidden_states``: :meth:`Analysis.add_hidden` is called with each hidden state of a batch as the model
+produces it, layer 0 to n_layers in order (none is kept after its call)."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,12 @@ class Analysis(ABC):
     def add_layer(self, lq) -> None:
         """One attention layer of one batch (when ``attention`` is in :attr:`reads`)."""
 
-    def add_hidden(self, hidden_states: tuple, batch: HiddenBatch) -> None:
-        """Every hidden state (L+1 tensors (B, T, d) on the device) of one batch (``hidden_states``)."""
+    def add_hidden(self, layer: int, h: torch.Tensor, batch: HiddenBatch) -> None:
+        """Hidden state ``layer`` (B, T, d) of one batch, on the device of the block that produced it
+        (``hidden_states``). Layer 0 is the embeddings, ``n_layers`` the model's last hidden state (after
+        its final norm where it has one: Hugging Face's ``hidden_states`` order); calls come in that order
+        while the model runs, so the call for layer ``n_layers`` is the batch's last. Keep what you need:
+        the model frees ``h`` once it is no longer its input."""
 
     def problems(self) -> list[torch.Tensor]:
         """Device counters that must be zero for this batch's statistics to be right (read once per batch)."""

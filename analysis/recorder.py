@@ -91,7 +91,7 @@ class AttentionRecorder:
             self._totals[dev] = torch.zeros(3, dtype=torch.float32, device=dev)
         f32 = lambda t: t.detach().to(torch.float32).contiguous()  # blocks of q and k are read many times
         q, k, batch = f32(query), f32(key), self._batch[dev]
-        x = f32(self.inputs.x[layer]) if self.inputs is not None else None
+        x = f32(self.inputs.x.pop(layer)) if self.inputs is not None else None  # not kept past its layer
         self._check_mask(layer, batch, attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
         any_bad = False
         if not self.strict:  # summed here (inf/NaN make the totals non-finite), read by the caller once per batch

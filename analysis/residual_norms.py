@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 
 
-def residual_norms(hidden_states) -> torch.Tensor:
-    """L+1 tensors (B, T, d) -> (B, T, L+1) float64 norms, on the hidden states' device (padding included:
-    the caller keeps the valid tokens once the norms are on the host)."""
-    dev = hidden_states[0].device  # with device_map the layers may live on several devices
-    return torch.stack([torch.linalg.vector_norm(h, dim=-1, dtype=torch.float64).to(dev) for h in hidden_states], dim=-1)
+def add_norms(out: torch.Tensor | None, layer: int, h: torch.Tensor, n_hidden: int) -> torch.Tensor:
+    """Write hidden state ``layer``'s (B, T, d) norms into ``out`` (B, T, n_hidden) float64, allocated on
+    h's device at the first call (``out`` None); returns ``out``. With device_map the layers may live on
+    several devices: each layer's norms move to ``out``'s."""
+    if out is None:
+        out = torch.empty(*h.shape[:-1], n_hidden, dtype=torch.float64, device=h.device)
+    out[..., layer] = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float64).to(out.device)
+    return out

@@ -18,7 +18,7 @@ from actlake.analysis.attention_weights import triton_kernels_on
 from actlake.analysis.device import to_device, to_host
 from actlake.analysis.protocol import HiddenBatch, ModelSpec, enabled, products
 from actlake.analysis.recorder import AttentionRecorder, ModelQK
-from actlake.analysis.residual_norms import residual_norms
+from actlake.analysis.residual_norms import add_norms
 from actlake.analysis.surprisal import token_surprisal
 from actlake.batching import Window, collate, document_windows, make_batches
 from actlake.categories import ROLE, Categorizer, one_hot
@@ -45,6 +45,7 @@ class Extractor:
         capture.install(lm.model)
         self.mqk = ModelQK(lm.model, lm.family)
         self.inputs = capture.LayerInputs(lm.model, lm.family)  # hooks attached per batch, when needed
+        self.stream = capture.HiddenStream(lm.model, lm.family)  # likewise
         self.oom_splits = 0
         self.tokenizing = threading.Lock()
         self.store_layers = resolve_layers(cfg.activations.layers, lm.model.config.num_hidden_layers)
@@ -129,23 +130,20 @@ class Extractor:
                                          triton=self.triton)
             if attention:
                 stack.enter_context(capture.recording(recorder))
-            need_hidden = a.residual_norms or bool(hidden) or bool(self.store_layers)  # else not kept
-            out = self.lm.model(input_ids=to_device(ids, dev), attention_mask=to_device(mask, dev),
-                                output_hidden_states=need_hidden)
-        hs = out.hidden_states if need_hidden else None
+            sink = None
+            if a.residual_norms or hidden or self.store_layers:  # else no hidden state is looked at
+                sink = HiddenSink(self, batch, HiddenBatch(mask, role, type8, strict, self.triton), hidden)
+                stack.enter_context(self.stream(sink))
+            out = self.lm.model(input_ids=to_device(ids, dev), attention_mask=to_device(mask, dev))
+            if sink is not None:
+                self.stream.last(out.last_hidden_state)
         result = BatchResult(batch, per_window, mask, stats)
-        if a.residual_norms:
-            result.norms = to_host(residual_norms(hs))
-        for x in hidden:
-            x.add_hidden(hs, HiddenBatch(mask, role, type8, strict, self.triton))
-        if self.store_layers:
-            keep = [i for i, w in enumerate(batch) if window_sampled(self.cfg.activations, w.doc_id, w.window)]
-            rows = to_device(torch.tensor(keep, dtype=torch.long), hs[0].device)
-            result.acts = {layer: (keep, to_host(hs[layer][rows.to(hs[layer].device)])) for layer in self.store_layers}
+        if sink is not None:
+            result.norms, result.acts = to_host(sink.norms) if a.residual_norms else None, sink.acts
         if self.lm.lm_head is not None:
             result.surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask))
         checks = [] if strict else recorder.problems() + [t for x in stats.values() for t in x.problems()]
-        if _await_device(dev, checks, hs):
+        if _await_device(dev, checks, sink.devices if sink is not None else set()):
             log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
             return self.run_batch(batch, strict=True)
         return result
@@ -211,14 +209,38 @@ class Extractor:
         yield result
 
 
-def _await_device(dev: torch.device, checks: list, hidden_states) -> bool:
+class HiddenSink:
+    """What one batch does with each hidden state as the model produces it (:class:`~actlake.analysis.capture.HiddenStream`):
+    residual norms into one (B, T, L+1) float64 device buffer, every ``hidden_states`` analysis, and the
+    sampled windows' rows of the stored layers, copied to pinned host memory without blocking."""
+
+    def __init__(self, ex: Extractor, batch: list[Window], hb: HiddenBatch, analyses: list):
+        self.hb, self.analyses, self.n_hidden = hb, analyses, ex.stream.n_layers + 1
+        self.with_norms, self.store = ex.cfg.analyses.residual_norms, ex.store_layers
+        self.keep = [i for i, w in enumerate(batch)
+                     if self.store and window_sampled(ex.cfg.activations, w.doc_id, w.window)]
+        self.rows = torch.tensor(self.keep, dtype=torch.long)
+        self.norms: torch.Tensor | None = None
+        self.acts: dict = {}
+        self.devices: set = set()
+
+    def __call__(self, layer: int, h: torch.Tensor) -> None:
+        self.devices.add(h.device)
+        if self.with_norms:
+            self.norms = add_norms(self.norms, layer, h, self.n_hidden)
+        for x in self.analyses:
+            x.add_hidden(layer, h, self.hb)
+        if layer in self.store:
+            self.acts[layer] = (self.keep, to_host(h[to_device(self.rows, h.device)]))
+
+
+def _await_device(dev: torch.device, checks: list, hidden_devices: set) -> bool:
     """Wait until the batch's host copies are complete; True when a device-side check counted a problem.
 
     One model device: the checks are read in one go, which waits for everything queued before them
     (the batch's only synchronisation). Several devices, or nothing to read: every device in use is
     synchronised. On a CPU there is nothing to wait for."""
-    devices = {dev} | ({h.device for h in hidden_states} if hidden_states is not None else set())
-    devices = {d for d in devices if d.type == "cuda"}
+    devices = {d for d in {dev} | hidden_devices if d.type == "cuda"}
     if not devices:
         return any(bool(t.sum()) for t in checks)
     if len(devices) == 1 and checks:
