@@ -279,16 +279,52 @@ def count_ops(fn, i) -> OpCounter:
 
 
 def peak_memory(fn, i) -> float:
+    """Peak MiB allocated while ``fn(i)`` runs (the model's weights included): CUDA's allocator statistics on
+    a GPU; on a CPU the C heap in use (glibc's ``mallinfo2``: ``uordblks + hblkhd``), read after every
+    tensor operation."""
     import torch
 
     if not torch.cuda.is_available():
-        return float("nan")
+        return heap_peak(fn, i) / 2**20
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     fn(i)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() / 2**20
+
+
+def heap_peak(fn, i) -> float:
+    """Largest C heap in use, in bytes, after any tensor operation of ``fn(i)``; NaN without glibc 2.33."""
+    import ctypes
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except AttributeError:
+        return float("nan")
+    mallinfo2.restype = Mallinfo2
+
+    def in_use() -> int:
+        m = mallinfo2()
+        return m.uordblks + m.hblkhd
+
+    class Peak(TorchDispatchMode):
+        top = in_use()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Peak.top = max(Peak.top, in_use())
+            return out
+
+    with Peak():
+        fn(i)
+    return float(Peak.top)
 
 
 def profile(fn, n: int, rows: int = 15) -> None:
