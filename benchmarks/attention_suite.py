@@ -97,7 +97,7 @@ def _runners(names, lm, eager_lm, batches, max_length):
             runners[name] = lambda i: _naive(eager_lm, batches[i], tensors[i])
         else:
             ex = _extractor(name, lm, max_length)
-            runners[name] = lambda i, ex=ex: ex.run_batch(batches[i], ex.new_stats())
+            runners[name] = lambda i, ex=ex: ex.run_batch(batches[i])
     return runners
 
 
@@ -151,11 +151,9 @@ def _naive_matches_suite(lm, batches, picks, max_length) -> float:
     worst = 0.0
     for i in picks:
         plain, weighted = _naive(eager, batches[i], collate(batches[i], lm.tokenizer.pad_token_id))
-        stats = ex.new_stats()
-        ex.run_batch(batches[i], stats)
-        c = stats["contributions"]
+        c = ex.run_batch(batches[i]).stats["contributions"]
         for ours, theirs in ((c.contrib[:, :, 0], plain), (c.weighted, weighted)):
-            ours = torch.from_numpy(ours)
+            ours = ours.cpu()
             worst = max(worst, float((ours - theirs).abs().max() / ours.abs().max()))
     return worst
 
