@@ -52,6 +52,8 @@ class Extractor:
         self.analyses = enabled(cfg.analyses)  # (class, options) per enabled analysis
         m = self.mqk
         self.triton = triton_kernels_on(cfg.analyses.triton_kernels, lm.device)
+        self.strict = lm.device.type != "cuda"
+        """run_batch's default: strict checks layer by layer on a CPU, device-side counts read once per batch on a GPU."""
         self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
                               cfg.tokenization.max_length, lm.device)
 
@@ -98,18 +100,27 @@ class Extractor:
         """Fresh accumulators of every enabled analysis, on the model's device: {name: Analysis}."""
         return {cls.name: cls.create(self.spec, **options) for cls, options in self.analyses}
 
-    @torch.inference_mode()
     def run_batch(self, batch: list[Window], strict: bool | None = None) -> "BatchResult":
         """Forward one batch and compute every enabled statistic of it on the model's device.
 
-        ``strict`` (default: on a CPU) checks masks and inf/NaN layer by layer, reading values back from
+        ``strict`` (default :attr:`strict`: on a CPU) checks masks and inf/NaN layer by layer, reading values back from
         the device as it goes. Otherwise nothing is read back until the end, where one small read (the
         batch's only synchronisation) says whether a check failed; then the batch is run again strictly,
         which gives the exact exclusions or the error. Per-token outputs come back to pinned host memory
         without blocking, and are complete when this returns.
         """
+        launched = self.launch(batch, strict)
+        if launched.passed():
+            return launched.result
+        log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
+        return self.run_batch(batch, strict=True)
+
+    @torch.inference_mode()
+    def launch(self, batch: list[Window], strict: bool | None = None) -> "Launched":
+        """:meth:`run_batch` up to its synchronisation: on a GPU the batch's work is queued (the host may
+        prepare and queue the next batch while it runs) and :meth:`Launched.passed` waits for it."""
         a = self.cfg.analyses
-        strict = self.lm.device.type != "cuda" if strict is None else strict
+        strict = self.strict if strict is None else strict
         stats = self.new_stats()
         ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)
         per_window = [self.cats.window(w.ids) for w in batch]
@@ -143,10 +154,7 @@ class Extractor:
         if self.lm.lm_head is not None:
             result.surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask))
         checks = [] if strict else recorder.problems() + [t for x in stats.values() for t in x.problems()]
-        if _await_device(dev, checks, sink.devices if sink is not None else set()):
-            log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
-            return self.run_batch(batch, strict=True)
-        return result
+        return Launched(batch, result, _DeviceChecks(dev, checks, sink.devices if sink is not None else set()))
 
     # ------------------------------------------------------------------ one shard
     def process(self, shard: Shard, layout: RunLayout, group: Group, compute_lock=None) -> dict:
@@ -155,7 +163,8 @@ class Extractor:
 
         ``compute_lock`` is held only while the model runs: a worker running two shards at once (reading
         ahead, ``resources.read_ahead``) reads and tokenises one, and writes the other's tables, while the
-        model runs the third."""
+        model runs the third. Batches are queued one ahead (:meth:`launch`): on a GPU the host collects one
+        batch's results and prepares the next while the device runs the batch after it."""
         t0 = time.perf_counter()
         windows, docs, rejects = self.read_shard(shard)
         read_s = time.perf_counter() - t0
@@ -164,9 +173,14 @@ class Extractor:
             batches = make_batches(windows, self.cfg.batching)
             acc = ShardResults(self.cfg.analyses, self.new_stats(), self.cfg.activations)
             splits_before = self.oom_splits
+            pending = None  # the batch queued before this one: its results are read once this one is queued
             for batch in batches:
-                for result in self.run_batch_resilient(batch):
-                    acc.add(result)
+                for launched in self._split_on_oom(self.launch, batch):
+                    if pending is not None:
+                        self._collect(pending, acc)
+                    pending = launched
+            if pending is not None:
+                self._collect(pending, acc)
             splits = self.oom_splits - splits_before
             compute_s = time.perf_counter() - t1
         files = ShardFiles(layout, shard.shard_id)
@@ -184,14 +198,28 @@ class Extractor:
             raise
         return summary
 
-    def run_batch_resilient(self, batch: list[Window], depth: int = 0):
-        """Run a batch; on out-of-memory, split it in halves and retry (at most MAX_OOM_SPLITS deep).
+    def _collect(self, launched: "Launched", acc: "ShardResults") -> None:
+        """Wait for a queued batch and add its results; a failed device check runs it again strictly."""
+        if launched.passed():
+            acc.add(launched.result)
+            return
+        log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
+        for result in self.run_batch_resilient(launched.batch, strict=True):
+            acc.add(result)
+
+    def run_batch_resilient(self, batch: list[Window], strict: bool | None = None):
+        """:meth:`run_batch`, halving the batch on out-of-memory (see :meth:`_split_on_oom`). Yields
+        :class:`BatchResult`."""
+        return self._split_on_oom(lambda b: self.run_batch(b, strict), batch)
+
+    def _split_on_oom(self, run, batch: list[Window], depth: int = 0):
+        """``run(batch)``; on out-of-memory, split the batch in halves and retry (at most MAX_OOM_SPLITS deep).
 
         Each attempt accumulates into fresh statistics, handed back only when it succeeded, so a
-        failed attempt leaves nothing behind. Yields :class:`BatchResult`.
+        failed attempt leaves nothing behind. Yields what ``run`` returns, per part.
         """
         try:
-            result = self.run_batch(batch)
+            result = run(batch)
         except RuntimeError as e:  # torch.OutOfMemoryError is one; other backends only say so in the text
             if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)):
                 raise
@@ -203,11 +231,10 @@ class Extractor:
             self.oom_splits += 1
             log.warning("out of memory on a batch of %d windows; splitting it in two", len(batch))
             half = len(batch) // 2
-            yield from self.run_batch_resilient(batch[:half], depth + 1)
-            yield from self.run_batch_resilient(batch[half:], depth + 1)
+            yield from self._split_on_oom(run, batch[:half], depth + 1)
+            yield from self._split_on_oom(run, batch[half:], depth + 1)
             return
         yield result
-
 
 class HiddenSink:
     """What one batch does with each hidden state as the model produces it (:class:`~actlake.analysis.capture.HiddenStream`):
@@ -234,20 +261,45 @@ class HiddenSink:
             self.acts[layer] = (self.keep, to_host(h[to_device(self.rows, h.device)]))
 
 
-def _await_device(dev: torch.device, checks: list, hidden_devices: set) -> bool:
-    """Wait until the batch's host copies are complete; True when a device-side check counted a problem.
+class _DeviceChecks:
+    """A queued batch's device-side checks and the point after which its host copies are complete.
 
-    One model device: the checks are read in one go, which waits for everything queued before them
-    (the batch's only synchronisation). Several devices, or nothing to read: every device in use is
-    synchronised. On a CPU there is nothing to wait for."""
-    devices = {d for d in {dev} | hidden_devices if d.type == "cuda"}
-    if not devices:
-        return any(bool(t.sum()) for t in checks)
-    if len(devices) == 1 and checks:
-        return any(torch.stack([t.sum().to(torch.float64) for t in checks]).tolist())
-    for d in devices:
-        torch.cuda.synchronize(d)
-    return any(bool(t.sum()) for t in checks)
+    One CUDA device: the checks are summed into one pinned host value and an event is recorded behind
+    them, when the batch is queued; :meth:`failed` waits for that event only (the batch's only
+    synchronisation), so work queued after it (the next batch) goes on. Several devices: every device in
+    use is synchronised. On a CPU there is nothing to wait for."""
+
+    def __init__(self, dev: torch.device, checks: list, hidden_devices: set):
+        self.checks, self.event, self.flag = checks, None, None
+        self.devices = {d for d in {dev} | hidden_devices if d.type == "cuda"}
+        if len(self.devices) == 1:
+            (cuda,) = self.devices
+            if checks:
+                self.flag = to_host(torch.stack([t.sum().to(torch.float64) for t in checks]).sum())
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(cuda))
+
+    def failed(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+            return self.flag is not None and bool(self.flag)
+        for d in self.devices:
+            torch.cuda.synchronize(d)
+        return any(bool(t.sum()) for t in self.checks)
+
+
+@dataclass
+class Launched:
+    """A batch queued on the device by :meth:`Extractor.launch`."""
+
+    batch: list[Window]
+    result: "BatchResult"
+    """Complete only once :meth:`passed` returned (its host copies may still be in flight before)."""
+    checks: _DeviceChecks
+
+    def passed(self) -> bool:
+        """Wait for the batch; False when a device-side check counted a problem (run it again strictly)."""
+        return not self.checks.failed()
 
 
 @dataclass

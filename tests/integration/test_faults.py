@@ -134,16 +134,30 @@ def test_killed_workers_leave_the_same_tables_and_readers_see_whole_shards(minil
     assert ray_local.available_resources().get("CPU", 0) == ray_local.cluster_resources()["CPU"]
 
 
+def _process_in_process(cfg, ex) -> list[dict]:
+    """Plan, process every shard with ``ex`` in this process, commit, reduce: a job without Ray."""
+    from actlake.analysis.protocol import enabled
+    from actlake.jobs.plan import make_plan, plan_hash
+    from actlake.jobs.reduce import reduce_run
+    from actlake.jobs.run import prepare_run_dir
+    from actlake.storage.layout import RunLayout
+    from actlake.storage.shards import Group
+
+    shards = make_plan(cfg)
+    phash = plan_hash(cfg, shards)
+    layout = RunLayout(cfg.run_dir)
+    prepare_run_dir(cfg, layout, shards, phash)
+    group = Group(layout, phash)
+    summaries = [ex.process(s, layout, group) for s in shards]
+    assert group.commit() == [s.shard_id for s in shards]
+    reduce_run(layout, [s.shard_id for s in shards], phash, [cls for cls, _ in enabled(cfg.analyses)])
+    return summaries
+
+
 def test_out_of_memory_batches_are_split_and_give_the_same_numbers(minilm_path, sample_corpus, tmp_path, clean):
     """Inject torch.OutOfMemoryError for batches of more than 3 windows, in-process."""
     from actlake.jobs.extract import Extractor
-    from actlake.jobs.plan import make_plan, plan_hash
-    from actlake.analysis.protocol import enabled
-    from actlake.jobs.reduce import reduce_run
-    from actlake.jobs.run import prepare_run_dir
     from actlake.model import load_model
-    from actlake.storage.layout import RunLayout
-    from actlake.storage.shards import Group
 
     _, clean_tables = clean
     cfg = job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 20, "sharding.docs_per_shard": 2})
@@ -156,16 +170,53 @@ def test_out_of_memory_batches_are_split_and_give_the_same_numbers(minilm_path, 
         return real_forward(*args, **kwargs)
 
     ex.lm.model.forward = forward
-    shards = make_plan(cfg)
-    phash = plan_hash(cfg, shards)
-    layout = RunLayout(cfg.run_dir)
-    prepare_run_dir(cfg, layout, shards, phash)
-    group = Group(layout, phash)
-    summaries = [ex.process(s, layout, group) for s in shards]
-    assert group.commit() == [s.shard_id for s in shards]
-    reduce_run(layout, [s.shard_id for s in shards], phash, [cls for cls, _ in enabled(cfg.analyses)])
+    summaries = _process_in_process(cfg, ex)
     assert ex.oom_splits > 0 and sum(s["oom_splits"] for s in summaries) == ex.oom_splits
     assert_same(snapshot(cfg.run_dir), clean_tables, rtol=1e-4)
+
+
+def test_a_failed_device_check_reruns_its_batch_strictly_and_the_tables_equal_a_strict_run(
+        minilm_path, sample_corpus, tmp_path, caplog):
+    """The GPU's way on a CPU (``Extractor.strict = False``: checks counted on the device and read once per
+    batch, each batch queued before the previous one's results are read). A NaN in the final hidden state
+    of the first real token of every window whose second token id is even fails those batches' checks;
+    they run again strictly, which leaves the token out of that layer's moments, and every table equals
+    that of a run that was strict throughout."""
+    from actlake.architectures import blocks
+    from actlake.jobs.extract import Extractor
+    from actlake.model import load_model
+
+    def run(strict: bool, out):
+        cfg = job_config(minilm_path, sample_corpus, out, **{"corpus.max_docs": 12, "sharding.docs_per_shard": 4,
+                                                              "batching.max_tokens": 192})
+        ex = Extractor(cfg, load_model(cfg.model))
+        ex.strict = strict
+        ids_of_call = {}
+
+        def keep_ids(module, args, kwargs):
+            ids_of_call["ids"] = kwargs["input_ids"]
+
+        def poison(module, args, output):  # the last block's output: hidden state L (BERT has no final norm)
+            h = output[0] if isinstance(output, tuple) else output
+            rows = (ids_of_call["ids"][:, 1] % 2 == 0).nonzero().flatten()
+            h[rows, 1] = float("nan")
+
+        ex.lm.model.register_forward_pre_hook(keep_ids, with_kwargs=True)
+        blocks(ex.lm.model, ex.lm.family)[-1].register_forward_hook(poison)
+        _process_in_process(cfg, ex)
+        return snapshot(cfg.run_dir), cfg.run_dir
+
+    with caplog.at_level("WARNING", logger="actlake.extract"):
+        lenient, _ = run(False, tmp_path / "lenient")
+    reruns = [r for r in caplog.records if "running the batch again strictly" in r.message]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="actlake.extract"):
+        strict, run_dir = run(True, tmp_path / "strict")
+    assert reruns and not [r for r in caplog.records if "again strictly" in r.message]
+    assert_same(lenient, strict, rtol=1e-12)
+    nonfinite = open_run(run_dir).execute("SELECT layer, sum(nonfinite_tokens) FROM dim_moments WHERE scheme = 'all' "
+                                          "AND nonfinite_tokens > 0 GROUP BY layer").fetchall()
+    assert len(nonfinite) == 1 and nonfinite[0][0] == 6 and nonfinite[0][1] > 0, nonfinite
 
 
 def test_a_flipped_byte_is_named_and_no_report_is_published(minilm_path, sample_corpus, tmp_path, ray_local):
