@@ -29,7 +29,8 @@ heads but gives each head 8 dimensions: the time left is the host's overhead per
 little work that does not grow with the tokens (what a launch-bound GPU waits on); the last column
 gives the time per batch divided by the layers. ``--process`` adds a shard-level
 figure: ``Extractor.process`` on one shard (read, tokenise, batches, Parquet written) against the
-same shard's batches run alone, so the job's own overhead shows. ``--profile VARIANT`` prints the top
+same shard's batches run alone one after the other, so the job's own overhead shows (process queues
+each batch before collecting the previous one's results; their statistics are compared too). ``--profile VARIANT`` prints the top
 CUDA kernels and CPU operators of that variant over two batches.
 
 The GPU machine here has torch and transformers but no Ray or DuckDB: this imports neither.
@@ -360,16 +361,38 @@ def shard_figure(lm, batches, args) -> dict:
             ex.run_batch(b)  # warm
         sync()
         t0 = time.perf_counter()
-        for b in alone:
-            ex.run_batch(b)
+        merged = None
+        for b in alone:  # one after the other, each waited for, merged as process merges them
+            stats = ex.run_batch(b).stats
+            merged = stats if merged is None else {n: merged[n].merge(part) for n, part in stats.items()}
         sync()
         batches_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         group = Group(layout, "bench")
-        summary = ex.process(shard, layout, group)
+        summary = ex.process(shard, layout, group)  # batches queued one ahead
+        queued = group.stats
         group.commit()  # the shard's tables, its partials and the record: what a worker writes for it
         process_s = time.perf_counter() - t0
-    return {"docs": summary["docs"], "tokens": summary["tokens"], "batches_s": batches_s, "process_s": process_s}
+    return {"docs": summary["docs"], "tokens": summary["tokens"], "batches_s": batches_s, "process_s": process_s,
+            "stats_rel_diff": _largest_rel_diff(queued, merged)}
+
+
+def _largest_rel_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| / max |b| over every numeric column of every analysis's tables (NaN where equal NaN)."""
+    import numpy as np
+
+    worst = 0.0
+    for name in b:
+        ta, tb = a[name].to_tables(), b[name].to_tables()
+        for table in tb:
+            for col in tb[table].column_names:
+                x, y = ta[table][col].to_numpy(zero_copy_only=False), tb[table][col].to_numpy(zero_copy_only=False)
+                if not np.issubdtype(y.dtype, np.floating):
+                    continue
+                scale = np.nanmax(np.abs(y)) if np.isfinite(y).any() else 1.0
+                diff = np.nanmax(np.abs(x - y)) if np.isfinite(x - y).any() else 0.0
+                worst = max(worst, float(diff / max(scale, 1e-30)))
+    return worst
 
 
 def check(lm, batches, args) -> dict:
@@ -463,7 +486,8 @@ def main(argv=None) -> int:
     if args.process:
         fig = shard_figure(lm, batches, args)
         print(f"shard: Extractor.process {fig['process_s']:.3f} s for {fig['tokens']} tokens ({fig['docs']} docs) "
-              f"vs its batches alone {fig['batches_s']:.3f} s ({fig['process_s'] / fig['batches_s']:.2f}x)")
+              f"vs its batches alone {fig['batches_s']:.3f} s ({fig['process_s'] / fig['batches_s']:.2f}x); "
+              f"statistics queued vs one by one: largest difference {fig['stats_rel_diff']:.1e} of the largest value")
         results["shard"] = fig
     if args.check:
         results["check"] = check(lm, batches, args)
