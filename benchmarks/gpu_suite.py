@@ -19,7 +19,7 @@ Variants, each on the same batches in turn, best of --rounds per batch:
 - fused:     mass, contributions and geometry only (no attention-weighted sums, no distance profile);
 - habit:     the cache-then-analyse habit's first step: every hidden state copied to the host.
 
-Prints tokens/s, each variant's time over plain's, peak GPU memory, host synchronisations per
+Prints tokens/s, each variant's time over plain's, peak GPU memory (on a CPU: the C heap in use, from glibc's mallinfo2), host synchronisations per
 batch (``torch.cuda.set_sync_debug_mode``, counted over one batch) and tensor operations dispatched
 per layer (composites by what they decompose into, views and allocations not at all; on a GPU each
 is about one kernel launch, which is what bounds the small models). The suite runs non-strict (``run_batch(strict=False)``, a GPU's default) on any device, so
