@@ -158,8 +158,10 @@ class HiddenStream:
     Layers follow Hugging Face's ``hidden_states`` order: 0 is the first block's input (the embeddings),
     ℓ in 1…L-1 the output of block ℓ-1. Hidden state L is the model's ``last_hidden_state`` (transformers
     ties ``hidden_states[-1]`` to it: after the final norm where the model has one), which the caller
-    hands over once the forward pass returns (:meth:`last`). Use as a context manager: hooks are removed
-    on exit, whatever happens."""
+    hands over once the forward pass returns (:meth:`last`): so these are ``output_hidden_states`` for
+    every model whose transformers class ties ``hidden_states[-1]`` to ``last_hidden_state`` (all the
+    supported families; ``tests/integration/test_hidden_stream.py`` compares them). Use as a context
+    manager: hooks and the consumer are dropped on exit, whatever happens."""
 
     def __init__(self, model, family):
         from actlake.architectures import blocks
@@ -190,6 +192,7 @@ class HiddenStream:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.consume = None  # nor the batch's consumer (its buffers, after an error its half-built sums)
 
     def last(self, last_hidden_state: torch.Tensor) -> None:
         """Hand over hidden state L (the forward pass's ``last_hidden_state``)."""

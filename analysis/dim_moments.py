@@ -57,7 +57,8 @@ class DimMoments(OneTable, Analysis):
     _batch = None
     """The current batch's :class:`BatchMoments` while its hidden states arrive (``add_hidden``)."""
     unchecked = None
-    """Device scalar from ``from_batch(exact_nonfinite=False)``: the sum of every hidden state, not finite
+    """Device scalar of the last batch added non-strictly (``add_hidden`` or ``from_batch`` with
+    ``exact_nonfinite=False``): the sum of every hidden state, not finite
     when one held an inf/NaN that was not looked for (then these moments are wrong and the batch must be
     redone)."""
 

@@ -101,16 +101,17 @@ class GroupSums:
         self.member_t = to_device(member.T.to(torch.float64).contiguous(), device)  # (G, N)
         self.count = self.member_t.sum(1)  # (G,)
         self.ids = to_device(host_ids, device)
-        self.buf = torch.empty(max(1, min(rows, ids.shape[0])), 2 * d, dtype=torch.float64, device=device)
+        self.rows = max(1, min(rows, ids.shape[0]))  # the float64 scratch is allocated per call, not held
         self.n_groups, self.d = n_groups, d
 
     def sums(self, x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(count (G,), sum (G, d), sum of squares (G, d)) of x (N, d). ``out``: a zeroed (G, 2d) float64
         buffer the sums go into (else a new one)."""
-        d, rows = self.d, self.buf.shape[0]
-        both = self.buf.new_zeros(self.n_groups, 2 * d) if out is None else out  # (G, 2d)
+        d, rows = self.d, self.rows
+        buf = torch.empty(rows, 2 * d, dtype=torch.float64, device=self.member_t.device)
+        both = buf.new_zeros(self.n_groups, 2 * d) if out is None else out  # (G, 2d)
         for r0 in range(0, x.shape[0], rows):
-            block = self.buf[: min(rows, x.shape[0] - r0)]
+            block = buf[: min(rows, x.shape[0] - r0)]
             block[:, :d] = x[r0 : r0 + rows]
             torch.mul(block[:, :d], block[:, :d], out=block[:, d:])
             both.addmm_(self.member_t[:, r0 : r0 + rows], block)

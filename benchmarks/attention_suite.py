@@ -92,7 +92,7 @@ def _runners(names, lm, eager_lm, batches, max_length):
     runners = {}
     for name in names:
         if name == "plain":
-            runners[name] = lambda i: lm.model(input_ids=tensors[i][0], attention_mask=tensors[i][1])
+            runners[name] = lambda i: lm.model(input_ids=tensors[i][0], attention_mask=tensors[i][1], use_cache=False)
         elif name == "naive":
             runners[name] = lambda i: _naive(eager_lm, batches[i], tensors[i])
         else:

@@ -177,7 +177,7 @@ def runners(names, lm, batches, args):
     out = {}
     for name in names:
         if name == "plain":
-            out[name] = lambda i: lm.model(input_ids=tensors[i][0], attention_mask=tensors[i][1])
+            out[name] = lambda i: lm.model(input_ids=tensors[i][0], attention_mask=tensors[i][1], use_cache=False)
         elif name == "habit":
             out[name] = lambda i: [h.cpu() for h in lm.model(input_ids=tensors[i][0], attention_mask=tensors[i][1],
                                                              output_hidden_states=True).hidden_states]

@@ -145,7 +145,8 @@ class Extractor:
             if a.residual_norms or hidden or self.store_layers:  # else no hidden state is looked at
                 sink = HiddenSink(self, batch, HiddenBatch(mask, role, type8, strict, self.triton), hidden)
                 stack.enter_context(self.stream(sink))
-            out = self.lm.model(input_ids=to_device(ids, dev), attention_mask=to_device(mask, dev))
+            out = self.lm.model(input_ids=to_device(ids, dev), attention_mask=to_device(mask, dev),
+                                use_cache=False)  # causal models would keep every layer's keys and values
             if sink is not None:
                 self.stream.last(out.last_hidden_state)
         result = BatchResult(batch, per_window, mask, stats)
@@ -163,8 +164,8 @@ class Extractor:
 
         ``compute_lock`` is held only while the model runs: a worker running two shards at once (reading
         ahead, ``resources.read_ahead``) reads and tokenises one, and writes the other's tables, while the
-        model runs the third. Batches are queued one ahead (:meth:`launch`): on a GPU the host collects one
-        batch's results and prepares the next while the device runs the batch after it."""
+        model runs the third. Batches are queued one ahead (:meth:`launch`): on a GPU the host prepares
+        batch k+1 while the device runs batch k, and collects batch k's results while it runs k+1."""
         t0 = time.perf_counter()
         windows, docs, rejects = self.read_shard(shard)
         read_s = time.perf_counter() - t0
@@ -271,7 +272,7 @@ class _DeviceChecks:
 
     def __init__(self, dev: torch.device, checks: list, hidden_devices: set):
         self.checks, self.event, self.flag = checks, None, None
-        self.devices = {d for d in {dev} | hidden_devices if d.type == "cuda"}
+        self.devices = {d for d in {dev} | hidden_devices | {t.device for t in checks} if d.type == "cuda"}
         if len(self.devices) == 1:
             (cuda,) = self.devices
             if checks:

@@ -96,3 +96,4 @@ def test_no_hidden_state_or_key_input_outlives_its_layer(minilm_path, tmp_path):
     assert len(suite) == L >= 3
     assert suite == plain, (suite, plain)  # BERT's forward keeps the embeddings (layer 0's key input) itself
     assert result.norms.shape[-1] == L + 1 and set(result.acts) == {1}
+    assert ex.stream.consume is None  # the batch's consumer (its buffers) is not kept for the next batch
