@@ -237,6 +237,7 @@ class Extractor:
             return
         yield result
 
+
 class HiddenSink:
     """What one batch does with each hidden state as the model produces it (:class:`~actlake.analysis.capture.HiddenStream`):
     residual norms into one (B, T, L+1) float64 device buffer, every ``hidden_states`` analysis, and the
