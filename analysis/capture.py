@@ -106,7 +106,34 @@ def attention_modules(model, family) -> dict[int, int]:
     return {id(get_path(block, family.attention)): i for i, block in enumerate(blocks(model, family))}
 
 
-class LayerInputs:
+class _Hooks:
+    """Hooks registered on entering a ``with`` block and removed on leaving it, whatever happens (also
+    when registering one failed). Subclasses register in :meth:`_register` and drop per-pass state in
+    :meth:`_clear`."""
+
+    def __enter__(self):
+        self._handles: list = []
+        try:
+            self._register(self._handles)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in getattr(self, "_handles", ()):
+            h.remove()
+        self._handles = []
+        self._clear()
+
+    def _register(self, handles: list) -> None:
+        raise NotImplementedError
+
+    def _clear(self) -> None:
+        pass
+
+
+class LayerInputs(_Hooks):
     """Hooks that keep, per layer of the current forward pass, the key projection's input x
     (B, T, d) until the recorder takes it (``x.pop``: one layer's at a time, not every layer's), and
     the rotary (cos, sin) the attention module received. Use as a context manager:
@@ -118,22 +145,13 @@ class LayerInputs:
         self.x: dict[int, torch.Tensor] = {}
         self.rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._targets = [(i, key_input_module(b, family), get_path(b, family.attention)) for i, b in enumerate(blocks(model, family))]
-        self._handles: list = []
 
-    def __enter__(self) -> "LayerInputs":
-        try:
-            for i, proj, attn in self._targets:
-                self._handles.append(proj.register_forward_pre_hook(self._keep_x(i)))
-                self._handles.append(attn.register_forward_pre_hook(self._keep_rope(i), with_kwargs=True))
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
+    def _register(self, handles: list) -> None:
+        for i, proj, attn in self._targets:
+            handles.append(proj.register_forward_pre_hook(self._keep_x(i)))
+            handles.append(attn.register_forward_pre_hook(self._keep_rope(i), with_kwargs=True))
 
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+    def _clear(self) -> None:
         self.x.clear()
         self.rope.clear()
 
@@ -150,24 +168,23 @@ class LayerInputs:
         return hook
 
 
-class HiddenStream:
+class HiddenStream(_Hooks):
     """Hooks that hand each hidden state to ``consume(layer, h)`` as the model produces it, so that no
     hidden state outlives the analyses of it (``output_hidden_states`` keeps all L+1 until the forward
     pass returns: L+1 times (B, T, d) of device memory).
 
     Layers follow Hugging Face's ``hidden_states`` order: 0 is the first block's input (the embeddings),
-    ℓ in 1…L-1 the output of block ℓ-1. Hidden state L is the model's ``last_hidden_state`` (transformers
-    ties ``hidden_states[-1]`` to it: after the final norm where the model has one), which the caller
-    hands over once the forward pass returns (:meth:`last`): so these are ``output_hidden_states`` for
-    every model whose transformers class ties ``hidden_states[-1]`` to ``last_hidden_state`` (all the
-    supported families; ``tests/integration/test_hidden_stream.py`` compares them). Use as a context
-    manager: hooks and the consumer are dropped on exit, whatever happens."""
+    ℓ in 1…L-1 the output of block ℓ-1. Hidden state L is the model's ``last_hidden_state`` (after the
+    final norm where the model has one), which the caller hands over once the forward pass returns
+    (:meth:`last`): the same as ``output_hidden_states`` wherever transformers ties
+    ``hidden_states[-1]`` to ``last_hidden_state``, as it does for every supported family
+    (``tests/integration/test_hidden_stream.py`` compares them). Use as a context manager: hooks and
+    the consumer are dropped on exit, whatever happens."""
 
     def __init__(self, model, family):
         from actlake.architectures import blocks
 
         self._blocks = blocks(model, family)
-        self._handles: list = []
         self.consume: Callable[[int, torch.Tensor], None] | None = None
 
     @property
@@ -178,20 +195,12 @@ class HiddenStream:
         self.consume = consume
         return self
 
-    def __enter__(self) -> "HiddenStream":
-        try:
-            self._handles.append(self._blocks[0].register_forward_pre_hook(self._first, with_kwargs=True))
-            for i, block in enumerate(self._blocks[:-1]):  # the last block's output is not hidden state L
-                self._handles.append(block.register_forward_hook(self._output_of(i)))
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
+    def _register(self, handles: list) -> None:
+        handles.append(self._blocks[0].register_forward_pre_hook(self._first, with_kwargs=True))
+        for i, block in enumerate(self._blocks[:-1]):  # the last block's output is not hidden state L
+            handles.append(block.register_forward_hook(self._output_of(i)))
 
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+    def _clear(self) -> None:
         self.consume = None  # nor the batch's consumer (its buffers, after an error its half-built sums)
 
     def last(self, last_hidden_state: torch.Tensor) -> None:
