@@ -21,6 +21,7 @@ from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 @dataclass
 class AttentionByDistance(OneTable, SumStats):
     name = "attention_by_distance"
+    graph_safe = True
     reads = frozenset({"attention", "distance"})
     tables = ("attention_by_distance",)
     views = {"attention_by_distance_mean": """

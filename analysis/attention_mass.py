@@ -38,6 +38,7 @@ def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
 @dataclass
 class AttentionMass(OneTable, SumStats):
     name = "attention_mass"
+    graph_safe = True
     reads = frozenset({"attention", "mass"})
     tables = ("attention_mass",)
     views = {"attention_mass_by_key": """

@@ -109,6 +109,7 @@ def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
 @dataclass
 class Contributions(OneTable, SumStats):
     name = "contributions"
+    graph_safe = True
     reads = frozenset({"attention", "layer_inputs", "weighted_qsum"})
     tables = ("contributions",)
     views = {"contributions_mean": """

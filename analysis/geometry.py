@@ -25,6 +25,7 @@ from actlake.categories import ROLE
 @dataclass
 class Geometry(OneTable, SumStats):
     name = "geometry"
+    graph_safe = True
     reads = frozenset({"attention", "mass", "mass_keynorm"})
     tables = ("attention_geometry",)
     views = {"attention_geometry_mean": """

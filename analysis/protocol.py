@@ -83,8 +83,20 @@ class Analysis(ABC):
     def create(cls, spec: ModelSpec, **options) -> "Analysis":
         """Fresh (zero) accumulators on ``spec.device``; ``options`` from the job config."""
 
+    graph_safe: ClassVar[bool] = False
+    """:meth:`add_layer` may be recorded at one layer of a batch and replayed at the others
+    (``analyses.layer_graphs``, :mod:`~actlake.analysis.layer_replay`): it reads only ``lq`` and what is
+    the same for the whole batch, reads nothing back from the device and copies nothing from the host,
+    keeps no Python state per layer, and writes only its tensor fields, each at ``[lq.layer]`` on its
+    first dimension. :meth:`layer_scratch` must then work (it does for :class:`~actlake.analysis.stats.SumStats`)."""
+
     def add_layer(self, lq) -> None:
         """One attention layer of one batch (when ``attention`` is in :attr:`reads`)."""
+
+    def layer_scratch(self) -> "Analysis":
+        """For :attr:`graph_safe` analyses: a copy whose tensor fields hold one layer, zero (first dimension
+        1), which a recorded :meth:`add_layer` writes at layer 0."""
+        raise NotImplementedError(f"{type(self).__name__} is not graph_safe")
 
     def add_hidden(self, layer: int, h: torch.Tensor, batch: HiddenBatch) -> None:
         """Hidden state ``layer`` (B, T, d) of one batch, on the device of the block that produced it

@@ -12,6 +12,7 @@ from actlake.analysis.attention_weights import EXPLICIT_ONLY, flash_applies
 from actlake.analysis.capture import LayerInputs, attention_modules
 from actlake.analysis.device import tf32
 from actlake.analysis.layer_qk import BatchInfo, LayerQK
+from actlake.analysis.layer_replay import LayerReplay
 from actlake.analysis.rope import factors
 from actlake.architectures import blocks, key_weights
 from actlake.errors import AnalysisError
@@ -56,12 +57,15 @@ class AttentionRecorder:
     from the device, once per layer). False: assume both are fine and count on the device what
     contradicts it (:meth:`problems`); the caller reads that once per batch and, if it is not zero,
     runs the batch again strictly. Statistics of a batch with problems are wrong and must be dropped.
+    ``replay``: when not strict, the consumers' work of one layer is recorded and replayed at the others
+    (:mod:`~actlake.analysis.layer_replay`; ``consumers`` are then its analyses' ``add_layer``).
     """
 
     def __init__(self, mqk: ModelQK, valid: torch.Tensor, role_onehot: torch.Tensor,
                  consumers: list[Callable[[LayerQK], None]], mass: AttentionMass | None = None,
                  inputs: LayerInputs | None = None, needs=frozenset(), method: str = "auto",
-                 reuse_attention: bool = True, strict: bool = True, on_excluded=(), triton: bool = False):
+                 reuse_attention: bool = True, strict: bool = True, on_excluded=(), triton: bool = False,
+                 replay: LayerReplay | None = None):
         self.mqk, self.consumers, self.mass, self.inputs = mqk, consumers, mass, inputs
         self.on_excluded = list(on_excluded) + ([mass.nonfinite_excluded] if mass is not None else [])
         self.host = BatchInfo(valid.cpu(), mqk.family.causal, role_onehot.cpu(), role_onehot.cpu())
@@ -75,6 +79,10 @@ class AttentionRecorder:
         """Attention calls whose output came from the analyses' weights (the kernel did not run)."""
         self._rope = None  # (the model's cos, sin, what _rope_of made of them)
         self._checked_masks: list = []  # (mask, is_causal, BatchInfo) already compared (refs keep ids unique)
+        if replay is not None and mass is not None:
+            raise ValueError("replay covers the consumers only: feed attention mass as one of them")
+        self.replay = replay
+        self._first_layer_done = False
 
     def problems(self) -> list[torch.Tensor]:
         """Per device, (4,) float64 on it: query-key pairs where the model's mask differed from the one the
@@ -89,14 +97,45 @@ class AttentionRecorder:
             self._batch[dev] = self.host.to(dev)
             self._problems[dev] = torch.zeros(1, dtype=torch.float64, device=dev)
             self._totals[dev] = torch.zeros(3, dtype=torch.float32, device=dev)
-        f32 = lambda t: t.detach().to(torch.float32).contiguous()  # blocks of q and k are read many times
-        q, k, batch = f32(query), f32(key), self._batch[dev]
-        x = f32(self.inputs.x.pop(layer)) if self.inputs is not None else None  # not kept past its layer
-        self._check_mask(layer, batch, attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
+        self._check_mask(layer, self._batch[dev], attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
+        t = {"query": query.detach(), "key": key.detach(), "value": value.detach() if value is not None else None,
+             "x": None, "w_key": None, "b_key": None}
+        rope = None
+        if self.inputs is not None:
+            t["x"] = self.inputs.x.pop(layer).detach()  # not kept past its layer
+            t["w_key"], t["b_key"] = self.mqk.weights[layer]
+            rope = self.inputs.rope.get(layer) if self.mqk.family.rotary else None
+        if self.replay is None or self.strict:
+            out = self._layer(layer, t, float(scaling), rope, self.consumers)
+        else:
+            out = self._replayed(layer, t, float(scaling), rope)
+        self.replaced_layers += out is not None
+        return out
+
+    def _replayed(self, layer: int, t: dict, scaling: float, rope):
+        """:meth:`_layer` through :attr:`replay`: the batch's first layer as it is, the second recorded, the
+        recording replayed from then on wherever the inputs fit it."""
+        r, dev = self.replay, t["query"].device
+        extra = (scaling, dev, None if rope is None else tuple(id(a) for a in rope))  # what the recording bakes in
+        if r.static is None and self._first_layer_done:
+            r.record(t, extra, lambda st, consumers: self._layer(0, st, scaling, rope, consumers))
+        if r.fits(t, extra):
+            return r.replay(layer, t)
+        self._first_layer_done = True
+        return self._layer(layer, t, scaling, rope, self.consumers)
+
+    def _layer(self, layer: int, t: dict, scaling: float, rope, consumers):
+        """Every analysis of one layer (``t``: its tensors as :meth:`on_attention` collects them); the
+        attention output when it replaces the kernel's."""
+        query, batch = t["query"], self._batch[t["query"].device]
+        f32 = lambda t: t.to(torch.float32).contiguous()  # blocks of q and k are read many times
+        q, k = f32(query), f32(t["key"])
+        x = f32(t["x"]) if t["x"] is not None else None
         any_bad = False
         if not self.strict:  # summed here (inf/NaN make the totals non-finite), read by the caller once per batch
-            sums = [t.sum() for t in (q, k, x) if t is not None]
-            torch._foreach_add_(list(self._totals[dev][: len(sums)]), sums)
+            sums = [v.sum() for v in (q, k, x) if v is not None]
+            totals = self._totals[query.device]
+            torch._foreach_add_(list(totals[: len(sums)]), sums)
         else:
             bad = self._nonfinite_tokens(batch, q, k, x)  # (B, T) bool, or None when every value is finite
             any_bad = bad is not None and bool(bad.any())
@@ -112,33 +151,24 @@ class AttentionRecorder:
         if method == "auto" and not any_bad and flash_applies(query, batch):
             method = "flash"
         elif method == "auto":
-            method = "fused" if dev.type == "cuda" and not self.needs & EXPLICIT_ONLY else "explicit"
+            method = "fused" if query.device.type == "cuda" and not self.needs & EXPLICIT_ONLY else "explicit"
         # the kernel's output can come from our weights only when they are the model's: no token left out
+        value = t["value"]
         replace = (value is not None and self.reuse_attention and method in ("explicit", "flash")
                    and bool(self.needs) and not any_bad)
-        lq = LayerQK(layer, q, k, float(scaling), batch, needs=self.needs | ({"output"} if replace else frozenset()),
+        lq = LayerQK(layer, q, k, scaling, batch, needs=self.needs | ({"output"} if replace else frozenset()),
                      method=method, value=f32(value) if replace and method == "explicit" else None,
-                     native=(query.detach(), key.detach(), value.detach() if value is not None else None),
-                     triton=self.triton and method == "flash")
+                     native=(query, t["key"], value), triton=self.triton and method == "flash")
         with tf32_when_exact(query):
-            return self._feed(lq, layer, query, x, replace)
-
-    def _feed(self, lq: LayerQK, layer: int, query, x, replace: bool):
-        """Run the analyses on one layer; the attention output when it replaces the kernel's."""
-        if self.mass is not None:
-            self.mass.add_layer(lq)
-        if self.inputs is not None:
-            lq.x = x
-            lq.w_key, lq.b_key = self.mqk.weights[layer]
-            rope = self.inputs.rope.get(layer)
-            if rope is not None and self.mqk.family.rotary:
-                lq.cos, lq.sin, lq.unrotation = self._rope_of(rope, query.shape[0], query.shape[2])
-        for consume in self.consumers:
-            consume(lq)
-        if not replace:
-            return None
-        self.replaced_layers += 1
-        return lq.product("output")
+            if self.mass is not None:
+                self.mass.add_layer(lq)
+            if self.inputs is not None:
+                lq.x, lq.w_key, lq.b_key = x, t["w_key"], t["b_key"]
+                if rope is not None:
+                    lq.cos, lq.sin, lq.unrotation = self._rope_of(rope, query.shape[0], query.shape[2])
+            for consume in consumers:
+                consume(lq)
+            return lq.product("output") if replace else None
 
     def _rope_of(self, rope: tuple, B: int, T: int) -> tuple:
         """(cos, sin, R^T factors) in float32 for the model's rotary (cos, sin); computed once while the

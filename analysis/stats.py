@@ -26,6 +26,9 @@ class SumStats(Analysis):
         dev = self.device
         return dataclasses.replace(self, **{f: getattr(self, f) + getattr(other, f).to(dev) for f in self._tensor_fields()})
 
+    def layer_scratch(self):
+        return dataclasses.replace(self, **{f: torch.zeros_like(getattr(self, f)[:1]) for f in self._tensor_fields()})
+
     @property
     def device(self) -> torch.device:
         return getattr(self, self._tensor_fields()[0]).device

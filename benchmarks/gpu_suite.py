@@ -15,6 +15,9 @@ Variants, each on the same batches in turn, best of --rounds per batch:
 - torch:     the suite without the Triton kernels (``analyses.triton_kernels: false``): the distance
              profile from explicit weights in blocks, the weighted sums from FlashAttention's backward pass,
              the moments from float64 products (the same as suite where the kernels do not apply);
+- graphs:    the suite with ``analyses.layer_graphs``: each batch's attention analyses recorded at one
+             layer as a CUDA graph and replayed at the others (on a CPU a torch.fx trace, not faster);
+             its statistics on batch 0 are compared with the suite's;
 - attention: the suite without the hidden-state statistics (residual norms, moments);
 - fused:     mass, contributions and geometry only (no attention-weighted sums, no distance profile);
 - habit:     the cache-then-analyse habit's first step: every hidden state copied to the host.
@@ -59,7 +62,7 @@ CONFIGS = {
                         intermediate_size=16384, rotary_pct=0.25, vocab_size=50432, max_position_embeddings=2048,
                         use_parallel_residual=True),
 }
-VARIANTS = ("plain", "suite", "torch", "attention", "fused", "habit")
+VARIANTS = ("plain", "suite", "torch", "graphs", "attention", "fused", "habit")
 
 
 def minilm_dir(args) -> str:
@@ -158,6 +161,8 @@ def extractor(name: str, lm, args):
         analyses.update(residual_norms=False, dim_moments=False)
     if name == "torch":
         analyses.update(triton_kernels=False)
+    if name == "graphs":
+        analyses.update(layer_graphs=True)
     if name == "fused":
         analyses.update(residual_norms=False, dim_moments=False, attention_weights="fused",
                         weighted_contributions=False, attention_by_distance=False)
@@ -483,6 +488,9 @@ def main(argv=None) -> int:
         print(f"operations per layer in the suite, by caller (top {args.op_sources}):")
         for where, n in counted["suite"].sources.most_common(args.op_sources):
             print(f"  {n / layers:>7.1f}  {where}")
+    if "graphs" in names and "suite" in names:
+        results["graphs_rel_diff"] = _largest_rel_diff(run["graphs"](0).stats, run["suite"](0).stats)
+        print(f"graphs vs suite on batch 0: largest difference {results['graphs_rel_diff']:.1e} of the largest value")
     if args.process:
         fig = shard_figure(lm, batches, args)
         print(f"shard: Extractor.process {fig['process_s']:.3f} s for {fig['tokens']} tokens ({fig['docs']} docs) "

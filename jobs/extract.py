@@ -16,6 +16,7 @@ import torch
 from actlake.analysis import capture
 from actlake.analysis.attention_weights import triton_kernels_on
 from actlake.analysis.device import to_device, to_host
+from actlake.analysis.layer_replay import LayerReplay
 from actlake.analysis.protocol import HiddenBatch, ModelSpec, enabled, products
 from actlake.analysis.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.residual_norms import add_norms
@@ -24,6 +25,7 @@ from actlake.batching import Window, collate, document_windows, make_batches
 from actlake.categories import ROLE, Categorizer, one_hot
 from actlake.config import JobConfig
 from actlake.corpus.readers import Reject
+from actlake.errors import ConfigError
 from actlake.jobs.plan import Shard
 from actlake.model import LoadedModel
 from actlake.storage.activations import activation_table, add_token_columns, resolve_layers, window_sampled
@@ -52,6 +54,10 @@ class Extractor:
         self.analyses = enabled(cfg.analyses)  # (class, options) per enabled analysis
         m = self.mqk
         self.triton = triton_kernels_on(cfg.analyses.triton_kernels, lm.device)
+        unsafe = [c.name for c, _ in self.analyses if "attention" in c.reads and not c.graph_safe]
+        if cfg.analyses.layer_graphs and unsafe:
+            raise ConfigError(f"analyses.layer_graphs: true needs every attention analysis to be graph_safe; {unsafe} "
+                              "are not (README: Your own analysis)")
         self.strict = lm.device.type != "cuda"
         """run_batch's default: strict checks layer by layer on a CPU, device-side counts read once per batch on a GPU."""
         self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
@@ -138,7 +144,8 @@ class Extractor:
                                          inputs=inputs, needs=products(attention), method=a.attention_weights,
                                          strict=strict, on_excluded=[x.nonfinite_excluded for x in attention
                                                                      if hasattr(x, "nonfinite_excluded")],
-                                         triton=self.triton)
+                                         triton=self.triton,
+                                         replay=LayerReplay(attention) if a.layer_graphs and not strict and attention else None)
             if attention:
                 stack.enter_context(capture.recording(recorder))
             sink = None
@@ -155,7 +162,8 @@ class Extractor:
         if self.lm.lm_head is not None:
             result.surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask))
         checks = [] if strict else recorder.problems() + [t for x in stats.values() for t in x.problems()]
-        return Launched(batch, result, _DeviceChecks(dev, checks, sink.devices if sink is not None else set()))
+        # the recorder (its layer graph, the buffers replays read) lives until the batch is waited for
+        return Launched(batch, result, _DeviceChecks(dev, checks, sink.devices if sink is not None else set()), recorder)
 
     # ------------------------------------------------------------------ one shard
     def process(self, shard: Shard, layout: RunLayout, group: Group, compute_lock=None) -> dict:
@@ -298,6 +306,8 @@ class Launched:
     result: "BatchResult"
     """Complete only once :meth:`passed` returned (its host copies may still be in flight before)."""
     checks: _DeviceChecks
+    recorder: AttentionRecorder | None = None
+    """Kept until the batch is waited for: a recorded layer graph and its buffers stay alive while queued."""
 
     def passed(self) -> bool:
         """Wait for the batch; False when a device-side check counted a problem (run it again strictly)."""

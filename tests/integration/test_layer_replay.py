@@ -1,0 +1,130 @@
+"""``analyses.layer_graphs``: a batch's attention analyses recorded at one layer and replayed at the others
+(a CUDA graph on a GPU; on a CPU a torch.fx trace, which runs the recorded operations and not the Python
+that issued them, as a graph does) give every layer's statistics as computing each layer does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from actlake.analysis.stats import SumStats, zeros
+from actlake.batching import Window
+from actlake.errors import AnalysisError, ConfigError
+from actlake.jobs.extract import Extractor
+from actlake.model import load_model
+from tests.conftest import FAMILIES, job_config
+
+pytestmark = pytest.mark.integration
+
+
+def _windows(lm, lengths=(13, 7, 10)):
+    """Windows of different lengths (padding in the batch), with the tokenizer's special tokens."""
+    from actlake.batching import special_affixes
+
+    pre, post = special_affixes(lm.tokenizer)
+    g = torch.Generator().manual_seed(1)
+    return [Window(d, 0, pre + torch.randint(5, 300, (n,), generator=g).tolist() + post, "s")
+            for d, n in enumerate(lengths)]
+
+
+def _extractor(model_path, tmp_path, graphs: bool, **analyses):
+    overrides = {f"analyses.{k}": v for k, v in {"tokens": False, "layer_graphs": graphs, **analyses}.items()}
+    cfg = job_config(model_path, tmp_path, tmp_path / "out", **overrides)
+    return Extractor(cfg, load_model(cfg.model))
+
+
+def _fields(stats: dict) -> dict:
+    return {(name, f): v for name, a in stats.items() for f, v in vars(a).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "minilm"])
+@pytest.mark.parametrize("options", [{}, {"contributions_by_query_category": True, "attention_weights": "explicit"}],
+                         ids=["defaults", "by-query-category"])
+def test_replayed_layers_equal_layers_computed_one_by_one(family, options, deep_tiny_models, minilm_path, tmp_path):
+    path = minilm_path if family == "minilm" else deep_tiny_models[family]
+    eager = _extractor(path, tmp_path, False, **options)
+    graphs = _extractor(path, tmp_path, True, **options)
+    windows = _windows(eager.lm)
+    with torch.inference_mode():
+        want = eager.run_batch(windows, strict=False)
+        launched = graphs.launch(windows, strict=False)
+    assert launched.passed()
+    got, replay = launched.result, launched.recorder.replay
+    # layer 0 as it is, layer 1 recorded, then replayed at layers 1 .. L-1
+    assert replay.replays == eager.mqk.n_layers - 1 >= 3
+    w, g = _fields(want.stats), _fields(got.stats)
+    assert w.keys() == g.keys() and len(w) >= 15
+    for k in w:
+        torch.testing.assert_close(g[k], w[k], rtol=1e-12, atol=1e-12, msg=lambda m: f"{k}: {m}")
+    # the attention output handed to the model came from the replays: the hidden states downstream agree
+    torch.testing.assert_close(got.norms, want.norms, rtol=1e-12, atol=0)
+    if want.surprisal is not None:
+        torch.testing.assert_close(got.surprisal, want.surprisal, rtol=1e-6, atol=0, equal_nan=True)
+
+
+@dataclass
+class LayerScaled(SumStats):
+    """Sums q times (layer + 1): the Python number lq.layer is baked into a recording (0 there)."""
+
+    name, reads, tables, graph_safe = "layer_scaled", frozenset({"attention"}), ("layer_scaled",), True
+    total: torch.Tensor
+
+    @classmethod
+    def create(cls, spec, **options):
+        return cls(zeros(spec.n_layers, device=spec.device))
+
+    def add_layer(self, lq) -> None:
+        self.total[lq.layer] += lq.valid_query.sum().double() * (lq.layer + 1)
+
+    def to_tables(self):
+        return {}
+
+    @classmethod
+    def from_tables(cls, tables):
+        raise NotImplementedError
+
+
+class ReadsBack(LayerScaled):
+    name = "reads_back"
+
+    def add_layer(self, lq) -> None:
+        self.total[lq.layer] += float(lq.query.sum())  # a host read: no graph can hold it
+
+
+def _custom(cls):
+    return {"custom": [{"analysis": f"{__name__}:{cls.__name__}"}], "dim_moments": False, "residual_norms": False}
+
+
+def test_a_replay_runs_the_recorded_operations_not_the_python(deep_tiny_models, tmp_path):
+    """Why an analysis must be graph_safe: what its Python computes (here from lq.layer) is fixed at the
+    recorded layer. The CPU's trace shows that as a CUDA graph would: the replayed layers get the factor
+    the recording saw. Each layer's own q sum is still its own (those are the recorded operations)."""
+    path = deep_tiny_models["gpt_neox"]
+    eager, graphs = (_extractor(path, tmp_path, g, **_custom(LayerScaled)) for g in (False, True))
+    windows = _windows(eager.lm)
+    with torch.inference_mode():
+        want = eager.run_batch(windows, strict=False).stats["layer_scaled"].total
+        got = graphs.run_batch(windows, strict=False).stats["layer_scaled"].total
+    plain = want / torch.arange(1, len(want) + 1, dtype=torch.float64)  # each layer's sum of q
+    torch.testing.assert_close(got[0], want[0])  # layer 0 runs as it is
+    torch.testing.assert_close(got[1:], plain[1:], rtol=1e-12, atol=1e-12)  # recorded with lq.layer = 0: factor 1
+    assert not torch.allclose(got[2:], want[2:])
+
+
+def test_an_analysis_that_reads_back_cannot_be_recorded(deep_tiny_models, tmp_path):
+    ex = _extractor(deep_tiny_models["llama"], tmp_path, True, **_custom(ReadsBack))
+    with torch.inference_mode(), pytest.raises(AnalysisError, match=r"_local_scalar_dense.*layer_graphs: false"):
+        ex.run_batch(_windows(ex.lm), strict=False)
+
+
+class NotDeclared(LayerScaled):
+    name, graph_safe = "not_declared", False
+
+
+def test_layer_graphs_refuse_analyses_not_declared_graph_safe(deep_tiny_models, tmp_path):
+    with pytest.raises(ConfigError, match=r"layer_graphs: true needs every attention analysis to be graph_safe; "
+                                          r"\['not_declared'\]"):
+        _extractor(deep_tiny_models["gpt2"], tmp_path, True, **_custom(NotDeclared))
+    _extractor(deep_tiny_models["gpt2"], tmp_path, False, **_custom(NotDeclared))  # fine without layer graphs
