@@ -37,6 +37,12 @@ if "$py" -c "import pytest" 2>/dev/null; then
   (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py) > "$out/kernel_tests.txt" 2>&1 \
     || failed+=("tests/unit/test_kernels.py (see $out/kernel_tests.txt)")
   tail -n 1 "$out/kernel_tests.txt"
+  # analyses.layer_graphs in real CUDA graphs against layers computed one by one (the tiny causal models;
+  # BERT's and MiniLM's cases need the MiniLM package)
+  (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/integration/test_layer_replay.py \
+     -k "cuda and not bert and not minilm") > "$out/layer_graph_tests.txt" 2>&1 \
+    || failed+=("tests/integration/test_layer_replay.py (see $out/layer_graph_tests.txt)")
+  tail -n 1 "$out/layer_graph_tests.txt"
 else
   echo "pytest is not installed: the kernels' tests did not run" | tee "$out/kernel_tests.txt"
 fi
@@ -44,11 +50,13 @@ for c in "${configs[@]}"; do
   case $c in
     minilm)      suite --model-config minilm --seq-len 128 --batch-tokens 16384 --process --json "$out/minilm_16k.json" ;;
     pythia-410m) suite --model-config pythia-410m --seq-len 1024 --batch-tokens 16384 --process --check --json "$out/p410_16k.json"
-                 suite --model-config pythia-410m --seq-len 1024 --batch-tokens 4096 --variants plain,suite \
-                       --profile suite --json "$out/p410_4k.json" > "$out/p410_4k_profile.txt" ;;
+                 suite --model-config pythia-410m --seq-len 1024 --batch-tokens 4096 --variants plain,suite,graphs \
+                       --profile suite --json "$out/p410_4k.json" > "$out/p410_4k_profile.txt"
+                 suite --model-config pythia-410m --seq-len 1024 --batch-tokens 4096 --variants plain,graphs \
+                       --profile graphs --json "$out/p410_4k_graphs.json" > "$out/p410_4k_graphs_profile.txt" ;;
     llama-1b)    suite --model-config llama-1b --seq-len 1024 --batch-tokens 16384 --check --json "$out/llama_16k.json" ;;
     pythia-6.9b) suite --model-config pythia-6.9b --seq-len 2048 --batch-tokens 16384 --batches 3 \
-                       --variants plain,suite,torch,attention,fused --json "$out/p69.json" ;;
+                       --variants plain,suite,torch,graphs,attention,fused --json "$out/p69.json" ;;
   esac
 done
 "$py" "$root/benchmarks/gpu_table.py" "$out"/*.json

@@ -18,7 +18,7 @@ def row(r: dict) -> str:
     ratio = lambda n: f"{v[n]['vs_plain']:.2f}×" if n in v else "—"
     cell = lambda key, fmt: " / ".join(fmt(v[n][key]) if n in v and key in v[n] else "—" for n in ("plain", "suite"))
     return (f"| {NAMES.get(r['model'], r['model'])} ({r['seq_len']}, {r['tokens_per_batch']:,}) "
-            f"| {v['plain']['tokens_per_s']:,.0f} | {ratio('suite')} | {ratio('torch')} | {ratio('attention')} | {ratio('fused')} "
+            f"| {v['plain']['tokens_per_s']:,.0f} | {ratio('suite')} | {ratio('graphs')} | {ratio('torch')} | {ratio('attention')} | {ratio('fused')} "
             f"| {ratio('habit')} | {cell('peak_mib', lambda x: f'{x:,.0f}')} | {cell('syncs', str)} "
             f"| {cell('ops_per_batch', lambda x: format(x / r.get('layers', float('nan')), '.1f'))} |")
 
@@ -31,10 +31,10 @@ def main(argv=None) -> int:
         print("no gpu_suite results with a plain variant", file=sys.stderr)
         return 1
     print(f"{results[0].get('gpu', '?')}")
-    print("| config (T, tokens per batch) | plain tokens/s | suite | suite without Triton kernels | attention only "
-          "| fused | habit "
+    print("| config (T, tokens per batch) | plain tokens/s | suite | suite with layer graphs | suite without Triton kernels "
+          "| attention only | fused | habit "
           "| peak MiB plain / suite | syncs per batch plain / suite | operations per layer plain / suite |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(row(r))
     for r in results:
@@ -42,6 +42,9 @@ def main(argv=None) -> int:
             s = r["shard"]
             print(f"shard ({r['model']}): Extractor.process {s['process_s']:.2f} s for {s['tokens']:,} tokens "
                   f"({s['docs']} docs) vs its batches alone {s['batches_s']:.2f} s ({s['process_s'] / s['batches_s']:.2f}×)")
+        if "graphs_rel_diff" in r:
+            print(f"layer graphs ({r['model']}): statistics vs the suite's, largest difference {r['graphs_rel_diff']:.1e}; "
+                  f"peak MiB {r['variants']['graphs']['peak_mib']:,.0f}")
         if "check" in r:
             worst = sorted(r["check"].items(), key=lambda kv: -kv[1])[:4]
             print(f"check ({r['model']}): largest relative differences " + ", ".join(f"{k} {x:.1e}" for k, x in worst))
