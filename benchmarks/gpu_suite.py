@@ -33,7 +33,8 @@ little work that does not grow with the tokens (what a launch-bound GPU waits on
 gives the time per batch divided by the layers. ``--process`` adds a shard-level
 figure: ``Extractor.process`` on one shard (read, tokenise, batches, Parquet written) against the
 same shard's batches run alone one after the other, so the job's own overhead shows (process queues
-each batch before collecting the previous one's results; their statistics are compared too). ``--profile VARIANT`` prints the top
+each batch before collecting the previous one's results; their statistics are compared too, and the residual
+norms the shard wrote with the per-layer sums of the norms the batches alone returned). ``--profile VARIANT`` prints the top
 CUDA kernels and CPU operators of that variant over two batches.
 
 The GPU machine here has torch and transformers but no Ray or DuckDB: this imports neither.
@@ -366,10 +367,11 @@ def shard_figure(lm, batches, args) -> dict:
             ex.run_batch(b)  # warm
         sync()
         t0 = time.perf_counter()
-        merged = None
+        merged, norm_sums = None, 0.0
         for b in alone:  # one after the other, each waited for, merged as process merges them
-            stats = ex.run_batch(b).stats
-            merged = stats if merged is None else {n: merged[n].merge(part) for n, part in stats.items()}
+            result = ex.run_batch(b)
+            merged = result.stats if merged is None else {n: merged[n].merge(p) for n, p in result.stats.items()}
+            norm_sums = norm_sums + result.norms[result.mask.bool()].sum(0).numpy()  # (L+1,) per layer
         sync()
         batches_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -378,8 +380,24 @@ def shard_figure(lm, batches, args) -> dict:
         queued = group.stats
         group.commit()  # the shard's tables, its partials and the record: what a worker writes for it
         process_s = time.perf_counter() - t0
+        written = _written_norm_sums(Path(tmp) / "run", len(norm_sums))
     return {"docs": summary["docs"], "tokens": summary["tokens"], "batches_s": batches_s, "process_s": process_s,
-            "stats_rel_diff": _largest_rel_diff(queued, merged)}
+            "stats_rel_diff": _largest_rel_diff(queued, merged),
+            "norms_rel_diff": float(abs(written - norm_sums).max() / abs(norm_sums).max())}
+
+
+def _written_norm_sums(run_dir: Path, n_layers: int):
+    """Per layer, the sum of the residual norms in the shard's written Parquet: the per-token values that
+    came back from the device through pinned memory while the next batch was queued."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    out = np.zeros(n_layers)
+    for f in run_dir.rglob("*.parquet"):
+        if "residual_norms" in f.as_posix() and "by_shard" not in f.as_posix():
+            t = pq.read_table(f, columns=["layer", "norm"])
+            np.add.at(out, t["layer"].to_numpy(), t["norm"].to_numpy())
+    return out
 
 
 def _largest_rel_diff(a: dict, b: dict) -> float:
@@ -495,7 +513,8 @@ def main(argv=None) -> int:
         fig = shard_figure(lm, batches, args)
         print(f"shard: Extractor.process {fig['process_s']:.3f} s for {fig['tokens']} tokens ({fig['docs']} docs) "
               f"vs its batches alone {fig['batches_s']:.3f} s ({fig['process_s'] / fig['batches_s']:.2f}x); "
-              f"statistics queued vs one by one: largest difference {fig['stats_rel_diff']:.1e} of the largest value")
+              f"statistics queued vs one by one: largest difference {fig['stats_rel_diff']:.1e} of the largest value; "
+              f"residual norms written vs one by one, per-layer sums: {fig['norms_rel_diff']:.1e}")
         results["shard"] = fig
     if args.check:
         results["check"] = check(lm, batches, args)

@@ -41,7 +41,9 @@ def main(argv=None) -> int:
         if "shard" in r:
             s = r["shard"]
             print(f"shard ({r['model']}): Extractor.process {s['process_s']:.2f} s for {s['tokens']:,} tokens "
-                  f"({s['docs']} docs) vs its batches alone {s['batches_s']:.2f} s ({s['process_s'] / s['batches_s']:.2f}×)")
+                  f"({s['docs']} docs) vs its batches alone {s['batches_s']:.2f} s ({s['process_s'] / s['batches_s']:.2f}×); "
+                  f"queued vs alone: statistics {s.get('stats_rel_diff', float('nan')):.1e}, "
+                  f"written residual norms {s.get('norms_rel_diff', float('nan')):.1e}")
         if "graphs_rel_diff" in r:
             print(f"layer graphs ({r['model']}): statistics vs the suite's, largest difference {r['graphs_rel_diff']:.1e}; "
                   f"peak MiB {r['variants']['graphs']['peak_mib']:,.0f}")
