@@ -191,7 +191,8 @@ def layer_products(lq, names, lse: torch.Tensor) -> dict:
     """``names`` (of :data:`~actlake.analysis.attention_weights.TRITON`) of one layer from the kernels,
     with ``lse`` (B, H, >= T) of a FlashAttention forward call on the same q and k. The first call on each
     device in a process also computes them from explicit weights and raises if the two disagree (one host
-    synchronisation, once; skipped while an input holds inf/NaN)."""
+    synchronisation, once; skipped while an input holds inf/NaN, and while a layer graph records:
+    ``analyses.layer_graphs``)."""
     q, k, _ = lq.native
     T = q.shape[2]
     args = (q, k, lse[..., :T], lq.batch.validf, lq.scaling)
@@ -200,7 +201,7 @@ def layer_products(lq, names, lse: torch.Tensor) -> dict:
         out["distance"] = distance_profile(*args)
     if "weighted_qsum" in names:
         out["weighted_qsum"] = weighted_qsum(*args)
-    if ("attention", q.device) not in _verified and out:
+    if ("attention", q.device) not in _verified and out and not capturing(q.device):
         ref = explicit_products(lq, set(out), max_elements=lq.max_elements)
         if all([check_agreement(f"attention layer {lq.layer}: {name}", value, ref[name]) for name, value in out.items()]):
             _verified.add(("attention", q.device))
@@ -220,6 +221,11 @@ def check_agreement(what: str, kernel: torch.Tensor, reference: torch.Tensor) ->
             "the largest value); set analyses.triton_kernels: false and report this with your GPU, torch and triton "
             "versions")
     return True
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is being captured into a CUDA graph (which a read-back would break)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def interpreted() -> bool:

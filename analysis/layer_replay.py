@@ -64,10 +64,18 @@ class LayerReplay:
         """Whether the recorded graph can serve a layer with these inputs (and ``extra``: what else it baked in)."""
         return self.static is not None and self.key == self.signature(inputs, extra)
 
-    def record(self, inputs: Inputs, extra, run: Callable[[Inputs, list], torch.Tensor | None]) -> None:
-        """Record ``run(fixed inputs, consumers)``; it does not run yet (:meth:`replay` does)."""
-        self.key = self.signature(inputs, extra)
-        self.static = {k: None if v is None else v.clone() for k, v in inputs.items()}
+    @property
+    def device(self) -> torch.device | None:
+        """Where the analyses' accumulators (and their scratch copies) live: the only device a layer can be
+        recorded and replayed on (a model spread over GPUs runs its other layers as they are)."""
+        return getattr(self.fields[0][1], self.fields[0][2]).device if self.fields else None
+
+    def record(self, inputs: Inputs, extra, run: Callable[[Inputs, list], torch.Tensor | None], keep=()) -> None:
+        """Record ``run(fixed inputs, consumers)``; it does not run yet (:meth:`replay` does). ``keep``: what
+        the recording reads besides its inputs (tensors it was handed once per forward pass), held as long
+        as the recording is."""
+        self.static = {k: None if v is None else _same_layout(v) for k, v in inputs.items()}
+        self._kept = keep
         zero = [getattr(s, f) for _, s, f in self.fields]
 
         def body():
@@ -78,10 +86,13 @@ class LayerReplay:
         try:
             self._run = self._cuda(body) if self._device.type == "cuda" else self._fx(body)
         except torch.OutOfMemoryError:
+            self.static = None
             raise  # the batch is split (Extractor): not the recording's fault
         except Exception as e:  # noqa: BLE001 - whatever the capture refused, named with the key that asked for it
+            self.static = None
             raise AnalysisError(f"recording a layer's analyses failed ({type(e).__name__}: {e}); "
                                 "set analyses.layer_graphs: false") from e
+        self.key = self.signature(inputs, extra)
 
     @property
     def _device(self) -> torch.device:
@@ -89,20 +100,21 @@ class LayerReplay:
 
     def _cuda(self, body) -> Callable:
         dev = self._device
-        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+        main, side = torch.cuda.current_stream(dev), _thread.stream(dev)
         side.wait_stream(main)  # the inputs' copies and everything before this layer
-        graph = torch.cuda.CUDAGraph()
+        graph, pool = torch.cuda.CUDAGraph(), _thread.pool(dev)
         with torch.cuda.device(dev), torch.cuda.stream(side):
-            warm = (dev, threading.get_ident())
-            if warm not in _WARM:  # libraries' lazy set-up per stream and thread (cuBLAS workspaces) before a capture
+            if dev not in _thread.warm:
                 body()
-                _WARM.add(warm)
-            graph.capture_begin(capture_error_mode="thread_local")  # other threads may use CUDA meanwhile
+                _thread.warm.add(dev)
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # other threads may use CUDA meanwhile
             try:
                 out = body()
             except BaseException:
                 with contextlib.suppress(Exception):  # the capture's own error, not the one ending it
                     graph.capture_end()
+                with contextlib.suppress(Exception):  # torch < 2.12 leaves it open when capture_end raises
+                    torch._C._cuda_endAllocateToPool(dev.index, pool)
                 raise
             graph.capture_end()
         main.wait_stream(side)
@@ -133,7 +145,9 @@ class LayerReplay:
         return lambda: gm(*values)
 
     def replay(self, layer: int, inputs: Inputs) -> torch.Tensor | None:
-        """The recorded analyses on ``inputs`` (shaped as recorded), added into the analyses at ``layer``."""
+        """The recorded analyses on ``inputs`` (shaped as recorded), added into the analyses at ``layer``.
+        The attention output it returns (when the analyses replace the kernel's) is the recording's own
+        buffer, overwritten by the next replay: the model reads it before its next layer starts."""
         src = [v for v in inputs.values() if v is not None]
         torch._foreach_copy_([self.static[k] for k, v in inputs.items() if v is not None], src)
         out = self._run()
@@ -142,15 +156,34 @@ class LayerReplay:
         return out[0] if out else None
 
 
-_SIDE: dict = {}
-_WARM: set = set()
+def _same_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (a slice of a fused projection keeps its gaps): the recording sees
+    what the eager layers saw, so no kernel specialised on layout compiles while capturing."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
-def _side_stream(dev: torch.device):
-    """The stream recordings are captured on, one per device (captures need a stream other than the current one)."""
-    if dev not in _SIDE:
-        _SIDE[dev] = torch.cuda.Stream(dev)
-    return _SIDE[dev]
+class _PerThread(threading.local):
+    """What recordings on a device share within one thread (captures in two threads must not share them):
+    the stream they are captured on (not the current one), the memory pool (a pool per recording would
+    hold each batch's memory until its graph is freed; one batch's recording is replayed only before the
+    next one's is made), and whether the analyses ran once on that stream outside a capture (libraries'
+    lazy set-up per stream and thread, such as cuBLAS workspaces, cannot happen inside one)."""
+
+    def __init__(self):
+        self.streams, self.pools, self.warm = {}, {}, set()
+
+    def stream(self, dev: torch.device):
+        if dev not in self.streams:
+            self.streams[dev] = torch.cuda.Stream(dev)
+        return self.streams[dev]
+
+    def pool(self, dev: torch.device):
+        if dev not in self.pools:
+            self.pools[dev] = torch.cuda.graph_pool_handle()
+        return self.pools[dev]
+
+
+_thread = _PerThread()
 
 
 class _NoHostTraffic:

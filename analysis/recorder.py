@@ -82,7 +82,7 @@ class AttentionRecorder:
         if replay is not None and mass is not None:
             raise ValueError("replay covers the consumers only: feed attention mass as one of them")
         self.replay = replay
-        self._first_layer_done = False
+        self._computed_on: set = set()  # devices where a layer of this batch ran as it is
 
     def problems(self) -> list[torch.Tensor]:
         """Per device, (4,) float64 on it: query-key pairs where the model's mask differed from the one the
@@ -114,14 +114,16 @@ class AttentionRecorder:
 
     def _replayed(self, layer: int, t: dict, scaling: float, rope):
         """:meth:`_layer` through :attr:`replay`: the batch's first layer as it is, the second recorded, the
-        recording replayed from then on wherever the inputs fit it."""
+        recording replayed from then on wherever the inputs fit it. Only layers on the analyses' device
+        are recorded and replayed (with a device_map, the others run as they are)."""
         r, dev = self.replay, t["query"].device
         extra = (scaling, dev, None if rope is None else tuple(id(a) for a in rope))  # what the recording bakes in
-        if r.static is None and self._first_layer_done:
-            r.record(t, extra, lambda st, consumers: self._layer(0, st, scaling, rope, consumers))
+        if r.static is None and dev in self._computed_on and dev == r.device:
+            r.record(t, extra, lambda st, consumers: self._layer(0, st, scaling, rope, consumers),
+                     keep=(rope, self._rope))  # the rotary tensors and their factors, cached by the first layer
         if r.fits(t, extra):
             return r.replay(layer, t)
-        self._first_layer_done = True
+        self._computed_on.add(dev)
         return self._layer(layer, t, scaling, rope, self.consumers)
 
     def _layer(self, layer: int, t: dict, scaling: float, rope, consumers):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from actlake.analysis.layer_replay import LayerReplay, _same_layout
 from actlake.analysis.stats import SumStats, zeros
 from actlake.batching import Window
 from actlake.errors import AnalysisError, ConfigError
@@ -138,3 +139,21 @@ def test_layer_graphs_refuse_analyses_not_declared_graph_safe(deep_tiny_models, 
                                           r"\['not_declared'\]"):
         _extractor(deep_tiny_models["gpt2"], tmp_path, True, **_custom(NotDeclared))
     _extractor(deep_tiny_models["gpt2"], tmp_path, False, **_custom(NotDeclared))  # fine without layer graphs
+
+
+def test_a_failed_recording_leaves_nothing_to_replay():
+    replay = LayerReplay([ReadsBack(zeros(3))])
+    inputs = {"query": torch.ones(2, 3), "key": None}
+    with pytest.raises(AnalysisError, match=r"recording a layer's analyses failed .*layer_graphs: false"):
+        replay.record(inputs, None, lambda static, consumers: float(static["query"].sum()) and None)
+    assert replay.static is None and not replay.fits(inputs, None)
+
+
+def test_the_recorded_buffers_keep_the_layout_of_the_layers_inputs():
+    """q of a fused qkv projection is a strided slice: the recording's buffer has its strides (kernels
+    specialised on layout see at the replayed layers what they saw at the first)."""
+    qkv = torch.randn(2, 5, 3, 4, 8)  # (B, T, 3, H, d_h)
+    q = qkv[:, :, 0].transpose(1, 2)  # (B, H, T, d_h), not contiguous, with gaps
+    static = _same_layout(q)
+    assert static.stride() == q.stride() != q.contiguous().stride()
+    assert torch.equal(static, q) and static.data_ptr() != q.data_ptr()
