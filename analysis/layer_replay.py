@@ -158,7 +158,10 @@ class LayerReplay:
 
 def _same_layout(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` with its strides (a slice of a fused projection keeps its gaps): the recording sees
-    what the eager layers saw, so no kernel specialised on layout compiles while capturing."""
+    what the eager layers saw, so no kernel specialised on layout compiles while capturing. An expanded
+    tensor (stride 0: one element seen at several places) cannot be written into: its copy is contiguous."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return t.clone(memory_format=torch.contiguous_format)
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 

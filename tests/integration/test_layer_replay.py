@@ -157,3 +157,8 @@ def test_the_recorded_buffers_keep_the_layout_of_the_layers_inputs():
     static = _same_layout(q)
     assert static.stride() == q.stride() != q.contiguous().stride()
     assert torch.equal(static, q) and static.data_ptr() != q.data_ptr()
+    kv = torch.randn(2, 1, 5, 8).expand(2, 4, 5, 8)  # a key head shared by 4 query heads, expanded
+    static = _same_layout(kv)
+    assert static.is_contiguous() and torch.equal(static, kv)
+    static.copy_(kv + 1)  # a replay's copy into the buffer
+    assert torch.equal(static, kv + 1)
