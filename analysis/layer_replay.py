@@ -102,19 +102,21 @@ class LayerReplay:
         dev = self._device
         main, side = torch.cuda.current_stream(dev), _thread.stream(dev)
         side.wait_stream(main)  # the inputs' copies and everything before this layer
-        graph, pool = torch.cuda.CUDAGraph(), _thread.pool(dev)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(dev), torch.cuda.stream(side):
             if dev not in _thread.warm:
                 body()
                 _thread.warm.add(dev)
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # other threads may use CUDA meanwhile
+            # a private memory pool per recording: released with its graph (a pool id shared by recordings
+            # asserts once every graph that used it is gone, pytorch#189126)
             try:
+                graph.capture_begin(capture_error_mode="thread_local")  # other threads may use CUDA meanwhile
                 out = body()
             except BaseException:
                 with contextlib.suppress(Exception):  # the capture's own error, not the one ending it
                     graph.capture_end()
                 with contextlib.suppress(Exception):  # torch < 2.12 leaves it open when capture_end raises
-                    torch._C._cuda_endAllocateToPool(dev.index, pool)
+                    torch._C._cuda_endAllocateToPool(dev.index, graph.pool())
                 raise
             graph.capture_end()
         main.wait_stream(side)
@@ -167,23 +169,17 @@ def _same_layout(t: torch.Tensor) -> torch.Tensor:
 
 class _PerThread(threading.local):
     """What recordings on a device share within one thread (captures in two threads must not share them):
-    the stream they are captured on (not the current one), the memory pool (a pool per recording would
-    hold each batch's memory until its graph is freed; one batch's recording is replayed only before the
-    next one's is made), and whether the analyses ran once on that stream outside a capture (libraries'
-    lazy set-up per stream and thread, such as cuBLAS workspaces, cannot happen inside one)."""
+    the stream they are captured on (not the current one), and whether the analyses ran once on that
+    stream outside a capture (libraries' lazy set-up per stream and thread, such as cuBLAS workspaces,
+    cannot happen inside one)."""
 
     def __init__(self):
-        self.streams, self.pools, self.warm = {}, {}, set()
+        self.streams, self.warm = {}, set()
 
     def stream(self, dev: torch.device):
         if dev not in self.streams:
             self.streams[dev] = torch.cuda.Stream(dev)
         return self.streams[dev]
-
-    def pool(self, dev: torch.device):
-        if dev not in self.pools:
-            self.pools[dev] = torch.cuda.graph_pool_handle()
-        return self.pools[dev]
 
 
 _thread = _PerThread()

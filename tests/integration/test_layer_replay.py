@@ -162,3 +162,18 @@ def test_the_recorded_buffers_keep_the_layout_of_the_layers_inputs():
     assert static.is_contiguous() and torch.equal(static, kv)
     static.copy_(kv + 1)  # a replay's copy into the buffer
     assert torch.equal(static, kv + 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_successive_cuda_batches_record_their_own_graphs(deep_tiny_models, tmp_path):
+    """Each batch records a graph after the previous batch's graph is gone (run_batch drops it): the
+    allocator must accept the new recording (a pool shared by recordings would trip an assertion)."""
+    eager = _extractor(deep_tiny_models["llama"], tmp_path, False, "cuda")
+    graphs = _extractor(deep_tiny_models["llama"], tmp_path, True, "cuda")
+    for lengths in ((13, 7, 10), (9, 12), (13, 7, 10)):
+        windows = _windows(eager.lm, lengths)
+        with torch.inference_mode():
+            want, got = eager.run_batch(windows, strict=False), graphs.run_batch(windows, strict=False)
+        w, g = _fields(want.stats), _fields(got.stats)
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=0, atol=1e-6 * (float(w[k].abs().max()) or 1.0))
