@@ -107,15 +107,15 @@ class LayerReplay:
             if dev not in _thread.warm:
                 body()
                 _thread.warm.add(dev)
-            # a private memory pool per recording: released with its graph (a pool id shared by recordings
-            # asserts once every graph that used it is gone, pytorch#189126)
+            # a private memory pool per recording, released with its graph: a pool id shared by recordings
+            # trips the allocator's `use_count > 0` assertion once every graph that used it is gone
             try:
                 graph.capture_begin(capture_error_mode="thread_local")  # other threads may use CUDA meanwhile
                 out = body()
             except BaseException:
                 with contextlib.suppress(Exception):  # the capture's own error, not the one ending it
                     graph.capture_end()
-                with contextlib.suppress(Exception):  # torch < 2.12 leaves it open when capture_end raises
+                with contextlib.suppress(Exception):  # torch 2.11 leaves it open when capture_end raises (#180395)
                     torch._C._cuda_endAllocateToPool(dev.index, graph.pool())
                 raise
             graph.capture_end()
@@ -168,10 +168,9 @@ def _same_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 class _PerThread(threading.local):
-    """What recordings on a device share within one thread (captures in two threads must not share them):
-    the stream they are captured on (not the current one), and whether the analyses ran once on that
-    stream outside a capture (libraries' lazy set-up per stream and thread, such as cuBLAS workspaces,
-    cannot happen inside one)."""
+    """Per thread and device: the stream recordings are captured on (a capture needs one other than the
+    current stream), and whether the analyses ran once on that stream outside a capture (libraries'
+    lazy set-up per stream and thread, such as cuBLAS workspaces, cannot happen inside one)."""
 
     def __init__(self):
         self.streams, self.warm = {}, set()
