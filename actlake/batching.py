@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from actlake.config import BatchingConfig, TokenizationConfig
@@ -74,10 +76,17 @@ def make_batches(windows: list[Window], cfg: BatchingConfig) -> list[list[Window
 
 def collate(batch: list[Window], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded (B, T) input ids and attention mask."""
-    T = max(len(w.ids) for w in batch)
-    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), T), dtype=torch.long)
-    for i, w in enumerate(batch):
-        ids[i, : len(w.ids)] = torch.tensor(w.ids)
-        mask[i, : len(w.ids)] = 1
+    ids = right_padded([w.ids for w in batch], pad_id)
+    lengths = torch.tensor([len(w.ids) for w in batch])
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
     return ids, mask
+
+
+def right_padded(rows: list[list[int]], fill: int, T: int | None = None) -> torch.Tensor:
+    """(B, T) int64 tensor of the rows, each followed by ``fill`` up to T (default: the longest row). One
+    conversion of all the values at once (a tensor per row costs about 20 times as much per token)."""
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    T = int(lengths.max(initial=0)) if T is None else T
+    out = np.full((len(rows), T), fill, dtype=np.int64)
+    out[np.arange(T)[None] < lengths[:, None]] = np.fromiter(chain.from_iterable(rows), np.int64, int(lengths.sum()))
+    return torch.from_numpy(out)

@@ -115,7 +115,7 @@ def _naive(lm, batch, tensors):
     mqk = getattr(lm, "_bench_mqk", None) or ModelQK(model, lm.family)
     lm._bench_mqk = mqk
     cats = Categorizer(lm.tokenizer)
-    roles = [torch.tensor(cats.window(w.ids)[1]) for w in batch]
+    role, _ = cats.batch(ids.numpy(), mask.sum(1).numpy())  # (B, T)
     L, H, d = mqk.n_layers, mqk.n_heads, model.config.hidden_size
     with capture.LayerInputs(model, lm.family) as inputs:  # cache x of every layer (and the weights)
         out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
@@ -128,7 +128,7 @@ def _naive(lm, batch, tensors):
         q = q.view(*q.shape[:2], H, -1).transpose(1, 2)  # (B, H, T, d_h)
         for b in range(ids.shape[0]):
             n = int(mask[b].sum())
-            onehot = torch.nn.functional.one_hot(roles[b], len(ROLE)).double().T  # (C, T)
+            onehot = torch.nn.functional.one_hot(role[b, :n], len(ROLE)).double().T  # (C, T)
             for h in range(H):
                 u = q[b, h, :n] @ wk[h].T  # (T, d): W_K q_m
                 pairs = u[:, None, :] * x[b, :n][None, :, :]  # (T, T, d): C(m, n) for every pair

@@ -22,13 +22,13 @@ from actlake.analysis.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.residual_norms import add_norms
 from actlake.analysis.surprisal import token_surprisal
 from actlake.batching import Window, collate, document_windows, make_batches
-from actlake.categories import ROLE, Categorizer, one_hot
+from actlake.categories import ROLE, TYPE8, Categorizer, one_hot
 from actlake.config import JobConfig
 from actlake.corpus.readers import Reject
 from actlake.errors import ConfigError
 from actlake.jobs.plan import Shard
 from actlake.model import LoadedModel
-from actlake.storage.activations import activation_table, add_token_columns, resolve_layers, window_sampled
+from actlake.storage.activations import activation_table, resolve_layers, window_sampled
 from actlake.storage.layout import RunLayout
 from actlake.storage.shards import Group, ShardFiles
 
@@ -128,13 +128,8 @@ class Extractor:
         a = self.cfg.analyses
         strict = self.strict if strict is None else strict
         stats = self.new_stats()
-        ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)
-        per_window = [self.cats.window(w.ids) for w in batch]
-        role = torch.zeros_like(ids)
-        type8 = torch.zeros_like(ids)
-        for i, (_, r, t) in enumerate(per_window):
-            role[i, : len(r)] = torch.tensor(r)
-            type8[i, : len(t)] = torch.tensor(t)
+        ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)  # (B, T)
+        role, type8 = self.cats.batch(ids.numpy(), mask.sum(1).numpy())  # (B, T) category ids, 0 on padding
         dev = self.lm.device
         attention = [x for x in stats.values() if "attention" in x.reads]
         hidden = [x for x in stats.values() if "hidden_states" in x.reads]
@@ -156,7 +151,7 @@ class Extractor:
                                 use_cache=False)  # causal models would keep every layer's keys and values
             if sink is not None:
                 self.stream.last(out.last_hidden_state)
-        result = BatchResult(batch, per_window, mask, stats)
+        result = BatchResult(batch, ids, mask, role, type8, stats)
         if sink is not None:
             result.norms, result.acts = to_host(sink.norms) if a.residual_norms else None, sink.acts
         if self.lm.lm_head is not None:
@@ -180,7 +175,7 @@ class Extractor:
         with compute_lock or contextlib.nullcontext():
             t1 = time.perf_counter()
             batches = make_batches(windows, self.cfg.batching)
-            acc = ShardResults(self.cfg.analyses, self.new_stats(), self.cfg.activations)
+            acc = ShardResults(self.cfg.analyses, self.new_stats(), self.cats, self.cfg.activations)
             splits_before = self.oom_splits
             pending = None  # the batch queued before this one: its results are read once this one is queued
             for batch in batches:
@@ -320,10 +315,14 @@ class BatchResult:
     says which tokens are real); the analyses' statistics stay on the model's device."""
 
     batch: list[Window]
-    per_window: list
-    """Per window: (token texts, role ids, type8 ids)."""
+    ids: torch.Tensor
+    """(B, T) the host's right-padded token ids."""
     mask: torch.Tensor
     """(B, T) 1 for real tokens (the host's)."""
+    role: torch.Tensor
+    """(B, T) int64 ``ROLE`` ids of the tokens (0 on padding)."""
+    type8: torch.Tensor
+    """(B, T) int64 ``TYPE8`` ids (0 on padding)."""
     stats: dict
     """{name: Analysis} accumulated over this batch."""
     norms: torch.Tensor | None = None
@@ -337,48 +336,81 @@ class BatchResult:
 class ShardResults:
     """Everything one shard produces, accumulated batch by batch, then written as tables."""
 
-    def __init__(self, analyses, stats: dict, activations=None):
-        self.a, self.stats, self.act_cfg = analyses, stats, activations
-        self.tok_cols: dict[str, list] = {k: [] for k in TOKENS_SCHEMA.names}
+    def __init__(self, analyses, stats: dict, cats: Categorizer, activations=None):
+        self.a, self.stats, self.cats, self.act_cfg = analyses, stats, cats, activations
+        self.token_cols: list[dict] = []  # per batch, the tokens table's columns as arrays (a table in write())
         self.norm_rows: list = []
         self.act_rows: list = []
         self.n_tokens = self.n_padded = 0
 
     def add(self, r: "BatchResult") -> None:
-        """Take one batch's results (host tensors complete, statistics on the device)."""
+        """Take one batch's results (host tensors complete, statistics on the device). Per-token columns are
+        gathered as whole arrays (the windows are right-padded: ``r.mask`` is a prefix per row), and turned
+        into a table in :meth:`write`, outside the compute lock."""
         batch = r.batch
-        lengths = [len(w.ids) for w in batch]
-        self.n_tokens += sum(lengths)
-        self.n_padded += len(batch) * max(lengths) - sum(lengths)
+        lengths = np.fromiter((len(w.ids) for w in batch), np.int64, len(batch))
+        n = int(lengths.sum())
+        self.n_tokens += n
+        self.n_padded += len(batch) * int(lengths.max()) - n
         for name, part in r.stats.items():
             self.stats[name] = self.stats[name].merge(part)
-        cols = self.tok_cols
+        valid = r.mask.bool().numpy()  # (B, T): tokens in (batch, position) order, as the keys below
+        keys = (np.repeat([w.doc_id for w in batch], lengths), np.repeat([w.window for w in batch], lengths),
+                np.arange(n) - np.repeat(np.cumsum(lengths) - lengths, lengths))  # doc_id, window, position (n,)
         surprisal = r.surprisal.numpy() if r.surprisal is not None else None
-        acts = {layer: dict(zip(keep, h.unbind(0))) for layer, (keep, h) in r.acts.items()}
-        for i, (w, (texts, roles, t8s)) in enumerate(zip(batch, r.per_window)):
-            T = len(w.ids)
-            s = surprisal[i, :T].tolist() if surprisal is not None else [None] * T
-            s = [None if v != v else v for v in s]  # NaN (no context) -> null
-            if acts and i in next(iter(acts.values())):
-                self.act_rows.append((w, texts, t8s, s, {layer: by_row[i][:T] for layer, by_row in acts.items()}))
-            if self.a.tokens:
-                add_token_columns(cols, w, texts, t8s, s)
-                cols["role"] += [ROLE[r] for r in roles]
+        if self.a.tokens:
+            self.token_cols.append({
+                "doc_id": keys[0], "window_index": keys[1], "position": keys[2], "token_id": r.ids.numpy()[valid],
+                "role": r.role.numpy()[valid], "type8": r.type8.numpy()[valid],
+                "sources": [w.source for w in batch], "lengths": lengths,
+                "surprisal": None if surprisal is None else surprisal[valid]})
+        if r.acts:
+            keep = next(iter(r.acts.values()))[0]  # the sampled rows, the same for every stored layer
+            for j, i in enumerate(keep):
+                w, T = batch[i], len(batch[i].ids)
+                s = [None] * T if surprisal is None else [None if v != v else v for v in surprisal[i, :T].tolist()]
+                self.act_rows.append((w, self.cats.texts(w.ids), r.type8[i, :T].tolist(), s,
+                                      {lay: hs[j][:T] for lay, (_, hs) in r.acts.items()}))
         if r.norms is not None:
-            valid = r.mask.bool()  # (B, T): rows in (batch, position) order, as the keys below
-            keys = np.stack([np.repeat([w.doc_id for w in batch], lengths), np.repeat([w.window for w in batch], lengths),
-                             np.concatenate([np.arange(n) for n in lengths])], 1)
-            self.norm_rows.append((keys, r.norms[valid].numpy()))
+            self.norm_rows.append((np.stack(keys, 1), r.norms[r.mask.bool()].numpy()))
 
     def write(self, writer, docs, rejects) -> None:
         writer.write("documents", pa.Table.from_pylist(docs, schema=DOCUMENTS_SCHEMA))
         writer.write("rejects", pa.Table.from_pylist(rejects, schema=REJECTS_SCHEMA))
         if self.a.tokens:
-            writer.write("tokens", pa.table(self.tok_cols, schema=TOKENS_SCHEMA))
+            writer.write("tokens", self._token_table())
         if self.a.residual_norms:
             writer.write("residual_norms", _norm_table(self.norm_rows))
         if self.act_cfg is not None and self.act_cfg.layers:
             writer.write("activations", activation_table(self.act_rows, self.act_cfg.dtype))
+
+    def _token_table(self) -> pa.Table:
+        """The shard's ``tokens`` rows from the batches' columns; category names from their ids, token texts
+        from the categorizer's table, surprisal NaN (no context) or absent (no LM head) as null."""
+        if not self.token_cols:
+            return TOKENS_SCHEMA.empty_table()
+        arrays = ("doc_id", "window_index", "position", "token_id", "role", "type8", "lengths")
+        col = {k: np.concatenate([c[k] for c in self.token_cols]) for k in arrays}
+        sources = [s for c in self.token_cols for s in c["sources"]]  # per window
+        parts = [c["surprisal"] for c in self.token_cols]
+        surprisal = None if parts[0] is None else np.concatenate(parts)
+        n = len(col["token_id"])
+
+        def names(ids: np.ndarray, values) -> pa.Array:  # ids: indices into values, per token
+            return pa.DictionaryArray.from_arrays(pa.array(ids.astype(np.int32)), pa.array(values, pa.string())).dictionary_decode()
+
+        return pa.table({
+            "doc_id": pa.array(col["doc_id"], pa.int64()),
+            "window_index": pa.array(col["window_index"], pa.int32()),
+            "position": pa.array(col["position"], pa.int32()),
+            "token_id": pa.array(col["token_id"], pa.int32()),
+            "token": self.cats.text_array(col["token_id"]),
+            "role": names(col["role"], ROLE),
+            "type8": names(col["type8"], TYPE8),
+            "source": names(np.repeat(np.arange(len(sources)), col["lengths"]), sources),
+            "surprisal": (pa.nulls(n, pa.float32()) if surprisal is None
+                          else pa.array(surprisal, pa.float32(), mask=np.isnan(surprisal))),
+        }, schema=TOKENS_SCHEMA)
 
 
 def _norm_table(norm_rows) -> pa.Table:

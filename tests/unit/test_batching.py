@@ -1,4 +1,7 @@
-from actlake.batching import Window, collate, document_windows, make_batches
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from actlake.batching import Window, collate, document_windows, make_batches, right_padded
 from actlake.config import BatchingConfig, TokenizationConfig
 
 
@@ -35,3 +38,16 @@ def test_batches_respect_budget_and_pad_little():
         ids, mask = collate(b, pad_id=0)
         assert ids.shape == (len(b), T) and mask.sum() == sum(len(w.ids) for w in b)
     assert padded / real < 0.1
+
+
+def test_collate_and_right_padded_match_torch_pad_sequence():
+    rows = [list(range(7, 7 + (i * 13) % 9)) for i in range(12)]  # lengths 0..8, one empty row
+    batch = [Window(i, 0, r, "s") for i, r in enumerate(rows) if r]
+    ids, mask = collate(batch, pad_id=-3)
+    ref = pad_sequence([torch.tensor(w.ids) for w in batch], batch_first=True, padding_value=-3)
+    assert ids.dtype == torch.long and torch.equal(ids, ref)
+    ref_mask = pad_sequence([torch.ones(len(w.ids), dtype=torch.long) for w in batch], batch_first=True)
+    assert mask.dtype == torch.long and torch.equal(mask, ref_mask)
+    wide = right_padded(rows, 0, T=11)  # a fixed width, as role/type8 take the ids' width
+    assert wide.shape == (12, 11) and torch.equal(wide[:, :8], pad_sequence(
+        [torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True)) and not wide[:, 8:].any()
