@@ -444,8 +444,9 @@ def check(lm, batches, args) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description: str) -> argparse.ArgumentParser:
+    """The model and batch arguments (shared with host_work.py)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model-config", choices=sorted(CONFIGS), default="pythia-410m")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -454,14 +455,19 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--docs", type=int, default=400, help="sample-corpus documents to write if missing")
-    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--minilm", help="folder with all-MiniLM-L6-v2's config and tokenizer (default: the package)")
-    p.add_argument("--process", action="store_true", help="also time Extractor.process on one shard")
-    p.add_argument("--check", action="store_true", help="compare the suite's statistics with the strict explicit path")
-    p.add_argument("--profile", metavar="VARIANT", help="print a torch.profiler table of this variant")
     p.add_argument("--tiny", action="store_true",
                    help="8 dimensions per head (same layers and heads): the time is then mostly the host's "
                         "per-operation overhead, which is what bounds a launch-bound GPU run")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--process", action="store_true", help="also time Extractor.process on one shard")
+    p.add_argument("--check", action="store_true", help="compare the suite's statistics with the strict explicit path")
+    p.add_argument("--profile", metavar="VARIANT", help="print a torch.profiler table of this variant")
     p.add_argument("--op-sources", type=int, default=0, metavar="N",
                    help="print the N actlake functions that dispatch the most operations in the suite")
     p.add_argument("--json", help="also write the results to this file")
