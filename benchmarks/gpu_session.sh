@@ -48,7 +48,10 @@ else
 fi
 for c in "${configs[@]}"; do
   case $c in
-    minilm)      suite --model-config minilm --seq-len 128 --batch-tokens 16384 --process --json "$out/minilm_16k.json" ;;
+    minilm)      suite --model-config minilm --seq-len 128 --batch-tokens 16384 --process --json "$out/minilm_16k.json"
+                 # the host's work per batch against the device's (README: Batches are queued one ahead)
+                 "$py" "$root/benchmarks/host_work.py" --model-config minilm --seq-len 128 --batch-tokens 16384 \
+                       ${GPU_SESSION_ARGS:-} > "$out/host_work_minilm.txt" || failed+=("host_work.py minilm") ;;
     pythia-410m) suite --model-config pythia-410m --seq-len 1024 --batch-tokens 16384 --process --check --json "$out/p410_16k.json"
                  suite --model-config pythia-410m --seq-len 1024 --batch-tokens 4096 --variants plain,suite,graphs \
                        --profile suite --json "$out/p410_4k.json" > "$out/p410_4k_profile.txt"
