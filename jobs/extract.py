@@ -372,7 +372,7 @@ class ShardResults:
                 self.act_rows.append((w, self.cats.texts(w.ids), r.type8[i, :T].tolist(), s,
                                       {lay: hs[j][:T] for lay, (_, hs) in r.acts.items()}))
         if r.norms is not None:
-            self.norm_rows.append((np.stack(keys, 1), r.norms[r.mask.bool()].numpy()))
+            self.norm_rows.append((np.stack(keys, 1), r.norms.numpy()[valid]))
 
     def write(self, writer, docs, rejects) -> None:
         writer.write("documents", pa.Table.from_pylist(docs, schema=DOCUMENTS_SCHEMA))

@@ -48,6 +48,6 @@ def test_collate_and_right_padded_match_torch_pad_sequence():
     assert ids.dtype == torch.long and torch.equal(ids, ref)
     ref_mask = pad_sequence([torch.ones(len(w.ids), dtype=torch.long) for w in batch], batch_first=True)
     assert mask.dtype == torch.long and torch.equal(mask, ref_mask)
-    wide = right_padded(rows, 0, T=11)  # a fixed width, as role/type8 take the ids' width
-    assert wide.shape == (12, 11) and torch.equal(wide[:, :8], pad_sequence(
-        [torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True)) and not wide[:, 8:].any()
+    padded = right_padded(rows, 0)  # the empty row too
+    assert padded.shape == (12, 8) and torch.equal(padded, pad_sequence(
+        [torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True))
