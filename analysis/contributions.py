@@ -49,8 +49,8 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
     B, H, T, k, dh = q.shape
     d, C = lq.x.shape[-1], lq.key_onehot.shape[-1]
     keys = lq.batch.key_order
-    xs = lq.x[keys.seq, keys.pos]  # (N, d): valid keys, category by category
-    qs = q.permute(0, 2, 1, 3, 4)[keys.seq, keys.pos].view(-1, H * k * dh)  # (N, H * k * d_h)
+    xs = lq.x.reshape(B * T, d).index_select(0, keys.rows)  # (N, d): valid keys, category by category
+    qs = q.permute(0, 2, 1, 3, 4)[keys.seq, keys.pos].view(-1, H * k * dh)  # (N, H * k * d_h), one gather
     m = xs.new_empty(C, d, H * k * dh)  # (C, d, H * k * d_h), every category written below
     for c, (a, b) in enumerate(keys.spans):
         if b > a:

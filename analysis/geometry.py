@@ -16,6 +16,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis import grid
+from actlake.analysis.device import tf32
 from actlake.analysis.layer_qk import LayerQK
 from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
@@ -63,14 +64,19 @@ class Geometry(OneTable, SumStats):
     def add_layer(self, lq: LayerQK) -> None:
         l, b = lq.layer, lq.batch
         q, k = lq.valid_query, lq.key_per_query_head  # (B, H, T, d_h), q zero on invalid queries
-        qn, kn = q.norm(dim=-1, keepdim=True), lq.key_norms  # (B, H, T, 1), (B, H, T)
-        q_unit = q / qn.clamp(min=1e-30)
-        both = torch.cat([q_unit, qn], dim=-1)  # (B, H, T, d_h + 1)
-        # at each key, the sums over the queries that see it (causal: m >= n; else every valid query of
-        # the sequence, the same for each key) of the unit queries and of their norms
-        seen = lq.sum_over_queries(both) if lq.causal else both.sum(2, keepdim=True)
-        cos_sum = (k * seen[..., :-1]).sum(-1) / lq.key_norms_safe  # (B, H, T)
-        per_key = torch.stack([seen[..., -1].expand_as(kn), kn * b.queries_per_key_f32[:, None], cos_sum])
+        qn, kn = q.norm(dim=-1), lq.key_norms  # (B, H, T)
+        # at each key, the sums over the queries that see it of the unit queries and of their norms
+        if lq.causal:  # m >= n: one reverse cumulative sum of [q / ||q|| | ||q||]
+            both = torch.cat([q / qn[..., None].clamp(min=1e-30), qn[..., None]], dim=-1)  # (B, H, T, d_h + 1)
+            seen = lq.sum_over_queries(both)
+            q_norms_seen, cos_sum = seen[..., -1], (k * seen[..., :-1]).sum(-1)  # (B, H, T)
+        else:  # every valid query of the sequence, the same sums at each key: two small products
+            with tf32(False):  # the reciprocal norms are not exact in TF32
+                unit_sum = torch.matmul(qn.clamp(min=1e-30).reciprocal()[:, :, None], q)  # (B, H, 1, d_h)
+                cos_sum = torch.matmul(k, unit_sum.transpose(-1, -2))[..., 0]  # (B, H, T)
+            q_norms_seen = qn.sum(-1, keepdim=True).expand_as(kn)
+        cos_sum = cos_sum / lq.key_norms_safe
+        per_key = torch.stack([q_norms_seen, kn * b.queries_per_key_f32[:, None], cos_sum])
         by_cat = torch.einsum("sbht,btc->shc", per_key.double(), lq.key_onehot.double())  # (3, H, C)
         # mass per key category, as computed and with keys at their mean norm (zero on invalid queries)
         mass = [lq.product(p).sum((0, 2), dtype=torch.float64) for p in ("mass", "mass_keynorm")]  # (H, C)

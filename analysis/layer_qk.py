@@ -111,7 +111,7 @@ class BatchInfo:
         for c, (a, b) in enumerate(spans):
             member[c, a:b] = 1
         order = order[: ends[-1]]
-        return KeyOrder(order // T, order % T, spans, member)
+        return KeyOrder(order // T, order % T, order, spans, member)
 
     @cached_property
     def n_valid(self) -> torch.Tensor:
@@ -178,20 +178,24 @@ class BatchInfo:
 
 @dataclass(frozen=True)
 class KeyOrder:
-    """A batch's valid keys sorted by category: ``x[seq, pos]`` (N, ...) holds them category by
-    category, category c in rows ``spans[c]``. Found on the host (the spans steer Python code)."""
+    """A batch's valid keys sorted by category: ``x[seq, pos]`` (N, ...) holds them category by category,
+    category c in rows ``spans[c]``. Found on the host (the spans steer Python code)."""
 
     seq: torch.Tensor
     """(N,) long: the sequence of each sorted key."""
     pos: torch.Tensor
     """(N,) long: its position."""
+    rows: torch.Tensor
+    """(N,) long: seq * T + pos, its row in a (B * T, ...) view: for a contiguous x, ``x.view(B * T, -1)
+    .index_select(0, rows)`` gathers the same rows as ``x[seq, pos]``, several times faster on a CPU."""
     spans: list
     """Per category, (start, end) of its rows."""
     member: torch.Tensor
     """(C, N) float32: 1 where row n is a key of category c (a product with it sums by category)."""
 
     def to(self, device) -> "KeyOrder":
-        return KeyOrder(to_device(self.seq, device), to_device(self.pos, device), self.spans, to_device(self.member, device))
+        seq, pos, rows, member = (to_device(t, device) for t in (self.seq, self.pos, self.rows, self.member))
+        return KeyOrder(seq, pos, rows, self.spans, member)
 
 
 def reverse_cumsum_by_product(per_query: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
