@@ -71,7 +71,7 @@ class Geometry(OneTable, SumStats):
             seen = lq.sum_over_queries(both)
             q_norms_seen, cos_sum = seen[..., -1], (k * seen[..., :-1]).sum(-1)  # (B, H, T)
         else:  # every valid query of the sequence, the same sums at each key: two small products
-            with tf32(False):  # the reciprocal norms are not exact in TF32
+            with tf32(False):  # TF32 would round the reciprocal norms and their sums
                 unit_sum = torch.matmul(qn.clamp(min=1e-30).reciprocal()[:, :, None], q)  # (B, H, 1, d_h)
                 cos_sum = torch.matmul(k, unit_sum.transpose(-1, -2))[..., 0]  # (B, H, T)
             q_norms_seen = qn.sum(-1, keepdim=True).expand_as(kn)

@@ -178,8 +178,8 @@ class BatchInfo:
 
 @dataclass(frozen=True)
 class KeyOrder:
-    """A batch's valid keys sorted by category: ``x[seq, pos]`` (N, ...) holds them category by category,
-    category c in rows ``spans[c]``. Found on the host (the spans steer Python code)."""
+    """A batch's valid keys sorted by category: ``x[seq, pos]`` (N, ...) holds them category by
+    category, category c in rows ``spans[c]``. Found on the host (the spans steer Python code)."""
 
     seq: torch.Tensor
     """(N,) long: the sequence of each sorted key."""

@@ -4,7 +4,7 @@
 #
 # Makes the checkout importable as `actlake` without installing it (the package's subfolders are linked
 # into a temporary folder on PYTHONPATH), then runs benchmarks/gpu_suite.py per configuration at the
-# README's shapes, writing one JSON each to OUT_DIR plus the suite's profile for Pythia-410m, and prints
+# README's shapes, writing one JSON each to OUT_DIR plus the suite's profiles for MiniLM and Pythia-410m, and prints
 # the table rows (benchmarks/gpu_table.py). Before that, the Triton kernels' tests, where pytest is installed. CONFIG defaults to all four; the whole run takes about 15
 # minutes on an H100, most of it building the 6.9b model, so a 10-minute call limit wants two calls
 # (e.g. `... minilm pythia-410m llama-1b`, then `... pythia-6.9b`). MiniLM's configuration and tokenizer come
