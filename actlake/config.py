@@ -155,7 +155,8 @@ class OutputConfig(Section):
 
 class RayAddress(Section):
     address: Optional[str] = None
-    """Ray address. None: ``RAY_ADDRESS`` if set, else an embedded local Ray on 127.0.0.1."""
+    """Ray address (``auto``: the cluster ``ray start`` started on this machine). None: ``RAY_ADDRESS`` if set,
+    else a new embedded Ray on 127.0.0.1, never one found running."""
 
 
 class ResourcesConfig(RayAddress):

@@ -252,7 +252,7 @@ def reference_markdown(root: type) -> str:
     def row(key: str, f: FieldInfo) -> str:
         default = f.get_default(call_default_factory=True)
         tp = _type_name(f.annotation).replace("NoneType", "null").replace(" | ", " or ")
-        doc = (f.description or "").replace("``", "`").replace("|", "\\|")
+        doc = " ".join((f.description or "").split()).replace("``", "`").replace("|", "\\|")  # one table line
         return f"| `{key}` | {tp} | `{json.dumps(default, default=lambda m: m.model_dump())}` | {doc} |"
 
     def rows(prefix: str, cls) -> list[str]:

@@ -14,6 +14,8 @@ log = logging.getLogger("actlake.run")
 def init_ray(address: str | None, dashboard: bool = False) -> bool:
     """Connect to ``address`` / RAY_ADDRESS, or start an embedded Ray bound to 127.0.0.1. True if we started it.
 
+    The embedded Ray is always a new one, never a cluster found on this machine (``ray start``'s record).
+
     ``dashboard``: start the embedded Ray with its dashboard, whose state API Ray Train's
     controller polls (without it, Ray Train logs a warning every second)."""
     import ray
@@ -25,7 +27,10 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
         ray.init(address=address, log_to_driver=True)
         return True
     with _single_machine_ray():
-        ray.init(include_dashboard=dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=True,
+        # address="local": always a new Ray. With None, Ray would join the last cluster that `ray start` or a
+        # crashed test recorded in <ray temp dir>/ray_current_cluster, live or long dead.
+        ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                 _node_ip_address="127.0.0.1", log_to_driver=True,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     node_ip = ray.util.get_node_ip_address()
     if node_ip not in ("127.0.0.1", "::1"):

@@ -129,10 +129,23 @@ def ray_local():
     """One embedded Ray for the whole session (jobs reuse an initialised Ray)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def own_ray_env():
+    """Environment for a subprocess that starts its own Ray: no RAY_ADDRESS, and a private Ray temp folder
+    (RAY_TMPDIR; short, as Ray's socket paths must fit 107 bytes) so a ``ray.cluster_utils.Cluster``
+    records its address there, not in this machine's ``/tmp/ray/ray_current_cluster``."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="al-ray-", dir="/tmp")
+    yield dict(os.environ, RAY_ADDRESS="", RAY_TMPDIR=folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def job_config(model_path, corpus: Path, out_dir: Path, **overrides):

@@ -24,13 +24,13 @@ def main(cfg_path: str, out_path: str, driver_dir: str, worker_dir: str) -> None
     cfg = parse_config(json.loads(Path(cfg_path).read_text()))
     os.chdir(worker_dir)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    os.chdir(driver_dir)
-    summaries = []
     try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        os.chdir(driver_dir)
+        summaries = []
         res = run_job(cfg, on_shard=summaries.append)
         Path(out_path).write_text(json.dumps({"shards_run": res.shards_run, "nodes": [s["node_id"] for s in summaries]}))
     finally:

@@ -18,10 +18,21 @@ def main(cfg_path: str, out_path: str) -> None:
     from ray.cluster_utils import Cluster
 
     from actlake.config import parse_config
-    from actlake.jobs.run import run_job
 
     cfg = parse_config(json.loads(Path(cfg_path).read_text()))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        _run(cfg, cluster, out_path)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _run(cfg, cluster, out_path: str) -> None:
+    import ray
+
+    from actlake.jobs.run import run_job
+
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
@@ -34,7 +45,7 @@ def main(cfg_path: str, out_path: str) -> None:
         result["removed_after_shards"] = len(list(complete.glob("group-*.json")))
         cluster.remove_node(nodes[1])
 
-    remover = threading.Thread(target=remove_a_node)
+    remover = threading.Thread(target=remove_a_node, daemon=True)
     remover.start()
     try:
         res = run_job(cfg)
@@ -49,9 +60,6 @@ def main(cfg_path: str, out_path: str) -> None:
         time.sleep(0.5)
     result.update(cpu_available=avail, cpu_total=total, alive_nodes=sum(n["Alive"] for n in ray.nodes()))
     Path(out_path).write_text(json.dumps(result))
-    ray.shutdown()
-    cluster.shutdown()
-
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])

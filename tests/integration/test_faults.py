@@ -286,7 +286,7 @@ def test_bad_records_are_counted_and_the_rest_equals_a_clean_corpus(minilm_path,
         assert_same(snapshot(d.run_dir, (table,)), snapshot(c.run_dir, (table,)), rtol=1e-4)
 
 
-def test_removing_a_node_mid_job_leaves_the_same_tables(minilm_path, sample_corpus, tmp_path, clean):
+def test_removing_a_node_mid_job_leaves_the_same_tables(minilm_path, sample_corpus, tmp_path, clean, own_ray_env):
     """A 3-node ray.cluster_utils.Cluster (head without CPUs, two 1-CPU workers, one actor each);
     one worker node is removed after two shards are committed."""
     import subprocess
@@ -301,7 +301,7 @@ def test_removing_a_node_mid_job_leaves_the_same_tables(minilm_path, sample_corp
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "tests.integration.node_loss_job", str(cfg_file), str(out_file)],
                           cwd=root, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, RAY_ADDRESS=""))
+                          env=own_ray_env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out_file.read_text())
     assert result["removed_after_shards"] >= 2 and result["shards_run"] == result["shards_total"] == 10

@@ -274,10 +274,14 @@ def _is_loopback(ip: str) -> bool:
     return (mapped or addr).is_loopback
 
 
-def test_the_embedded_ray_listens_on_loopback_only(tmp_path):
-    """``init_ray(None)`` (and with the dashboard, as the training jobs start it): every TCP listener and
-    bound UDP socket of the driver and every process Ray started is on 127.0.0.1 / ::1."""
-    env = dict(os.environ, RAY_ADDRESS="")
+def test_the_embedded_ray_is_new_and_listens_on_loopback_only(own_ray_env):
+    """``init_ray(None)`` (and with the dashboard, as the training jobs start it) starts its own Ray even
+    where Ray's temp folder names a cluster (``ray start``'s record, here a dead one, as a killed test
+    leaves it), and every TCP listener and bound UDP socket of the driver and every process Ray started is
+    on 127.0.0.1 / ::1."""
+    env = own_ray_env
+    Path(env["RAY_TMPDIR"], "ray", "ray_current_cluster").parent.mkdir()
+    Path(env["RAY_TMPDIR"], "ray", "ray_current_cluster").write_text("192.0.2.1:6379")  # TEST-NET-1: nobody
     proc = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=300, env=env,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -100,7 +100,7 @@ def test_a_killed_worker_and_a_resume_keep_every_row_exactly_once(minilm_path, s
 
 
 def test_workers_on_other_nodes_share_nothing_but_the_store(minilm_path, sample_corpus, corpus_url, s3_server, reference,
-                                                            tmp_path):
+                                                            tmp_path, own_ray_env):
     """Two worker nodes and the driver, each in its own empty working folder; corpus and results in buckets."""
     runs = s3_server("runs-c")
     driver, workers = tmp_path / "driver", tmp_path / "workers"
@@ -113,7 +113,7 @@ def test_workers_on_other_nodes_share_nothing_but_the_store(minilm_path, sample_
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "tests.integration.multi_node_job", str(cfg_file), str(out_file),
                            str(driver), str(workers)], cwd=root, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, RAY_ADDRESS="", PYTHONPATH=str(root)))
+                          env=dict(own_ray_env, PYTHONPATH=str(root)))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out_file.read_text())
     assert result["shards_run"] == 4 and len(set(result["nodes"])) == 2  # both nodes ran shards
