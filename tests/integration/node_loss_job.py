@@ -61,5 +61,6 @@ def _run(cfg, cluster, out_path: str) -> None:
     result.update(cpu_available=avail, cpu_total=total, alive_nodes=sum(n["Alive"] for n in ray.nodes()))
     Path(out_path).write_text(json.dumps(result))
 
+
 if __name__ == "__main__":
     main(*sys.argv[1:3])

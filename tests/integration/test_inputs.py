@@ -279,11 +279,11 @@ def test_the_embedded_ray_is_new_and_listens_on_loopback_only(own_ray_env):
     where Ray's temp folder names a cluster (``ray start``'s record, here a dead one, as a killed test
     leaves it), and every TCP listener and bound UDP socket of the driver and every process Ray started is
     on 127.0.0.1 / ::1."""
-    env = own_ray_env
-    Path(env["RAY_TMPDIR"], "ray", "ray_current_cluster").parent.mkdir()
-    Path(env["RAY_TMPDIR"], "ray", "ray_current_cluster").write_text("192.0.2.1:6379")  # TEST-NET-1: nobody
-    proc = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=Path(__file__).resolve().parents[2])
+    record = Path(own_ray_env["RAY_TMPDIR"], "ray", "ray_current_cluster")
+    record.parent.mkdir()
+    record.write_text("192.0.2.1:6379")  # TEST-NET-1: nobody answers
+    proc = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=300,
+                          env=own_ray_env, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     for dashboard, socks in result.items():
