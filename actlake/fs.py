@@ -48,24 +48,38 @@ def check_scheme(value, key: str) -> None:
     s = url_scheme(value)
     if s is not None and s not in SCHEMES and s != "file":
         raise StorageError(f"{key}: {value!r} uses the scheme {s}://, which actlake cannot read or write "
-                           f"(known: {', '.join(f'{x}://' for x in SCHEMES)}, or a local path)")
+                           f"(known: {', '.join(f'{x}://' for x in SCHEMES)}, or a local path); it is never "
+                           "taken as a local folder")
+
+
+def resolve_text(value, base: "str | os.PathLike | None" = None, key: str = "path") -> str:
+    """The one resolution of a path a user wrote (a config value, a command-line argument).
+
+    An object-store URL (``s3://…``) comes back as it is; ``file://PATH`` and local paths come back
+    absolute and normalised, ``~`` expanded, a relative path taken against ``base`` (default: the
+    working directory). Symbolic links are kept (a glob pattern need not exist). StorageError for a
+    scheme actlake cannot use, or a URL that names no bucket: it is never taken as a local folder
+    (``key`` names the value in the message)."""
+    text = str(value)
+    check_scheme(text, key)
+    s = url_scheme(text)
+    if s not in (None, "file"):
+        if not text[len(s) + 3:].strip("/"):
+            raise StorageError(f"{key}: {text!r} names no bucket")
+        return text
+    local = os.path.expanduser(text[len("file://"):] if s == "file" else text)
+    return os.path.normpath(os.path.join(os.fspath(base) if base is not None else os.getcwd(), local))
 
 
 def location(value) -> "Path | ObjectPath":
     """The location ``value`` names: an ObjectPath for an object-store URL, else an absolute local Path."""
     if isinstance(value, (Path, ObjectPath)):
         return value if isinstance(value, ObjectPath) else value.resolve()
-    text = str(value)
-    check_scheme(text, "path")
+    text = resolve_text(value)
+    if url_scheme(text) is None:
+        return Path(text).resolve()
     s = url_scheme(text)
-    if s == "file":
-        return Path(text[len("file://"):]).resolve()
-    if s is None:
-        return Path(os.path.expanduser(text)).resolve()
-    key = text[len(s) + 3:].strip("/")
-    if not key:
-        raise StorageError(f"{text}: names no bucket")
-    return ObjectPath("gs" if s == "gcs" else s, posixpath.normpath(key))
+    return ObjectPath("gs" if s == "gcs" else s, posixpath.normpath(text[len(s) + 3:].strip("/")))
 
 
 @functools.lru_cache(maxsize=None)

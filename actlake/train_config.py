@@ -98,4 +98,4 @@ class TrainJob(ConfigRoot):
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output.dir).resolve() / self.run_id
+        return Path(self.output.dir) / self.run_id

@@ -11,7 +11,8 @@ from typing import Optional
 from actlake.config import JobConfig, resolve_corpus_files
 from actlake.corpus.fingerprint import file_exists, file_fingerprint, hf_fingerprint
 from actlake.corpus.index import INDEX_DIR, index_files, load_points
-from actlake.corpus.readers import HF_STREAM, Entry, file_format, is_url, load_hf, load_hf_stream
+from actlake.corpus.readers import HF_STREAM, Entry, file_format, load_hf, load_hf_stream
+from actlake.fs import location
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,6 @@ def _usable(hit: dict | None, fmt: str, key: dict, every: int) -> bool:
     if "index" not in hit or every % hit["every"] != 0 or not file_exists(hit["index"], "corpus index"):
         return False
     return file_exists(load_points(hit["index"])["file"], "corpus index")
-
-
-def output_location(output_dir: str):
-    """``output.dir`` as a location: an absolute local Path, or an ObjectPath for an object-store URL."""
-    if is_url(str(output_dir)) or str(output_dir).startswith("file://"):
-        from actlake.fs import location
-
-        return location(output_dir)
-    return Path(output_dir).resolve()
 
 
 def cached_counts(files: list[tuple[str, str, dict]], every: int, out_dir, workers: int) -> dict[str, dict]:
@@ -129,7 +121,7 @@ def _counted_files(cfg: JobConfig, inputs: dict[str, dict]) -> list[tuple[str, s
     """``(path, format, counted)`` of the corpus files the plan reads, fingerprinted into ``inputs``:
     all of them, indexed in parallel; with ``corpus.max_docs``, file by file until the budget is met."""
     c, every = cfg.corpus, cfg.sharding.docs_per_shard
-    out_dir = output_location(cfg.output.dir)
+    out_dir = location(cfg.output.dir)
     files = [(p, file_format(p, c.format)) for p in resolve_corpus_files(cfg)]
     groups = [files] if c.max_docs is None else [[f] for f in files]
     sources, seen = [], 0

@@ -77,6 +77,8 @@ own (an instance role, or the variables in ``cluster.yaml``), so secrets never e
 
 
 def store_env(local: bool) -> dict[str, str]:
-    """The driver's object-store variables the workers get (their ``runtime_env`` ``env_vars``)."""
+    """The driver's object-store variables the workers get, as an argument of the worker actor, which sets
+    them in its own process. Never as ``runtime_env`` ``env_vars``: Ray writes those in plain text to
+    ``runtime_env_agent.log`` (world-readable, and kept after the job)."""
     names = STORE_SETTINGS + (STORE_CREDENTIALS if local else ())
     return {k: os.environ[k] for k in names if k in os.environ}

@@ -72,15 +72,12 @@ def read_ahead(cfg: JobConfig, gpus: float) -> bool:
     return gpus > 0 if r is None else bool(r)
 
 
-def worker_options(cfg: JobConfig, cpus: float, gpus: float, local: bool = True) -> dict:
-    """Ray actor options of one ShardWorker: CPUs, GPUs, memory (``resources.memory_per_worker_gb``), restarts,
-    and the driver's object-store settings (credentials too when ``local``: see ``jobs/ray_env.py``)."""
+def worker_options(cfg: JobConfig, cpus: float, gpus: float) -> dict:
+    """Ray actor options of one ShardWorker: CPUs, GPUs, memory (``resources.memory_per_worker_gb``), restarts.
+    The object-store variables travel as the actor's argument, not as a runtime_env (see ``jobs/ray_env.py``)."""
     r = cfg.resources
     options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=r.max_retries, max_task_retries=0,
                    max_concurrency=2 if read_ahead(cfg, gpus) else 1)
-    env = store_env(local)
-    if env:
-        options["runtime_env"] = {"env_vars": env}
     if r.memory_per_worker_gb:
         options["memory"] = int(r.memory_per_worker_gb * 2**30)
     return options
@@ -283,9 +280,9 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         code = ray.put(custom_code(cfg))
         n = min(n, len(pending))
         retries = cfg.resources.max_retries
-        options = worker_options(cfg, cpus, gpus, local=not (address or os.environ.get("RAY_ADDRESS")))
-        workers = [ShardWorker.options(**options).remote(cfg.to_dict(), str(layout.root), phash, threads, code,
-                                                         cfg.sharding.commit_seconds)
+        env = store_env(local=not (address or os.environ.get("RAY_ADDRESS")))
+        workers = [ShardWorker.options(**worker_options(cfg, cpus, gpus)).remote(cfg.to_dict(), str(layout.root), phash,
+                                                                               threads, code, env)
                    for _ in range(n)]
         log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus, gpus,
                  f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb else "unreserved")

@@ -2,7 +2,8 @@
 
 The code travels as a runtime_env ``py_modules`` entry (this installed actlake
 package, staged as one folder), the config as the ``working_dir``. Paths in the
-config are made absolute: they must exist on the cluster (a shared filesystem or
+config are absolute (the config model resolves them when it reads the file) or object-store URLs:
+local ones must exist on the cluster (a shared filesystem or
 object store mount), as with any Ray job.
 """
 
@@ -39,13 +40,11 @@ def stage_package(dest: Path) -> Path:
 
 
 def absolute_config(cfg: JobConfig) -> dict:
-    import os
-
+    """The config the cluster runs: its paths as the config model resolved them (absolute local paths,
+    object-store URLs as written), the model folder, and this run id (the cluster must not derive another)."""
     d = cfg.to_dict()
     d["name"] = cfg.name
-    d["corpus"]["paths"] = [os.path.abspath(os.path.expanduser(p)) for p in cfg.corpus.paths]
     d["model"]["name_or_path"] = resolve_model_path(cfg.model.name_or_path)
-    d["output"]["dir"] = os.path.abspath(cfg.output.dir)
     d["output"]["run_id"] = cfg.run_id
     d["resources"]["address"] = None  # inside the job, Ray connects to its own cluster
     for custom in d["analyses"]["custom"]:

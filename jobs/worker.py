@@ -72,7 +72,11 @@ class ShardWorker:
     while the other is read and tokenised, so the device does not wait for the CPU between shards."""
 
     def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None,
-                 commit_seconds: float = 600.0):
+                 store_env: dict | None = None):
+        """``store_env``: the driver's object-store variables (:func:`actlake.jobs.ray_env.store_env`), set in
+        this process before any store is opened. An argument, never a ``runtime_env``: Ray writes a
+        runtime_env's variables in plain text to its agent's log."""
+        os.environ.update(store_env or {})
         import torch
 
         from actlake.config import parse_config
@@ -88,7 +92,7 @@ class ShardWorker:
         install_code(code or {})
         self.cfg = parse_config(cfg_dict)
         self.layout = RunLayout(location(run_dir))
-        self.group = Group(self.layout, plan_hash, CommitPolicy(max_seconds=commit_seconds))
+        self.group = Group(self.layout, plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
         self.compute = threading.Lock()  # the model runs one shard at a time, also when two are in hand
         self.pid = os.getpid()

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Optional
 
 from actlake.config import CorpusConfig
-from actlake.config_base import Section
+from actlake.config_base import LocalPath, Section
 from actlake.train_config import TrainingLoop, TrainJob, Warmup
 
 
 class LMTokenizerConfig(Section):
-    path: Optional[str] = None
-    """Existing tokenizer folder to use; null: train a byte-level BPE tokenizer on the corpus."""
+    path: Optional[LocalPath] = None
+    """Existing tokenizer folder to use (stored absolute); null: train a byte-level BPE tokenizer on the corpus."""
     vocab_size: int = 4096
     """Vocabulary of the trained tokenizer (special tokens included)."""
 

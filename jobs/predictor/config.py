@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from actlake.config_base import Section
+from actlake.config_base import LocalPath, Section
 from actlake.train_config import TrainingLoop, TrainJob, Warmup
 
 
@@ -37,8 +37,8 @@ class ProbeSettings(Section):
 class PredictorJobConfig(TrainJob.with_defaults(name="predictor")):
     RUN_ID_EXCLUDE = ("probes",)
 
-    store: str = "runs/predictive-extract"
-    """Run directory of an ``actlake run`` with an activation store (``activations.layers``)."""
+    store: LocalPath = "runs/predictive-extract"
+    """Run directory of an ``actlake run`` with an activation store (``activations.layers``): a local folder or a shared mount (``~`` expanded, relative to the working directory, resolved to an absolute path when the config is read)."""
     layers: list[int] = []
     """Hidden-state layers to train predictors for; empty: every layer in the store."""
     predictor: PredictorSettings
@@ -47,10 +47,6 @@ class PredictorJobConfig(TrainJob.with_defaults(name="predictor")):
     def check(self, err) -> None:
         p, q = self.predictor, self.probes
         p.check(err, "predictor")
-        from actlake.fs import url_scheme
-
-        if url_scheme(self.store) not in (None, "file"):
-            err(("store",), f"{self.store!r}: the activation store must be a local folder or a shared mount")
         if (p.n_heads is None) != (p.head_dim is None):
             err(("predictor", "n_heads"), "set both n_heads and head_dim, or neither")
         if not 0 < p.eval_fraction < 1:
@@ -70,5 +66,5 @@ class PredictorJobConfig(TrainJob.with_defaults(name="predictor")):
 
         tables = Path(self.store) / "tables" / "activations"
         if not tables.is_dir():
-            raise ConfigError(f"{self.source_file}: 'store': {Path(self.store).resolve()} has no activation store "
+            raise ConfigError(f"{self.source_file}: 'store': {self.store} has no activation store "
                               "(run an extraction with activations.layers set first)")

@@ -22,7 +22,7 @@ def store_info(store: str | Path) -> dict:
     from actlake.config import resolve_model_path
     from actlake.storage.sql import query
 
-    root = Path(store).resolve()
+    root = Path(store)
     layers = [r["layer"] for r in query(root, "SELECT DISTINCT layer FROM activations ORDER BY layer").to_pylist()]
     run = json.loads((root / "run.json").read_text())
     hf = AutoConfig.from_pretrained(resolve_model_path(run["config"]["model"]["name_or_path"]))
@@ -42,7 +42,6 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     from actlake.jobs.predictor.loop import train_loop
 
     t0 = time.perf_counter()
-    cfg.store = str(Path(cfg.store).resolve())  # Ray Train workers run in their own working directory
     layout = RunLayout(cfg.run_dir)
     layout.root.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in cfg.to_dict().items() if k in ("store", "layers", "predictor")}

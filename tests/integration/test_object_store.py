@@ -65,6 +65,22 @@ def test_a_job_reads_and_writes_only_the_bucket(minilm_path, sample_corpus, corp
     assert int(n) == len(reference["tokens"])
 
 
+def test_no_credential_reaches_rays_files(minilm_path, sample_corpus, corpus_url, s3_server, ray_local, tmp_path):
+    """On the embedded Ray the workers get the driver's credentials as their actor's argument, never as a
+    runtime_env, whose variables Ray writes in plain text to ``runtime_env_agent.log`` (issue 31, item 3)."""
+    import ray
+
+    runs = s3_server("runs-secret")
+    cfg = job_config(minilm_path, sample_corpus, runs, **{"corpus.max_docs": 4, "corpus.paths": [corpus_url],
+                                                          "output.run_id": "s1"})
+    assert run_job(cfg).shards_run == 1
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"].encode()
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    files = [p for p in session.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert any(p.name.startswith("runtime_env_agent") for p in files)  # the log that used to hold it is there
+    assert [str(p) for p in files if secret in p.read_bytes()] == []
+
+
 def test_a_killed_worker_and_a_resume_keep_every_row_exactly_once(minilm_path, sample_corpus, corpus_url, s3_server,
                                                                   reference, ray_local, tmp_path, monkeypatch):
     import ray

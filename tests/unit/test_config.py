@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -172,7 +173,7 @@ def test_pydantic_models_keep_the_yaml_shorthands_and_messages(tmp_path):
     """One string for a list, ``0:`` keys for string keys, integers for floats; union and list errors name the key."""
     cfg = parse_config({"corpus": {"paths": "a.jsonl"}, "resources": {"cpus_per_worker": 2},
                         "model": {"device_map": "auto", "max_memory": {0: "1GiB"}}})
-    assert cfg.corpus.paths == ["a.jsonl"] and cfg.model.max_memory == {"0": "1GiB"}
+    assert cfg.corpus.paths == [os.path.abspath("a.jsonl")] and cfg.model.max_memory == {"0": "1GiB"}
     assert isinstance(cfg.resources.cpus_per_worker, float) and cfg.source_file == "<config>"
     assert parse_config({}).to_dict() == type(cfg)().to_dict()  # a section left out takes every default
     with pytest.raises(ConfigError, match=r"line 2: 'model.revision': expected str \| NoneType, got 5$"):
@@ -193,6 +194,50 @@ def test_training_jobs_refuse_object_store_folders_in_one_line(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"'output.dir': 's3://b/runs': training jobs write to a local folder"):
         parse_config({"output": {"dir": "s3://b/runs"}}, root=LMConfig)
-    with pytest.raises(ConfigError, match=r"'store': 's3://b/x': the activation store must be a local folder"):
+    with pytest.raises(ConfigError, match=r"'store': 's3://b/x': must be a local folder or a shared mount"):
         parse_config({"store": "s3://b/x"}, root=PredictorJobConfig)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_path_a_config_holds_is_resolved_once_when_it_is_read(tmp_path, monkeypatch):
+    """``~`` expanded, relative paths against the working directory, ``file://`` made a path, URLs untouched;
+    in every job's config; and what ``submit`` sends the cluster is that resolved value, not a
+    ``<cwd>/s3:/...`` folder (issue 31, item 1)."""
+    from actlake.jobs.lm.config import LMConfig
+    from actlake.jobs.plan import make_plan
+    from actlake.jobs.predictor.config import PredictorJobConfig
+    from actlake.jobs.submit import absolute_config
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), (work / "model").mkdir(parents=True)
+    (work / "model" / "config.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    cfg = parse_config({"corpus": {"paths": ["s3://corpus/pile/*.jsonl", "~/pile/*.jsonl", "data/x.jsonl",
+                                             "file:///srv/../srv/y.jsonl"]},
+                        "model": {"name_or_path": "./model", "device_map": "auto", "offload_folder": "~/offload"},
+                        "output": {"dir": "~/runs"}, "analyses": {"custom": [{"analysis": "m:C", "path": "code/m.py"}]}})
+    assert cfg.corpus.paths == ["s3://corpus/pile/*.jsonl", f"{home}/pile/*.jsonl", f"{work}/data/x.jsonl", "/srv/y.jsonl"]
+    assert (cfg.model.name_or_path, cfg.model.offload_folder) == (f"{work}/model", f"{home}/offload")
+    assert cfg.analyses.custom[0].path == f"{work}/code/m.py"
+    assert cfg.output.dir == f"{home}/runs" and str(cfg.run_dir) == f"{home}/runs/{cfg.run_id}"
+    # a hub id and a package reference stay as written
+    assert parse_config({"model": {"name_or_path": "EleutherAI/pythia-70m"}}).model.name_or_path == "EleutherAI/pythia-70m"
+    assert parse_config({}).model.name_or_path.startswith("package:")
+    # the config the cluster gets: URLs as written, local paths absolute; parsing it again changes nothing
+    s3 = parse_config({"corpus": {"paths": ["s3://corpus/pile/*.jsonl.zst"]}, "output": {"dir": "s3://results/runs"}})
+    sent = absolute_config(s3)
+    assert sent["corpus"]["paths"] == ["s3://corpus/pile/*.jsonl.zst"] and sent["output"]["dir"] == "s3://results/runs"
+    assert sent["output"]["run_id"] == s3.run_id and parse_config(sent).to_dict() == parse_config(sent).to_dict()
+    assert absolute_config(cfg)["output"]["dir"] == f"{home}/runs"
+    # the corpus index cache and the run folder are under the same resolved output.dir
+    corpus = work / "data"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text('{"text": "one two three"}\n')
+    local = parse_config({"corpus": {"paths": ["data/*.jsonl"]}, "output": {"dir": "~/runs"}})
+    make_plan(local)
+    assert (home / "runs" / "_corpus_index").is_dir() and sorted(p.name for p in work.iterdir()) == ["data", "model"]
+    # the training jobs: output.dir, the tokenizer folder, the activation store
+    lm = parse_config({"output": {"dir": "~/lm"}, "tokenizer": {"path": "tok"}}, root=LMConfig)
+    assert (lm.output.dir, lm.tokenizer.path, str(lm.run_dir)) == (f"{home}/lm", f"{work}/tok", f"{home}/lm/{lm.run_id}")
+    assert parse_config({"store": "~/store"}, root=PredictorJobConfig).store == f"{home}/store"
