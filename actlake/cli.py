@@ -83,12 +83,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_output(fmt: str, output: str | None) -> None:
+    """--format parquet needs --output in an existing folder: checked before the query runs."""
+    if fmt != "parquet":
+        return
+    if not output:
+        raise ActlakeError("--format parquet needs --output FILE")
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise ActlakeError(f"--output: folder {folder} does not exist")
+    if os.path.isdir(output):
+        raise ActlakeError(f"--output: {output} is a folder; name a file")
+
+
 def _print_table(table, fmt: str, output: str | None) -> None:
     import pyarrow.csv as pacsv
 
     if fmt == "parquet":
-        if not output:
-            raise ActlakeError("--format parquet needs --output FILE")
+        _check_output(fmt, output)
         import pyarrow.parquet as pq
 
         pq.write_table(table, output)
@@ -189,6 +201,16 @@ def _cmd_sql(args) -> int:
     from actlake.storage.sql import MAX_TEMP_SIZE, query
 
     sql = args.sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
+    _check_output(args.format, args.output)
+    if args.timeout <= 0:
+        raise ActlakeError(f"--timeout: must be more than 0 seconds, got {args.timeout:g}")
+    if args.max_temp_size is not None:
+        from actlake.config import memory_bytes
+
+        try:
+            memory_bytes(args.max_temp_size)
+        except ValueError as e:
+            raise ActlakeError(f"--max-temp-size: {e}") from None
     _print_table(query(args.run_dir, sql, timeout_s=args.timeout, max_temp_size=args.max_temp_size or MAX_TEMP_SIZE), args.format, args.output)
     return 0
 
@@ -274,13 +296,50 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "corpus":
             from actlake.corpus.sample import write_sample
 
+            for flag, n in (("--docs", args.docs), ("--files", args.files)):
+                if n < 1:
+                    raise ActlakeError(f"{flag}: must be at least 1, got {n}")
+            if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+                raise ActlakeError(f"{args.out_dir} exists and is not a folder")
+
             for p in write_sample(args.out_dir, args.docs, args.files):
                 print(p)
             return 0
-    except ActlakeError as e:
-        print(f"actlake: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("actlake: interrupted; committed shards and checkpoints are kept (rerun to resume)", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one error path of the command line
+        print(f"actlake: error: {error_line(e)}", file=sys.stderr)
         return 2
     return 1
+
+
+def error_line(e: BaseException) -> str:
+    """One line for any failure: an ActlakeError's own message (also when Ray wraps it in a RayTaskError);
+    anything else as its type, message and where it was raised, with the whole traceback written to a
+    log file that the line names."""
+    import traceback
+
+    cause = e
+    while not isinstance(cause, ActlakeError) and getattr(cause, "cause", None) is not None:  # RayTaskError
+        cause = cause.cause
+    if isinstance(cause, ActlakeError):
+        return str(cause)
+    frames = traceback.extract_tb(cause.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    message = " ".join(str(cause).split())[:500] or "(no message)"
+    return f"{type(cause).__name__}: {message}{where}; traceback in {_write_traceback(e)}"
+
+
+def _write_traceback(e: BaseException) -> str:
+    import tempfile
+    import time
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix=f"actlake-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(traceback.format_exception(e)))
+    return path
 
 
 if __name__ == "__main__":

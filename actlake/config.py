@@ -14,8 +14,10 @@ import re
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+from pydantic import model_validator
+
 from actlake.config_base import (PACKAGE_PREFIX, ConfigRoot, HubOrLocal, LocalPath, Location, Section, _compose_with_lines,
-                                 _fail, looks_local, validate)
+                                 _fail, config_error, looks_local, validate)
 from actlake.config_base import reference_markdown as _reference_markdown
 from actlake.errors import ConfigError
 
@@ -59,7 +61,13 @@ class CorpusConfig(Section):
     hf_streaming: bool = False
     """``format: hf`` only: stream the dataset (``load_dataset(..., streaming=True)``): nothing is downloaded up front or counted; one shard per dataset shard (its files), doc ids ``shard * 2^32 + row``. Not with ``max_docs``."""
     max_docs: Optional[int] = None
-    """Use only the first N documents of the corpus (in plan order)."""
+    """Use only the first N documents of the corpus (in plan order); at least 1, null: all."""
+
+    @model_validator(mode="after")
+    def _counts(self):
+        if self.max_docs is not None and self.max_docs < 1:
+            config_error(("corpus", "max_docs"), f"must be at least 1 (null: every document), got {self.max_docs}")
+        return self
 
 
 class TokenizationConfig(Section):
@@ -229,8 +237,16 @@ def _check_values(cfg: JobConfig, err) -> None:
         err(("batching", "max_tokens"), f"must be at least tokenization.max_length ({t.max_length})")
     if cfg.corpus.format == "hf" and not cfg.corpus.hf_dataset:
         err(("corpus", "format"), "format 'hf' needs corpus.hf_dataset")
-    if cfg.corpus.max_docs is not None and cfg.corpus.max_docs < 1:
-        err(("corpus", "max_docs"), "must be at least 1")
+    if t.max_windows_per_doc < 1:
+        err(("tokenization", "max_windows_per_doc"), f"must be at least 1, got {t.max_windows_per_doc}")
+    if t.min_tokens < 0:
+        err(("tokenization", "min_tokens"), f"must be 0 or more, got {t.min_tokens}")
+    if cfg.batching.max_batch_size < 1:
+        err(("batching", "max_batch_size"), f"must be at least 1, got {cfg.batching.max_batch_size}")
+    r = cfg.resources
+    for key, value in (("num_workers", r.num_workers), ("cpus_per_worker", r.cpus_per_worker), ("max_retries", r.max_retries)):
+        if value < 0:
+            err(("resources", key), f"must be 0 or more, got {value:g}")
     if cfg.corpus.hf_streaming and cfg.corpus.format != "hf":
         err(("corpus", "hf_streaming"), "only applies to format 'hf'")
     if cfg.corpus.hf_streaming and cfg.corpus.max_docs is not None:
@@ -432,6 +448,8 @@ def resolve_corpus_files(cfg: JobConfig) -> list[str]:
             hint = " (build the sample corpus with: actlake corpus sample data/sample)" if "sample" in pattern else ""
             raise ConfigError(f"corpus.paths[{i}]: no file matches {pattern!r}{hint}")
         for m in matches:
+            if not remote and not os.path.isfile(m):  # a device (/dev/zero) or a FIFO would be read for ever
+                raise ConfigError(f"corpus.paths[{i}]: {m} is not a regular file (a device, FIFO or socket)")
             if not remote and not os.access(m, os.R_OK):
                 raise ConfigError(f"corpus.paths[{i}]: file is not readable: {m}")
             if c.format == "auto" and not m.endswith((".jsonl", ".jsonl.zst", ".json", ".parquet")):

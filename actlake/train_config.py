@@ -22,6 +22,14 @@ class TrainResourcesConfig(RayAddress):
     use_gpu: bool = False
     """One GPU per Ray Train worker."""
 
+    @model_validator(mode="after")
+    def _counts(self):
+        if self.num_workers < 1:
+            config_error(("resources", "num_workers"), f"must be at least 1, got {self.num_workers}")
+        if not self.cpus_per_worker > 0:
+            config_error(("resources", "cpus_per_worker"), f"must be more than 0, got {self.cpus_per_worker:g}")
+        return self
+
 
 class AdamW(Section):
     """The optimiser of every training loop; a job sets the defaults (``AdamW.with_defaults``)."""

@@ -50,10 +50,14 @@ def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
 
 
 def check_fits_a_node(r, gpus: float, nodes: list[dict]) -> None:
-    """ConfigError naming ``resources.gpus_per_worker`` / ``memory_per_worker_gb`` when no node of the
-    cluster (``nodes``: each alive node's Ray resources) has that much (Ray would wait for ever)."""
+    """ConfigError naming ``resources.cpus_per_worker`` / ``gpus_per_worker`` / ``memory_per_worker_gb`` when no
+    node of the cluster (``nodes``: each alive node's Ray resources) has that much (Ray would wait for ever)."""
     from actlake.errors import ConfigError
 
+    most_cpus = max((nd.get("CPU", 0) for nd in nodes), default=0)
+    if r.cpus_per_worker and r.cpus_per_worker > most_cpus:
+        raise ConfigError(f"resources.cpus_per_worker: {r.cpus_per_worker:g} CPUs per worker, but no node of the "
+                          f"cluster offers Ray more than {most_cpus:g}")
     most_gpus = max((nd.get("GPU", 0) for nd in nodes), default=0)
     if r.gpus_per_worker and r.gpus_per_worker > most_gpus:
         raise ConfigError(f"resources.gpus_per_worker: {r.gpus_per_worker:g} GPUs per worker, but no node of the "

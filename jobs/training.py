@@ -272,6 +272,7 @@ def run_trials(trials: list[Trial], run_dir: Path, resources: Resources) -> dict
     # Ray Train's helpers query the state API of "the" cluster; name ours (other Ray instances may run here)
     gcs = ray.get_runtime_context().gcs_address
     remote_fit = ray.remote(num_cpus=0)(_fit).options(runtime_env={"env_vars": {"RAY_ADDRESS": gcs}})
+    check_fits(resources, [nd["Resources"] for nd in ray.nodes() if nd["Alive"]])
     queue = list(trials)
     slots = concurrent_trials(resources)
     log.info("%d trial(s), up to %d at once (%d worker(s) x %g CPU%s each)", len(trials), slots, resources.num_workers,
@@ -294,6 +295,24 @@ def run_trials(trials: list[Trial], run_dir: Path, resources: Resources) -> dict
             raise TrainingError(f"trial {name!r} failed: {first}") from None
         log.info("trial %s finished (%d of %d) after %.0fs", name, len(results), len(trials), time.time() - t0)
     return results
+
+
+def check_fits(resources: Resources, nodes: list[dict]) -> None:
+    """ConfigError naming the key when one trial's worker group cannot be placed on the cluster (``nodes``:
+    each alive node's Ray resources): Ray Train would wait for resources that never come."""
+    from actlake.errors import ConfigError
+
+    most_cpus = max((nd.get("CPU", 0) for nd in nodes), default=0)
+    if resources.cpus_per_worker > most_cpus:
+        raise ConfigError(f"resources.cpus_per_worker: {resources.cpus_per_worker:g} CPUs per worker, but no node of "
+                          f"the cluster offers Ray more than {most_cpus:g}")
+    fits = sum(int(nd.get("CPU", 0) // resources.cpus_per_worker) for nd in nodes)
+    if resources.num_workers > fits:
+        raise ConfigError(f"resources.num_workers: {resources.num_workers} workers of {resources.cpus_per_worker:g} CPUs, "
+                          f"but the cluster holds at most {fits}")
+    gpus = sum(int(nd.get("GPU", 0)) for nd in nodes)
+    if resources.use_gpu and resources.num_workers > gpus:
+        raise ConfigError(f"resources.use_gpu: {resources.num_workers} workers need a GPU each, but the cluster has {gpus}")
 
 
 def concurrent_trials(resources: Resources) -> int:

@@ -56,6 +56,11 @@ class LMConfig(TrainJob.with_defaults(name="lm")):
             err(("tokenizer", "vocab_size"), "must be at least 300 (256 bytes + merges + specials)")
 
     def check_files(self) -> None:
+        from pathlib import Path
+
         from actlake.config import resolve_corpus_files
+        from actlake.errors import ConfigError
 
         resolve_corpus_files(self)
+        if self.tokenizer.path is not None and not Path(self.tokenizer.path).is_dir():
+            raise ConfigError(f"{self.source_file}: 'tokenizer.path': no tokenizer folder at {self.tokenizer.path}")
