@@ -195,11 +195,36 @@ def _fixed_files(layout: RunLayout, spec: TableSpec) -> list[Path]:
 
 
 def committed_files(layout: RunLayout) -> dict[str, list[Path]]:
-    """Table name -> the committed Parquet files of that table (tables without any are left out)."""
+    """Table name -> the committed Parquet files of that table (tables without any are left out).
+
+    Every file lies inside the run: a symbolic link on its way below the run folder (a linked
+    ``tables/``, a record naming a link to a file elsewhere) is a StorageError naming it."""
     run = read_run(layout)
     specs = table_specs(run, layout.run_json)
     if specs is None:
         files = _extraction_files(layout, run)
     else:
         files = {name: _fixed_files(layout, spec) for name, spec in specs.items()}
-    return {t: sorted(fs) for t, fs in sorted(files.items()) if fs}
+    out = {t: sorted(fs) for t, fs in sorted(files.items()) if fs}
+    for fs in out.values():
+        for f in fs:
+            inside_the_run(layout, f)
+    return out
+
+
+def inside_the_run(layout: RunLayout, path) -> None:
+    """StorageError unless ``path`` lies under the run folder with no symbolic link on the way (object
+    stores have none)."""
+    if not isinstance(path, Path):
+        return
+    root = Path(layout.root)
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        raise StorageError(f"{path}: not inside the run {root}") from None
+    here = root
+    for part in parts:
+        here = here / part
+        if part == ".." or here.is_symlink():
+            raise StorageError(f"{here}: a link (or '..') inside the run {root}; actlake serves only the run's own "
+                               "files, so remove it or run the job again")

@@ -355,3 +355,25 @@ def test_a_run_of_the_per_shard_record_format_is_named_not_shown_half_empty(tmp_
     (run / "_complete" / "shard-00000.json").write_text(json.dumps({"shard_id": 0, "plan_hash": "p", "files": {}}))
     with pytest.raises(StorageError, match=r"older actlake .* run `actlake run` with the same config and run id"):
         query(run, "SELECT 1")
+
+
+@pytest.mark.parametrize("case", ["file", "tables"])
+def test_links_out_of_the_run_are_refused(run, cwd, tmp_path, case):
+    """A file the reduce record names replaced by a link to a file elsewhere, or ``tables/`` a link to another
+    folder: ``actlake sql`` served both before (issue 31, item 3)."""
+    import shutil
+
+    elsewhere = tmp_path / "elsewhere"
+    if case == "file":
+        reduced = json.loads((run / "_complete" / "reduced.json").read_text())["files"]
+        target = run / reduced["dim_moments"]["path"]
+        elsewhere.mkdir()
+        shutil.move(target, elsewhere / "t.parquet")
+        target.symlink_to(elsewhere / "t.parquet")
+        link = target
+    else:
+        shutil.move(run / "tables", elsewhere)
+        (run / "tables").symlink_to(elsewhere, target_is_directory=True)
+        link = run / "tables"
+    with pytest.raises(StorageError, match=rf"{re.escape(str(link))}: a link \(or '..'\) inside the run"):
+        query(run, "SELECT count(*) FROM dim_moments")
