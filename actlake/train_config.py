@@ -97,12 +97,16 @@ class TrainJob(ConfigRoot):
         return self
 
     @property
-    def run_id(self) -> str:
+    def config_hash(self) -> str:
+        """Hash of every setting that changes training (output, resources, name and RUN_ID_EXCLUDE left out)."""
         d = self.to_dict()
         for k in ("output", "resources", "name", *self.RUN_ID_EXCLUDE):
             d.pop(k, None)
-        h = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
-        return self.output.run_id or f"{self.name}-{h}"
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+    @property
+    def run_id(self) -> str:
+        return self.output.run_id or f"{self.name}-{self.config_hash}"
 
     @property
     def run_dir(self) -> Path:

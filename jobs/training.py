@@ -70,6 +70,14 @@ def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
 
 MANIFEST = "manifest.json"
 """In every checkpoint folder: size and sha256 of each of its files, written last, before the rename."""
+IDENTITY = "identity.json"
+"""In every checkpoint folder (and in its manifest): the run and trial it belongs to, :func:`checkpoint_identity`."""
+
+
+def checkpoint_identity(config_hash: str, trial: str) -> dict:
+    """What a checkpoint must carry to be resumed or analysed by this run: the hash of every setting that
+    changes training (seed and inputs included, ``TrainJob.config_hash``) and the trial's name."""
+    return {"config": config_hash, "trial": trial}
 
 
 def _digest(path: Path) -> str:
@@ -86,8 +94,9 @@ def _write_manifest(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
 
-def save_checkpoint(root: Path, step: int, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_folder)``, add its manifest, then rename the folder to ``step-NNNNNNNN`` (replacing one).
+def save_checkpoint(root: Path, step: int, write: Callable[[Path], None], identity: dict | None = None) -> Path:
+    """Call ``write(tmp_folder)``, add the run's ``identity`` and the manifest, then rename the folder to
+    ``step-NNNNNNNN`` (replacing one).
 
     A failed write (disk full, ...) raises :class:`TrainingError` naming the checkpoint; the older
     checkpoints are untouched, and the temporary folder is removed."""
@@ -98,6 +107,8 @@ def save_checkpoint(root: Path, step: int, write: Callable[[Path], None]) -> Pat
     try:
         tmp.mkdir()
         write(tmp)
+        if identity is not None:
+            (tmp / IDENTITY).write_text(json.dumps(identity, sort_keys=True))
         _write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -147,8 +158,42 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-def prepare_checkpoints(root: Path) -> int | None:
-    """Before a trial starts: remove leftover ``.tmp-*`` folders, then check checkpoints newest first.
+def foreign(path: Path, identity: dict | None) -> str | None:
+    """Why the checkpoint ``path`` belongs to another run or trial than ``identity`` (None: it is this one's,
+    or it predates identities, or no identity is asked for)."""
+    f = Path(path) / IDENTITY
+    if identity is None or not f.is_file():
+        return None
+    try:
+        theirs = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        return f"{f}: unreadable ({_first_line(e)})"
+    if theirs != identity:
+        differ = ", ".join(f"{k} {theirs.get(k)!r} (this run: {identity.get(k)!r})"
+                           for k in sorted(set(theirs) | set(identity)) if theirs.get(k) != identity.get(k))
+        return f"{path}: a checkpoint of another run or trial: {differ}"
+    return None
+
+
+def verified_checkpoints(root: Path, steps: list[int], identity: dict | None) -> list[tuple[int, Path]]:
+    """The checkpoints of ``steps`` under ``root``, each whole (its manifest) and this run's (its identity);
+    a TrainingError naming the first that is missing, damaged or foreign. For readers of a finished run."""
+    have = dict(list_checkpoints(root))
+    out = []
+    for step in steps:
+        if step not in have:
+            raise TrainingError(f"{checkpoint_path(root, step)}: missing (a checkpoint the analysis reads); train the "
+                                "run again without --analysis-only, or delete the trial's checkpoints")
+        problem = foreign(have[step], identity) or checkpoint_problem(have[step])
+        if problem:
+            raise TrainingError(f"{problem}; delete it and train the run again without --analysis-only")
+        out.append((step, have[step]))
+    return out
+
+
+def prepare_checkpoints(root: Path, identity: dict | None = None) -> int | None:
+    """Before a trial starts: remove leftover ``.tmp-*`` folders, refuse checkpoints of another run
+    (``identity``, naming the first), then check checkpoints newest first.
 
     Damaged ones newer than a whole one are renamed ``damaged-step-NNNNNNNN`` and the whole one is
     used (warnings name each file and cause). Returns the step the trial resumes from (None: from
@@ -158,6 +203,10 @@ def prepare_checkpoints(root: Path) -> int | None:
         return None
     for tmp in root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+    for _, path in list_checkpoints(root):
+        why = foreign(path, identity)
+        if why:
+            raise TrainingError(f"{why}; move it away, or delete {root} to train this trial from the start")
     damaged = []
     for step, path in reversed(list_checkpoints(root)):
         problem = checkpoint_problem(path)

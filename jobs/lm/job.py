@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -23,8 +24,8 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     against the run directory, the token counts against ``seq_len``, and the checkpoints."""
     from actlake.jobs.lm import loop as lm
     from actlake.jobs.ray_env import init_ray
-    from actlake.jobs.training import (Resources, Trial, check_settings, latest_checkpoint, prepare_checkpoints,
-                                       run_trials)
+    from actlake.jobs.training import (Resources, Trial, TrainingError, check_settings, checkpoint_identity,
+                                       checkpoint_problem, foreign, latest_checkpoint, prepare_checkpoints, run_trials)
 
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
@@ -32,17 +33,20 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     settings = {k: v for k, v in cfg.to_dict().items() if k not in ("output", "resources", "name")}
     r = cfg.resources
     check_settings(layout, "train-lm", "settings", settings, "config", r.num_workers)
+    inputs = _check_inputs(cfg, layout)
+    identity = checkpoint_identity(hashlib.sha256(json.dumps([cfg.config_hash, inputs], sort_keys=True).encode())
+                                   .hexdigest()[:12], TRIAL)
     data = layout.root / "data"
-    sizes = _token_streams(cfg, data)
+    sizes = _token_streams(cfg, data, inputs)
     lm.check_token_counts(cfg, sizes)
     write_json_atomic(layout.run_json, {"run_id": layout.root.name, "kind": "train-lm", "settings": settings,
-                                        "world_size": r.num_workers})
+                                        "inputs": inputs, "world_size": r.num_workers})
     print(f"train-lm: {sizes['documents']:,} documents, {sizes['train']:,} training and {sizes['eval']:,} held-out "
           f"tokens, vocabulary {sizes['vocab_size']:,}", flush=True)
-    prepare_checkpoints(layout.root / "checkpoints" / TRIAL)
+    prepare_checkpoints(layout.root / "checkpoints" / TRIAL, identity)
     started = init_ray(address or r.address, dashboard=True)
     try:
-        run_trials([Trial(TRIAL, lm.train_loop, {"job": cfg.to_dict(), "data": str(data)})], layout.root,
+        run_trials([Trial(TRIAL, lm.train_loop, {"job": cfg.to_dict(), "data": str(data), "identity": identity})], layout.root,
                    Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
     finally:
         if started:
@@ -50,6 +54,9 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
 
             ray.shutdown()
     step, ck = latest_checkpoint(layout.root / "checkpoints" / TRIAL)
+    problem = foreign(ck, identity) or checkpoint_problem(ck)
+    if problem:
+        raise TrainingError(f"the final checkpoint: {problem}")
     final = layout.root / "model"
     tmp = layout.root / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -68,14 +75,33 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     return summary
 
 
-def _token_streams(cfg: LMConfig, data: Path) -> dict:
-    """Tokenize the corpus into ``data`` once; reused while the corpus, tokenizer and eval_fraction are unchanged."""
-    import hashlib
+def _check_inputs(cfg: LMConfig, layout: RunLayout) -> dict:
+    """Fingerprints of the corpus files and of the tokenizer folder's files (``path -> fingerprint``); a
+    CorpusError naming the first that changed since the run directory was made (its ``run.json``)."""
+    from actlake.config import resolve_corpus_files
+    from actlake.corpus.fingerprint import file_fingerprint, first_change
+    from actlake.errors import CorpusError
 
+    paths = resolve_corpus_files(cfg)
+    if cfg.tokenizer.path:
+        paths += sorted(str(p) for p in Path(cfg.tokenizer.path).rglob("*") if p.is_file())
+    inputs = {p: file_fingerprint(p) for p in paths}
+    old = json.loads(layout.run_json.read_text()).get("inputs") if layout.run_json.is_file() else None
+    changed = first_change(old, inputs) if old is not None else None
+    if changed:
+        raise CorpusError(f"{changed[0]}: {changed[1]} since run '{layout.root.name}' began, so its checkpoints were "
+                          f"trained on other text or token ids; pick a new output.run_id (--run-id) or delete {layout.root}")
+    return inputs
+
+
+def _token_streams(cfg: LMConfig, data: Path, inputs: dict) -> dict:
+    """Tokenize the corpus into ``data`` once; reused while the corpus (its files' fingerprints), the
+    tokenizer and eval_fraction are unchanged."""
     from actlake.jobs.lm import loop as lm
 
     key = hashlib.sha256(json.dumps({"corpus": cfg.to_dict()["corpus"], "tokenizer": cfg.to_dict()["tokenizer"],
-                                     "eval_fraction": cfg.training.eval_fraction}, sort_keys=True).encode()).hexdigest()
+                                     "inputs": inputs, "eval_fraction": cfg.training.eval_fraction},
+                                    sort_keys=True).encode()).hexdigest()
     sizes_file = data / "sizes.json"
     sizes = json.loads(sizes_file.read_text()) if sizes_file.exists() else {}
     if sizes.pop("key", None) != key:

@@ -171,7 +171,7 @@ def train_loop(config: dict) -> None:
             raw.save_pretrained(folder / "model")
             torch.save({"step": step, "optimizer": opt.state_dict(), "curve": curve}, folder / STATE_FILE)
 
-        save_checkpoint(ck_root, step, write)
+        save_checkpoint(ck_root, step, write, config.get("identity"))
         prune_checkpoints(ck_root, keep_steps=set())
 
     model.train()

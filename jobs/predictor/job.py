@@ -37,8 +37,8 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     this run began (its fingerprint), whole and finite; the settings must match the run directory,
     and the checkpoints must be usable."""
     from actlake.jobs.ray_env import init_ray
-    from actlake.jobs.training import (Resources, Trial, check_settings, discard_pending, prepare_checkpoints,
-                                       publish_pending, run_trials)
+    from actlake.jobs.training import (Resources, Trial, check_settings, checkpoint_identity, discard_pending,
+                                       prepare_checkpoints, publish_pending, run_trials)
     from actlake.jobs.predictor.loop import train_loop
 
     t0 = time.perf_counter()
@@ -59,12 +59,14 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     shutil.rmtree(layout.staging, ignore_errors=True)
     discard_pending(layout.root)
     for layer in layers:
-        prepare_checkpoints(layout.root / "checkpoints" / f"layer{layer}")
+        prepare_checkpoints(layout.root / "checkpoints" / f"layer{layer}", checkpoint_identity(cfg.config_hash, f"layer{layer}"))
     r = cfg.resources
     started = init_ray(address or r.address, dashboard=True)
     try:
         trials = [Trial(f"layer{layer}", train_loop, {"job": cfg.to_dict(), "layer": layer,
-                                                      "model_heads": list(info["model_heads"])}) for layer in layers]
+                                                      "model_heads": list(info["model_heads"]),
+                                                      "identity": checkpoint_identity(cfg.config_hash, f"layer{layer}")})
+                  for layer in layers]
         log.info("training %d predictor(s): layers %s", len(trials), layers)
         run_trials(trials, layout.root, Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
     finally:

@@ -77,7 +77,7 @@ def train_loop(config: dict) -> None:
 
     def checkpoint() -> None:
         save_checkpoint(ck_root, trainer.step, lambda f: torch.save({"trainer": trainer.state_dict(), "curve": curve, "resumes": resumes},
-                                                                    f / STATE_FILE))
+                                                                    f / STATE_FILE), config.get("identity"))
         prune_checkpoints(ck_root, keep_steps=set())
 
     last_eval = None

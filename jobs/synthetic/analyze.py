@@ -144,8 +144,16 @@ def _scatter_rows(step: int, beliefs: list[np.ndarray], preds: list[np.ndarray],
 
 
 def analyze_run(cfg, run_dir: Path, cpus: float = 1) -> list[dict]:
-    """One Ray task per trial; returns each trial's reference dimensions."""
+    """One Ray task per trial; returns each trial's reference dimensions. Every checkpoint the tasks read is
+    checked first, here: present, whole (its manifest) and this run's (its identity)."""
     import ray
+
+    from actlake.jobs.training import checkpoint_identity, log_spaced_steps, verified_checkpoints
+
+    steps = log_spaced_steps(cfg.training.steps, cfg.training.n_checkpoints)
+    for trial in cfg.trials():
+        verified_checkpoints(Path(run_dir) / "checkpoints" / trial["name"], steps,
+                             checkpoint_identity(cfg.config_hash, trial["name"]))
 
     task = ray.remote(num_cpus=cpus)(analyze_trial)
     refs = [task.remote(cfg.to_dict(), trial, str(run_dir), int(max(1, cpus))) for trial in cfg.trials()]

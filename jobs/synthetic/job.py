@@ -40,7 +40,8 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     import shutil
 
     from actlake.jobs.ray_env import init_ray
-    from actlake.jobs.training import Resources, Trial, prepare_checkpoints, require_finished, run_trials
+    from actlake.jobs.training import (Resources, Trial, checkpoint_identity, prepare_checkpoints, require_finished,
+                                       run_trials)
     from actlake.jobs.synthetic.loop import train_loop
 
     t0 = time.perf_counter()
@@ -49,7 +50,7 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     shutil.rmtree(layout.staging, ignore_errors=True)
     trials = cfg.trials()
     for t in trials:
-        prepare_checkpoints(layout.root / "checkpoints" / t["name"])
+        prepare_checkpoints(layout.root / "checkpoints" / t["name"], checkpoint_identity(cfg.config_hash, t["name"]))
     if not train:
         require_finished(layout.root, [t["name"] for t in trials], cfg.training.steps,
                          f"run `actlake train-synthetic {cfg.source_file}` without --analysis-only to finish it")
@@ -58,7 +59,9 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     try:
         if train:
             log.info("training %d trial(s): %s", len(trials), ", ".join(t["name"] for t in trials))
-            run_trials([Trial(t["name"], train_loop, {"job": cfg.to_dict(), **t}) for t in trials], layout.root,
+            run_trials([Trial(t["name"], train_loop, {"job": cfg.to_dict(), **t,
+                                                      "identity": checkpoint_identity(cfg.config_hash, t["name"])})
+                        for t in trials], layout.root,
                        Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
         if cfg.analysis.enabled if analyze is None else analyze:
             from actlake.jobs.synthetic.analyze import analyze_run

@@ -120,3 +120,48 @@ def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local, cap
     changed = _cfg(tmp_path, analysis={"enabled": False}, process={"factors": [{"kind": "mess3", "x": 0.05}]})
     with pytest.raises(StorageError, match="different process"):
         run_synthetic(changed, report=False)
+
+
+def test_analysis_only_and_resume_take_only_this_runs_whole_checkpoints(tmp_path, ray_local, capsys):
+    """Issue 31, item 2: --analysis-only after a middle checkpoint is deleted or an older one damaged, and a
+    resume onto checkpoints copied from another run (another seed), each stop in one line naming the folder."""
+    import shutil
+
+    import yaml
+
+    from actlake.cli import main
+    from actlake.jobs.training import list_checkpoints
+
+    def job(seed: int, run_id: str) -> Path:
+        data = _data(tmp_path / "runs")
+        data["training"].update(steps=20, batch_size=32, n_checkpoints=3, checkpoint_every=10, eval_every=10,
+                                eval_sequences=64, seed=seed)
+        data["analysis"].update(sequences=50, vary_one_sequences=20, random_models=1)
+        data["output"].update(run_id=run_id, report=False)
+        path = tmp_path / f"{run_id}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    a, b = job(0, "a"), job(1, "b")
+    for cfg in (a, b):
+        assert main(["train-synthetic", str(cfg), "--no-analysis"]) == 0
+    ck_a, ck_b = tmp_path / "runs" / "a" / "checkpoints" / "transformer", tmp_path / "runs" / "b" / "checkpoints" / "transformer"
+    steps = [s for s, _ in list_checkpoints(ck_a)]
+    assert main(["train-synthetic", str(a), "--analysis-only"]) == 0
+    capsys.readouterr()
+    middle = ck_a / f"step-{steps[1]:08d}"
+    aside = tmp_path / "aside"
+    shutil.move(middle, aside)
+    assert main(["train-synthetic", str(a), "--analysis-only"]) == 2
+    assert _stderr_lines(capsys)[-1].startswith(f"actlake: error: {middle}: missing")
+    shutil.move(aside, middle)
+    state = middle / "model" / "model.safetensors"
+    state.write_bytes(state.read_bytes()[:-100])  # truncated
+    assert main(["train-synthetic", str(a), "--analysis-only"]) == 2
+    assert _stderr_lines(capsys)[-1].startswith(f"actlake: error: {state}: ")
+    # run b's checkpoints in run a's folder: refused before training resumes from them
+    shutil.rmtree(ck_a)
+    shutil.copytree(ck_b, ck_a)
+    assert main(["train-synthetic", str(a)]) == 2
+    line = _stderr_lines(capsys)[-1]
+    assert line.startswith(f"actlake: error: {ck_a}/step-") and "a checkpoint of another run or trial: config" in line

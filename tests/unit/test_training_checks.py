@@ -111,3 +111,53 @@ def test_token_counts_are_checked_against_seq_len_before_ray(case, sample_corpus
     assert str(path) in line and "'training.seq_len'" in line
     run = tmp_path / "runs" / "lm"
     assert not (run / "checkpoints").exists() and not (run / "_ray_train").exists()  # refused before Ray Train ran
+
+
+def test_a_checkpoint_of_another_run_or_trial_is_refused_naming_it(tmp_path):
+    """Checkpoints copied from another run (another seed, so another config hash) were resumed silently."""
+    from actlake.jobs.training import checkpoint_identity, prepare_checkpoints
+
+    ours, theirs = checkpoint_identity("aaaaaaaaaaaa", "lm"), checkpoint_identity("bbbbbbbbbbbb", "lm")
+    root = tmp_path / "ck"
+    save_checkpoint(root, 20, lambda f: _write(f, 20), ours)
+    assert prepare_checkpoints(root, ours) == 20
+    save_checkpoint(root, 40, lambda f: _write(f, 40), theirs)
+    with pytest.raises(TrainingError, match=r"step-00000040: a checkpoint of another run or trial: config "
+                                            r"'bbbbbbbbbbbb' \(this run: 'aaaaaaaaaaaa'\)"):
+        prepare_checkpoints(root, ours)
+    assert [s for s, _ in list_checkpoints(root)] == [20, 40]  # nothing moved or deleted
+    with pytest.raises(TrainingError, match=r"trial 'lm' \(this run: 'layer1'\)"):
+        prepare_checkpoints(root, checkpoint_identity("bbbbbbbbbbbb", "layer1"))
+
+
+@pytest.mark.parametrize("damage", ["missing", "zeroed", "truncated", "foreign"])
+def test_every_checkpoint_a_reader_takes_is_verified(tmp_path, damage):
+    """--analysis-only read older checkpoints unchecked: a missing one was left out of every table, a zeroed
+    one analysed, a truncated one failed inside Ray naming no file."""
+    from actlake.jobs.training import checkpoint_identity, verified_checkpoints
+
+    me = checkpoint_identity("aaaaaaaaaaaa", "t")
+    root = tmp_path / "ck"
+    for step in (0, 10, 20):
+        save_checkpoint(root, step, lambda f, s=step: _write(f, s), me)
+    assert [s for s, _ in verified_checkpoints(root, [0, 10, 20], me)] == [0, 10, 20]
+    middle = root / "step-00000010"
+    state = middle / STATE_FILE
+    if damage == "missing":
+        import shutil
+
+        shutil.rmtree(middle)
+        expected = rf"{middle}: missing"
+    elif damage == "zeroed":
+        data = bytearray(state.read_bytes())
+        data[200:1200] = bytes(1000)
+        state.write_bytes(bytes(data))
+        expected = rf"{state}: contents differ from its manifest"
+    elif damage == "truncated":
+        state.write_bytes(state.read_bytes()[:300])
+        expected = rf"{state}: 300 bytes, its manifest says"
+    else:
+        save_checkpoint(root, 10, lambda f: _write(f, 10), checkpoint_identity("cccccccccccc", "t"))
+        expected = rf"{middle}: a checkpoint of another run or trial"
+    with pytest.raises(TrainingError, match=expected):
+        verified_checkpoints(root, [0, 10, 20], me)
