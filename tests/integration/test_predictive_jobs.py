@@ -314,3 +314,33 @@ def latest_two(root: Path):
     from actlake.jobs.training import list_checkpoints
 
     return list_checkpoints(root)[-2:]
+
+
+def test_train_lm_refuses_to_resume_on_a_changed_corpus(tmp_path, ray_local):
+    """Issue 31, item 2: another corpus at the same path was accepted from the token cache, and with the cache
+    deleted a new tokenizer was trained and the old weights resumed on it."""
+    import shutil
+
+    from actlake.corpus.sample import write_sample
+    from actlake.errors import CorpusError
+    from actlake.jobs.lm.job import train_lm
+
+    corpus = tmp_path / "corpus"
+    write_sample(corpus, n_docs=40, n_files=2)
+    cfg = parse_config({
+        "name": "lm", "corpus": {"paths": [str(corpus / "*.jsonl.zst")]}, "tokenizer": {"vocab_size": 300},
+        "model": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32},
+        "training": {"steps": 4, "batch_size": 4, "seq_len": 16, "warmup_steps": 1, "eval_every": 2,
+                     "checkpoint_every": 2, "eval_fraction": 0.2},
+        "output": {"dir": str(tmp_path / "runs"), "run_id": "lm"}, "resources": {"num_workers": 1, "cpus_per_worker": 1}},
+        root=LMConfig)
+    train_lm(cfg)
+    run = tmp_path / "runs" / "lm"
+    inputs = json.loads((run / "run.json").read_text())["inputs"]
+    assert sorted(inputs) == sorted(str(p) for p in corpus.glob("*.jsonl.zst"))
+    first = sorted(inputs)[0]
+    shutil.rmtree(corpus)
+    write_sample(corpus, n_docs=30, n_files=2)  # other documents, the same file names
+    shutil.rmtree(run / "data")  # the token cache too: a new tokenizer would be trained
+    with pytest.raises(CorpusError, match=rf"^{re.escape(first)}: .* since run 'lm' began"):
+        train_lm(cfg)
