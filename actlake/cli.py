@@ -166,6 +166,8 @@ def _cmd_train_synthetic(args) -> int:
     from actlake.jobs.synthetic.job import run_synthetic, summary_lines
     from actlake.jobs.synthetic.config import SyntheticConfig
 
+    if args.analysis_only and args.no_analysis:
+        raise ActlakeError("--analysis-only and --no-analysis together leave nothing to do; drop one")
     overrides = {"output.run_id": args.run_id} if args.run_id else None
     cfg = load_config(args.config, overrides=overrides, root=SyntheticConfig)
     res = run_synthetic(cfg, address=args.address, train=not args.analysis_only,

@@ -9,6 +9,10 @@ from actlake.config_base import LocalPath, Section
 from actlake.train_config import TrainingLoop, TrainJob, Warmup
 
 
+MAX_VOCAB = 1 << 20
+"""Largest ``tokenizer.vocab_size``: the BPE trainer aborted the process (exit 134) at 10^9."""
+
+
 class LMTokenizerConfig(Section):
     path: Optional[LocalPath] = None
     """Existing tokenizer folder to use (stored absolute); null: train a byte-level BPE tokenizer on the corpus."""
@@ -54,6 +58,9 @@ class LMConfig(TrainJob.with_defaults(name="lm")):
             err(("training", "eval_fraction"), f"must be in (0, 0.5), got {t.eval_fraction}")
         if self.tokenizer.path is None and self.tokenizer.vocab_size < 300:
             err(("tokenizer", "vocab_size"), "must be at least 300 (256 bytes + merges + specials)")
+        if self.tokenizer.vocab_size > MAX_VOCAB:
+            err(("tokenizer", "vocab_size"), f"must be at most {MAX_VOCAB:,} (the trainer allocates per entry; a "
+                "small LM on a corpus has use for far fewer)")
 
     def check_files(self) -> None:
         from pathlib import Path

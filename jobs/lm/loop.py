@@ -8,6 +8,7 @@ draw windows from it, seeded by (seed, step, rank), so a resumed run draws the s
 from __future__ import annotations
 
 import logging
+import os
 import math
 from pathlib import Path
 
@@ -62,14 +63,19 @@ def build_token_streams(cfg, out: Path) -> dict:
     """Tokenizer + train/eval token streams (uint32 .npy) under ``out``; returns their sizes."""
     from transformers import AutoTokenizer
 
+    from actlake.errors import ConfigError, CorpusError
+
     out.mkdir(parents=True, exist_ok=True)
+    tok = None
+    if cfg.tokenizer.path:  # checked before the corpus is read: documents are joined by its EOS token
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+        if tok.eos_token_id is None:
+            raise ConfigError(f"{cfg.source_file}: 'tokenizer.path': the tokenizer at {cfg.tokenizer.path} has no EOS "
+                              "token, which train-lm puts between documents; set its eos_token or leave path empty")
     docs = list(iter_texts(cfg))
     if not docs:
-        from actlake.errors import CorpusError
-
         raise CorpusError("the corpus has no usable documents")
-    if cfg.tokenizer.path:
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+    if tok is not None:
         tok.save_pretrained(out / "tokenizer")
     else:
         tok = train_tokenizer([t for _, t in docs], cfg.tokenizer.vocab_size, out / "tokenizer")
@@ -80,7 +86,10 @@ def build_token_streams(cfg, out: Path) -> dict:
         streams["eval" if held_out(n, cfg.training.eval_fraction) else "train"] += [*ids, eos]
     sizes = {}
     for split, ids in streams.items():
-        np.save(out / f"{split}.npy", np.asarray(ids, dtype=np.uint32))
+        tmp = out / f".{split}.npy.tmp"
+        with open(tmp, "wb") as f:  # renamed into place whole: a full disk leaves no truncated stream
+            np.save(f, np.asarray(ids, dtype=np.uint32))
+        os.replace(tmp, out / f"{split}.npy")
         sizes[split] = len(ids)
     sizes["vocab_size"] = len(tok)
     sizes["documents"] = len(docs)

@@ -126,6 +126,7 @@ class SyntheticConfig(TrainJob.with_defaults(name="synthetic")):
                 err(("process", "factors", i, "matrices"), f"only for kind 'matrices' (this factor is {f.kind})")
             if f.variants and i == 0:
                 err(("process", "factors", 0, "variants"), "factor 0 has no previous factor to depend on")
+            _check_factor(f, i, err)
         for eps in [self.process.noise, *self.sweep.noise]:
             if not 0.0 <= eps <= 1.0:
                 err(("process", "noise"), f"must be in [0, 1], got {eps}")
@@ -140,3 +141,19 @@ class SyntheticConfig(TrainJob.with_defaults(name="synthetic")):
             err(("analysis", "threshold"), f"must be in (0, 1), got {a.threshold}")
         if self.output.run_id is not None and (not self.output.run_id or "/" in self.output.run_id):
             err(("output", "run_id"), f"not a valid folder name: {self.output.run_id!r}")
+
+
+def _check_factor(f: FactorConfig, i: int, err) -> None:
+    """Build the factor's process (each variant's too) here, before Ray: ragged, non-finite or
+    non-stochastic matrices and parameters out of range are one line naming the factor."""
+    from actlake.errors import ConfigError
+    from actlake.jobs.synthetic.loop import _factor_ghmm
+
+    if f.kind == "matrices" and f.matrices is None:
+        return  # named by the caller
+    key = ("process", "factors", i, "matrices" if f.kind == "matrices" else "kind")
+    for v in f.variants or [None]:
+        try:
+            _factor_ghmm(f, v)
+        except ConfigError as e:
+            err(key, str(e))

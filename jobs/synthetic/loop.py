@@ -33,8 +33,7 @@ def _factor_ghmm(f: FactorConfig, v=None):
     if f.kind == "bloch_walk":
         return P.bloch_walk(alpha=pick("alpha") if pick("alpha") is not None else 1.0,
                             beta=pick("beta") if pick("beta") is not None else 3.0)
-    return P.from_matrices(np.asarray(f.matrices, dtype=np.float64),
-                           None if f.eta0 is None else np.asarray(f.eta0, dtype=np.float64), name="matrices")
+    return P.from_matrices(f.matrices, f.eta0, name="matrices")  # validated there (ragged, NaN, eigenvalues)
 
 
 def build_process(pcfg: ProcessConfig, noise: float | None = None) -> "P.ProductProcess":

@@ -103,3 +103,44 @@ def test_cpus_per_worker_beyond_every_node_is_refused_not_waited_for():
         check_fits(Resources(num_workers=4, cpus_per_worker=2), nodes)
     with pytest.raises(ConfigError, match=r"resources.use_gpu: 1 workers need a GPU each, but the cluster has 0"):
         check_fits(Resources(num_workers=1, cpus_per_worker=1, use_gpu=True), nodes)
+
+
+@pytest.mark.parametrize("matrices,message", [
+    ([[[0.5, 0.5], [0.5]], [[0.0, 0.0], [0.0, 0.5]]], "not a numeric array"),
+    ([[[float("nan"), 0.5], [0.5, 0.0]], [[0.0, 0.0], [0.0, 0.5]]], "expected a finite 3-d array")])
+def test_a_ragged_or_nan_transition_matrix_is_one_line_before_ray(matrices, message):
+    """Failed inside Ray after 3 tries (175 lines, no key named)."""
+    from actlake.jobs.synthetic.config import SyntheticConfig
+
+    with pytest.raises(ConfigError, match=rf"'process.factors.0.matrices': T: {message}"):
+        parse_config({"process": {"factors": [{"kind": "matrices", "matrices": matrices}]}}, root=SyntheticConfig)
+
+
+def test_analysis_only_with_no_analysis_is_refused_before_ray(tmp_path, capsys):
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("name: s\n")
+    assert main(["train-synthetic", str(cfg), "--analysis-only", "--no-analysis"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "actlake: error: --analysis-only and --no-analysis together leave nothing to do; drop one"]
+    assert list(tmp_path.iterdir()) == [cfg]
+
+
+def test_a_huge_vocabulary_is_refused_in_the_config():
+    """``tokenizer.vocab_size: 1000000000`` aborted the process in the tokenizer's allocator (exit 134)."""
+    from actlake.jobs.lm.config import LMConfig
+
+    with pytest.raises(ConfigError, match=r"'tokenizer.vocab_size': must be at most 1,048,576"):
+        parse_config({"tokenizer": {"vocab_size": 10**9}}, root=LMConfig)
+
+
+def test_a_tokenizer_without_eos_is_refused_before_the_corpus_is_read(tmp_path, minilm_path):
+    """Failed with a TypeError after tokenising the whole corpus. MiniLM's BERT tokenizer has no EOS token."""
+    from actlake.jobs.lm.config import LMConfig
+    from actlake.jobs.lm.loop import build_token_streams
+
+    (tmp_path / "c.jsonl").write_text('{"text": "one two"}\n')
+    cfg = parse_config({"corpus": {"paths": [str(tmp_path / "c.jsonl")]}, "tokenizer": {"path": minilm_path}},
+                       root=LMConfig)
+    with pytest.raises(ConfigError, match=r"'tokenizer.path': the tokenizer at .* has no EOS token"):
+        build_token_streams(cfg, tmp_path / "data")
+    assert not (tmp_path / "data" / "train.npy").exists()
