@@ -18,6 +18,7 @@ from actlake.jobs.progress import Progress
 from actlake.jobs.ray_env import init_ray, store_env
 from actlake.fs import location, remove_tree
 from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.lock import run_lock
 from actlake.storage.shards import committed
 
 log = logging.getLogger("actlake.run")
@@ -123,8 +124,6 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, input
 
     ``inputs``: the fingerprints planning took (path -> fingerprint); None takes them again."""
     inputs = plan_with_inputs(cfg)[1] if inputs is None else inputs
-    if layout.root.is_file():
-        raise StorageError(f"run directory {layout.root} exists and is not a folder; pick a new output.run_id or remove it")
     layout.root.mkdir(parents=True, exist_ok=True)
     if layout.run_json.is_file():
         old = json.loads(layout.run_json.read_text())
@@ -209,13 +208,12 @@ def custom_code(cfg: JobConfig) -> dict[str, bytes]:
 
 
 def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None) -> RunResult:
-    """Run a job to completion (resuming a run directory), reduce, and build the report.
+    """Run a job to completion (resuming a run directory), reduce, and build the report; one job at a time
+    per run directory (:mod:`actlake.storage.lock`).
 
     ``on_shard(summary)`` is called in the driver after each shard commits (summary includes the
     worker's resident memory after the shard, ``worker_rss_mb``)."""
     from actlake.analysis.protocol import enabled
-    from actlake.jobs.reduce import reduce_run
-
     from actlake.model import require_accelerate
 
     t0 = time.perf_counter()
@@ -228,6 +226,14 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     if not shards:
         raise ActlakeError("the corpus has no documents: nothing to do")
     phash = plan_hash(cfg, shards)
+    with run_lock(layout.root):  # from here on, one job at a time per run directory
+        return _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_shard, t0)
+
+
+def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_shard, t0) -> RunResult:
+    """run_job's part under the run directory's lock: prepare it, dispatch the pending shards, reduce, report."""
+    from actlake.jobs.reduce import reduce_run
+
     prepare_run_dir(cfg, layout, shards, phash, inputs)
     remove_tree(layout.staging)  # leftovers of attempts that died mid-write
     done = committed(layout, phash).shards

@@ -11,12 +11,14 @@ from pathlib import Path
 
 from actlake.jobs.lm.config import LMConfig
 from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.lock import holds_run_dir
 
 log = logging.getLogger("actlake.lm")
 
 TRIAL = "lm"
 
 
+@holds_run_dir
 def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     """Train (resuming a run directory); returns the model folder, token counts and the last losses.
 

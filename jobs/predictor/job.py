@@ -11,6 +11,7 @@ from pathlib import Path
 from actlake.errors import ConfigError, StorageError
 from actlake.jobs.predictor.config import PredictorJobConfig
 from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.lock import holds_run_dir
 
 log = logging.getLogger("actlake.predictive")
 
@@ -30,6 +31,7 @@ def store_info(store: str | Path) -> dict:
     return {"layers": layers, "model_heads": (heads, hf.hidden_size // heads), "model": run["config"]["model"]["name_or_path"]}
 
 
+@holds_run_dir
 def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, report: bool | None = None) -> dict:
     """Train one predictor per layer (resuming), fit the probes, write the report.
 

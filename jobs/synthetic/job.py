@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.lock import holds_run_dir
 from actlake.jobs.synthetic.config import SyntheticConfig
 
 log = logging.getLogger("actlake.synthetic")
@@ -34,6 +35,7 @@ def _prepare(cfg: SyntheticConfig, layout: RunLayout) -> None:
                                         "created": time.time()})
 
 
+@holds_run_dir
 def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool = True,
                   analyze: bool | None = None, report: bool | None = None) -> SyntheticResult:
     """Train every trial (resuming), then analyse the checkpoints and render the report."""

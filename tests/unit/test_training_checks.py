@@ -161,3 +161,24 @@ def test_every_checkpoint_a_reader_takes_is_verified(tmp_path, damage):
         expected = rf"{middle}: a checkpoint of another run or trial"
     with pytest.raises(TrainingError, match=expected):
         verified_checkpoints(root, [0, 10, 20], me)
+
+
+def test_a_training_job_on_a_run_directory_in_use_is_refused_naming_the_holder(sample_corpus, tmp_path, capsys):
+    """Two train-lm jobs on one run directory both trained (no lock)."""
+    import subprocess
+    import sys
+
+    path = _lm_yaml(tmp_path / "lm.yaml", sample_corpus, tmp_path / "runs")
+    run = tmp_path / "runs" / "lm"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom actlake.storage.lock import run_lock\n"
+                               f"with run_lock({str(run)!r}):\n    print('held', flush=True)\n    time.sleep(60)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["train-lm", str(path)]) == 2
+        line = _one_error_line(capsys)
+        assert line.startswith(f"actlake: error: {run} is in use by another job (pid {holder.pid} on ")
+        assert not (run / "checkpoints").exists() and not (run / "data").exists()
+    finally:
+        holder.kill()
+        holder.wait()
