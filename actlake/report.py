@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 from pathlib import Path
 
 from actlake.fs import location, write_atomic
@@ -112,7 +113,7 @@ def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
     and ``report/<slug>.png`` per chart; the page inlines Vega and needs no network."""
     import vl_convert as vlc
 
-    layout.report.mkdir(parents=True, exist_ok=True)
+    files: dict[str, bytes] = {}
     sections, specs = [], {}
     for block in blocks:
         if isinstance(block, str):
@@ -121,7 +122,7 @@ def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
         slug, title, chart = block
         spec = chart.to_dict()
         specs[slug] = spec
-        write_atomic(layout.report / f"{slug}.png", vlc.vegalite_to_png(spec, scale=1.5))
+        files[f"{slug}.png"] = vlc.vegalite_to_png(spec, scale=1.5)
         sections.append(f"<section><h2>{html.escape(title)}</h2><div class='chart' id='chart-{slug}'></div></section>")
     bundle = vlc.javascript_bundle().replace("</script>", "<\\/script>")
     embed = "\n".join(
@@ -138,6 +139,37 @@ def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
 {''.join(sections)}
 <script>{embed}</script>
 </body></html>"""
-    out = layout.report / "report.html"
-    write_atomic(out, page.encode("utf-8"))
-    return out
+    files["report.html"] = page.encode("utf-8")
+    _replace_report(layout, files)
+    return layout.report / "report.html"
+
+
+def _replace_report(layout: RunLayout, files: dict[str, bytes]) -> None:
+    """Put ``files`` in ``report/`` as a whole: on a disk they are written to a new folder that then takes
+    the old one's place, so a failed write (a full disk) keeps the previous report and names the folder;
+    in an object store each file is one PUT, the page last."""
+    import shutil
+    import uuid
+
+    from actlake.fs import ObjectPath
+
+    if isinstance(layout.report, ObjectPath):
+        for name in sorted(files, key=lambda n: n == "report.html"):
+            write_atomic(layout.report / name, files[name])
+        return
+    tmp, old = (layout.root / f".report-{kind}-{uuid.uuid4().hex[:8]}" for kind in ("new", "old"))
+    try:
+        tmp.mkdir()
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        if layout.report.exists():
+            os.replace(layout.report, old)
+        os.replace(tmp, layout.report)
+    except OSError as e:
+        if old.exists() and not layout.report.exists():
+            os.replace(old, layout.report)
+        raise StorageError(f"{layout.report}: cannot write the report ({e.strerror or e}); "
+                           f"{'the previous report is kept' if layout.report.exists() else 'no report written'}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)

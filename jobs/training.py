@@ -448,14 +448,34 @@ def discard_pending(run_dir: Path) -> None:
     shutil.rmtree(Path(run_dir) / PENDING, ignore_errors=True)
 
 
-def publish_pending(run_dir: Path) -> int:
-    """Move every pending table file into ``tables/`` (one rename each), once all trials have finished."""
+def publish_pending(run_dir: Path, drop: tuple[str, ...] = ()) -> int:
+    """Publish every pending table file, and remove the tables in ``drop`` (turned off), in one replacement
+    of the run's publication record (:mod:`actlake.storage.publish`), once all trials have finished."""
+    from actlake.storage.layout import RunLayout
+    from actlake.storage.publish import publish
+
     root = Path(run_dir) / PENDING
-    moved = 0
+    files = {}
     for f in sorted(root.rglob("*.parquet")) if root.is_dir() else []:
-        dest = Path(run_dir) / "tables" / f.relative_to(root)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(f, dest)
-        moved += 1
+        parts = f.relative_to(root).parts  # (table, [partition,] part-0.parquet)
+        files[(parts[0], parts[1] if len(parts) == 3 else None)] = f
+    publish(RunLayout(Path(run_dir)), files, drop)
     discard_pending(run_dir)
-    return moved
+    return len(files)
+
+
+def publish_table(run_dir: Path, table: str, partition: str | None, data) -> None:
+    """Publish one Arrow table (``partition``: e.g. ``trial=lm``, or None) at once: written whole, then
+    named by the publication record."""
+    from actlake.storage.layout import RunLayout
+    from actlake.storage.parquet_io import write_parquet
+    from actlake.storage.publish import publish
+
+    layout = RunLayout(Path(run_dir))
+    Path(layout.staging).mkdir(parents=True, exist_ok=True)
+    tmp = Path(layout.staging) / f"{uuid.uuid4().hex}.parquet"
+    try:
+        write_parquet(data, tmp)
+        publish(layout, {(table, partition): tmp})
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -199,17 +199,30 @@ def committed_files(layout: RunLayout) -> dict[str, list[Path]]:
 
     Every file lies inside the run: a symbolic link on its way below the run folder (a linked
     ``tables/``, a record naming a link to a file elsewhere) is a StorageError naming it."""
+    from actlake.storage.publish import published
+
     run = read_run(layout)
     specs = table_specs(run, layout.run_json)
+    record = None if specs is None else published(layout)
     if specs is None:
         files = _extraction_files(layout, run)
-    else:
+    elif record is None:  # a training run from before the publication record
         files = {name: _fixed_files(layout, spec) for name, spec in specs.items()}
+    else:
+        files = {name: [layout.root / p for p in record.get(name, [])] for name in specs}
     out = {t: sorted(fs) for t, fs in sorted(files.items()) if fs}
     for fs in out.values():
         for f in fs:
             inside_the_run(layout, f)
+            if record is not None and not f.is_file():
+                raise StorageError(f"{f}: named by {layout.complete}/published.json but missing")
     return out
+
+
+def fixed_name_files(layout: RunLayout) -> dict[str, list[str]]:
+    """A training run's files by their fixed names (runs from before the publication record), relative to it."""
+    specs = table_specs(read_run(layout), layout.run_json) or {}
+    return {name: [layout.relative(p) for p in _fixed_files(layout, spec)] for name, spec in specs.items()}
 
 
 def inside_the_run(layout: RunLayout, path) -> None:

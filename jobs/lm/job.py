@@ -116,7 +116,7 @@ def _token_streams(cfg: LMConfig, data: Path, inputs: dict) -> dict:
 def _write_curve(layout: RunLayout, curve: list[dict]) -> None:
     import pyarrow as pa
 
-    from actlake.storage.parquet_io import write_parquet_atomic
+    from actlake.jobs.training import publish_table
 
     if curve:
-        write_parquet_atomic(pa.Table.from_pylist(curve), layout.aggregate_file("lm_curve"), layout.staging)
+        publish_table(layout.root, "lm_curve", None, pa.Table.from_pylist(curve))

@@ -76,7 +76,8 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
             import ray
 
             ray.shutdown()
-    publish_pending(layout.root)  # every layer's tables at once: none if a layer failed
+    # every layer's tables at once (none if a layer failed); probes turned off leave no old probe_scores
+    publish_pending(layout.root, drop=() if cfg.probes.enabled else ("probe_scores",))
     report_path = None
     if cfg.output.report if report is None else report:
         from actlake.jobs.predictor.report import build_predictive_report

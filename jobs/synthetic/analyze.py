@@ -124,14 +124,14 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
                                     for r, (p, a) in enumerate(zip(pos, acts))]
         log.info("trial %s %s %d: effective dim %d, R2 %s", name, kind, step, m["effective_dim"],
                  " ".join(f"{t}={r2:.3f}" for t, r2, _ in m["fits"]))
+    from actlake.jobs.training import pending_file
     from actlake.storage.layout import RunLayout
     from actlake.storage.parquet_io import write_parquet_atomic
 
     layout = RunLayout(Path(run_dir))
-    for t, r in rows.items():
+    for t, r in rows.items():  # published by the driver once every trial is analysed (analyze_run)
         if r:
-            write_parquet_atomic(pa.Table.from_pylist(r), layout.tables / t / f"trial={name}" / "part-0.parquet",
-                                 layout.staging)
+            write_parquet_atomic(pa.Table.from_pylist(r), pending_file(run_dir, t, f"trial={name}"), layout.staging)
     return {"trial": name, "checkpoints": len(ckpts), **refs}
 
 
@@ -155,6 +155,11 @@ def analyze_run(cfg, run_dir: Path, cpus: float = 1) -> list[dict]:
         verified_checkpoints(Path(run_dir) / "checkpoints" / trial["name"], steps,
                              checkpoint_identity(cfg.config_hash, trial["name"]))
 
+    from actlake.jobs.training import discard_pending, publish_pending
+
+    discard_pending(run_dir)
     task = ray.remote(num_cpus=cpus)(analyze_trial)
     refs = [task.remote(cfg.to_dict(), trial, str(run_dir), int(max(1, cpus))) for trial in cfg.trials()]
-    return ray.get(refs)
+    out = ray.get(refs)
+    publish_pending(run_dir)  # every trial's tables at once: none if one failed (a full disk)
+    return out

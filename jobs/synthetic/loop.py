@@ -124,10 +124,8 @@ def train_loop(config: dict) -> None:
 def _write_curve(run_dir: Path, trial: str, curve: list[dict]) -> None:
     import pyarrow as pa
 
-    from actlake.storage.layout import RunLayout
-    from actlake.storage.parquet_io import write_parquet_atomic
+    from actlake.jobs.training import publish_table
 
-    layout = RunLayout(run_dir)
     table = pa.Table.from_pylist(curve, schema=pa.schema([("step", pa.int64()), ("train_loss", pa.float64()),
                                                           ("eval_loss", pa.float64()), ("optimal_loss", pa.float64())]))
-    write_parquet_atomic(table, layout.tables / CURVES_TABLE / f"trial={trial}" / "part-0.parquet", layout.staging)
+    publish_table(run_dir, CURVES_TABLE, f"trial={trial}", table)

@@ -1,0 +1,96 @@
+"""What a training run publishes: its tables all at once, through one record.
+
+A training job (``train-predictor``, ``train-synthetic``, ``train-lm``) writes a table's files under
+new, unique names (``tables/<table>/[<key>=<value>/]part-0-UNIQUE.parquet``), then replaces the run's
+publication record ``_complete/published.json`` in one rename: readers
+(:func:`actlake.storage.manifest.committed_files`) serve exactly the files the record names, so a
+job that dies midway (a full disk) publishes nothing of its attempt, and a rerun that turns a
+table off (``probes.enabled: false``) removes it from the run. Files the new record no longer
+names are deleted after it is in place. Trials that publish at the same time (their learning
+curves) take turns on an advisory lock, so no update is lost.
+
+A run written before the record existed is read by its fixed names (``part-0.parquet``), which the
+first publication takes over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+
+from actlake.errors import StorageError
+from actlake.storage.layout import RunLayout, write_json_atomic
+
+RECORD = "published.json"
+"""Under ``_complete/``: ``{"files": {table: [path relative to the run, ...]}}``."""
+
+_FILE = re.compile(r"part-0(-[0-9a-f]{32})?\.parquet")
+_PARTITION = re.compile(r"[a-z_]+=[A-Za-z0-9_.+-]+")
+
+
+def record_path(layout: RunLayout) -> Path:
+    return Path(layout.complete) / RECORD
+
+
+def published(layout: RunLayout) -> dict[str, list[str]] | None:
+    """Table -> files (relative to the run) the record names, each checked to be one of that table's; None
+    when the run has no record (written before it existed)."""
+    path = record_path(layout)
+    try:
+        record = json.loads(path.read_text())
+        files = record["files"]
+        assert isinstance(files, dict)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        raise StorageError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    for table, paths in files.items():
+        for rel in paths:
+            parts = str(rel).split("/")
+            if not (parts[:2] == ["tables", table] and len(parts) in (3, 4) and _FILE.fullmatch(parts[-1])
+                    and (len(parts) == 3 or _PARTITION.fullmatch(parts[2]))):
+                raise StorageError(f"{path}: names {rel} for table {table}, not a file of that table")
+    return files
+
+
+@contextlib.contextmanager
+def _turn(layout: RunLayout):
+    import fcntl
+
+    Path(layout.complete).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(layout.complete) / ".published.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def publish(layout: RunLayout, files: dict[tuple[str, str | None], Path], drop: tuple[str, ...] = ()) -> None:
+    """Publish ``files`` (``(table, partition or None) -> a written Parquet file``, moved into the run) and
+    remove the tables in ``drop``, in one replacement of the record. Other tables and partitions keep
+    their files."""
+    with _turn(layout):
+        current = published(layout)
+        if current is None:  # a run from before the record: its files by their fixed names
+            from actlake.storage.manifest import fixed_name_files
+
+            current = fixed_name_files(layout)
+        new = {t: list(ps) for t, ps in current.items() if t not in drop}
+        for (table, partition), src in sorted(files.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+            folder = Path(layout.tables) / table / (partition or "")
+            folder.mkdir(parents=True, exist_ok=True)
+            dest = folder / f"part-0-{uuid.uuid4().hex}.parquet"
+            os.replace(src, dest)
+            rel = layout.relative(dest)
+            prefix = f"tables/{table}/{partition}/" if partition else f"tables/{table}/part-0"
+            new[table] = [p for p in new.get(table, []) if not p.startswith(prefix)] + [rel]
+        write_json_atomic(record_path(layout), {"files": {t: sorted(ps) for t, ps in sorted(new.items()) if ps}})
+    kept = {p for ps in new.values() for p in ps}
+    for p in {p for ps in current.values() for p in ps} - kept:
+        with contextlib.suppress(OSError):
+            (Path(layout.root) / p).unlink()
