@@ -10,10 +10,11 @@ A worker that dies loses its open group: those shards run again, in a new group.
 statistics cost one file per table per group, not per shard (:class:`CommitPolicy` says when a group
 commits).
 
-Accepting records (:func:`committed`): records of this plan, taken in name order (a group id starts
-with its commit time), whose files are all present with their recorded sizes; a record naming a shard
-that an accepted record already covers is skipped (only a worker thought dead but still running
-could write one), so no shard's rows or statistics count twice.
+Accepting records (:func:`committed`): records of this plan, taken in the order they arrived (their
+modification time; the name, which starts with the commit's start time, breaks ties), whose files
+are all present with their recorded sizes; a record naming a shard that an accepted record already
+covers is skipped (only a worker thought dead but still running could write one), so no shard's rows
+or statistics count twice, and a record that arrives late cannot displace one accepted before it.
 """
 
 from __future__ import annotations
@@ -195,14 +196,25 @@ def _problem(layout: RunLayout, name: str, rec: dict, sizes: dict[str, int], tak
     return None
 
 
+def _arrival(path) -> int:
+    """When a record arrived (its modification time, ns; an object's upload time): records are taken in this
+    order, so a late record (a worker that hung mid-commit, its name chosen long before) cannot take shards
+    from a group accepted before it arrived."""
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return 0
+
+
 def committed(layout: RunLayout, plan_hash: str) -> Committed:
     """Every shard of plan ``plan_hash`` that an accepted record names (see the module docstring)."""
     sizes = file_sizes(layout.tables)
     out = Committed({}, [], [])
     if not layout.complete.is_dir():
         return out
-    names = sorted(p for p in layout.complete.iterdir() if p.name.startswith("group-") and p.name.endswith(".json"))
-    for path in names:
+    names = sorted((_arrival(p), p.name, p) for p in layout.complete.iterdir()
+                   if p.name.startswith("group-") and p.name.endswith(".json"))
+    for *_, path in names:
         try:
             rec = json.loads(path.read_text())
             if rec.get("plan_hash") != plan_hash:

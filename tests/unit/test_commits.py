@@ -39,3 +39,24 @@ def test_only_records_that_say_what_they_are_are_accepted(tmp_path):
     done = committed(layout, "p")
     assert sorted(done.shards) == [0] and [g["group"] for g in done.groups] == [g0]
     assert len(done.skipped) == 4, done.skipped
+
+
+def test_a_late_record_cannot_take_shards_from_a_group_accepted_before_it(tmp_path):
+    """A worker that hung mid-commit chose its group id (and so its record's name) before the shards were
+    run again and committed by another group; its record, arriving last, sorted first by name and took
+    them over (issue 31, item 3)."""
+    import time
+
+    layout = RunLayout(tmp_path)
+    layout.complete.mkdir()
+    t = pa.table({"a": [1, 2]})
+    p = layout.shard_file("documents", 0)
+    files = {"documents": {"path": layout.relative(p), "rows": 2, "bytes": write_parquet(t, p)}}
+    early_name, accepted = "0" * 19 + "1-" + "a" * 8, "0" * 19 + "2-" + "b" * 8
+    _record(layout, accepted, {"0": {"files": files, "summary": {}}}, {})
+    assert [g["group"] for g in committed(layout, "p").groups] == [accepted]
+    time.sleep(0.05)  # the hung worker's record arrives later
+    _record(layout, early_name, {"0": {"files": files, "summary": {}}}, {})
+    done = committed(layout, "p")
+    assert [g["group"] for g in done.groups] == [accepted] and done.shards[0]["group"] == accepted
+    assert done.skipped == [f"group-{early_name}.json: shard 00000 is already in group {accepted}"]
