@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--timeout", type=float, default=60.0, help="seconds before the query is stopped")
     q.add_argument("--max-temp-size", help="most the query may spill into its private temporary folder "
                                            "(a DuckDB size; default 4GB)")
+    q.add_argument("--memory-limit", default="2GB", help="DuckDB's memory limit (default 2GB); the query's process "
+                                                        "is stopped beyond it plus 1 GiB")
 
     rp = sub.add_parser("report", help="(re)build report/report.html and PNGs of a run")
     rp.add_argument("run_dir")
@@ -200,20 +202,23 @@ def _cmd_train_predictor(args) -> int:
 
 
 def _cmd_sql(args) -> int:
-    from actlake.storage.sql import MAX_TEMP_SIZE, query
+    from actlake.storage.sql import MAX_TEMP_SIZE
+    from actlake.storage.sql_process import run_sql
 
     sql = args.sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
     _check_output(args.format, args.output)
     if args.timeout <= 0:
         raise ActlakeError(f"--timeout: must be more than 0 seconds, got {args.timeout:g}")
-    if args.max_temp_size is not None:
-        from actlake.config import memory_bytes
+    from actlake.config import memory_bytes
 
+    for flag, value in (("--max-temp-size", args.max_temp_size), ("--memory-limit", args.memory_limit)):
         try:
-            memory_bytes(args.max_temp_size)
+            if value is not None:
+                memory_bytes(value)
         except ValueError as e:
-            raise ActlakeError(f"--max-temp-size: {e}") from None
-    _print_table(query(args.run_dir, sql, timeout_s=args.timeout, max_temp_size=args.max_temp_size or MAX_TEMP_SIZE), args.format, args.output)
+            raise ActlakeError(f"{flag}: {e}") from None
+    run_sql(args.run_dir, sql, args.format, args.output, args.timeout, args.memory_limit,
+            args.max_temp_size or MAX_TEMP_SIZE)
     return 0
 
 

@@ -91,7 +91,8 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
                 path = layout.aggregate_file(table, unique=True)
                 published[table] = (path, write_parquet_atomic(data, path, layout.staging))
     replaced = previous_aggregates(layout)
-    write_reduce_record(layout, plan_hash, published)  # readers see the aggregates this record names, no others
+    views = {name: (cls.tables[0], sql) for cls in analyses for name, sql in cls.views.items() if cls.tables[0] in published}
+    write_reduce_record(layout, plan_hash, published, views)  # readers see the aggregates this record names, no others
     for path in replaced - {p for p, _ in published.values()}:
         if layout.remote:  # an object store's aggregates of an earlier reduce (a disk overwrote them)
             path.unlink(missing_ok=True)

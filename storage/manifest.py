@@ -101,11 +101,38 @@ def table_specs(run: dict, run_json: Path) -> dict[str, TableSpec] | None:
     raise StorageError(f"{run_json}: unknown run kind {kind!r} (no plan hash and shard list either)")
 
 
-def write_reduce_record(layout: RunLayout, plan_hash: str, files: dict[str, tuple]) -> None:
+def write_reduce_record(layout: RunLayout, plan_hash: str, files: dict[str, tuple],
+                        views: dict[str, tuple[str, str]] | None = None) -> None:
     """Record the aggregate files the reduce step has just published (after they are in place):
-    ``files``: table -> (path, bytes)."""
+    ``files``: table -> (path, bytes); and the SQL views the job's analyses declare over them
+    (``views``: name -> (source table, SELECT)), so readers create them without importing any analysis."""
     entries = {t: {"path": layout.relative(p), "bytes": size} for t, (p, size) in files.items()}
-    write_json_atomic(layout.complete / REDUCE_RECORD, {"plan_hash": plan_hash, "files": entries})
+    write_json_atomic(layout.complete / REDUCE_RECORD, {
+        "plan_hash": plan_hash, "files": entries,
+        "views": {name: {"source": source, "sql": sql} for name, (source, sql) in sorted((views or {}).items())}})
+
+
+def recorded_views(layout: RunLayout) -> dict[str, tuple[str, str]] | None:
+    """The views the reduce record of the run's plan names (name -> (source table, SELECT)); {} for a training
+    run or an extraction without a reduce record; None for a record written before views were recorded."""
+    run = read_run(layout)
+    if table_specs(run, layout.run_json) is not None:
+        return {}
+    path = layout.complete / REDUCE_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise StorageError(f"{path}: unreadable ({e})") from None
+    if not isinstance(record, dict) or record.get("plan_hash") != run.get("plan_hash"):
+        return {}
+    if "views" not in record:
+        return None
+    try:
+        return {str(name): (str(v["source"]), str(v["sql"])) for name, v in record["views"].items()}
+    except (AttributeError, KeyError, TypeError):
+        raise StorageError(f"{path}: its views are not name -> {{source, sql}}") from None
 
 
 _AGGREGATE = re.compile(r"part-0(-[0-9a-f]{12})?\.parquet")

@@ -24,13 +24,19 @@ from actlake.fs import arrow, location
 from actlake.storage.layout import RunLayout
 from actlake.storage.manifest import committed_files
 
-def derived_views() -> dict[str, tuple[str, str]]:
-    """View name -> (source table, SELECT): the views each built-in analysis declares over its tables,
-    created when the source table has committed files. Custom analyses' tables get plain views only:
-    querying a run never imports code named in the run folder."""
-    from actlake.analysis.protocol import builtin
+def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
+    """View name -> (source table, SELECT): the views the job's analyses (built in and custom) declared over
+    their tables, as its reduce record names them; created when the source table has committed files.
+    Querying a run imports no analysis (no torch) and never code named in the run folder. A run reduced
+    before views were recorded gets the built-in analyses' views (which imports them)."""
+    from actlake.storage.manifest import recorded_views
 
-    return {name: (cls.tables[0], sql) for cls in builtin().values() for name, sql in cls.views.items()}
+    views = recorded_views(layout)
+    if views is None:
+        from actlake.analysis.protocol import builtin
+
+        views = {name: (cls.tables[0], sql) for cls in builtin().values() for name, sql in cls.views.items()}
+    return views
 
 
 READ_ONLY_STATEMENTS = {"SELECT"}
@@ -138,13 +144,24 @@ def _connect(private: str, memory_limit: str, threads: int | None, max_temp_size
     return con
 
 
-def _lock(con, files: list[Path]) -> None:
-    """File access only to ``files`` through the read-only file system, and no configuration changes."""
+def _restrict(con, files: list[Path]) -> None:
+    """File access only to ``files`` through the read-only file system (the caller then locks the configuration)."""
     from actlake.storage.readonly_fs import url
 
     con.execute(f"SET allowed_paths = [{', '.join(_quote(url(f)) for f in files)}]")
     con.execute("SET enable_external_access = false")
-    con.execute("SET lock_configuration = true")
+
+
+def _check_view(layout: RunLayout, name: str, sql: str) -> None:
+    """A recorded view must be one SELECT under a plain name (the record is a file of the run folder)."""
+    from actlake.storage.manifest import is_table_name
+
+    try:
+        if not is_table_name(name):
+            raise QueryError(f"{name!r} is not a view name")
+        check_statement(sql)
+    except QueryError as e:
+        raise StorageError(f"{layout.complete}/reduced.json: view {name!r} refused ({e})") from None
 
 
 def _open(run_dir, memory_limit: str = "2GB", threads: int | None = None, max_temp_size: str = MAX_TEMP_SIZE):
@@ -175,10 +192,12 @@ def _open(run_dir, memory_limit: str = "2GB", threads: int | None = None, max_te
         con.register_filesystem(ReadOnlyFiles(every))
         for t, sql in views.items():
             con.execute(f"CREATE TEMP VIEW {_ident(t)} AS {sql}")
-        for name, (source, sql) in derived_views().items():
-            if source in views:
+        _restrict(con, every)  # the recorded views below are the run folder's text: bound with no access outside
+        for name, (source, sql) in derived_views(layout).items():
+            if source in views and name not in views:
+                _check_view(layout, name, sql)
                 con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {sql}")
-        _lock(con, every)
+        con.execute("SET lock_configuration = true")
     except duckdb.Error as e:
         cleanup()
         raise StorageError(f"{layout.root}: cannot set up the views ({_first_line(e)})") from None

@@ -377,3 +377,43 @@ def test_links_out_of_the_run_are_refused(run, cwd, tmp_path, case):
         link = run / "tables"
     with pytest.raises(StorageError, match=rf"{re.escape(str(link))}: a link \(or '..'\) inside the run"):
         query(run, "SELECT count(*) FROM dim_moments")
+
+
+def test_the_time_limit_holds_inside_one_long_operator(run, cwd, capsys):
+    """``list_sort`` of 50 million numbers ran 128 s past ``--timeout 2``: DuckDB sees an interrupt only
+    between operators. The command line's query process is killed at the limit (issue 31, item 3)."""
+    import time
+
+    t0 = time.monotonic()
+    assert main(["sql", str(run), "SELECT len(list_sort(range(50000000))) AS n", "--timeout", "2"]) == 2
+    assert time.monotonic() - t0 < 15
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "actlake: error: query stopped after the 2s time limit"
+
+
+def test_the_memory_limit_is_enforced_by_the_process(run, cwd, capsys):
+    """The same query reached 7.97 GB of resident memory under the documented 2 GB limit."""
+    assert main(["sql", str(run), "SELECT len(list_sort(range(50000000))) AS n", "--timeout", "120",
+                 "--memory-limit", "256MB"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "actlake: error: query stopped: it needed more memory than the 256MB limit (--memory-limit)")
+
+
+def test_a_large_result_is_streamed_not_held(run, tmp_path):
+    """A 4.5 GB result set reached 4.7 GB of resident memory: it was built whole before it was written.
+    Here 3 GB of rows go to a Parquet file; the peak resident memory of the command's processes stays far
+    below it (resource.getrusage of the waited-for children, grandchildren included)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "big.parquet"
+    probe = ("import resource, subprocess, sys\n"
+             "rc = subprocess.run(sys.argv[1:]).returncode\n"
+             "print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
+    cmd = [sys.executable, "-m", "actlake.cli", "sql", str(run),
+           "SELECT i, repeat('x', 1000) AS s FROM range(3000000) t(i)", "--format", "parquet", "-o", str(out),
+           "--timeout", "300"]
+    done = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True, timeout=400)
+    rc, peak_kib = map(int, done.stdout.split()[-2:])
+    assert rc == 0, done.stderr[-2000:]
+    assert pq.ParquetFile(out).metadata.num_rows == 3_000_000
+    assert peak_kib < 1_200 * 1024, f"peak resident memory {peak_kib / 1024:.0f} MiB"

@@ -1,0 +1,206 @@
+"""``actlake sql``: one statement in a child process whose limits the operating system enforces.
+
+DuckDB's own limits are advice to DuckDB: ``memory_limit`` does not bound every allocation (a
+``list_sort`` of 50 million numbers reached 8 GB under a 2 GB limit) and an interrupt is only seen
+between operators (the same query ran 128 s past a 2 s time limit). So the command line runs the
+statement in a child process with
+
+- a hard memory cap: the parent reads the child's resident memory every :data:`POLL_S` seconds and
+  kills it beyond the memory limit plus :data:`HEADROOM` (Python, Arrow, the batches in flight).
+  Resident memory, not address space: DuckDB reserves about a gigabyte of address space it never
+  touches, so an ``RLIMIT_AS``/``RLIMIT_DATA`` cap would refuse ordinary queries;
+- a wall-clock kill: the parent kills the child at the time limit, whatever it is doing;
+- rows streamed: the result is read in batches of :data:`BATCH_ROWS` and written as it comes (CSV,
+  JSON lines or Parquet), so a large result never sits whole in memory; the parent relays the
+  child's output.
+
+The child reports a failure as one line ``KIND<TAB>message`` on its standard error and exits with
+:data:`FAILED`; the parent raises it as a :class:`QueryError` or :class:`StorageError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from actlake.errors import QueryError, StorageError
+
+BATCH_ROWS = 65536
+"""Rows per batch read from DuckDB and written to the output."""
+HEADROOM = 1 << 30
+"""Bytes the child may use beyond DuckDB's memory limit (Python, Arrow, batches in flight)."""
+POLL_S = 0.05
+"""Seconds between two readings of the child's resident memory and clock."""
+TABLE_ROWS = 200
+"""Rows the ``table`` format shows."""
+FAILED = 3
+"""The child's exit status when it reports a failure."""
+
+
+def run_sql(run_dir: str, sql: str, fmt: str, output: str | None, timeout_s: float, memory_limit: str,
+            max_temp_size: str) -> None:
+    """Run ``sql`` over ``run_dir`` in a child process and write its rows to standard output (or ``output``
+    for Parquet) in ``fmt``; QueryError/StorageError for what failed, the time limit or the memory cap."""
+    from actlake.config import memory_bytes
+
+    import psutil
+
+    cap = memory_bytes(memory_limit) + HEADROOM
+    job = {"run_dir": str(run_dir), "sql": sql, "fmt": fmt, "output": output, "memory_limit": memory_limit,
+           "max_temp_size": max_temp_size}
+    proc = subprocess.Popen([sys.executable, "-m", "actlake.storage.sql_process"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    err: list[bytes] = []
+    relays = [threading.Thread(target=_relay, args=(proc.stdout, sys.stdout.buffer), daemon=True),
+              threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)]
+    for t in relays:
+        t.start()
+    try:
+        proc.stdin.write(json.dumps(job).encode())
+        proc.stdin.close()
+        child, deadline = psutil.Process(proc.pid), time.monotonic() + timeout_s
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise QueryError(f"query stopped after the {timeout_s:g}s time limit")
+            try:
+                if child.memory_info().rss > cap:
+                    raise QueryError(f"query stopped: it needed more memory than the {memory_limit} limit (--memory-limit)")
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(POLL_S)
+    except BaseException:  # a limit, or Ctrl-C: the child goes too
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        for t in relays:
+            t.join(timeout=10)
+        sys.stdout.flush()
+    if proc.returncode:
+        _raise(proc.returncode, b"".join(err).decode("utf-8", "replace"), memory_limit)
+
+
+def _relay(src, dest) -> None:
+    for block in iter(lambda: src.read1(1 << 20), b""):
+        dest.write(block)
+
+
+def _raise(code: int, stderr: str, memory_limit: str) -> None:
+    lines = [line for line in stderr.splitlines() if "\t" in line]
+    kind, _, message = (lines[-1] if lines else "").partition("\t")
+    if code == FAILED and kind == "memory":
+        raise QueryError(f"query stopped: it needed more memory than the {memory_limit} limit (--memory-limit)")
+    if code < 0:
+        raise QueryError(f"the query process was killed by signal {-code}")
+    if code == FAILED and kind in ("query", "storage"):
+        raise (QueryError if kind == "query" else StorageError)(message)
+    tail = " ".join(stderr.split())[-500:]
+    raise QueryError(f"the query process failed (exit {code}): {tail or 'no message'}")
+
+
+# --------------------------------------------------------------------------- the child
+
+
+def _flat(batch):
+    """``batch`` with nested columns (list, struct, map) as JSON text, which CSV can hold."""
+    import pyarrow as pa
+
+    for i, f in enumerate(batch.schema):
+        if pa.types.is_nested(f.type):
+            text = pa.array([None if v is None else json.dumps(v, default=str) for v in batch.column(i).to_pylist()],
+                            pa.string())
+            batch = pa.RecordBatch.from_arrays([text if j == i else c for j, c in enumerate(batch.columns)],
+                                               names=batch.schema.names)
+    return batch
+
+
+def _write(reader, fmt: str, output: str | None) -> None:
+    """Stream ``reader``'s batches to standard output (or ``output``) in ``fmt``."""
+    import pyarrow as pa
+
+    out = sys.stdout.buffer
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        tmp, rows = f"{output}.part-{os.getpid()}", 0
+        try:
+            with pq.ParquetWriter(tmp, reader.schema, compression="zstd") as w:
+                for batch in reader:
+                    w.write_batch(batch)
+                    rows += batch.num_rows
+            os.replace(tmp, output)  # whole or not at all
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        out.write(f"wrote {rows} rows to {output}\n".encode())
+    elif fmt == "csv":
+        import pyarrow.csv as pacsv
+
+        writer = None
+        for batch in reader:
+            batch = _flat(batch)
+            writer = writer or pacsv.CSVWriter(out, batch.schema)
+            writer.write_batch(batch)
+        if writer is None:  # no rows: the header alone
+            empty = pa.RecordBatch.from_arrays([pa.array([], f.type) for f in reader.schema], schema=reader.schema)
+            pacsv.write_csv(pa.Table.from_batches([_flat(empty)]), out)
+        else:
+            writer.close()
+    elif fmt == "json":
+        for batch in reader:
+            out.write("".join(json.dumps(row, default=str) + "\n" for row in batch.to_pylist()).encode())
+    else:
+        import duckdb
+
+        head, total = [], 0
+        for batch in reader:
+            total += batch.num_rows
+            if sum(b.num_rows for b in head) < TABLE_ROWS:
+                head.append(batch)
+        shown = pa.Table.from_batches(head, reader.schema).slice(0, TABLE_ROWS)
+        sys.stdout.flush()
+        duckdb.from_arrow(shown).show(max_rows=TABLE_ROWS, max_width=200)
+        if total > TABLE_ROWS:
+            print(f"({total:,} rows in all, the first {TABLE_ROWS} shown; --format csv or json for every row)")
+    sys.stdout.flush()
+
+
+def _child(job: dict) -> int:
+    try:
+        import duckdb
+
+        from actlake.storage.sql import _first_line, check_statement, open_run
+
+        check_statement(job["sql"])
+        con = open_run(job["run_dir"], memory_limit=job["memory_limit"], max_temp_size=job["max_temp_size"])
+        try:
+            _write(con.sql(job["sql"]).to_arrow_reader(BATCH_ROWS), job["fmt"], job["output"])
+        except duckdb.OutOfMemoryException:
+            return _report("memory", "")
+        except MemoryError:
+            return _report("memory", "")
+        except duckdb.Error as e:
+            return _report("query", _first_line(e))
+        finally:
+            con.close()
+    except QueryError as e:
+        return _report("query", str(e))
+    except StorageError as e:
+        return _report("storage", str(e))
+    except MemoryError:
+        return _report("memory", "")
+    return 0
+
+
+def _report(kind: str, message: str) -> int:
+    sys.stderr.write(f"{kind}\t{' '.join(message.split())}\n")
+    sys.stderr.flush()
+    return FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(_child(json.loads(sys.stdin.read())))
