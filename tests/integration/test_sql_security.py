@@ -417,3 +417,18 @@ def test_a_large_result_is_streamed_not_held(run, tmp_path):
     assert rc == 0, done.stderr[-2000:]
     assert pq.ParquetFile(out).metadata.num_rows == 3_000_000
     assert peak_kib < 1_200 * 1024, f"peak resident memory {peak_kib / 1024:.0f} MiB"
+
+
+def test_opening_a_run_imports_no_torch_transformers_or_ray(run):
+    """The views come from the run's reduce record, not from importing the analyses (about 5 s of torch)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom actlake.storage.sql import open_run\n"
+            f"con = open_run({str(run)!r})\n"
+            "names = {r[0] for r in con.execute('SELECT table_name FROM information_schema.tables').fetchall()}\n"
+            "assert 'outliers' in names, names\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
