@@ -23,6 +23,7 @@ from actlake.errors import QueryError, StorageError
 from actlake.fs import arrow, location
 from actlake.storage.layout import RunLayout
 from actlake.storage.manifest import committed_files
+from actlake.storage.verified import verify_files
 
 def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
     """View name -> (source table, SELECT): the views the job's analyses (built in and custom) declared over
@@ -174,8 +175,9 @@ def _open(run_dir, memory_limit: str = "2GB", threads: int | None = None, max_te
     files = committed_files(layout)
     if not files:
         raise StorageError(f"{layout.root}: no committed tables (has a job finished a shard here?)")
-    views = {t: _view_sql(fs) for t, fs in files.items()}
     every = [f for fs in files.values() for f in fs]
+    verify_files(every)  # page checksums, once per version of a file (storage/verified.py)
+    views = {t: _view_sql(fs) for t, fs in files.items()}
     private = tempfile.mkdtemp(prefix="actlake-duckdb-")
     try:
         con = _connect(private, memory_limit, threads, max_temp_size)
