@@ -202,14 +202,13 @@ def _cmd_train_predictor(args) -> int:
 
 
 def _cmd_sql(args) -> int:
-    from actlake.storage.sql import MAX_TEMP_SIZE
-    from actlake.storage.sql_process import run_sql
+    from actlake.storage.sql_process import MAX_TEMP_SIZE, run_sql
 
     sql = args.sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
     _check_output(args.format, args.output)
     if args.timeout <= 0:
         raise ActlakeError(f"--timeout: must be more than 0 seconds, got {args.timeout:g}")
-    from actlake.config import memory_bytes
+    from actlake.sizes import memory_bytes
 
     for flag, value in (("--max-temp-size", args.max_temp_size), ("--memory-limit", args.memory_limit)):
         try:

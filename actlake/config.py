@@ -20,6 +20,7 @@ from actlake.config_base import (PACKAGE_PREFIX, ConfigRoot, HubOrLocal, LocalPa
                                  _fail, config_error, looks_local, validate)
 from actlake.config_base import reference_markdown as _reference_markdown
 from actlake.errors import ConfigError
+from actlake.sizes import MEMORY_UNITS, memory_bytes  # noqa: F401 - part of this module's API
 
 
 class ModelConfig(Section):
@@ -270,27 +271,6 @@ def _check_values(cfg: JobConfig, err) -> None:
     _check_devices(cfg, err)
     if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):
         err(("output", "run_id"), f"not a valid folder name: {cfg.output.run_id!r}")
-
-
-MEMORY_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-"""Units of ``model.max_memory`` values (case-insensitive; bytes, never bits)."""
-
-
-def memory_bytes(value: int | str) -> int:
-    """A ``max_memory`` value (bytes, or e.g. ``"30GiB"``, ``"500 MB"``) as a whole number of bytes;
-    ValueError for anything else."""
-
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", str(value))
-        if not m or m.group(2).upper() not in MEMORY_UNITS:
-            raise ValueError(f"expected bytes or a size such as 30GiB or 500MB, got {value!r}")
-        n = int(float(m.group(1)) * MEMORY_UNITS[m.group(2).upper()])
-    if n <= 0:
-        raise ValueError(f"must be more than 0 bytes, got {value!r}")
-    return n
 
 
 def max_memory_map(max_memory: dict) -> dict:

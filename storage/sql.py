@@ -45,8 +45,7 @@ READ_ONLY_STATEMENTS = {"SELECT"}
 
 _EXPLAIN_PREFIX = re.compile(r"\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
 
-MAX_TEMP_SIZE = "4GB"
-"""Default bound on what one connection may spill into its private temporary folder."""
+from actlake.storage.sql_process import MAX_TEMP_SIZE  # noqa: E402 - one default for both paths
 
 
 def _quote(s: str) -> str:

@@ -29,6 +29,8 @@ import time
 
 from actlake.errors import QueryError, StorageError
 
+MAX_TEMP_SIZE = "4GB"
+"""Default bound on what the query may spill into its private temporary folder."""
 BATCH_ROWS = 65536
 """Rows per batch read from DuckDB and written to the output."""
 HEADROOM = 1 << 30
@@ -45,7 +47,7 @@ def run_sql(run_dir: str, sql: str, fmt: str, output: str | None, timeout_s: flo
             max_temp_size: str) -> None:
     """Run ``sql`` over ``run_dir`` in a child process and write its rows to standard output (or ``output``
     for Parquet) in ``fmt``; QueryError/StorageError for what failed, the time limit or the memory cap."""
-    from actlake.config import memory_bytes
+    from actlake.sizes import memory_bytes
 
     import psutil
 
