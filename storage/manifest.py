@@ -84,11 +84,15 @@ REDUCE_RECORD = "reduced.json"
 def read_run(layout: RunLayout) -> dict:
     """The run's ``run.json``; a StorageError naming it when missing or unreadable."""
     try:
-        return json.loads(layout.run_json.read_text())
+        run = json.loads(layout.run_json.read_text())
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise StorageError(f"{layout.run_json}: missing (is {layout.root} a run directory?)") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise StorageError(f"{layout.run_json}: unreadable ({e})") from None
+    if not isinstance(run, dict) or ("shards" in run and not (
+            isinstance(run["shards"], list) and all(isinstance(s, dict) and "shard_id" in s for s in run["shards"]))):
+        raise StorageError(f"{layout.run_json}: not a run record (a mapping whose shards each have a shard_id)")
+    return run
 
 
 def table_specs(run: dict, run_json: Path) -> dict[str, TableSpec] | None:
@@ -155,8 +159,12 @@ def _reduced_files(layout: RunLayout, plan_hash: str) -> dict[str, list[Path]]:
         return {}
     except (OSError, json.JSONDecodeError) as e:
         raise StorageError(f"{path}: unreadable ({e})") from None
-    if record.get("plan_hash") != plan_hash:
+    if not isinstance(record, dict) or record.get("plan_hash") != plan_hash:
         return {}
+    if not isinstance(record.get("files"), dict) or not all(
+            isinstance(m, dict) and isinstance(m.get("path"), str) and isinstance(m.get("bytes"), int)
+            for m in record["files"].values()):
+        raise StorageError(f"{path}: its files are not table -> {{path, bytes}}")
     out = {}
     for table, meta in record["files"].items():
         spec = extraction_spec(table)

@@ -186,8 +186,13 @@ def _problem(layout: RunLayout, name: str, rec: dict, sizes: dict[str, int], tak
     for sid, entry in rec["shards"].items():
         if int(sid) in taken:
             return f"shard {int(sid):05d} is already in group {taken[int(sid)]}"
+        if not isinstance(entry.get("summary"), dict):
+            return f"shard {int(sid):05d} has no summary"
         files += [(t, m, int(sid), None) for t, m in entry["files"].items()]
     for table, meta, sid, group in files:
+        if not (isinstance(meta, dict) and isinstance(meta.get("path"), str)
+                and all(isinstance(meta.get(k), int) and not isinstance(meta.get(k), bool) for k in ("rows", "bytes"))):
+            return f"its entry for table {table} is not a path with rows and bytes"
         rel = meta["path"].removeprefix("tables/")
         if not _path_ok(layout, table, meta["path"], sid, group):
             return f"names {meta['path']}, not a file of table {table}"

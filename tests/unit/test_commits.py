@@ -60,3 +60,32 @@ def test_a_late_record_cannot_take_shards_from_a_group_accepted_before_it(tmp_pa
     done = committed(layout, "p")
     assert [g["group"] for g in done.groups] == [accepted] and done.shards[0]["group"] == accepted
     assert done.skipped == [f"group-{early_name}.json: shard 00000 is already in group {accepted}"]
+
+
+def test_malformed_records_are_named_not_tracebacks(tmp_path):
+    """A record without ``rows`` killed the reduce step (KeyError); malformed run.json and reduced.json gave
+    AttributeError/KeyError tracebacks (issue 31, item 3)."""
+    import pytest
+
+    from actlake.errors import StorageError
+    from actlake.storage.layout import write_json_atomic
+    from actlake.storage.manifest import committed_files
+
+    layout = RunLayout(tmp_path)
+    layout.complete.mkdir()
+    t = pa.table({"a": [1, 2]})
+    p = layout.shard_file("documents", 0)
+    size = write_parquet(t, p)
+    gid = "0" * 19 + "1-" + "a" * 8
+    _record(layout, gid, {"0": {"files": {"documents": {"path": layout.relative(p), "bytes": size}}, "summary": {}}}, {})
+    done = committed(layout, "p")
+    assert done.shards == {} and done.skipped == [f"group-{gid}.json: its entry for table documents is not a path "
+                                                  "with rows and bytes"]
+    for run_json, message in (([1, 2], "not a run record"), ({"plan_hash": "p", "shards": [3]}, "not a run record")):
+        write_json_atomic(layout.run_json, run_json)
+        with pytest.raises(StorageError, match=message):
+            committed_files(layout)
+    write_json_atomic(layout.run_json, {"plan_hash": "p", "shards": [{"shard_id": 0}]})
+    write_json_atomic(layout.complete / "reduced.json", {"plan_hash": "p", "files": ["tables/x/part-0.parquet"]})
+    with pytest.raises(StorageError, match=r"reduced.json: its files are not table -> \{path, bytes\}"):
+        committed_files(layout)
