@@ -75,7 +75,7 @@ class Extractor:
         windows: list[Window] = []
         docs, rejects = [], []
         if shard.size is not None:
-            check_stat(shard.path, shard.size, shard.mtime_ns, "since the run planned it")
+            check_stat(shard.path, shard.size, shard.mtime_ns, "since the run planned it", shard.ctime_ns)
         items = iter_range(shard.path, shard.fmt, shard.start, shard.end, c.text_field, c.source_field, c.hf_split,
                            entry=shard.entry())  # jsonl: from the entry point the plan found, not the file's start
         for item in items:
@@ -98,7 +98,7 @@ class Extractor:
                          "n_chars": len(item.text), "n_windows": len(ws), "n_tokens": sum(len(x) for x in ws),
                          "cut": cut})
         if shard.size is not None:
-            check_stat(shard.path, shard.size, shard.mtime_ns, "while the shard read it")
+            check_stat(shard.path, shard.size, shard.mtime_ns, "while the shard read it", shard.ctime_ns)
         return windows, docs, rejects
 
     # ------------------------------------------------------------------ one batch

@@ -31,6 +31,8 @@ class Shard:
     """File size in bytes when this run planned it (None for hf datasets); not part of the plan hash."""
     mtime_ns: Optional[int] = None
     """File modification time when this run planned it; a worker refuses the shard if either moved."""
+    ctime_ns: Optional[int] = None
+    """A large local file's change time when this run planned it (its fingerprint's), checked like mtime."""
     entry_file: Optional[str] = None
     """jsonl inputs: the file a worker reads, the input or its seekable ``.zst`` copy (actlake/corpus/index.py)."""
     entry_offset: Optional[int] = None
@@ -43,7 +45,7 @@ class Shard:
         return None if self.entry_file is None else Entry(self.entry_file, self.entry_offset, self.entry_record)
 
 
-STAT_FIELDS = ("size", "mtime_ns", "entry_file", "entry_offset", "entry_record")
+STAT_FIELDS = ("size", "mtime_ns", "ctime_ns", "entry_file", "entry_offset", "entry_record")
 """Shard fields that describe the file at planning time, checked by workers, and where to start
 reading it, left out of the plan hash (the inputs' fingerprints in run.json decide whether a resumed
 run's corpus is the same)."""
@@ -106,7 +108,8 @@ def plan_with_inputs(cfg: JobConfig) -> tuple[list[Shard], dict[str, dict]]:
         n = counted["records"]
         if budget <= 0:
             break
-        stat = {"size": inputs[path]["size"], "mtime_ns": inputs[path]["mtime_ns"]} if fmt != "hf" else {}
+        stat = ({"size": inputs[path]["size"], "mtime_ns": inputs[path]["mtime_ns"],
+                 "ctime_ns": inputs[path].get("ctime_ns")} if fmt != "hf" else {})
         points = load_points(counted["index"]) if "index" in counted else None
         n_used = int(min(n, budget))
         for start in range(0, n_used, every):

@@ -7,8 +7,13 @@ A file's fingerprint is its size, its modification time and a SHA-256 of its con
   middle and the tail (``hash_kind: sampled``): a few milliseconds for a multi-GB Pile file.
 
 A sampled hash cannot see an edit between its blocks that keeps the size, so for sampled files a
-changed modification time counts as a change too; for fully hashed files the hash decides (a file
-copied or touched with the same bytes is the same input). Hugging Face datasets are fingerprinted
+changed modification time counts as a change too, and so does a changed *change time* (``ctime``)
+of a local file: any write sets it, and unlike the modification time no user can set it back, so an
+edit between the blocks followed by ``touch -d`` to the old time is still seen. It is part of a
+sampled file's recorded fingerprint, hence of the key of its cached count and seekable copy (a
+changed file never meets its old copy), and workers check it with the size and modification time
+before and after reading a shard. (A copy with the same bytes is a new input for a sampled file,
+not for a fully hashed one: there the hash decides, and a file copied or touched is the same input.) Hugging Face datasets are fingerprinted
 by the datasets library's own ``_fingerprint`` when the dataset has one, else by name, split and
 config name (``hash_kind: name``), plus their number of rows.
 
@@ -54,6 +59,14 @@ def _stat(path: str) -> tuple[int, int]:
     return stat(path)
 
 
+def change_time(path: str) -> int | None:
+    """A local file's change time (ns), which every write moves and no user can set; None for an object
+    (an object is never changed in place: a new upload has a new LastModified)."""
+    from actlake.corpus.readers import is_url
+
+    return None if is_url(path) else os.stat(path).st_ctime_ns
+
+
 def _why(e: Exception) -> str:
     return " ".join(str(getattr(e, "strerror", None) or e).split())
 
@@ -61,14 +74,19 @@ def _why(e: Exception) -> str:
 def file_fingerprint(path: str) -> dict:
     """Size, mtime and content hash of ``path``; raises CorpusError if it changes while being hashed."""
     try:
-        before = _stat(path)
-        kind, digest = _hash_blocks(path, before[0])
-        after = _stat(path)
+        before = _stat(path), change_time(path)
+        kind, digest = _hash_blocks(path, before[0][0])
+        after = _stat(path), change_time(path)
     except (OSError, StorageError) as e:
         raise CorpusError(f"{path}: cannot read corpus file ({type(e).__name__}: {_why(e)})") from None
     if before != after:
         raise CorpusError(f"{path}: the file changed while it was being fingerprinted; is something still writing it?")
-    return {"size": after[0], "mtime_ns": after[1], "hash_kind": kind, "hash": digest}
+    (size, mtime), ctime = after
+    fp = {"size": size, "mtime_ns": mtime, "hash_kind": kind, "hash": digest}
+    if kind == "sampled" and ctime is not None:
+        fp["ctime_ns"] = ctime
+        fp["hash"] = hashlib.sha256(f"{digest}|{ctime}".encode()).hexdigest()  # keys caches and seekable copies
+    return fp
 
 
 def hf_fingerprint(ds, name: str, split: str) -> dict:
@@ -85,6 +103,8 @@ def describe_change(old: dict, new: dict) -> str | None:
     for key, unit in (("size", " bytes"), ("rows", " rows")):
         if key in old and old.get(key) != new.get(key):
             return f"{key} {old[key]:,}{unit} when planned, now {new.get(key, 0):,}{unit}"
+    if old.get("hash_kind") == "sampled" and old.get("ctime_ns") != new.get("ctime_ns"):
+        return "change time moved (a large file's sampled hash cannot rule out an edit)"
     if old.get("hash_kind") != new.get("hash_kind") or old.get("hash") != new.get("hash"):
         same = "number of rows" if "rows" in old else "size"
         return f"content changed (same {same}, different hash)"
@@ -93,16 +113,20 @@ def describe_change(old: dict, new: dict) -> str | None:
     return None
 
 
-def check_stat(path: str, size: int, mtime_ns: int, when: str) -> None:
-    """Raise CorpusError naming ``path`` unless its size and mtime are still ``size`` and ``mtime_ns``."""
+def check_stat(path: str, size: int, mtime_ns: int, when: str, ctime_ns: int | None = None) -> None:
+    """Raise CorpusError naming ``path`` unless its size and mtime are still ``size`` and ``mtime_ns`` (and its
+    change time ``ctime_ns``, when the plan recorded one: a large file's)."""
     try:
         now_size, now_mtime = _stat(path)
+        now_ctime = change_time(path) if ctime_ns is not None else None
     except (OSError, StorageError) as e:
         raise CorpusError(f"{path}: corpus file gone or unreadable {when} ({_why(e)})") from None
     if now_size != size:
         raise CorpusError(f"{path}: the file changed {when}: size {size:,} bytes when planned, now {now_size:,}")
     if now_mtime != mtime_ns:
         raise CorpusError(f"{path}: the file changed {when}: modification time moved since planning")
+    if now_ctime != ctime_ns:
+        raise CorpusError(f"{path}: the file changed {when}: its change time moved since planning (it was written)")
 
 
 def first_change(recorded: dict[str, dict], current: dict[str, dict]) -> tuple[str, str] | None:

@@ -111,14 +111,28 @@ def test_fingerprints_full_and_sampled(tmp_path):
         out.seek(size // 2)
         out.write(b"x")
     b = file_fingerprint(str(big))
-    assert b["hash"] != a["hash"] and "content changed" in describe_change(a, b)
+    assert b["hash"] != a["hash"] and describe_change(a, b) is not None
     st = os.stat(big)  # an edit between the blocks is only seen through the modification time
     with open(big, "r+b") as out:
         out.seek(SAMPLE_BLOCK + 10)
         out.write(b"y")
     os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     c = file_fingerprint(str(big))
-    assert c["hash"] == b["hash"] and "modification time" in describe_change(b, c)
+    assert "change time moved" in describe_change(b, c)  # the write moved the change time
+    # the same edit with the modification time set back (touch -d): still seen, through the change time
+    # (issue 31, item 3: it resumed silently, and a new run read the old seekable copy, keyed by this hash)
+    with open(big, "r+b") as out:
+        out.seek(SAMPLE_BLOCK + 20)
+        out.write(b"z")
+    os.utime(big, ns=(st.st_atime_ns, c["mtime_ns"]))
+    d = file_fingerprint(str(big))
+    assert (d["size"], d["mtime_ns"]) == (c["size"], c["mtime_ns"]) and d["hash"] != c["hash"]
+    assert "change time moved" in describe_change(c, d)
+    from actlake.corpus.fingerprint import check_stat
+    from actlake.errors import CorpusError
+
+    with pytest.raises(CorpusError, match="its change time moved since planning"):
+        check_stat(str(big), c["size"], c["mtime_ns"], "since planning", c["ctime_ns"])
     touched = dict(fp, mtime_ns=fp["mtime_ns"] + 1)
     assert describe_change(fp, touched) is None  # a fully hashed file: same bytes, same input
 

@@ -20,7 +20,7 @@ PACKAGE_DIRS = {"actlake": "actlake", "actlake.jobs": "jobs", "actlake.analysis"
                 "actlake.storage": "storage"}
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("ground", ("actlake.errors", "actlake.fs", "actlake.hashing", "actlake.categories", "actlake.architectures",
+    ("ground", ("actlake.errors", "actlake.fs", "actlake.sizes", "actlake.hashing", "actlake.categories", "actlake.architectures",
                 "actlake.config", "actlake.config_base", "actlake.train_config", "actlake.corpus", "actlake.batching",
                 "actlake.model")),
     ("analysis", ("actlake.analysis",)),
