@@ -62,11 +62,15 @@ class CorpusConfig(Section):
     """``format: hf`` only: stream the dataset (``load_dataset(..., streaming=True)``): nothing is downloaded up front or counted; one shard per dataset shard (its files), doc ids ``shard * 2^32 + row``. Not with ``max_docs``."""
     max_docs: Optional[int] = None
     """Use only the first N documents of the corpus (in plan order); at least 1, null: all."""
+    max_line_bytes: int = 64 << 20
+    """A jsonl line longer than this (bytes, decompressed) is a ``line_too_long`` reject, counted and listed in ``rejects``; it is skipped as it is read, never held in memory whole (planning and reading hold at most this much of one line)."""
 
     @model_validator(mode="after")
     def _counts(self):
         if self.max_docs is not None and self.max_docs < 1:
             config_error(("corpus", "max_docs"), f"must be at least 1 (null: every document), got {self.max_docs}")
+        if self.max_line_bytes < 1024:
+            config_error(("corpus", "max_line_bytes"), f"must be at least 1024, got {self.max_line_bytes}")
         return self
 
 

@@ -77,7 +77,7 @@ class Extractor:
         if shard.size is not None:
             check_stat(shard.path, shard.size, shard.mtime_ns, "since the run planned it", shard.ctime_ns)
         items = iter_range(shard.path, shard.fmt, shard.start, shard.end, c.text_field, c.source_field, c.hf_split,
-                           entry=shard.entry())  # jsonl: from the entry point the plan found, not the file's start
+                           entry=shard.entry(), max_line=c.max_line_bytes)  # jsonl: from the entry point the plan found, not the file's start
         for item in items:
             if isinstance(item, Reject):
                 rejects.append({"file": shard.path, "record": item.index, "reason": item.reason, "detail": item.detail})

@@ -11,7 +11,7 @@ from typing import Optional
 from actlake.config import JobConfig, resolve_corpus_files
 from actlake.corpus.fingerprint import file_exists, file_fingerprint, hf_fingerprint
 from actlake.corpus.index import INDEX_DIR, index_files, load_points
-from actlake.corpus.readers import HF_STREAM, Entry, file_format, load_hf, load_hf_stream
+from actlake.corpus.readers import HF_STREAM, MAX_LINE_BYTES, Entry, file_format, load_hf, load_hf_stream
 from actlake.fs import location
 
 
@@ -68,7 +68,8 @@ def _usable(hit: dict | None, fmt: str, key: dict, every: int) -> bool:
     return file_exists(load_points(hit["index"])["file"], "corpus index")
 
 
-def cached_counts(files: list[tuple[str, str, dict]], every: int, out_dir, workers: int) -> dict[str, dict]:
+def cached_counts(files: list[tuple[str, str, dict]], every: int, out_dir, workers: int,
+                  max_line: int = MAX_LINE_BYTES) -> dict[str, dict]:
     """Per ``(path, fmt, fingerprint)``: ``{"records": n}`` (+ ``index``, ``every`` for jsonl), from the
     cache where it matches the file's fingerprint, else by indexing the files, in parallel. ``out_dir``
     (a Path or an ObjectPath) holds the cache and the index."""
@@ -79,10 +80,11 @@ def cached_counts(files: list[tuple[str, str, dict]], every: int, out_dir, worke
         cache = json.loads(cache_file.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         cache = {}
-    keys = {path: {k: fp[k] for k in ("size", "mtime_ns", "hash")} for path, _, fp in files}
-    todo = [(path, fmt, every, fp["hash"]) for path, fmt, fp in files if not _usable(cache.get(path), fmt, keys[path], every)]
+    keys = {path: {**{k: fp[k] for k in ("size", "mtime_ns", "hash")}, "max_line": max_line} for path, _, fp in files}
+    todo = [(path, fmt, every, fp["hash"], max_line) for path, fmt, fp in files
+            if not _usable(cache.get(path), fmt, keys[path], every)]
     if todo:
-        for (path, fmt, _, _), built in zip(todo, index_files(todo, str(out_dir / INDEX_DIR), workers)):
+        for (path, fmt, *_), built in zip(todo, index_files(todo, str(out_dir / INDEX_DIR), workers)):
             cache[path] = {**keys[path], "format": fmt, **built}
         write_atomic(cache_file, json.dumps(cache, indent=2, sort_keys=True).encode())
     return {path: cache[path] for path, _, _ in files}
@@ -132,7 +134,8 @@ def _counted_files(cfg: JobConfig, inputs: dict[str, dict]) -> list[tuple[str, s
         if c.max_docs is not None and seen >= c.max_docs:
             break
         inputs.update({p: file_fingerprint(p) for p, _ in group})
-        counts = cached_counts([(p, fmt, inputs[p]) for p, fmt in group], every, out_dir, cfg.sharding.plan_workers)
+        counts = cached_counts([(p, fmt, inputs[p]) for p, fmt in group], every, out_dir, cfg.sharding.plan_workers,
+                               cfg.corpus.max_line_bytes)
         sources += [(p, fmt, counts[p]) for p, fmt in group]
         seen += sum(counts[p]["records"] for p, _ in group)
     return sources

@@ -43,41 +43,51 @@ PARALLEL_MIN_BYTES = 32 << 20
 processes would cost more than it saves."""
 
 
-def _pieces(chunks: Iterator[bytes], every: int, counted: list[int]) -> Iterator[list[bytes]]:
-    """Cut a byte stream of lines into pieces of ``every`` records (the last may hold fewer): yields
-    each piece as a list of byte parts, in order, and appends the number of records to ``counted``.
-    A last line without a newline is a record, as the readers count it."""
+def _pieces(chunks: Iterator[bytes], every: int, counted: list[int],
+            max_line: int) -> Iterator[tuple[list[bytes], int]]:
+    """Cut a byte stream of lines into pieces of ``every`` records (the last may hold fewer): yields each
+    piece as (its byte parts as the seekable copy holds them, the number of input bytes they stand for),
+    in order, and appends the number of records to ``counted``. A line longer than ``max_line`` bytes is
+    held as :func:`~actlake.corpus.readers.long_line` of its length, never whole in memory. A last line
+    without a newline is a record, as the readers count it."""
+    from actlake.corpus.readers import long_line
+
     parts: list[bytes] = []
-    n_nl, last = 0, b"\n"
+    nbytes = n_nl = 0
+    line: list[bytes] | None = []  # the current line's segments so far; None once it is over the cap
+    line_len = 0
     for data in chunks:
         pos = 0
         while True:
-            k, p = every - n_nl % every, pos  # newlines still to see before this piece is full
-            while k:
-                q = data.find(b"\n", p)
-                if q < 0:
-                    break
-                p, k, n_nl = q + 1, k - 1, n_nl + 1
-            if k:
-                if pos < len(data):
-                    parts.append(data[pos:])
+            q = data.find(b"\n", pos)
+            seg = data[pos:] if q < 0 else data[pos:q + 1]
+            line_len += len(seg)
+            if line is not None:
+                if line_len - (q >= 0) > max_line:
+                    line = None
+                elif seg:
+                    line.append(seg)
+            if q < 0:
                 break
-            parts.append(data[pos:p])
-            yield parts
-            parts, pos = [], p
-        if data:
-            last = data[-1:]
-    if any(parts):
-        yield parts
-    counted.append(n_nl + (0 if last == b"\n" else 1))
+            parts += line if line is not None else [long_line(line_len - 1)]
+            nbytes, n_nl, line, line_len, pos = nbytes + line_len, n_nl + 1, [], 0, q + 1
+            if n_nl % every == 0:
+                yield parts, nbytes
+                parts, nbytes = [], 0
+    if line_len:
+        parts += line if line is not None else [long_line(line_len)]
+        nbytes += line_len
+    if nbytes:
+        yield parts, nbytes
+    counted.append(n_nl + (1 if line_len else 0))
 
 
-def index_key(path: str, content_hash: str, every: int) -> str:
-    """File name stem of an input's index (and seekable copy): its path, content hash and ``every``."""
-    return hashlib.sha256(f"{path}|{content_hash}|{every}".encode()).hexdigest()[:24]
+def index_key(path: str, content_hash: str, every: int, max_line: int) -> str:
+    """File name stem of an input's index (and seekable copy): its path, content hash, ``every`` and the line cap."""
+    return hashlib.sha256(f"{path}|{content_hash}|{every}|{max_line}".encode()).hexdigest()[:24]
 
 
-def build_index(path: str, fmt: str, every: int, content_hash: str, out_dir: str) -> dict:
+def build_index(path: str, fmt: str, every: int, content_hash: str, max_line: int, out_dir: str) -> dict:
     """Count the records of ``path`` and, for jsonl inputs, write its entry points (and the seekable
     copy of a ``.zst``) under ``out_dir`` (a local folder or an object-store URL). Returns
     ``{"records": n}`` plus, for jsonl, ``"index"`` (the entry-point file) and ``"every"``."""
@@ -87,21 +97,21 @@ def build_index(path: str, fmt: str, every: int, content_hash: str, out_dir: str
     if fmt == "parquet":
         return {"records": count_records(path, fmt)}
     out = location(out_dir)
-    key = index_key(path, content_hash, every)
+    key = index_key(path, content_hash, every, max_line)
     zst = path.endswith(".zst")
     data_file = str(out / f"{key}.jsonl.zst") if zst else path
     counted: list[int] = []
     points: list[int] = []  # points[i]: byte offset in data_file where record i * every starts
     out.mkdir(parents=True, exist_ok=True)
     try:
-        pieces = _pieces(decoded_chunks(path), every, counted)
+        pieces = _pieces(decoded_chunks(path), every, counted, max_line)
         if zst:
-            _write_frames(pieces, out / f"{key}.jsonl.zst", points)
+            _write_frames((parts for parts, _ in pieces), out / f"{key}.jsonl.zst", points)
         else:
             offset = 0
-            for parts in pieces:
+            for _, nbytes in pieces:
                 points.append(offset)
-                offset += sum(len(b) for b in parts)
+                offset += nbytes
     except CorpusError:
         raise
     except Exception as e:  # zstd errors, OS errors
@@ -162,14 +172,14 @@ def load_points(index_file: str) -> dict:
         raise CorpusError(f"{index_file}: cannot read corpus index ({type(e).__name__}: {e}); delete it to rebuild") from None
 
 
-def index_files(jobs: list[tuple[str, str, int, str]], out_dir: str, workers: int) -> list[dict]:
-    """:func:`build_index` for each ``(path, fmt, every, content_hash)``, in a pool of ``workers``
+def index_files(jobs: list[tuple[str, str, int, str, int]], out_dir: str, workers: int) -> list[dict]:
+    """:func:`build_index` for each ``(path, fmt, every, content_hash, max_line)``, in a pool of ``workers``
     processes (0: one per CPU core) when there is more than one file and enough bytes to be worth it."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
     workers = min(len(jobs), workers or os.cpu_count() or 1)
-    size = sum(_size(p) for p, fmt, _, _ in jobs if fmt != "parquet")
+    size = sum(_size(p) for p, fmt, *_ in jobs if fmt != "parquet")
     if workers <= 1 or size < PARALLEL_MIN_BYTES:
         return [build_index(*job, out_dir) for job in jobs]
     # spawn, not fork: the driver may hold Ray's threads, and pyarrow's S3 client (built once per

@@ -104,31 +104,80 @@ REMOTE_SCAN_CHUNK = 8 << 20
 object-store file is one ranged GET, so whole-object scans read in larger pieces than local ones."""
 
 
+ZSTD_BLOCK = 128 << 10
+"""The most one zstd block decompresses to (RFC 8878)."""
+
+
+def _zst_pieces(f, chunk: int, path: str) -> Iterator[bytes]:
+    """The compressed bytes of ``f`` cut at zstd block boundaries (RFC 8878), so that each piece
+    decompresses to at most ``chunk`` bytes (its blocks, 128 KiB each at most): a few kilobytes that
+    expand to gigabytes (a decompression bomb, or one line of 3 GiB) are never decompressed at once.
+    Skippable frames are passed over; a stream that ends inside a frame raises CorpusError."""
+    buf, pos = b"", 0
+    per_piece = 2 * max(1, chunk // ZSTD_BLOCK)
+
+    def take(n: int) -> bytes | None:
+        nonlocal buf, pos
+        while len(buf) - pos < n:
+            more = f.read(max(chunk, n))
+            if not more:
+                if len(buf) - pos == 0:
+                    return None
+                raise CorpusError(f"{path}: truncated zstd file (ends inside a frame)")
+            buf, pos = buf[pos:] + more, 0
+        out, pos = buf[pos:pos + n], pos + n
+        return out
+
+    while (magic := take(4)) is not None:
+        number = int.from_bytes(magic, "little")
+        if 0x184D2A50 <= number <= 0x184D2A5F:  # skippable frame
+            take(int.from_bytes(take(4), "little"))
+            continue
+        if number != 0xFD2FB528:
+            raise CorpusError(f"{path}: cannot read corpus file (not zstd, or damaged: no frame magic number); "
+                              "the file may be truncated or corrupt")
+        descriptor = take(1)
+        d = descriptor[0]
+        fcs = {0: 1 if d & 0x20 else 0, 1: 2, 2: 4, 3: 8}[d >> 6]
+        piece = [magic + descriptor + take((0 if d & 0x20 else 1) + (0, 1, 2, 4)[d & 3] + fcs)]
+        last = False
+        while not last:
+            head = take(3)
+            b = int.from_bytes(head, "little")
+            last, kind, size = bool(b & 1), (b >> 1) & 3, b >> 3
+            if kind == 3:
+                raise CorpusError(f"{path}: cannot read corpus file (a zstd block of the reserved type); the file "
+                                  "may be truncated or corrupt")
+            piece += [head, take(1 if kind == 1 else size)]
+            if len(piece) >= per_piece:  # at most per_piece / 2 blocks of 128 KiB each: about ``chunk`` out
+                yield b"".join(piece)
+                piece = []
+        if d & 0x04:
+            piece.append(take(4))  # the content checksum
+        yield b"".join(piece)
+
+
 def _zst_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
-    """Decompressed bytes of every frame from byte ``offset`` (a frame start); raises if the file
-    ends inside a frame. Frames are decompressed one at a time, as the caller asks for more."""
+    """Decompressed bytes of every frame from byte ``offset`` (a frame start), about ``chunk`` at a time;
+    raises if the file ends inside a frame. Decompressed a block at a time (:func:`_zst_pieces`)."""
     import zstandard
 
     dctx = zstandard.ZstdDecompressor()
     with open_file(path) as f:
         f.seek(offset)
-        dobj = dctx.decompressobj()
-        in_frame = False
-        while True:
-            data = f.read(chunk)
-            if not data:
-                break
-            while data:
-                out = dobj.decompress(data)
-                in_frame = not dobj.eof
-                if out:
-                    yield out
-                data = dobj.unused_data if dobj.eof else b""
-                if dobj.eof:
-                    dobj = dctx.decompressobj()
-                    in_frame = False
-        if in_frame:
-            raise CorpusError(f"{path}: truncated zstd file (ends inside a frame)")
+        dobj, held, n = dctx.decompressobj(), [], 0
+        for piece in _zst_pieces(f, chunk, path):
+            out = dobj.decompress(piece)
+            if dobj.eof:
+                dobj = dctx.decompressobj()
+            if out:
+                held.append(out)
+                n += len(out)
+                if n >= chunk:
+                    yield b"".join(held)
+                    held, n = [], 0
+        if held:
+            yield b"".join(held)
 
 
 def _raw_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
@@ -146,20 +195,45 @@ def decoded_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator
     return _zst_chunks(path, chunk, offset) if path.endswith(".zst") else _raw_chunks(path, chunk, offset)
 
 
-def _lines(path: str, offset: int = 0, stats: ReadStats | None = None, chunk: int = 1 << 20) -> Iterator[bytes]:
-    """Lines (with their newline) of a plain or zstd-compressed file from ``offset``, streamed."""
+MAX_LINE_BYTES = 64 << 20
+"""Default ``corpus.max_line_bytes``: a longer jsonl line is a ``line_too_long`` reject, never held in memory."""
+
+LONG_LINE = b"\x00actlake-line-too-long "
+"""How a line over the cap stands in the seekable copy of a ``.zst`` input (``LONG_LINE`` + its length):
+no JSON line starts with a NUL byte."""
+
+
+def long_line(n: int) -> bytes:
+    return LONG_LINE + str(n).encode() + b"\n"
+
+
+def _lines(path: str, offset: int = 0, stats: ReadStats | None = None, chunk: int = 1 << 20,
+           max_line: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """Lines (with their newline) of a plain or zstd-compressed file from ``offset``, streamed; a line longer
+    than ``max_line`` bytes comes as :func:`long_line` of its length, its bytes skipped, never held."""
     chunks = decoded_chunks(path, chunk, offset)
-    rest = b""
+    rest, skipped = b"", 0  # skipped: bytes of an over-long line seen so far (0: not in one)
     try:
         for data in chunks:
             if stats is not None:
                 stats.bytes_decoded += len(data)
+            if skipped:
+                q = data.find(b"\n")
+                if q < 0:
+                    skipped += len(data)
+                    continue
+                yield long_line(skipped + q)
+                data, skipped = data[q + 1:], 0
             parts = (rest + data).split(b"\n")
             rest = parts.pop()
             for part in parts:
-                yield part + b"\n"
-        if rest:
-            yield rest
+                yield part + b"\n" if len(part) <= max_line else long_line(len(part))
+            if len(rest) > max_line:
+                rest, skipped = b"", len(rest)
+        if skipped:
+            yield long_line(skipped)
+        elif rest:
+            yield rest if len(rest) <= max_line else long_line(len(rest))
     except CorpusError:
         raise
     except Exception as e:  # zstd errors, OS errors
@@ -167,6 +241,8 @@ def _lines(path: str, offset: int = 0, stats: ReadStats | None = None, chunk: in
 
 
 def _parse_json_line(index: int, line: bytes, text_field: str, source_field: str) -> Item:
+    if line.startswith(LONG_LINE):
+        return Reject(index, "line_too_long", f"{int(line[len(LONG_LINE):])} bytes, over corpus.max_line_bytes")
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -196,16 +272,16 @@ ENTRY_CHUNK = 64 << 10
 
 
 def iter_jsonl(path: str, start: int, end: int, text_field: str, source_field: str, entry: Entry | None = None,
-               stats: ReadStats | None = None) -> Iterator[Item]:
+               stats: ReadStats | None = None, max_line: int = MAX_LINE_BYTES) -> Iterator[Item]:
     """Records ``start <= index < end`` of a jsonl or jsonl.zst file (blank lines count as empty_text),
     read from ``entry`` (its record must be <= start), or from the start of the file without one."""
     if entry is not None and entry.record > start:
         raise CorpusError(f"{path}: entry point at record {entry.record} lies after the range's start {start}")
     stats = ReadStats() if stats is None else stats
     if entry is None:
-        lines, first = _lines(path, 0, stats), 0
+        lines, first = _lines(path, 0, stats, max_line=max_line), 0
     else:
-        lines, first = _lines(entry.file, entry.offset, stats, ENTRY_CHUNK), entry.record
+        lines, first = _lines(entry.file, entry.offset, stats, ENTRY_CHUNK, max_line), entry.record
     if start >= end:
         return
     try:
@@ -352,12 +428,13 @@ def count_records(path: str, fmt: str) -> int:
 
 
 def iter_items(path: str, fmt: str, start: int, end: int, text_field: str, source_field: str, hf_split: str = "train",
-               entry: Entry | None = None, stats: ReadStats | None = None) -> Iterator[Item]:
+               entry: Entry | None = None, stats: ReadStats | None = None,
+               max_line: int = MAX_LINE_BYTES) -> Iterator[Item]:
     """Records ``start <= index < end`` of one input, as many as it has (see :func:`iter_range`);
     jsonl inputs start at ``entry`` when given (see :func:`iter_jsonl`). For ``hf_stream``, every row
     of dataset shard ``start``."""
     if fmt == "jsonl":
-        return iter_jsonl(path, start, end, text_field, source_field, entry, stats)
+        return iter_jsonl(path, start, end, text_field, source_field, entry, stats, max_line)
     if fmt == "parquet":
         return iter_parquet(path, start, end, text_field, source_field, stats)
     if fmt == "hf":
@@ -368,12 +445,13 @@ def iter_items(path: str, fmt: str, start: int, end: int, text_field: str, sourc
 
 
 def iter_range(path: str, fmt: str, start: int, end: int, text_field: str, source_field: str, hf_split: str = "train",
-               entry: Entry | None = None, stats: ReadStats | None = None) -> Iterator[Item]:
+               entry: Entry | None = None, stats: ReadStats | None = None,
+               max_line: int = MAX_LINE_BYTES) -> Iterator[Item]:
     """Every record ``start <= index < end`` of one input (a shard's range): an input that ends before
     ``end`` (it shrank after planning) raises CorpusError naming it, the range and what was read.
     A streamed dataset shard (``hf_stream``) has no planned length: all its rows are its range."""
     n = 0
-    for item in iter_items(path, fmt, start, end, text_field, source_field, hf_split, entry, stats):
+    for item in iter_items(path, fmt, start, end, text_field, source_field, hf_split, entry, stats, max_line):
         n += 1
         yield item
     if fmt != HF_STREAM and n != end - start:

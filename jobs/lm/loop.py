@@ -30,7 +30,8 @@ def iter_texts(cfg) -> "Iterator[tuple[int, str]]":  # noqa: F821
 
     c, n = cfg.corpus, 0
     for path in resolve_corpus_files(cfg):
-        for item in iter_items(path, file_format(path, c.format), 0, 2**62, c.text_field, c.source_field, c.hf_split):
+        for item in iter_items(path, file_format(path, c.format), 0, 2**62, c.text_field, c.source_field, c.hf_split,
+                               max_line=c.max_line_bytes):
             if isinstance(item, Reject):
                 continue
             yield n, item.text

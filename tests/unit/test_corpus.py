@@ -168,7 +168,7 @@ def test_a_shard_deep_in_a_file_decodes_only_its_own_records(tmp_path, compresse
     raw = b"\n".join(lines)  # no newline after the last record
     f = tmp_path / ("p.jsonl.zst" if compressed else "p.jsonl")
     f.write_bytes(zstandard.ZstdCompressor().compress(raw) if compressed else raw)
-    built = build_index(str(f), "jsonl", 16, "h", str(tmp_path / "idx"))
+    built = build_index(str(f), "jsonl", 16, "h", 1 << 20, str(tmp_path / "idx"))
     points = load_points(built["index"])
     assert built["records"] == points["records"] == count_records(str(f), "jsonl") == 2000
     if compressed:
@@ -200,7 +200,7 @@ def test_an_index_counts_records_as_the_readers_do(tmp_path):
         f = tmp_path / f"e{i}.jsonl"
         f.write_bytes(data)
         for every in (1, 2, 3):
-            built = build_index(str(f), "jsonl", every, "h", str(tmp_path / "idx"))
+            built = build_index(str(f), "jsonl", every, "h", 1 << 20, str(tmp_path / "idx"))
             n = count_records(str(f), "jsonl")
             assert built["records"] == n, (data, every)
             pts = json.loads(open(built["index"]).read())["points"]
@@ -272,7 +272,7 @@ def test_a_damaged_seekable_copy_names_the_input_and_the_copy(tmp_path):
     raw = b"\n".join(_pile_lines(200)) + b"\n"
     f = tmp_path / "d.jsonl.zst"
     f.write_bytes(zstandard.ZstdCompressor().compress(raw))
-    points = load_points(build_index(str(f), "jsonl", 16, "h", str(tmp_path / "idx"))["index"])
+    points = load_points(build_index(str(f), "jsonl", 16, "h", 1 << 20, str(tmp_path / "idx"))["index"])
     copy = points["file"]
     good = open(copy, "rb").read()
     for damaged in (good[: points["points"][5] + 50], good[:points["points"][5] + 30] + bytes([good[points["points"][5] + 30] ^ 1]) + good[points["points"][5] + 31:]):
@@ -280,3 +280,47 @@ def test_a_damaged_seekable_copy_names_the_input_and_the_copy(tmp_path):
         with pytest.raises(CorpusError) as e:
             list(iter_range(str(f), "jsonl", 80, 96, "text", "meta.pile_set_name", entry=Entry(copy, points["points"][5], 80)))
         assert str(f) in str(e.value) and copy in str(e.value)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.zst"])
+def test_a_line_over_the_cap_is_a_reject_and_never_held(tmp_path, suffix):
+    """A 98 KB .jsonl.zst holding one 3 GiB line took 3.2 GB of memory to index (issue 31, item 3). Lines
+    over ``corpus.max_line_bytes`` are skipped as they stream by: planning and reading hold at most the cap."""
+    import subprocess
+    import sys
+
+    import zstandard
+
+    from actlake.corpus.index import build_index, load_points
+    from actlake.corpus.readers import Entry, Record, Reject, iter_jsonl
+
+    f = tmp_path / f"c{suffix}"
+    huge = 1 << 30 if suffix == ".jsonl.zst" else 8 << 20  # a plain file takes the disk's bytes
+    with open(f, "wb") as raw:
+        out = zstandard.ZstdCompressor(level=1).stream_writer(raw) if suffix.endswith(".zst") else raw
+        out.write(b'{"text": "one"}\n{"text": "')
+        block = b"a" * (1 << 20)
+        for _ in range(huge >> 20):  # written a block at a time: this process holds none of it either
+            out.write(block)
+        out.write(b'"}\n{"text": "three"}\n{"text": "four"}')  # the last line has no newline
+        out.close() if out is not raw else None
+    cap = 1 << 20
+    probe = ("import json\nfrom actlake.corpus.index import build_index\n"
+             f"built = build_index({str(f)!r}, 'jsonl', 2, 'h', {cap}, {str(tmp_path / 'idx')!r})\n"
+             "print(json.dumps(built))\n"
+             "print(next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmHWM')))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    built, peak_kib = json.loads(done.stdout.splitlines()[0]), int(done.stdout.splitlines()[1])
+    assert built["records"] == 4 and peak_kib < 400 * 1024, f"{peak_kib / 1024:.0f} MiB"
+    points = load_points(built["index"])
+    items = []
+    for k, start in enumerate(range(0, 4, 2)):
+        entry = Entry(points["file"], points["points"][k], start)
+        items += list(iter_jsonl(str(f), start, start + 2, "text", "src", entry, max_line=cap))
+    assert [type(i) for i in items] == [Record, Reject, Record, Record]
+    assert items[1].reason == "line_too_long" and items[1].detail.startswith(f"{huge + 12} bytes")
+    assert [i.text for i in items if isinstance(i, Record)] == ["one", "three", "four"]
+    # read from the start of the input too (no entry point)
+    whole = list(iter_jsonl(str(f), 0, 4, "text", "src", max_line=cap))
+    assert [getattr(i, "reason", None) for i in whole] == [None, "line_too_long", None, None]
