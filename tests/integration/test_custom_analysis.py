@@ -49,14 +49,23 @@ def _reference_entropy(model_path, run_dir):
     return total, count
 
 
+VIEW = ("SELECT layer, head, sum(entropy_sum) / sum(n_queries) AS mean_entropy FROM attention_entropy "
+        "GROUP BY layer, head")
+
+
 def test_a_custom_analysis_runs_reduces_and_is_queryable(minilm_path, sample_corpus, tmp_path, ray_local):
+    """The README's example, plus a view (a custom class's views were silently dropped: issue 33): the job
+    records it, and ``actlake sql`` makes it without importing the class."""
+    module = tmp_path / "code" / "entropy_views.py"
+    module.parent.mkdir()
+    module.write_text(EXAMPLE.read_text() + f"\n\nAttentionEntropy.views = {{'entropy_by_head': {VIEW!r}}}\n")
     cfg = {"name": "custom", "model": {"name_or_path": minilm_path},
            "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 12},
            "tokenization": {"max_length": 48, "max_windows_per_doc": 2}, "sharding": {"docs_per_shard": 6},
            "batching": {"max_tokens": 512}, "output": {"dir": str(tmp_path / "runs"), "report": False},
            "resources": {"num_workers": 1, "cpus_per_worker": 1},
            "analyses": {"contributions": False, "geometry": False, "attention_by_distance": False,
-                        "custom": [{"analysis": "attention_entropy:AttentionEntropy", "path": str(EXAMPLE)}]}}
+                        "custom": [{"analysis": "entropy_views:AttentionEntropy", "path": str(module)}]}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["run", str(path), "--run-id", "r"]) == 0
@@ -72,6 +81,9 @@ def test_a_custom_analysis_runs_reduces_and_is_queryable(minilm_path, sample_cor
         n[layer, ROLE.index(cat)] = q
     np.testing.assert_allclose(table, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(n, np.broadcast_to(count, n.shape))
+    view = query(run, "SELECT layer, head, mean_entropy FROM entropy_by_head ORDER BY layer, head")
+    per_head = want.sum(2) / count.sum()  # every query has one category: n_queries summed over categories
+    np.testing.assert_allclose(np.array(view["mean_entropy"].to_pylist()).reshape(per_head.shape), per_head, rtol=1e-4)
     assert main(["run", str(path), "--run-id", "r"]) == 0  # a rerun skips both shards and reduces again
     again = query(run, "SELECT sum(entropy_sum) AS s FROM attention_entropy")["s"][0].as_py()
     assert again == pytest.approx(float(want.sum()), rel=1e-4)
