@@ -116,6 +116,18 @@ def write_reduce_record(layout: RunLayout, plan_hash: str, files: dict[str, tupl
         "views": {name: {"source": source, "sql": sql} for name, (source, sql) in sorted((views or {}).items())}})
 
 
+def reduce_record(layout: RunLayout, plan_hash) -> dict | None:
+    """The reduce record when it is one of plan ``plan_hash`` (None: none, or another plan's)."""
+    path = layout.complete / REDUCE_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise StorageError(f"{path}: unreadable ({e})") from None
+    return record if isinstance(record, dict) and record.get("plan_hash") == plan_hash else None
+
+
 def recorded_views(layout: RunLayout) -> dict[str, tuple[str, str]] | None:
     """The views the reduce record of the run's plan names (name -> (source table, SELECT)); {} for a training
     run or an extraction without a reduce record; None for a record written before views were recorded."""
@@ -123,13 +135,8 @@ def recorded_views(layout: RunLayout) -> dict[str, tuple[str, str]] | None:
     if table_specs(run, layout.run_json) is not None:
         return {}
     path = layout.complete / REDUCE_RECORD
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, json.JSONDecodeError) as e:
-        raise StorageError(f"{path}: unreadable ({e})") from None
-    if not isinstance(record, dict) or record.get("plan_hash") != run.get("plan_hash"):
+    record = reduce_record(layout, run.get("plan_hash"))
+    if record is None:
         return {}
     if "views" not in record:
         return None
@@ -153,13 +160,8 @@ def aggregate_path(layout: RunLayout, source, table: str, path: str):
 def _reduced_files(layout: RunLayout, plan_hash: str) -> dict[str, list[Path]]:
     """Aggregate files named by a reduce record of this plan whose files are present and whole."""
     path = layout.complete / REDUCE_RECORD
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, json.JSONDecodeError) as e:
-        raise StorageError(f"{path}: unreadable ({e})") from None
-    if not isinstance(record, dict) or record.get("plan_hash") != plan_hash:
+    record = reduce_record(layout, plan_hash)
+    if record is None:
         return {}
     if not isinstance(record.get("files"), dict) or not all(
             isinstance(m, dict) and isinstance(m.get("path"), str) and isinstance(m.get("bytes"), int)
