@@ -98,40 +98,11 @@ def _check_output(fmt: str, output: str | None) -> None:
         raise ActlakeError(f"--output: {output} is a folder; name a file")
 
 
-def _print_table(table, fmt: str, output: str | None) -> None:
-    import pyarrow.csv as pacsv
+def _show(table) -> None:
+    """Print an Arrow table as DuckDB draws one (the jobs' summaries; ``actlake sql`` streams its own)."""
+    import duckdb
 
-    if fmt == "parquet":
-        _check_output(fmt, output)
-        import pyarrow.parquet as pq
-
-        pq.write_table(table, output)
-        print(f"wrote {table.num_rows} rows to {output}")
-    elif fmt == "csv":
-        pacsv.write_csv(_flat_columns(table), sys.stdout.buffer)
-    elif fmt == "json":
-        import json
-
-        for row in table.to_pylist():
-            print(json.dumps(row, default=str))
-    else:
-        import duckdb
-
-        duckdb.from_arrow(table).show(max_rows=200, max_width=200)
-
-
-def _flat_columns(table):
-    """``table`` with every nested column (list, struct, map) as JSON text, which CSV can hold."""
-    import json
-
-    import pyarrow as pa
-
-    for i, f in enumerate(table.schema):
-        if pa.types.is_nested(f.type):
-            text = pa.array([None if v is None else json.dumps(v, default=str) for v in table.column(i).to_pylist()],
-                            pa.string())
-            table = table.set_column(i, f.name, text)
-    return table
+    duckdb.from_arrow(table).show(max_rows=200, max_width=200)
 
 
 def _cmd_run(args) -> int:
@@ -159,7 +130,7 @@ def _cmd_run(args) -> int:
         print(f"store:   activation store {size / 2**20:,.1f} MiB on disk ({act})")
     example = EXAMPLE_SQL if os.path.isdir(os.path.join(res.run_dir, "tables", "residual_norms")) else EXAMPLE_TOKENS_SQL
     print(f"\nexample: actlake sql {res.run_dir} \"{example}\"")
-    _print_table(query(res.run_dir, example), "table", None)
+    _show(query(res.run_dir, example))
     return 0
 
 
@@ -193,9 +164,9 @@ def _cmd_train_predictor(args) -> int:
                       root=PredictorJobConfig)
     res = run_predictor_job(cfg, address=args.address, report=False if args.no_report else None)
     print(f"run:     {res['run_dir']}  (layers {res['layers']}; wall {res['wall_seconds']:.0f}s)")
-    _print_table(query(res["run_dir"], SUMMARY_SQL), "table", None)
+    _show(query(res["run_dir"], SUMMARY_SQL))
     if cfg.probes.enabled:
-        _print_table(query(res["run_dir"], PROBE_SQL), "table", None)
+        _show(query(res["run_dir"], PROBE_SQL))
     if res["report"]:
         print(f"report:  {res['report']}")
     return 0

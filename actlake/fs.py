@@ -52,12 +52,11 @@ def check_scheme(value, key: str) -> None:
                            "taken as a local folder")
 
 
-def resolve_text(value, base: "str | os.PathLike | None" = None, key: str = "path") -> str:
+def resolve_text(value, key: str = "path") -> str:
     """The one resolution of a path a user wrote (a config value, a command-line argument).
 
     An object-store URL (``s3://…``) comes back as it is; ``file://PATH`` and local paths come back
-    absolute and normalised, ``~`` expanded, a relative path taken against ``base`` (default: the
-    working directory). Symbolic links are kept (a glob pattern need not exist). StorageError for a
+    absolute and normalised, ``~`` expanded, a relative path taken against the working directory. Symbolic links are kept (a glob pattern need not exist). StorageError for a
     scheme actlake cannot use, or a URL that names no bucket: it is never taken as a local folder
     (``key`` names the value in the message)."""
     text = str(value)
@@ -68,7 +67,7 @@ def resolve_text(value, base: "str | os.PathLike | None" = None, key: str = "pat
             raise StorageError(f"{key}: {text!r} names no bucket")
         return text
     local = os.path.expanduser(text[len("file://"):] if s == "file" else text)
-    return os.path.normpath(os.path.join(os.fspath(base) if base is not None else os.getcwd(), local))
+    return os.path.normpath(os.path.join(os.getcwd(), local))
 
 
 def location(value) -> "Path | ObjectPath":

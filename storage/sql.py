@@ -23,7 +23,9 @@ from actlake.errors import QueryError, StorageError
 from actlake.fs import arrow, location
 from actlake.storage.layout import RunLayout
 from actlake.storage.manifest import committed_files
+from actlake.storage.sql_process import MAX_TEMP_SIZE  # one default for open_run and actlake sql
 from actlake.storage.verified import verify_files
+
 
 def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
     """View name -> (source table, SELECT): the views the job's analyses (built in and custom) declared over
@@ -45,7 +47,6 @@ READ_ONLY_STATEMENTS = {"SELECT"}
 
 _EXPLAIN_PREFIX = re.compile(r"\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
 
-from actlake.storage.sql_process import MAX_TEMP_SIZE  # noqa: E402 - one default for both paths
 
 
 def _quote(s: str) -> str:

@@ -60,14 +60,15 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
                                         "world_size": cfg.resources.num_workers, "model": info["model"]})
     shutil.rmtree(layout.staging, ignore_errors=True)
     discard_pending(layout.root)
+    identity = {layer: checkpoint_identity(cfg.config_hash, f"layer{layer}") for layer in layers}
     for layer in layers:
-        prepare_checkpoints(layout.root / "checkpoints" / f"layer{layer}", checkpoint_identity(cfg.config_hash, f"layer{layer}"))
+        prepare_checkpoints(layout.root / "checkpoints" / f"layer{layer}", identity[layer])
     r = cfg.resources
     started = init_ray(address or r.address, dashboard=True)
     try:
         trials = [Trial(f"layer{layer}", train_loop, {"job": cfg.to_dict(), "layer": layer,
                                                       "model_heads": list(info["model_heads"]),
-                                                      "identity": checkpoint_identity(cfg.config_hash, f"layer{layer}")})
+                                                      "identity": identity[layer]})
                   for layer in layers]
         log.info("training %d predictor(s): layers %s", len(trials), layers)
         run_trials(trials, layout.root, Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))

@@ -148,15 +148,13 @@ def analyze_run(cfg, run_dir: Path, cpus: float = 1) -> list[dict]:
     checked first, here: present, whole (its manifest) and this run's (its identity)."""
     import ray
 
-    from actlake.jobs.training import checkpoint_identity, log_spaced_steps, verified_checkpoints
+    from actlake.jobs.training import (checkpoint_identity, discard_pending, log_spaced_steps, publish_pending,
+                                       verified_checkpoints)
 
     steps = log_spaced_steps(cfg.training.steps, cfg.training.n_checkpoints)
     for trial in cfg.trials():
         verified_checkpoints(Path(run_dir) / "checkpoints" / trial["name"], steps,
                              checkpoint_identity(cfg.config_hash, trial["name"]))
-
-    from actlake.jobs.training import discard_pending, publish_pending
-
     discard_pending(run_dir)
     task = ray.remote(num_cpus=cpus)(analyze_trial)
     refs = [task.remote(cfg.to_dict(), trial, str(run_dir), int(max(1, cpus))) for trial in cfg.trials()]

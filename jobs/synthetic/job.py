@@ -50,9 +50,9 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     layout = RunLayout(cfg.run_dir)
     _prepare(cfg, layout)
     shutil.rmtree(layout.staging, ignore_errors=True)
-    trials = cfg.trials()
+    trials = [dict(t, identity=checkpoint_identity(cfg.config_hash, t["name"])) for t in cfg.trials()]
     for t in trials:
-        prepare_checkpoints(layout.root / "checkpoints" / t["name"], checkpoint_identity(cfg.config_hash, t["name"]))
+        prepare_checkpoints(layout.root / "checkpoints" / t["name"], t["identity"])
     if not train:
         require_finished(layout.root, [t["name"] for t in trials], cfg.training.steps,
                          f"run `actlake train-synthetic {cfg.source_file}` without --analysis-only to finish it")
@@ -61,9 +61,7 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     try:
         if train:
             log.info("training %d trial(s): %s", len(trials), ", ".join(t["name"] for t in trials))
-            run_trials([Trial(t["name"], train_loop, {"job": cfg.to_dict(), **t,
-                                                      "identity": checkpoint_identity(cfg.config_hash, t["name"])})
-                        for t in trials], layout.root,
+            run_trials([Trial(t["name"], train_loop, {"job": cfg.to_dict(), **t}) for t in trials], layout.root,
                        Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
         if cfg.analysis.enabled if analyze is None else analyze:
             from actlake.jobs.synthetic.analyze import analyze_run
