@@ -4,7 +4,7 @@ A family says where a layer's query/key projections live and what enters them
 (x of METHODS.md: the layer input for post-LN BERT, the normalised input for
 pre-LN models), whether attention is causal, and how positions enter q and k.
 Attention itself is read through the transformers attention interface (see
-``actlake.analysis.capture``), so q and k are always the tensors the model uses.
+``actlake.analysis.engine.capture``), so q and k are always the tensors the model uses.
 """
 
 from __future__ import annotations

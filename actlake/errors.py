@@ -31,3 +31,7 @@ class QueryError(ActlakeError):
 
 class AnalysisError(ActlakeError):
     """Captured tensors do not fit what an analysis assumes (e.g. an attention mask it cannot describe)."""
+
+
+class TrainingError(ActlakeError):
+    """A training trial failed; the message names the trial and the first error line."""

@@ -1,7 +1,7 @@
 """Mean attention weight as a function of relative position m - n (METHODS.md §4).
 
 Needs the weights themselves (a fused kernel cannot group by m - n): the
-``distance`` product of :mod:`actlake.analysis.attention_weights`, summed over the
+``distance`` product of :mod:`actlake.analysis.engine.attention_weights`, summed over the
 batch block by block, then along diagonals.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import pyarrow as pa
 
-from actlake.analysis import grid
-from actlake.analysis.layer_qk import LayerQK
+from actlake.analysis.engine import grid
+from actlake.analysis.engine.layer_qk import LayerQK
 from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 
@@ -22,7 +22,8 @@ from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 class AttentionByDistance(OneTable, SumStats):
     name = "attention_by_distance"
     graph_safe = True
-    reads = frozenset({"attention", "distance"})
+    sites = frozenset({"attention"})
+    products = frozenset({"distance"})
     tables = ("attention_by_distance",)
     views = {"attention_by_distance_mean": """
         SELECT layer, head, distance, n_pairs, attn_sum / nullif(n_pairs, 0) AS mean_attention

@@ -2,7 +2,7 @@
 
 mass(l, h, cq, ck) = sum over valid queries m of category cq of sum over valid
 keys n of category ck of alpha_mn. The mass each query gives each key category is
-the ``mass`` product of :mod:`actlake.analysis.attention_weights`: read off the
+the ``mass`` product of :mod:`actlake.analysis.engine.attention_weights`: read off the
 explicit weights, or, without them, the attention output for V = the one-hot
 key-category matrix (one fused kernel call on a (T, C) value).
 """
@@ -14,32 +14,18 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from actlake.analysis import grid
+from actlake.analysis.engine import grid
 from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
-
-
-def allowed_pairs(valid: torch.Tensor, causal: bool) -> torch.Tensor:
-    """(B, T) validity -> (B, 1, T, T) bool mask of pairs (m, n) a query may attend to."""
-    T = valid.shape[1]
-    mask = valid.bool()[:, None, None, :].expand(-1, 1, T, T)
-    if causal:
-        mask = mask & torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
-    return mask
-
-
-def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """(B, H_kv, T, d) -> (B, H, T, d): query head h reads key head h // (H / H_kv)."""
-    rep = n_heads // key.shape[1]
-    return key if rep == 1 else key.repeat_interleave(rep, dim=1)
 
 
 @dataclass
 class AttentionMass(OneTable, SumStats):
     name = "attention_mass"
     graph_safe = True
-    reads = frozenset({"attention", "mass"})
+    sites = frozenset({"attention"})
+    products = frozenset({"mass"})
     tables = ("attention_mass",)
     views = {"attention_mass_by_key": """
         SELECT layer, head, key_category, sum(mass) AS mass, sum(n_queries) AS n_queries,
@@ -67,7 +53,7 @@ class AttentionMass(OneTable, SumStats):
         self.nonfinite[layer] += count.to(self.nonfinite.device)
 
     def add_layer(self, lq) -> None:
-        """Accumulate one layer of one batch (a :class:`~actlake.analysis.layer_qk.LayerQK`)."""
+        """Accumulate one layer of one batch (a :class:`~actlake.analysis.engine.layer_qk.LayerQK`)."""
         per_q = lq.product("mass").double()  # (B, H, T, C), zero on invalid queries
         mass = torch.einsum("bhtk,btq->hqk", per_q, lq.query_onehot.double())
         accumulate([self.mass[lq.layer], self.n_queries[lq.layer]], [mass, lq.batch.queries_by_category])

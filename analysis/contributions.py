@@ -12,16 +12,18 @@ sequence, and the whole sum is (sum_{n in c} x_n) * W_K (sum_m q_m): per sequenc
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from actlake.analysis import grid
-from actlake.analysis.device import tf32
-from actlake.analysis.layer_qk import LayerQK
-from actlake.analysis.rope import unrotate
+from actlake.analysis.dim_moments import top_outlier_dims
+from actlake.analysis.engine import grid
+from actlake.analysis.engine.device import tf32
+from actlake.analysis.engine.layer_qk import LayerQK
+from actlake.analysis.engine.rope import unrotate
 from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
@@ -41,7 +43,7 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
     of x_n * W_K R_n^T qsum(n) and of the bias term (R_n^T qsum(n)) . b_K.
 
     Never builds the (B, H, T, d) tensor: the batch's valid keys are gathered sorted by category
-    (:class:`~actlake.analysis.layer_qk.KeyOrder`), then per category M = X_c^T [Q_c ...] (d, H * k * d_h)
+    (:class:`~actlake.analysis.engine.layer_qk.KeyOrder`), then per category M = X_c^T [Q_c ...] (d, H * k * d_h)
     is one GEMM over that category's rows for all heads and ``qsums`` at once, and
     C_j = sum_k W_K[j, k] M[j, k] per head. Cost O(T d d_h) per head and qsum, the order of one projection.
     """
@@ -110,7 +112,8 @@ def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
 class Contributions(OneTable, SumStats):
     name = "contributions"
     graph_safe = True
-    reads = frozenset({"attention", "layer_inputs", "weighted_qsum"})
+    sites = frozenset({"attention", "layer_inputs"})
+    products = frozenset({"weighted_qsum"})
     tables = ("contributions",)
     views = {"contributions_mean": """
         SELECT layer, head, query_category, key_category, dim, n_pairs,
@@ -135,10 +138,10 @@ class Contributions(OneTable, SumStats):
     weighted_on: bool = True
     """Accumulate the attention-weighted sums (they need the ``weighted_qsum`` product)."""
 
-    @staticmethod
-    def options_from(analyses_cfg) -> dict:
-        return {"by_query_category": analyses_cfg.contributions_by_query_category,
-                "weighted": analyses_cfg.weighted_contributions}
+    @classmethod
+    def options_from(cls, cfg) -> dict:
+        return {"by_query_category": cfg.analyses.contributions_by_query_category,
+                "weighted": cfg.analyses.weighted_contributions}
 
     @classmethod
     def create(cls, spec, by_query_category: bool = False, weighted: bool = True) -> "Contributions":
@@ -146,7 +149,7 @@ class Contributions(OneTable, SumStats):
         out = cls.zeros(spec.n_layers, spec.n_heads, spec.d_model, groups, device=spec.device)
         out.weighted_on = weighted
         if not weighted:
-            out.reads = cls.reads - {"weighted_qsum"}
+            out.products = frozenset()
         return out
 
     @classmethod
@@ -258,10 +261,6 @@ def contribution_layers(con) -> list[int]:
 
 def table1_html(con) -> str:
     """Seed 001 Table 1: mean C_j of the top outlier dimensions by key category, for the chosen layers."""
-    import html
-
-    from actlake.analysis.dim_moments import top_outlier_dims
-
     dims = top_outlier_dims(con)
     layers = contribution_layers(con)
     rows = con.execute(f"""

@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from actlake.analysis import grid
-from actlake.analysis.device import to_device
-from actlake.analysis.moments import GroupSums, Moments
+from actlake.analysis.engine import grid
+from actlake.analysis.engine.device import to_device
+from actlake.analysis.engine.moments import GroupSums, Moments
 from actlake.analysis.protocol import Analysis, OneTable
 from actlake.analysis.stats import np64, tensor
 from actlake.categories import SCHEMES
@@ -39,7 +39,7 @@ OUTLIER_Z = 5.0
 @dataclass
 class DimMoments(OneTable, Analysis):
     name = "dim_moments"
-    reads = frozenset({"hidden_states"})
+    sites = frozenset({"hidden_states"})
     tables = ("dim_moments",)
     views = {"outliers": """
         WITH m AS (SELECT layer, dim, mean, count FROM dim_moments WHERE scheme = 'all'),
@@ -158,7 +158,7 @@ class BatchMoments:
     every value, which is not finite if one was not; :meth:`DimMoments.problems` says so, the caller
     reads that once per batch and recomputes with True if so.
     ``kernel``: with ``exact_nonfinite`` False, each layer's sums and maxima from one Triton kernel
-    (:func:`~actlake.analysis.kernels.group_moments`: hidden states read once in their dtype) instead of
+    (:func:`~actlake.analysis.engine.kernels.group_moments`: hidden states read once in their dtype) instead of
     float64 products; ``unchecked`` is then the sum of the valid tokens' values, the ones that count.
     """
 
@@ -187,7 +187,7 @@ class BatchMoments:
         """Hidden state ``layer`` (B, T, d), on any device (with device_map: moved to this one's)."""
         x = h.reshape(-1, self.d).to(self.dev)  # (B*T, d)
         if self.kernel:
-            from actlake.analysis import kernels
+            from actlake.analysis.engine import kernels  # imports triton, installed only where kernels run
 
             kernels.group_moments(x, self.ids, self.G, out=self.acc[layer])
             if layer == self.acc.shape[0] - 1 and ("moments", self.dev) not in kernels._verified:
@@ -207,7 +207,7 @@ class BatchMoments:
 
     def _verify(self, x: torch.Tensor) -> None:
         """The kernel's sums of the last layer against the float64 products (once per process and device)."""
-        from actlake.analysis import kernels
+        from actlake.analysis.engine import kernels  # imports triton, installed only where kernels run
 
         work, acc = GroupSums(self.host_ids, self.G, self.d, device=self.dev), self.acc[-1]
         _, sums, sq = work.sums(x)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from actlake.analysis import grid
-from actlake.analysis.device import tf32
-from actlake.analysis.layer_qk import LayerQK
+from actlake.analysis.engine import grid
+from actlake.analysis.engine.device import tf32
+from actlake.analysis.engine.layer_qk import LayerQK
 from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
@@ -27,7 +27,8 @@ from actlake.categories import ROLE
 class Geometry(OneTable, SumStats):
     name = "geometry"
     graph_safe = True
-    reads = frozenset({"attention", "mass", "mass_keynorm"})
+    sites = frozenset({"attention"})
+    products = frozenset({"mass", "mass_keynorm"})
     tables = ("attention_geometry",)
     views = {"attention_geometry_mean": """
         SELECT layer, head, key_category, n_pairs,

@@ -1,44 +1,48 @@
-"""The analysis protocol: what every statistic of a job declares, and the registry that runs them.
+"""The protocol every table of a job is made through: what it reads, how a batch updates it, its tables.
 
-An analysis is one class (built in, or yours: ``analyses.custom`` in the job config) that says
+Two kinds of producer share it (:class:`Producer`):
 
-- what it reads (:data:`READS`): each layer's attention (a :class:`~actlake.analysis.layer_qk.LayerQK`:
-  q and k as the kernel receives them, the batch's masks and categories), the key projection's input
-  x and RoPE angles of that layer, products of the attention weights computed once per layer for
-  every analysis that wants them (:data:`~actlake.analysis.attention_weights.PRODUCTS`), or the
-  hidden states of every layer;
-- how one batch updates it, on the model's device (:meth:`Analysis.add_layer`,
-  :meth:`Analysis.add_hidden`), without reading values back to the host;
-- an associative ``merge`` (shards reduce in any order);
-- its tables (``to_tables`` / ``from_tables``; per-shard partials are written as ``<table>_by_shard``,
-  the reduce step merges them into ``<table>``), its SQL views and its report charts.
+- an :class:`Analysis` holds mergeable statistics (float64 sums on the model's device). Each shard's
+  statistics are committed in its commit group as ``<table>_partial`` rows; the reduce step merges every
+  group's (``merge`` is associative) into the reduced ``<table>``. It may declare SQL views and report charts.
+- a :class:`ShardTable` writes rows per token, window or document (``per_token``) with each shard and is
+  never reduced: ``tokens``, ``residual_norms``, ``activations``, ``documents``, ``rejects``.
 
-Extraction, the reduce step, the SQL views and the report loop over the enabled analyses; no other
-module names a particular one.
+A producer reads from *sites* (:data:`Site`): each layer's attention (a
+:class:`~actlake.analysis.engine.layer_qk.LayerQK`: q and k as the kernel receives them, the batch's masks
+and categories), that layer's key-projection input x and RoPE angles, or the hidden states of every layer;
+an analysis may also read *products* of the attention weights (:data:`Product`), computed once per layer
+for every analysis that wants them (:mod:`~actlake.analysis.engine.attention_weights`). Device work
+(:meth:`Producer.add_layer`, :meth:`Producer.add_hidden`) reads nothing back to the host.
+
+Extraction, the reduce step, the SQL views and the report loop over the enabled producers
+(:mod:`~actlake.analysis.registry`); no other module names a particular one.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, get_args
 
+import numpy as np
 import torch
 
-from actlake.errors import ConfigError
-
-READS = frozenset({"attention", "layer_inputs", "hidden_states", "mass", "mass_keynorm", "weighted_qsum", "distance"})
-"""What an analysis may read. ``attention``: :meth:`Analysis.add_layer` is called with each layer's
-LayerQK. ``layer_inputs``: that LayerQK carries x, W_K, b_K and RoPE angles. Products of the attention
-weights (``mass`` …): computed before ``add_layer`` and read with ``lq.product(name)``.
-``hidden_states``: :meth:`Analysis.add_hidden` is called with each hidden state of a batch as the model
-produces it, layer 0 to n_layers in order (none is kept after its call)."""
+Site = Literal["attention", "layer_inputs", "hidden_states"]
+"""Where a producer reads. ``attention``: :meth:`Producer.add_layer` is called with each layer's LayerQK.
+``layer_inputs``: that LayerQK also carries x, W_K, b_K and RoPE angles. ``hidden_states``:
+:meth:`Producer.add_hidden` is called with each hidden state of a batch as the model produces it,
+layer 0 to n_layers in order (none is kept after its call)."""
+Product = Literal["mass", "mass_keynorm", "weighted_qsum", "distance"]
+"""Products of a layer's attention weights, computed before ``add_layer`` and read with ``lq.product(name)``
+(METHODS.md §2-4; :mod:`~actlake.analysis.engine.attention_weights`)."""
+SITES: frozenset = frozenset(get_args(Site))
+PRODUCTS: frozenset = frozenset(get_args(Product))
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What an analysis needs to size its accumulators."""
+    """What a producer needs to size its accumulators."""
 
     n_layers: int
     """Attention layers (hidden states: n_layers + 1, 0 = embeddings)."""
@@ -53,50 +57,76 @@ class ModelSpec:
 
 @dataclass
 class HiddenBatch:
-    """A batch as :meth:`Analysis.add_hidden` sees it. Masks and categories are the host's (B, T) tensors."""
+    """A batch as :meth:`Producer.add_hidden` sees it. Masks and categories are the host's (B, T) tensors."""
 
     valid: torch.Tensor
     role: torch.Tensor
     type8: torch.Tensor
     strict: bool
     """Look for inf/NaN values as they come (may read the device back). False: count them on the device
-    and report them through :meth:`Analysis.problems`; the batch is then run again strictly."""
+    and report them through :meth:`Producer.problems`; the batch is then run again strictly."""
     triton: bool = False
-    """The worker uses Triton kernels (:mod:`~actlake.analysis.kernels`; a CUDA device)."""
+    """The worker uses Triton kernels (:mod:`~actlake.analysis.engine.kernels`; a CUDA device)."""
+    windows: list = field(default_factory=list)
+    """The batch's :class:`~actlake.batching.Window` s, row by row."""
 
 
-class Analysis(ABC):
-    """Base class of an analysis (see the module docstring). Subclasses set the class attributes and
-    override what they use; the accumulators are the instance's tensors."""
+@dataclass
+class BatchOutputs:
+    """A finished batch on the host, as :meth:`ShardTable.collect` sees it (padding included; ``mask`` says
+    which tokens are real; windows are right-padded, so a row's real tokens are a prefix)."""
+
+    windows: list
+    """(B,) :class:`~actlake.batching.Window` s."""
+    ids: torch.Tensor
+    """(B, T) token ids."""
+    mask: torch.Tensor
+    """(B, T) 1 for real tokens."""
+    role: torch.Tensor
+    """(B, T) int64 ``ROLE`` ids (0 on padding)."""
+    type8: torch.Tensor
+    """(B, T) int64 ``TYPE8`` ids (0 on padding)."""
+    cats: object
+    """The worker's :class:`~actlake.categories.Categorizer` (token texts)."""
+    surprisal: torch.Tensor | None = None
+    """(B, T) float32 -log p(token | earlier tokens), NaN where undefined; None without an LM head."""
+
+    def token_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(doc_id, window_index, position, lengths): the real tokens' keys in (row, position) order, (n,)
+        each, and the (B,) window lengths."""
+        lengths = np.fromiter((len(w.ids) for w in self.windows), np.int64, len(self.windows))
+        n = int(lengths.sum())
+        return (np.repeat([w.doc_id for w in self.windows], lengths), np.repeat([w.window for w in self.windows], lengths),
+                np.arange(n) - np.repeat(np.cumsum(lengths) - lengths, lengths), lengths)
+
+
+class Producer(ABC):
+    """What every producer declares (see the module docstring); the hooks it does not use keep their defaults."""
 
     name: ClassVar[str] = ""
     """Name in configs, logs and errors."""
-    reads: ClassVar[frozenset] = frozenset()
-    """Subset of :data:`READS`."""
+    sites: ClassVar[frozenset] = frozenset()
+    """Subset of :data:`SITES`."""
+    products: ClassVar[frozenset] = frozenset()
+    """Subset of :data:`PRODUCTS` (read with ``lq.product(name)``; needs ``attention`` in :attr:`sites`)."""
     tables: ClassVar[tuple[str, ...]] = ()
-    """Reduced tables (per-shard partials: ``<table>_by_shard``)."""
-    views: ClassVar[dict[str, str]] = {}
-    """SQL views over its reduced tables (name -> SELECT), created by ``actlake sql`` / ``open_run``."""
+    """The tables it writes."""
+    per_token: ClassVar[bool] = False
+    """True for a :class:`ShardTable` (rows written per shard, never reduced)."""
+
+    @classmethod
+    def options_from(cls, cfg) -> dict:
+        """Keyword arguments of :meth:`create` from the job's config (a :class:`~actlake.config.JobConfig`);
+        a custom producer gets its ``analyses.custom[].args`` instead."""
+        return {}
 
     @classmethod
     @abstractmethod
-    def create(cls, spec: ModelSpec, **options) -> "Analysis":
-        """Fresh (zero) accumulators on ``spec.device``; ``options`` from the job config."""
-
-    graph_safe: ClassVar[bool] = False
-    """:meth:`add_layer` may be recorded at one layer of a batch and replayed at the others
-    (``analyses.layer_graphs``, :mod:`~actlake.analysis.layer_replay`): it reads only ``lq`` and what is
-    the same for the whole batch, reads nothing back from the device and copies nothing from the host,
-    keeps no Python state per layer, and writes only its tensor fields, each at ``[lq.layer]`` on its
-    first dimension. :meth:`layer_scratch` must then work (it does for :class:`~actlake.analysis.stats.SumStats`)."""
+    def create(cls, spec: ModelSpec, **options) -> "Producer":
+        """A fresh (zero) producer for one batch or one shard, its tensors on ``spec.device``."""
 
     def add_layer(self, lq) -> None:
-        """One attention layer of one batch (when ``attention`` is in :attr:`reads`)."""
-
-    def layer_scratch(self) -> "Analysis":
-        """For :attr:`graph_safe` analyses: a copy whose tensor fields hold one layer, zero (first dimension
-        1), which a recorded :meth:`add_layer` writes at layer 0."""
-        raise NotImplementedError(f"{type(self).__name__} is not graph_safe")
+        """One attention layer of one batch (``attention`` in :attr:`sites`)."""
 
     def add_hidden(self, layer: int, h: torch.Tensor, batch: HiddenBatch) -> None:
         """Hidden state ``layer`` (B, T, d) of one batch, on the device of the block that produced it
@@ -105,9 +135,32 @@ class Analysis(ABC):
         while the model runs, so the call for layer ``n_layers`` is the batch's last. Keep what you need:
         the model frees ``h`` once it is no longer its input."""
 
+    def nonfinite_excluded(self, layer: int, count: torch.Tensor) -> None:
+        """``count`` tokens of ``layer`` left every attention statistic of this batch (their q, k or x held
+        inf/NaN); called before that layer's :meth:`add_layer`."""
+
     def problems(self) -> list[torch.Tensor]:
-        """Device counters that must be zero for this batch's statistics to be right (read once per batch)."""
+        """Device counters that must be zero for this batch's outputs to be right (read once per batch)."""
         return []
+
+
+class Analysis(Producer):
+    """Mergeable statistics: one instance per batch and per shard, merged, reduced over shards."""
+
+    views: ClassVar[dict[str, str]] = {}
+    """SQL views over its reduced tables (name -> SELECT), recorded in the run by the reduce step and
+    created by ``actlake sql`` / ``open_run``."""
+    graph_safe: ClassVar[bool] = False
+    """:meth:`add_layer` may be recorded at one layer of a batch and replayed at the others
+    (``analyses.layer_graphs``, :mod:`~actlake.analysis.engine.layer_replay`): it reads only ``lq`` and what
+    is the same for the whole batch, reads nothing back from the device and copies nothing from the host,
+    keeps no Python state per layer, and writes only its tensor fields, each at ``[lq.layer]`` on its
+    first dimension. :meth:`layer_scratch` must then work (it does for :class:`~actlake.analysis.stats.SumStats`)."""
+
+    def layer_scratch(self) -> "Analysis":
+        """For :attr:`graph_safe` analyses: a copy whose tensor fields hold one layer, zero (first dimension
+        1), which a recorded :meth:`add_layer` writes at layer 0."""
+        raise NotImplementedError(f"{type(self).__name__} is not graph_safe")
 
     @abstractmethod
     def merge(self, other: "Analysis") -> "Analysis":
@@ -129,7 +182,6 @@ class Analysis(ABC):
         return []
 
 
-
 class OneTable:
     """Mixin for an analysis with one table: ``to_tables`` / ``from_tables`` through the class's own
     ``to_arrow`` / ``from_arrow`` (list it before the Analysis base)."""
@@ -142,47 +194,34 @@ class OneTable:
         return cls.from_arrow(tables[cls.tables[0]])
 
 
-def builtin() -> dict[str, type[Analysis]]:
-    """The built-in analyses by config key (``analyses.<name>: true/false``)."""
-    from actlake.analysis.attention_distance import AttentionByDistance
-    from actlake.analysis.attention_mass import AttentionMass
-    from actlake.analysis.contributions import Contributions
-    from actlake.analysis.dim_moments import DimMoments
-    from actlake.analysis.geometry import Geometry
+class ShardTable(Producer):
+    """One table written with each shard, never reduced; :attr:`schema` is its Arrow schema.
 
-    return {c.name: c for c in (DimMoments, AttentionMass, Contributions, Geometry, AttentionByDistance)}
+    A token table is made per batch: :meth:`create` before the forward pass, the device hooks while it
+    runs, :meth:`collect` once the batch is finished (host arrays only, cheap: the worker holds its compute
+    lock), and :meth:`to_table` over the shard's parts when the shard is written. A failed batch's parts
+    are dropped, so a retried batch counts once. Tables of reading (``documents``, ``rejects``) are made
+    per shard from its reading (:meth:`collect_read`)."""
 
+    per_token = True
+    schema: ClassVar = None
+    """Its ``pyarrow.Schema``."""
+    of_reading: ClassVar[bool] = False
+    """Rows come from the shard's reading (:meth:`collect_read`), not from its batches."""
 
-def load_class(target: str, where: str = "analyses.custom") -> type[Analysis]:
-    """``package.module:ClassName`` -> the class, which must subclass :class:`Analysis`."""
-    module, _, attr = target.partition(":")
-    if not module or not attr:
-        raise ConfigError(f"{where}: '{target}' is not 'package.module:ClassName'")
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{where}: cannot import '{target}' ({type(e).__name__}: {e})") from None
-    if not (isinstance(cls, type) and issubclass(cls, Analysis)):
-        raise ConfigError(f"{where}: '{target}' is not a subclass of actlake.analysis.protocol.Analysis")
-    bad = set(cls.reads) - READS
-    if bad or not cls.name or not cls.tables:
-        raise ConfigError(f"{where}: '{target}' must set name and tables and read only {sorted(READS)}"
-                          + (f" (unknown: {sorted(bad)})" if bad else ""))
-    return cls
+    @classmethod
+    def create(cls, spec: ModelSpec, **options) -> "ShardTable":
+        out = cls()
+        out.spec, out.options = spec, options
+        return out
 
+    def collect(self, out: BatchOutputs) -> None:
+        """This batch's rows, from the finished batch (and what the device hooks copied to the host)."""
 
-def enabled(analyses_cfg) -> list[tuple[type[Analysis], dict]]:
-    """(class, options) of every analysis a job's ``analyses`` config turns on, built-ins first."""
-    out = []
-    for name, cls in builtin().items():
-        if getattr(analyses_cfg, name):
-            out.append((cls, cls.options_from(analyses_cfg) if hasattr(cls, "options_from") else {}))
-    for i, custom in enumerate(getattr(analyses_cfg, "custom", []) or []):
-        cls = load_class(custom.analysis, f"analyses.custom[{i}].analysis")
-        out.append((cls, dict(custom.args)))
-    return out
+    def collect_read(self, docs: list[dict], rejects: list[dict]) -> None:
+        """For :attr:`of_reading` tables: the shard's documents and rejected records."""
 
-
-def products(classes) -> frozenset:
-    """Products of the attention weights the given analyses read."""
-    return frozenset().union(*(c.reads for c in classes)) & (READS - {"attention", "layer_inputs", "hidden_states"})
+    @classmethod
+    @abstractmethod
+    def to_table(cls, parts: list["ShardTable"], **options):
+        """The shard's table from its parts (``options`` as given to :meth:`create`; ``parts`` may be empty)."""

@@ -1,8 +1,13 @@
-"""Per-token, per-layer residual-stream norms ||h_t^l|| (METHODS.md §1)."""
+"""The ``residual_norms`` table: per-token, per-layer residual-stream norms ||h_t^l|| (METHODS.md §1)."""
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
 import torch
+
+from actlake.analysis.engine.device import to_host
+from actlake.analysis.protocol import BatchOutputs, HiddenBatch, ShardTable
 
 
 def add_norms(out: torch.Tensor | None, layer: int, h: torch.Tensor, n_hidden: int) -> torch.Tensor:
@@ -13,3 +18,42 @@ def add_norms(out: torch.Tensor | None, layer: int, h: torch.Tensor, n_hidden: i
         out = torch.empty(*h.shape[:-1], n_hidden, dtype=torch.float64, device=h.device)
     out[..., layer] = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float64).to(out.device)
     return out
+
+
+class ResidualNorms(ShardTable):
+    """Norms of every hidden state into one (B, T, L+1) float64 device buffer per batch, copied to the host
+    without blocking after the last layer; rows of the real tokens at :meth:`collect`."""
+
+    name = "residual_norms"
+    sites = frozenset({"hidden_states"})
+    tables = ("residual_norms",)
+    schema = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
+                        ("layer", pa.int16()), ("norm", pa.float64())])
+
+    norms = None  # (B, T, L+1) on the device while the batch runs, then the host's copy
+
+    def add_hidden(self, layer: int, h: torch.Tensor, batch: HiddenBatch) -> None:
+        n_hidden = self.spec.n_layers + 1
+        self.norms = add_norms(self.norms, layer, h, n_hidden)
+        if layer == n_hidden - 1:
+            self.norms = to_host(self.norms)
+
+    def collect(self, out: BatchOutputs) -> None:
+        doc_id, window, position, _ = out.token_keys()
+        self.keys = np.stack([doc_id, window, position], 1)  # (n, 3)
+        self.values = self.norms.numpy()[out.mask.bool().numpy()]  # (n, L+1)
+
+    @classmethod
+    def to_table(cls, parts: list["ResidualNorms"], **options) -> pa.Table:
+        if not parts:
+            return cls.schema.empty_table()
+        keys = np.concatenate([p.keys for p in parts])  # (N, 3)
+        norms = np.concatenate([p.values for p in parts])  # (N, L+1)
+        L1 = norms.shape[1]
+        return pa.table({
+            "doc_id": pa.array(np.repeat(keys[:, 0], L1), pa.int64()),
+            "window_index": pa.array(np.repeat(keys[:, 1], L1), pa.int32()),
+            "position": pa.array(np.repeat(keys[:, 2], L1), pa.int32()),
+            "layer": pa.array(np.tile(np.arange(L1), len(keys)), pa.int16()),
+            "norm": pa.array(norms.ravel(), pa.float64()),
+        }, schema=cls.schema)

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from actlake.analysis.engine.device import accumulate  # noqa: F401 - the analyses' import of it
 from actlake.analysis.protocol import Analysis
 
 
@@ -35,14 +36,6 @@ class SumStats(Analysis):
 
     def to(self, device):
         return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in self._tensor_fields()})
-
-
-def accumulate(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """``targets[i] += values[i]`` for every i, as one operation (``torch._foreach_add_``: one kernel
-    launch for all of them on a GPU, where the analyses' many small sums are launch-bound). Values are
-    moved to their target's device (with device_map a layer may live on another GPU than the
-    accumulators) and dtype."""
-    torch._foreach_add_(targets, [v.to(t.device, t.dtype) for t, v in zip(targets, values, strict=True)])
 
 
 def zeros(*shape: int, device=None) -> torch.Tensor:

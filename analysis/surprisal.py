@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from actlake.analysis.device import to_device
+from actlake.analysis.engine.device import to_device
 
 CHUNK_LOGITS = 1 << 24
 """Logits formed at once (tokens × vocabulary): with the float32 copy and its log-softmax about 170 MB of

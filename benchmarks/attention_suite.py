@@ -106,8 +106,8 @@ def _naive(lm, batch, tensors):
     alpha-weighted). Returns the (L, H, C, d) sums, float64."""
     import torch
 
-    from actlake.analysis import capture
-    from actlake.analysis.recorder import ModelQK
+    from actlake.analysis.engine import capture
+    from actlake.analysis.engine.recorder import ModelQK
     from actlake.categories import ROLE, Categorizer
 
     ids, mask = tensors
@@ -140,7 +140,6 @@ def _naive(lm, batch, tensors):
 
 def _naive_matches_suite(lm, batches, picks, max_length) -> float:
     """Largest |naive - suite| / max |suite| over the plain and weighted contribution sums."""
-    import torch
 
     from actlake.batching import collate
     from actlake.config import ModelConfig

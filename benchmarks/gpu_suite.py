@@ -184,7 +184,7 @@ def runners(names, lm, batches, args):
     """name -> function(batch index) running that variant on one batch."""
     import torch
 
-    from actlake.analysis.device import to_device
+    from actlake.analysis.engine.device import to_device
     from actlake.batching import collate
 
     tensors = [tuple(to_device(t, lm.device) for t in collate(b, lm.tokenizer.pad_token_id)) for b in batches]
@@ -343,7 +343,6 @@ def heap_peak(fn, i) -> float:
 
 
 def profile(fn, n: int, rows: int = 15) -> None:
-    import torch
     from torch.profiler import ProfilerActivity, profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
@@ -379,7 +378,7 @@ def shard_figure(lm, batches, args) -> dict:
         for b in alone:  # one after the other, each waited for, merged as process merges them
             result = ex.run_batch(b)
             merged = result.stats if merged is None else {n: merged[n].merge(p) for n, p in result.stats.items()}
-            norm_sums = norm_sums + result.norms[result.mask.bool()].sum(0).numpy()  # (L+1,) per layer
+            norm_sums = norm_sums + result.parts["residual_norms"].norms[result.outputs.mask.bool()].sum(0).numpy()  # (L+1,) per layer
         sync()
         batches_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -430,7 +429,6 @@ def check(lm, batches, args) -> dict:
     """The suite's statistics on batch 0 against the explicit path run strictly (every layer checked as
     it comes, weights built in blocks: the path the CPU tests compare with float64 brute force): the
     largest |difference| per field, relative to that field's largest |value|."""
-    import torch
 
     from actlake.config import parse_config
     from actlake.jobs.extract import Extractor

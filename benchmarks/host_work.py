@@ -8,7 +8,7 @@ the host's share of a batch (collating and categorising batch k+1, collecting ba
 under the compute lock) is hidden only while it takes less than the device's time for a batch. This
 prints each part's time per batch (best of --rounds, one batch of --batch-tokens tokens, the host's
 threads as torch has them), their sum, and that sum over the plain forward pass's time for the batch:
-below 1 the device is the bound, above 1 the host is. Building the tables (``ShardResults.write``,
+below 1 the device is the bound, above 1 the host is. Building the tables (``Extractor.write_tables``,
 outside the lock, while the next shard computes) is printed apart. Models and batches are those of
 ``gpu_suite.py``; this imports neither Ray nor DuckDB.
 """
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     plain()  # warm-up
 
     def collect():
-        acc = ShardResults(cfg.analyses, ex.new_stats(), ex.cats, cfg.activations)
+        acc = ShardResults(ex.new_stats())
         acc.add(result)  # the statistics' merges are queued on the device, not waited for
         return acc
 
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     ms = {name: best_ms(f, args.rounds + 3) for name, f in parts.items()}
     plain_ms = best_ms(plain, args.rounds + 3)
     acc = collect()
-    write_ms = best_ms(lambda: acc.write(_NoDisk(), [], []), args.rounds + 3)
+    write_ms = best_ms(lambda: ex.write_tables(_NoDisk(), acc, [], []), args.rounds + 3)
     held = sum(ms.values())
     dev = torch.cuda.get_device_name() if lm.device.type == "cuda" else "CPU"
     print(f"{dev}, {args.model_config}{' (tiny)' if args.tiny else ''}, {args.dtype}, T = {args.seq_len}, "
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     print(f"  {'held under the compute lock':<38} {held:8.2f} ms = {held / plain_ms:.3g}x the plain forward "
           f"pass ({plain_ms:.2f} ms)")
     print(f"  {'categories, first batch (cold)':<38} {cold_ms:8.2f} ms")
-    print(f"  {'token tables (ShardResults.write)':<38} {write_ms:8.2f} ms, outside the lock")
+    print(f"  {'token tables (Extractor.write_tables)':<38} {write_ms:8.2f} ms, outside the lock")
     return 0
 
 

@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     ap.add_argument("--groups", type=int, nargs="+", default=[20, 200])
     args = ap.parse_args(argv)
 
-    from actlake.analysis.protocol import builtin
+    from actlake.analysis.registry import builtin
     from actlake.jobs.reduce import reduce_run
     from actlake.storage.layout import RunLayout
 

@@ -1,39 +1,45 @@
-"""Attention entropy per head by query category: a custom actlake analysis (README: Your own analysis)."""
+"""Attention entropy per layer, query category and head: a custom analysis (README: Your own analysis).
+
+Tensor fields are float64 sums (SumStats merges them), sized in create, updated per layer in add_layer on
+the model's device, and written as one long table over AXES."""
 from dataclasses import dataclass
 
+import pyarrow as pa
 import torch
 
-from actlake.analysis import grid
+from actlake.analysis.engine import grid
+from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, np64, tensor, zeros
 from actlake.categories import ROLE
 
 
 @dataclass
-class AttentionEntropy(SumStats):
-    name, reads, tables = "attention_entropy", frozenset({"attention"}), ("attention_entropy",)
-    entropy: torch.Tensor  # (L, H, C): summed entropy (nats) of the attention of queries of category c
-    n_queries: torch.Tensor  # (L, C): valid queries of category c
+class AttentionEntropy(OneTable, SumStats):
+    name = "attention_entropy"
+    sites = frozenset({"attention"})  # add_layer gets each layer's LayerQK
+    tables = ("attention_entropy",)
+    views = {"attention_entropy_mean": "SELECT layer, query_category, head, "
+                                       "entropy_sum / nullif(n_queries, 0) AS mean_entropy FROM attention_entropy"}
+    AXES = [("layer", 0), ("query_category", ROLE), ("head", 0)]  # 0: length from the tensors or the table
+
+    entropy: torch.Tensor  # (L, C, H) summed entropy (nats) of the attention of queries of category c
+    n_queries: torch.Tensor  # (L, C) valid queries of category c (the same for every head)
 
     @classmethod
     def create(cls, spec, **options) -> "AttentionEntropy":
-        return cls(zeros(spec.n_layers, spec.n_heads, len(ROLE), device=spec.device),
-                   zeros(spec.n_layers, len(ROLE), device=spec.device))
+        L, C, H = spec.n_layers, len(ROLE), spec.n_heads
+        return cls(zeros(L, C, H, device=spec.device), zeros(L, C, device=spec.device))
 
     def add_layer(self, lq) -> None:
         w = lq.weights()  # (B, H, T, T), zero rows for padded queries
         entropy = -(w * torch.log(w.clamp(min=1e-30))).sum(-1)  # (B, H, T)
-        self.entropy[lq.layer] += torch.einsum("bht,btc->hc", entropy.double(), lq.query_onehot)
-        self.n_queries[lq.layer] += lq.query_onehot.sum((0, 1))
+        self.entropy[lq.layer] += torch.einsum("bht,btc->ch", entropy.double(), lq.query_onehot.double())
+        self.n_queries[lq.layer] += lq.query_onehot.double().sum((0, 1))
 
-    AXES = [("layer", 0), ("head", 0), ("query_category", ROLE)]
-
-    def to_tables(self) -> dict:
-        L, H, _ = self.entropy.shape
-        axes = [("layer", L), ("head", H), ("query_category", ROLE)]
-        values = {"entropy_sum": np64(self.entropy), "n_queries": np64(self.n_queries)[:, None].repeat(H, 1)}
-        return {"attention_entropy": grid.to_arrow(axes, values)}
+    def to_arrow(self) -> pa.Table:  # n_queries spans the first two axes: repeated over heads
+        return grid.to_arrow(self.AXES, {"entropy_sum": np64(self.entropy), "n_queries": np64(self.n_queries)})
 
     @classmethod
-    def from_tables(cls, tables: dict) -> "AttentionEntropy":
-        v = grid.from_arrow(tables["attention_entropy"], cls.AXES, {"entropy_sum": 3, "n_queries": 3})
-        return cls(tensor(v["entropy_sum"]), tensor(v["n_queries"][:, 0]))
+    def from_arrow(cls, table: pa.Table) -> "AttentionEntropy":
+        v = grid.from_arrow(table, cls.AXES, {"entropy_sum": 3, "n_queries": 2})
+        return cls(tensor(v["entropy_sum"]), tensor(v["n_queries"]))

@@ -157,7 +157,7 @@ def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
     from transformers import AutoConfig
 
     from actlake.config import resolve_model_path
-    from actlake.storage.activations import bytes_per_token, resolve_layers
+    from actlake.analysis.activation_sample import bytes_per_token, resolve_layers
 
     hf = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), revision=cfg.model.revision,
                                     trust_remote_code=cfg.model.trust_remote_code)
@@ -213,12 +213,12 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
 
     ``on_shard(summary)`` is called in the driver after each shard commits (summary includes the
     worker's resident memory after the shard, ``worker_rss_mb``)."""
-    from actlake.analysis.protocol import enabled
+    from actlake.analysis.registry import enabled
     from actlake.model import require_accelerate
 
     t0 = time.perf_counter()
     import_custom_analyses(cfg)
-    analyses = [cls for cls, _ in enabled(cfg.analyses)]  # imports custom classes: a bad one fails here
+    analyses = [cls for cls, _ in enabled(cfg)]  # imports custom classes: a bad one fails here
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
     layout = RunLayout(cfg.run_dir)
     ensure_output_dir(location(cfg.output.dir))
@@ -260,7 +260,7 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
     write_json_atomic(layout.summary_json, totals)
     report_path = None
     if cfg.output.report if report is None else report:
-        from actlake.report import build_report
+        from actlake.jobs.report import build_report
 
         report_path = str(build_report(layout.root, analyses))
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)

@@ -83,7 +83,7 @@ def submit(cfg: JobConfig, address: str, submission_id: str | None = None, agent
         while True:
             try:
                 return client_.submit_job(
-                    entrypoint="python -m actlake.cli run job.yaml",
+                    entrypoint="python -m actlake.jobs.cli run job.yaml",
                     submission_id=submission_id,
                     runtime_env={"working_dir": str(work),
                                  "py_modules": [str(pkg)] + [c.path for c in cfg.analyses.custom if c.path],

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from actlake.reference import reference_blocks
+from actlake.jobs.reference import reference_blocks
 
 readme = Path(__file__).resolve().parents[1] / "README.md"
 text = readme.read_text()

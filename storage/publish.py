@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -94,3 +95,48 @@ def publish(layout: RunLayout, files: dict[tuple[str, str | None], Path], drop: 
     for p in {p for ps in current.values() for p in ps} - kept:
         with contextlib.suppress(OSError):
             (Path(layout.root) / p).unlink()
+
+
+# --------------------------------------------------------------------------- tables trials leave for the driver
+
+
+PENDING = "_pending"
+"""Run-directory folder where trials leave their result tables until every trial has finished."""
+
+
+def pending_file(run_dir: Path, table: str, partition: str) -> Path:
+    """Where a trial writes its part of ``table`` (``partition``: e.g. ``layer=2``) until :func:`publish_pending`."""
+    return Path(run_dir) / PENDING / table / partition / "part-0.parquet"
+
+
+def discard_pending(run_dir: Path) -> None:
+    """Drop tables left by trials of an attempt that did not finish (they are written again)."""
+    shutil.rmtree(Path(run_dir) / PENDING, ignore_errors=True)
+
+
+def publish_pending(run_dir: Path, drop: tuple[str, ...] = ()) -> int:
+    """Publish every pending table file, and remove the tables in ``drop`` (turned off), in one replacement
+    of the run's publication record (:mod:`actlake.storage.publish`), once all trials have finished."""
+    root = Path(run_dir) / PENDING
+    files = {}
+    for f in sorted(root.rglob("*.parquet")) if root.is_dir() else []:
+        parts = f.relative_to(root).parts  # (table, [partition,] part-0.parquet)
+        files[(parts[0], parts[1] if len(parts) == 3 else None)] = f
+    publish(RunLayout(Path(run_dir)), files, drop)
+    discard_pending(run_dir)
+    return len(files)
+
+
+def publish_table(run_dir: Path, table: str, partition: str | None, data) -> None:
+    """Publish one Arrow table (``partition``: e.g. ``trial=lm``, or None) at once: written whole, then
+    named by the publication record."""
+    from actlake.storage.parquet_io import write_parquet
+
+    layout = RunLayout(Path(run_dir))
+    Path(layout.staging).mkdir(parents=True, exist_ok=True)
+    tmp = Path(layout.staging) / f"{uuid.uuid4().hex}.parquet"
+    try:
+        write_parquet(data, tmp)
+        publish(layout, {(table, partition): tmp})
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -36,7 +36,7 @@ def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
 
     views = recorded_views(layout)
     if views is None:
-        from actlake.analysis.protocol import builtin
+        from actlake.analysis.registry import builtin
 
         views = {name: (cls.tables[0], sql) for cls in builtin().values() for name, sql in cls.views.items()}
     return views

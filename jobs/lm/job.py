@@ -26,8 +26,9 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     against the run directory, the token counts against ``seq_len``, and the checkpoints."""
     from actlake.jobs.lm import loop as lm
     from actlake.jobs.ray_env import init_ray
-    from actlake.jobs.training import (Resources, Trial, TrainingError, check_settings, checkpoint_identity,
-                                       checkpoint_problem, foreign, latest_checkpoint, prepare_checkpoints, run_trials)
+    from actlake.errors import TrainingError
+    from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+    from actlake.storage.checkpoints import (checkpoint_identity, checkpoint_problem, foreign, latest_checkpoint, prepare_checkpoints)
 
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
@@ -116,7 +117,7 @@ def _token_streams(cfg: LMConfig, data: Path, inputs: dict) -> dict:
 def _write_curve(layout: RunLayout, curve: list[dict]) -> None:
     import pyarrow as pa
 
-    from actlake.jobs.training import publish_table
+    from actlake.storage.publish import publish_table
 
     if curve:
         publish_table(layout.root, "lm_curve", None, pa.Table.from_pylist(curve))

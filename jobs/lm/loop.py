@@ -8,14 +8,16 @@ draw windows from it, seeded by (seed, step, rank), so a resumed run draws the s
 from __future__ import annotations
 
 import logging
-import os
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 
 from actlake.hashing import unit_hash
+from actlake.jobs.train_loop import TrainLoop
 from actlake.jobs.training import warmup_cosine_lr
+from actlake.storage.checkpoints import STATE_FILE
 
 log = logging.getLogger("actlake.lm")
 
@@ -137,71 +139,83 @@ def build_model(cfg, vocab_size: int, tokenizer):
     return GPTNeoXForCausalLM(config)
 
 
-def train_loop(config: dict) -> None:
-    """Ray Train loop: ``config`` has job (LMConfig as dict), data (folder of the streams), trial, run_dir."""
-    import ray.train
-    import torch
-    from transformers import AutoTokenizer, GPTNeoXForCausalLM
+class LMLoop(TrainLoop):
+    """train-lm's trial: ``config`` has job (LMConfig as dict) and data (the folder of the token streams)."""
 
-    from actlake.config import parse_config
-    from actlake.jobs.training import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint, worker_setup
-    from actlake.jobs.lm.config import LMConfig
+    def __init__(self, config: dict):
+        from transformers import AutoTokenizer
 
-    cfg = parse_config(config["job"], where="train-lm config", root=LMConfig)
-    t = cfg.training
-    rank, world, device = worker_setup(config)
-    data = Path(config["data"])
-    tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
-    train, held = np.load(data / "train.npy"), np.load(data / "eval.npy")
-    ck_root = Path(config["run_dir"]) / "checkpoints" / config["trial"]
-    latest = latest_checkpoint(ck_root)
-    if latest is None:
-        model, start, curve = build_model(cfg, len(tokenizer), tokenizer), 0, []
-    else:
-        model = GPTNeoXForCausalLM.from_pretrained(latest[1] / "model")
-        state = torch.load(latest[1] / STATE_FILE, weights_only=False)
-        start, curve = state["step"], state["curve"]
-        log.info("train-lm: resuming from step %d", start)
-    model = ray.train.torch.prepare_model(model)
-    raw = model.module if hasattr(model, "module") else model
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    if latest is not None:
-        opt.load_state_dict(state["optimizer"])
-    eval_x = torch.from_numpy(windows(held, 32, t.seq_len, np.random.default_rng([t.seed, 10**9])))
+        from actlake.config import parse_config
+        from actlake.jobs.lm.config import LMConfig
 
-    def eval_loss() -> float:
-        model.eval()
-        with torch.no_grad():
-            out = raw(input_ids=eval_x.to(device), labels=eval_x.to(device))
-        model.train()
-        return out.loss.item()
+        super().__init__(config)
+        self.cfg = parse_config(config["job"], where="train-lm config", root=LMConfig)
+        t = self.t = self.cfg.training
+        self.steps, self.eval_every, self.checkpoint_every = t.steps, t.eval_every, t.checkpoint_every
+        data = Path(config["data"])
+        self.tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
+        self.train, held = np.load(data / "train.npy"), np.load(data / "eval.npy")
+        self.eval_x = windows(held, 32, t.seq_len, np.random.default_rng([t.seed, 10**9]))  # (32, seq_len)
 
-    def checkpoint(step: int) -> None:
-        def write(folder: Path) -> None:
-            raw.save_pretrained(folder / "model")
-            torch.save({"step": step, "optimizer": opt.state_dict(), "curve": curve}, folder / STATE_FILE)
+    def start(self) -> None:
+        self._prepare(build_model(self.cfg, len(self.tokenizer), self.tokenizer), None)
 
-        save_checkpoint(ck_root, step, write, config.get("identity"))
-        prune_checkpoints(ck_root, keep_steps=set())
+    def resume(self, folder: Path) -> int:
+        import torch
+        from transformers import GPTNeoXForCausalLM
 
-    model.train()
-    for step in range(start, t.steps):
-        for group in opt.param_groups:
+        state = torch.load(folder / STATE_FILE, weights_only=False)
+        self.curve = state["curve"]
+        self._prepare(GPTNeoXForCausalLM.from_pretrained(folder / "model"), state["optimizer"])
+        return state["step"]
+
+    def _prepare(self, model, optimizer_state) -> None:
+        import ray.train
+        import torch
+
+        self.model = ray.train.torch.prepare_model(model)
+        self.raw = self.model.module if hasattr(self.model, "module") else self.model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.t.lr, weight_decay=self.t.weight_decay, betas=(0.9, 0.95))
+        if optimizer_state is not None:
+            self.opt.load_state_dict(optimizer_state)
+        self.model.train()
+
+    def train_step(self, step: int) -> float:
+        import torch
+
+        t = self.t
+        for group in self.opt.param_groups:
             group["lr"] = lr_at(step, t)
-        x = torch.from_numpy(windows(train, t.batch_size, t.seq_len, np.random.default_rng([t.seed, step, rank])))
-        x = x.to(device)
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad(set_to_none=True)
+        x = windows(self.train, t.batch_size, t.seq_len, np.random.default_rng([t.seed, step, self.rank]))  # (B, seq_len)
+        x = torch.from_numpy(x).to(self.device)
+        loss = self.model(input_ids=x, labels=x).loss
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        done = step + 1
-        if done % t.eval_every == 0 or done == t.steps:
-            row = {"step": done, "train_loss": loss.item(), "eval_loss": eval_loss(), "lr": lr_at(step, t)}
-            curve.append(row)
-            ray.train.report(row)
-            if rank == 0:
-                log.info("train-lm step %d/%d: train loss %.3f, held-out loss %.3f (perplexity %.1f)", done, t.steps,
-                         row["train_loss"], row["eval_loss"], math.exp(row["eval_loss"]))
-        if rank == 0 and (done % t.checkpoint_every == 0 or done == t.steps):
-            checkpoint(done)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        return loss.item()
+
+    def evaluate(self, done: int, train_loss: float) -> dict:
+        import torch
+
+        self.model.eval()
+        with torch.no_grad():
+            x = torch.from_numpy(self.eval_x).to(self.device)
+            eval_loss = self.raw(input_ids=x, labels=x).loss.item()
+        self.model.train()
+        return {"step": done, "train_loss": train_loss, "eval_loss": eval_loss, "lr": lr_at(done - 1, self.t)}
+
+    def describe(self, row: dict) -> str:
+        return (f"train loss {row['train_loss']:.3f}, held-out loss {row['eval_loss']:.3f} "
+                f"(perplexity {math.exp(row['eval_loss']):.1f})")
+
+    def save(self, folder: Path, done: int) -> None:
+        import torch
+
+        self.raw.save_pretrained(folder / "model")
+        torch.save({"step": done, "optimizer": self.opt.state_dict(), "curve": self.curve}, folder / STATE_FILE)
+
+
+def train_loop(config: dict) -> None:
+    """Ray Train's entry point of a train-lm trial."""
+    LMLoop(config).run()

@@ -39,8 +39,9 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     this run began (its fingerprint), whole and finite; the settings must match the run directory,
     and the checkpoints must be usable."""
     from actlake.jobs.ray_env import init_ray
-    from actlake.jobs.training import (Resources, Trial, check_settings, checkpoint_identity, discard_pending,
-                                       prepare_checkpoints, publish_pending, run_trials)
+    from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+    from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints
+    from actlake.storage.publish import discard_pending, publish_pending
     from actlake.jobs.predictor.loop import train_loop
 
     t0 = time.perf_counter()

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from actlake.hashing import unit_hash
+from actlake.jobs.train_loop import TrainLoop
+from actlake.storage.checkpoints import STATE_FILE
 
 log = logging.getLogger("actlake.predictive")
 
@@ -37,66 +39,81 @@ def predictor_config(job, d: int, model_heads: tuple[int, int]):
                            warmup_steps=min(p.warmup_steps, p.steps), total_steps=p.steps).validate()
 
 
+class PredictorLoop(TrainLoop):
+    """One layer's trial: ``config`` has job (PredictorJobConfig as dict), layer and model_heads."""
+
+    def __init__(self, config: dict):
+        import torch
+
+        from actlake.config import parse_config
+        from actlake.jobs.predictor.config import PredictorJobConfig
+        from actlake.jobs.predictor.model import fit_standardisation
+        from actlake.storage.activations import read_windows
+        from actlake.storage.sql import open_run
+
+        super().__init__(config)
+        self.job = parse_config(config["job"], where="train-predictor config", root=PredictorJobConfig)
+        p, self.layer = self.job.predictor, config["layer"]
+        self.steps, self.eval_every, self.checkpoint_every = p.steps, p.eval_every, p.checkpoint_every
+        con = open_run(self.job.store)
+        try:
+            self.data = h, valid, meta = read_windows(con, self.layer)  # (N, T, d), (N, T)
+        finally:
+            con.close()
+        ev = self.ev = held_out(meta["doc_id"], meta["window_index"], p.eval_fraction)
+        if ev.all() or not ev.any():
+            raise ValueError(f"layer {self.layer}: {int(ev.sum())} of {len(ev)} windows held out; adjust eval_fraction")
+        self.tr_h, self.tr_v = torch.from_numpy(h[~ev]), torch.from_numpy(valid[~ev])
+        self.ev_h, self.ev_v = torch.from_numpy(h[ev]), torch.from_numpy(valid[ev])
+        self.standardisation = fit_standardisation([(h[~ev], valid[~ev])])
+        self.resumes, self.last_eval = [], None
+
+    def start(self) -> None:
+        from actlake.jobs.predictor.model import PredictorTrainer
+
+        cfg = predictor_config(self.job, self.data[0].shape[2], tuple(self.config["model_heads"]))
+        self.trainer = PredictorTrainer(cfg, *self.standardisation, seed=self.job.predictor.seed, device=self.device)
+
+    def resume(self, folder: Path) -> int:
+        import torch
+
+        self.start()
+        state = torch.load(folder / STATE_FILE, weights_only=False)
+        self.trainer.load_state_dict(state["trainer"])
+        self.curve, self.resumes = state["curve"], state["resumes"]
+        if self.trainer.step < self.steps:  # a rerun of a finished layer only rewrites its tables
+            self.resumes = self.resumes + [self.trainer.step]
+        return self.trainer.step
+
+    def train_step(self, step: int) -> float:
+        idx = self.trainer.sample_indices(len(self.tr_h), self.job.predictor.batch_size)
+        return self.trainer.train_step(self.tr_h[idx], self.tr_v[idx])
+
+    def evaluate(self, done: int, train_loss: float) -> dict:
+        res = self.last_eval = self.trainer.evaluate(self.ev_h, self.ev_v)
+        return {"step": done, "train_mse": train_loss, "mse": res.mse, "r2": res.r2}
+
+    def reported(self, row: dict) -> dict:
+        return dict(row, layer=self.layer)
+
+    def describe(self, row: dict) -> str:
+        return f"eval MSE {row['mse']:.4g}, R2 {row['r2']:.3f}"
+
+    def save(self, folder: Path, done: int) -> None:
+        import torch
+
+        torch.save({"trainer": self.trainer.state_dict(), "curve": self.curve, "resumes": self.resumes}, folder / STATE_FILE)
+
+    def finish(self, start: int) -> None:
+        if self.last_eval is None:  # resumed after the final step; the loop evaluates at the final step otherwise
+            self.last_eval = self.trainer.evaluate(self.ev_h, self.ev_v)
+        finish_layer(self.job, self.layer, self.trainer, self.curve, self.data, self.ev, Path(self.config["run_dir"]),
+                     self.resumes, self.last_eval)
+
+
 def train_loop(config: dict) -> None:
-    """Ray Train loop of one layer; ``config``: job (PredictorJobConfig dict), layer, model_heads, trial, run_dir."""
-    import ray.train
-    import torch
-
-    from actlake.jobs.predictor.model import PredictorTrainer, fit_standardisation
-    from actlake.config import parse_config
-    from actlake.jobs.training import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint, worker_setup
-    from actlake.jobs.predictor.config import PredictorJobConfig
-    from actlake.storage.activations import read_windows
-    from actlake.storage.sql import open_run
-
-    job = parse_config(config["job"], where="train-predictor config", root=PredictorJobConfig)
-    p, layer, run_dir = job.predictor, config["layer"], Path(config["run_dir"])
-    rank, _, device = worker_setup(config)
-    con = open_run(job.store)
-    try:
-        h, valid, meta = read_windows(con, layer)  # (N, T, d), (N, T)
-    finally:
-        con.close()
-    ev = held_out(meta["doc_id"], meta["window_index"], p.eval_fraction)
-    if ev.all() or not ev.any():
-        raise ValueError(f"layer {layer}: {int(ev.sum())} of {len(ev)} windows held out; adjust eval_fraction")
-    tr_h, tr_v = torch.from_numpy(h[~ev]), torch.from_numpy(valid[~ev])
-    ev_h, ev_v = torch.from_numpy(h[ev]), torch.from_numpy(valid[ev])
-    mean, std = fit_standardisation([(h[~ev], valid[~ev])])
-    cfg = predictor_config(job, h.shape[2], tuple(config["model_heads"]))
-    trainer = PredictorTrainer(cfg, mean, std, seed=p.seed, device=device)
-    ck_root = run_dir / "checkpoints" / config["trial"]
-    latest, curve, resumes = latest_checkpoint(ck_root), [], []
-    if latest is not None:
-        state = torch.load(latest[1] / STATE_FILE, weights_only=False)
-        trainer.load_state_dict(state["trainer"])
-        curve, resumes = state["curve"], state["resumes"]
-        if trainer.step < p.steps:  # a rerun of a finished layer only rewrites its tables
-            resumes = resumes + [trainer.step]
-            log.info("layer %d: resuming from step %d", layer, trainer.step)
-
-    def checkpoint() -> None:
-        save_checkpoint(ck_root, trainer.step, lambda f: torch.save({"trainer": trainer.state_dict(), "curve": curve, "resumes": resumes},
-                                                                    f / STATE_FILE), config.get("identity"))
-        prune_checkpoints(ck_root, keep_steps=set())
-
-    last_eval = None
-    while trainer.step < p.steps:
-        idx = trainer.sample_indices(len(tr_h), p.batch_size)
-        loss = trainer.train_step(tr_h[idx], tr_v[idx])
-        step = trainer.step
-        if step % p.eval_every == 0 or step == p.steps:
-            res = last_eval = trainer.evaluate(ev_h, ev_v)
-            curve.append({"step": step, "train_mse": loss, "mse": res.mse, "r2": res.r2})
-            ray.train.report(dict(curve[-1], layer=layer))
-            if rank == 0:
-                log.info("layer %d step %d/%d: eval MSE %.4g, R2 %.3f", layer, step, p.steps, res.mse, res.r2)
-        if rank == 0 and (step % p.checkpoint_every == 0 or step == p.steps):
-            checkpoint()
-    if rank == 0:
-        if last_eval is None:  # resumed after the final step; the loop evaluates at the final step otherwise
-            last_eval = trainer.evaluate(ev_h, ev_v)
-        finish_layer(job, layer, trainer, curve, (h, valid, meta), ev, run_dir, resumes, last_eval)
+    """Ray Train's entry point of one layer's trial."""
+    PredictorLoop(config).run()
 
 
 def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarray, run_dir: Path,
@@ -105,7 +122,7 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
     import pyarrow as pa
 
     from actlake.jobs.predictor.metrics import spearman, spearman_by_position
-    from actlake.jobs.training import pending_file
+    from actlake.storage.publish import pending_file
     from actlake.storage.layout import RunLayout
     from actlake.storage.parquet_io import write_parquet_atomic
 

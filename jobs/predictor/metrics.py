@@ -16,7 +16,7 @@ from actlake.errors import ConfigError
 
 class RunningMoments:
     """Mergeable per-dimension count/mean/M2 over rows, float64 (Chan et al.'s pairwise merge); host numpy,
-    one group (the extraction job's grouped, on-device counterpart is ``actlake.analysis.moments.Moments``)."""
+    one group (the extraction job's grouped, on-device counterpart is ``actlake.analysis.engine.moments.Moments``)."""
 
     def __init__(self, d: int):
         self.count = 0

@@ -39,7 +39,7 @@ def _f1_heatmap(con, task: str):
 
 
 def build_predictive_report(run_dir: str | Path) -> Path:
-    from actlake.report import open_for_report, write_page
+    from actlake.jobs.report import open_for_report, write_page
 
     layout, con = open_for_report(run_dir, ("predictor_summary",), "no predictor_summary table (did train-predictor finish?)")
     try:

@@ -85,7 +85,7 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
     import torch
 
     from actlake.jobs.synthetic import factored as F
-    from actlake.jobs.training import list_checkpoints, log_spaced_steps
+    from actlake.storage.checkpoints import list_checkpoints, log_spaced_steps
     from actlake.jobs.synthetic.models import build_model, load_model
     from actlake.jobs.synthetic.loop import build_process, config_from_dict
 
@@ -124,7 +124,7 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
                                     for r, (p, a) in enumerate(zip(pos, acts))]
         log.info("trial %s %s %d: effective dim %d, R2 %s", name, kind, step, m["effective_dim"],
                  " ".join(f"{t}={r2:.3f}" for t, r2, _ in m["fits"]))
-    from actlake.jobs.training import pending_file
+    from actlake.storage.publish import pending_file
     from actlake.storage.layout import RunLayout
     from actlake.storage.parquet_io import write_parquet_atomic
 
@@ -148,8 +148,8 @@ def analyze_run(cfg, run_dir: Path, cpus: float = 1) -> list[dict]:
     checked first, here: present, whole (its manifest) and this run's (its identity)."""
     import ray
 
-    from actlake.jobs.training import (checkpoint_identity, discard_pending, log_spaced_steps, publish_pending,
-                                       verified_checkpoints)
+    from actlake.storage.checkpoints import checkpoint_identity, log_spaced_steps, verified_checkpoints
+    from actlake.storage.publish import discard_pending, publish_pending
 
     steps = log_spaced_steps(cfg.training.steps, cfg.training.n_checkpoints)
     for trial in cfg.trials():

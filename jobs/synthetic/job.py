@@ -42,8 +42,8 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     import shutil
 
     from actlake.jobs.ray_env import init_ray
-    from actlake.jobs.training import (Resources, Trial, checkpoint_identity, prepare_checkpoints, require_finished,
-                                       run_trials)
+    from actlake.jobs.training import Resources, Trial, run_trials
+    from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints, require_finished
     from actlake.jobs.synthetic.loop import train_loop
 
     t0 = time.perf_counter()

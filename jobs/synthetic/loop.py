@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from actlake.jobs.training import (STATE_FILE, latest_checkpoint, log_spaced_steps, prune_checkpoints, save_checkpoint,
-                                   worker_setup)
 from actlake.jobs.synthetic import processes as P
 from actlake.jobs.synthetic.config import FactorConfig, ProcessConfig, SyntheticConfig
+from actlake.jobs.train_loop import TrainLoop
+from actlake.storage.checkpoints import STATE_FILE, log_spaced_steps
 
 log = logging.getLogger("actlake.synthetic")
 
@@ -48,83 +48,111 @@ def config_from_dict(d: dict) -> SyntheticConfig:
     return parse_config(d, where="synthetic job config", root=SyntheticConfig)
 
 
-def train_loop(config: dict) -> None:
-    """Ray Train loop of one trial; ``config``: job (SyntheticConfig as dict), trial, noise, arch, run_dir."""
-    import ray.train
-    import torch
+class SyntheticLoop(TrainLoop):
+    """One trial of train-synthetic: ``config`` has job (SyntheticConfig as dict), noise and arch. Step k
+    (1-based) draws fresh sequences seeded by (seed, k, rank); the untrained model is evaluated and
+    checkpointed as step 0; log-spaced checkpoints are kept for the analysis."""
 
-    from actlake.jobs.synthetic.models import build_model, load_model, logits, with_bos
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.cfg = config_from_dict(config["job"])
+        t = self.t = self.cfg.training
+        self.steps, self.eval_every, self.checkpoint_every = t.steps, t.eval_every, t.checkpoint_every
+        self.keep_steps = frozenset(log_spaced_steps(t.steps, t.n_checkpoints))
+        self.process = build_process(self.cfg.process, config["noise"])
+        self.bos = self.process.vocab_size
+        self.eval_tokens = self.process.sample(t.eval_sequences, self.cfg.model.context, np.random.default_rng([t.seed, 10**9]))
+        self.optimal = float(self.process.optimal_loss(self.eval_tokens).mean())
 
-    cfg = config_from_dict(config["job"])
-    t, trial = cfg.training, config["trial"]
-    rank, world, device = worker_setup(config)
-    process = build_process(cfg.process, config["noise"])
-    bos = process.vocab_size
-    ck_root = Path(config["run_dir"]) / "checkpoints" / trial
-    latest = latest_checkpoint(ck_root)
-    if latest is None:
-        model, start, curve = build_model(cfg.model, config["arch"], bos + 1, t.seed), 0, []
-    else:
-        model = load_model(latest[1] / "model")
-        state = torch.load(latest[1] / STATE_FILE, weights_only=False)
-        start, curve = state["step"], state["curve"]
-        log.info("trial %s: resuming from step %d", trial, start)
-    model = ray.train.torch.prepare_model(model)
-    raw = model.module if hasattr(model, "module") else model
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    if latest is not None:
-        opt.load_state_dict(state["optimizer"])
+    def start(self) -> None:
+        from actlake.jobs.synthetic.models import build_model
 
-    eval_tokens = torch.from_numpy(process.sample(t.eval_sequences, cfg.model.context, np.random.default_rng([t.seed, 10**9])))
-    optimal = float(process.optimal_loss(eval_tokens.numpy()).mean())
-    keep = set(log_spaced_steps(t.steps, t.n_checkpoints))
+        self._prepare(build_model(self.cfg.model, self.config["arch"], self.bos + 1, self.t.seed), None)
 
-    def eval_loss() -> float:
-        model.eval()
+    def resume(self, folder: Path) -> int:
+        import torch
+
+        from actlake.jobs.synthetic.models import load_model
+
+        model = load_model(folder / "model")
+        state = torch.load(folder / STATE_FILE, weights_only=False)
+        self.curve = state["curve"]
+        self._prepare(model, state["optimizer"])
+        return state["step"]
+
+    def _prepare(self, model, optimizer_state) -> None:
+        import ray.train
+        import torch
+
+        self.model = ray.train.torch.prepare_model(model)
+        self.raw = self.model.module if hasattr(self.model, "module") else self.model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.t.lr, weight_decay=self.t.weight_decay)
+        if optimizer_state is not None:
+            self.opt.load_state_dict(optimizer_state)
+
+    def begin(self, resumed: bool) -> None:
+        if not resumed:  # a run resumed from the step-0 checkpoint has this row already
+            self.curve.append({"step": 0, "train_loss": None, "eval_loss": self._eval_loss(), "optimal_loss": self.optimal})
+            if self.rank == 0:
+                self.checkpoint(0)
+        self.model.train()
+
+    def train_step(self, step: int) -> float:
+        import torch
+
+        from actlake.jobs.synthetic.models import logits, with_bos
+
+        t = self.t
+        toks = self.process.sample(t.batch_size, self.cfg.model.context, np.random.default_rng([t.seed, step + 1, self.rank]))
+        toks = torch.from_numpy(toks).to(self.device)  # (B, L)
+        out = logits(self.model if self.world > 1 else self.raw, with_bos(toks, self.bos))  # (B, L, V)
+        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), toks.flatten())
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+    def _eval_loss(self) -> float:
+        import torch
+
+        from actlake.jobs.synthetic.models import logits, with_bos
+
+        self.model.eval()
         with torch.no_grad():
-            x = eval_tokens.to(device)
-            out = logits(raw, with_bos(x, bos))
+            x = torch.from_numpy(self.eval_tokens).to(self.device)
+            out = logits(self.raw, with_bos(x, self.bos))
             value = torch.nn.functional.cross_entropy(out.flatten(0, 1), x.flatten()).item()
-        model.train()
+        self.model.train()
         return value
 
-    def checkpoint(step: int) -> None:
-        def write(folder: Path) -> None:
-            raw.save_pretrained(folder / "model")
-            torch.save({"step": step, "optimizer": opt.state_dict(), "curve": curve}, folder / STATE_FILE)
+    def evaluate(self, done: int, train_loss: float) -> dict:
+        return {"step": done, "train_loss": train_loss, "eval_loss": self._eval_loss(), "optimal_loss": self.optimal}
 
-        save_checkpoint(ck_root, step, write, config.get("identity"))
-        prune_checkpoints(ck_root, keep)
-        _write_curve(Path(config["run_dir"]), trial, curve)
+    def reported(self, row: dict) -> dict:
+        return dict(row, trial=self.config["trial"])
 
-    if latest is None:  # a run resumed from the step-0 checkpoint has this row already
-        curve.append({"step": 0, "train_loss": None, "eval_loss": eval_loss(), "optimal_loss": optimal})
-        if rank == 0:
-            checkpoint(0)
-    model.train()
-    for step in range(start + 1, t.steps + 1):
-        toks = torch.from_numpy(process.sample(t.batch_size, cfg.model.context, np.random.default_rng([t.seed, step, rank])))
-        toks = toks.to(device)
-        out = logits(model if world > 1 else raw, with_bos(toks, bos))  # (B, L, V)
-        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), toks.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % t.eval_every == 0 or step == t.steps:
-            row = {"step": step, "train_loss": loss.item(), "eval_loss": eval_loss(), "optimal_loss": optimal}
-            curve.append(row)
-            ray.train.report(dict(row, trial=trial))
-            if rank == 0:
-                log.info("trial %s step %d/%d: loss %.4f (Bayes-optimal %.4f)", trial, step, t.steps,
-                         row["eval_loss"], optimal)
-        if rank == 0 and (step in keep or step % t.checkpoint_every == 0):
-            checkpoint(step)
+    def describe(self, row: dict) -> str:
+        return f"loss {row['eval_loss']:.4f} (Bayes-optimal {self.optimal:.4f})"
+
+    def save(self, folder: Path, done: int) -> None:
+        import torch
+
+        self.raw.save_pretrained(folder / "model")
+        torch.save({"step": done, "optimizer": self.opt.state_dict(), "curve": self.curve}, folder / STATE_FILE)
+
+    def after_checkpoint(self, done: int) -> None:
+        _write_curve(Path(self.config["run_dir"]), self.config["trial"], self.curve)
+
+
+def train_loop(config: dict) -> None:
+    """Ray Train's entry point of one trial."""
+    SyntheticLoop(config).run()
 
 
 def _write_curve(run_dir: Path, trial: str, curve: list[dict]) -> None:
     import pyarrow as pa
 
-    from actlake.jobs.training import publish_table
+    from actlake.storage.publish import publish_table
 
     table = pa.Table.from_pylist(curve, schema=pa.schema([("step", pa.int64()), ("train_loss", pa.float64()),
                                                           ("eval_loss", pa.float64()), ("optimal_loss", pa.float64())]))

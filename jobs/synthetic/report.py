@@ -108,7 +108,7 @@ def _curve_chart(con):
 
 
 def build_synthetic_report(run_dir: str | Path) -> Path:
-    from actlake.report import open_for_report, write_page
+    from actlake.jobs.report import open_for_report, write_page
 
     layout, con = open_for_report(run_dir, ("factored_dimension",), "no factored_dimension table (did the analysis run?)")
     try:

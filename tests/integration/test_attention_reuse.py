@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actlake.analysis import capture
+from actlake.analysis.engine import capture
 from actlake.analysis.attention_mass import AttentionMass
-from actlake.analysis.recorder import AttentionRecorder, ModelQK
+from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
 from actlake.categories import ROLE, one_hot
 from actlake.config import ModelConfig
 from actlake.errors import AnalysisError

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.analysis import capture
+from actlake.analysis.engine import capture
 from actlake.analysis.contributions import QUERY_GROUPS_BY_ROLE, Contributions, pairwise_contributions
 from actlake.analysis.attention_distance import AttentionByDistance
 from actlake.analysis.geometry import Geometry
-from actlake.analysis.layer_qk import LayerQK
-from actlake.analysis.recorder import AttentionRecorder, ModelQK
-from actlake.analysis.rope import rotate
+from actlake.analysis.engine.layer_qk import LayerQK
+from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
+from actlake.analysis.engine.rope import rotate
 from actlake.categories import ROLE, one_hot
 from actlake.config import ModelConfig
 from actlake.model import load_model

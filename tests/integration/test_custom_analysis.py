@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from actlake.categories import ROLE
-from actlake.cli import main
+from actlake.jobs.cli import main
 from actlake.storage.sql import query
 
 pytestmark = pytest.mark.integration
@@ -23,9 +23,9 @@ EXAMPLE = ROOT / "configs" / "attention_entropy.py"
 
 
 def test_the_readme_shows_the_example_file():
-    block = re.search(r"```python\n(\"\"\"Attention entropy per head.*?)```", (ROOT / "README.md").read_text(), re.S)
+    block = re.search(r"```python\n(\"\"\"Attention entropy per layer.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert block and block.group(1) == EXAMPLE.read_text()
-    assert len(EXAMPLE.read_text().splitlines()) <= 40
+    assert len(EXAMPLE.read_text().splitlines()) <= 50
 
 
 def _reference_entropy(model_path, run_dir):
@@ -52,6 +52,38 @@ def _reference_entropy(model_path, run_dir):
 VIEW = ("SELECT layer, head, sum(entropy_sum) / sum(n_queries) AS mean_entropy FROM attention_entropy "
         "GROUP BY layer, head")
 
+LAST_NORM = '''
+import numpy as np
+import pyarrow as pa
+
+from actlake.analysis.engine.device import to_host
+from actlake.analysis.protocol import ShardTable
+
+
+class LastNorm(ShardTable):
+    """A per-token table of one's own: the last hidden state's norm of every token."""
+
+    name, tables = "last_norm", ("last_norm",)
+    sites = frozenset({"hidden_states"})
+    schema = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
+                        ("norm", pa.float64())])
+
+    def add_hidden(self, layer, h, batch):
+        if layer == self.spec.n_layers:
+            self.norm = to_host(h.double().norm(dim=-1))  # (B, T)
+
+    def collect(self, out):
+        doc, window, position, _ = out.token_keys()
+        self.cols = [doc, window, position, self.norm.numpy()[out.mask.bool().numpy()]]
+
+    @classmethod
+    def to_table(cls, parts, **options):
+        if not parts:
+            return cls.schema.empty_table()
+        cols = [np.concatenate([p.cols[i] for p in parts]) for i in range(4)]
+        return pa.table(dict(zip(cls.schema.names, cols)), schema=cls.schema)
+'''
+
 
 def test_a_custom_analysis_runs_reduces_and_is_queryable(minilm_path, sample_corpus, tmp_path, ray_local):
     """The README's example, plus a view (a custom class's views were silently dropped: issue 33): the job
@@ -59,13 +91,15 @@ def test_a_custom_analysis_runs_reduces_and_is_queryable(minilm_path, sample_cor
     module = tmp_path / "code" / "entropy_views.py"
     module.parent.mkdir()
     module.write_text(EXAMPLE.read_text() + f"\n\nAttentionEntropy.views = {{'entropy_by_head': {VIEW!r}}}\n")
+    (tmp_path / "code" / "last_norm.py").write_text(LAST_NORM)
     cfg = {"name": "custom", "model": {"name_or_path": minilm_path},
            "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 12},
            "tokenization": {"max_length": 48, "max_windows_per_doc": 2}, "sharding": {"docs_per_shard": 6},
            "batching": {"max_tokens": 512}, "output": {"dir": str(tmp_path / "runs"), "report": False},
            "resources": {"num_workers": 1, "cpus_per_worker": 1},
            "analyses": {"contributions": False, "geometry": False, "attention_by_distance": False,
-                        "custom": [{"analysis": "entropy_views:AttentionEntropy", "path": str(module)}]}}
+                        "custom": [{"analysis": "entropy_views:AttentionEntropy", "path": str(module)},
+                                   {"analysis": "last_norm:LastNorm", "path": str(module.parent / "last_norm.py")}]}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert main(["run", str(path), "--run-id", "r"]) == 0
@@ -84,6 +118,14 @@ def test_a_custom_analysis_runs_reduces_and_is_queryable(minilm_path, sample_cor
     view = query(run, "SELECT layer, head, mean_entropy FROM entropy_by_head ORDER BY layer, head")
     per_head = want.sum(2) / count.sum()  # every query has one category: n_queries summed over categories
     np.testing.assert_allclose(np.array(view["mean_entropy"].to_pylist()).reshape(per_head.shape), per_head, rtol=1e-4)
+    # the per-token table of one's own, against the built-in residual norms of the last layer
+    mine = query(run, "SELECT doc_id, window_index, position, norm FROM last_norm ORDER BY 1, 2, 3")
+    builtin = query(run, "SELECT doc_id, window_index, position, norm FROM residual_norms "
+                         "WHERE layer = (SELECT max(layer) FROM residual_norms) ORDER BY 1, 2, 3")
+    assert mine.num_rows == builtin.num_rows == query(run, "SELECT count(*) AS n FROM tokens")["n"][0].as_py()
+    for col in ("doc_id", "window_index", "position"):
+        assert mine[col].to_pylist() == builtin[col].to_pylist()
+    np.testing.assert_allclose(mine["norm"].to_numpy(), builtin["norm"].to_numpy(), rtol=1e-9)
     assert main(["run", str(path), "--run-id", "r"]) == 0  # a rerun skips both shards and reduces again
     again = query(run, "SELECT sum(entropy_sum) AS s FROM attention_entropy")["s"][0].as_py()
     assert again == pytest.approx(float(want.sum()), rel=1e-4)

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def _start_job(cfg: Path, cwd: Path, env: dict) -> tuple[subprocess.Popen, list[str]]:
     """``actlake run cfg`` in a subprocess, returned once it dispatches shards (its stderr lines so far)."""
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-m", "actlake.cli", "run", str(cfg)], cwd=cwd, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "actlake.jobs.cli", "run", str(cfg)], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env, PYTHONPATH=str(root)))
     seen = []
     deadline = time.monotonic() + 240
@@ -51,7 +51,7 @@ def test_ctrl_c_stops_a_job_with_exit_130_and_one_line(minilm_path, sample_corpu
 def test_a_second_job_on_the_same_run_directory_is_refused_naming_the_first(minilm_path, sample_corpus, tmp_path,
                                                                            own_ray_env, capsys):
     """Both did all the work before (no lock)."""
-    from actlake.cli import main
+    from actlake.jobs.cli import main
 
     cfg = _config(tmp_path, minilm_path, sample_corpus)
     proc, _ = _start_job(cfg, tmp_path, own_ray_env)

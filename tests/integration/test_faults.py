@@ -136,7 +136,7 @@ def test_killed_workers_leave_the_same_tables_and_readers_see_whole_shards(minil
 
 def _process_in_process(cfg, ex) -> list[dict]:
     """Plan, process every shard with ``ex`` in this process, commit, reduce: a job without Ray."""
-    from actlake.analysis.protocol import enabled
+    from actlake.analysis.registry import enabled
     from actlake.jobs.plan import make_plan, plan_hash
     from actlake.jobs.reduce import reduce_run
     from actlake.jobs.run import prepare_run_dir
@@ -150,7 +150,7 @@ def _process_in_process(cfg, ex) -> list[dict]:
     group = Group(layout, phash)
     summaries = [ex.process(s, layout, group) for s in shards]
     assert group.commit() == [s.shard_id for s in shards]
-    reduce_run(layout, [s.shard_id for s in shards], phash, [cls for cls, _ in enabled(cfg.analyses)])
+    reduce_run(layout, [s.shard_id for s in shards], phash, [cls for cls, _ in enabled(cfg)])
     return summaries
 
 

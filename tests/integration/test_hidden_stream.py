@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actlake.analysis import capture
+from actlake.analysis.engine import capture
 from actlake.config import ModelConfig
 from actlake.model import load_model
 from tests.conftest import FAMILIES
@@ -95,5 +95,5 @@ def test_no_hidden_state_or_key_input_outlives_its_layer(minilm_path, tmp_path):
     L = lm.model.config.num_hidden_layers
     assert len(suite) == L >= 3
     assert suite == plain, (suite, plain)  # BERT's forward keeps the embeddings (layer 0's key input) itself
-    assert result.norms.shape[-1] == L + 1 and set(result.acts) == {1}
+    assert result.parts["residual_norms"].norms.shape[-1] == L + 1 and set(result.parts["activations"].acts) == {1}
     assert ex.stream.consume is None  # the batch's consumer (its buffers) is not kept for the next batch

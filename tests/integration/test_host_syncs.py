@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from actlake.analysis import device as device_mod
+from actlake.analysis.engine import device as device_mod
 from actlake.jobs.extract import Extractor
 from actlake.model import load_model
 from tests.conftest import FAMILIES, job_config
@@ -180,7 +180,7 @@ def test_launching_a_batch_reads_back_only_what_the_plain_forward_pass_reads(fam
             assert sorted(suite) == sorted(plain), f"{family}, batch of {lengths}: the suite's own waits " \
                 f"{sorted(set(suite) - set(plain))} (the model's: {sorted(set(plain))})"
     result = launched[0].result
-    assert result.norms is not None and result.acts  # residual norms and the activation store ran
+    assert result.parts["residual_norms"].norms is not None and result.parts["activations"].acts  # residual norms and the activation store ran
     assert (result.surprisal is not None) == (family not in ("bert", "minilm"))
 
 

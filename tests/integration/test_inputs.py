@@ -1,4 +1,4 @@
-"""Input safety on real Ray and real files, through the command line (``actlake.cli.main``):
+"""Input safety on real Ray and real files, through the command line (``actlake.jobs.cli.main``):
 a changed or shrunk corpus is refused with one line naming the file, hostile records become
 rejects, and the embedded Ray listens on loopback only."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from actlake.cli import main
+from actlake.jobs.cli import main
 from actlake.storage.sql import open_run
 from tests.conftest import committed_ids, drop_commits, job_config
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from actlake.analysis.layer_replay import LayerReplay, _same_layout
+from actlake.analysis.engine.layer_replay import LayerReplay, _same_layout
 from actlake.analysis.stats import SumStats, zeros
 from actlake.batching import Window
 from actlake.errors import AnalysisError, ConfigError
@@ -69,7 +69,7 @@ def test_replayed_layers_equal_layers_computed_one_by_one(family, options, devic
         scale = float(w[k].abs().max()) or 1.0
         torch.testing.assert_close(g[k], w[k], rtol=0, atol=tol * scale, msg=lambda m: f"{k}: {m}")
     # the attention output handed to the model came from the replays: the hidden states downstream agree
-    torch.testing.assert_close(got.norms, want.norms, rtol=tol, atol=0)
+    torch.testing.assert_close(got.parts["residual_norms"].norms, want.parts["residual_norms"].norms, rtol=tol, atol=0)
     if want.surprisal is not None:
         torch.testing.assert_close(got.surprisal, want.surprisal, rtol=1e-6 if device == "cpu" else 1e-3, atol=0,
                                    equal_nan=True)
@@ -79,7 +79,10 @@ def test_replayed_layers_equal_layers_computed_one_by_one(family, options, devic
 class LayerScaled(SumStats):
     """Sums q times (layer + 1): the Python number lq.layer is baked into a recording (0 there)."""
 
-    name, reads, tables, graph_safe = "layer_scaled", frozenset({"attention"}), ("layer_scaled",), True
+    name = "layer_scaled"
+    sites = frozenset({"attention"})
+    tables = ("layer_scaled",)
+    graph_safe = True
     total: torch.Tensor
 
     @classmethod

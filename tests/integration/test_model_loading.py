@@ -52,8 +52,8 @@ def test_bfloat16_model_gives_the_same_tables_within_tolerance(tiny_models):
     from actlake.analysis.attention_mass import AttentionMass
 
     def mass(dtype):
-        from actlake.analysis import capture
-        from actlake.analysis.recorder import AttentionRecorder, ModelQK
+        from actlake.analysis.engine import capture
+        from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
         from actlake.categories import ROLE, one_hot
 
         lm = load_model(ModelConfig(name_or_path=str(tiny_models["llama"]), dtype=dtype))

@@ -47,7 +47,7 @@ def corpus_url(s3_server, sample_corpus):
 
 def test_a_job_reads_and_writes_only_the_bucket(minilm_path, sample_corpus, corpus_url, s3_server, reference, ray_local,
                                                 tmp_path, monkeypatch, capsys):
-    from actlake.cli import main
+    from actlake.jobs.cli import main
 
     runs = s3_server("runs-a")
     monkeypatch.chdir(tmp_path)

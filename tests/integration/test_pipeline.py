@@ -95,7 +95,7 @@ def test_minilm_matches_output_attentions_and_reruns_are_idempotent(minilm_path,
 def test_merge_order_does_not_change_aggregates(minilm_path, sample_corpus, tmp_path, ray_local):
     import json
 
-    from actlake.analysis.protocol import builtin
+    from actlake.analysis.registry import builtin
     from actlake.jobs.reduce import merge_partials
     from actlake.storage.layout import RunLayout
     from actlake.storage.manifest import REDUCE_RECORD
@@ -123,7 +123,7 @@ def test_merge_order_does_not_change_aggregates(minilm_path, sample_corpus, tmp_
 
 
 def test_bad_corpus_file_fails_with_one_clear_message(minilm_path, tmp_path, ray_local, capsys):
-    from actlake.cli import main
+    from actlake.jobs.cli import main
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -136,7 +136,7 @@ def test_bad_corpus_file_fails_with_one_clear_message(minilm_path, tmp_path, ray
 
 
 def test_missing_model_folder_is_one_clear_error(sample_corpus, tmp_path, capsys):
-    from actlake.cli import main
+    from actlake.jobs.cli import main
 
     cfg = tmp_path / "job.yaml"
     cfg.write_text(f"model:\n  name_or_path: {tmp_path}/missing-model\ncorpus:\n  paths: ['{sample_corpus}/*.zst']\n")

@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from actlake.cli import main
+from actlake.jobs.cli import main
 from actlake.config import parse_config
 from actlake.jobs.run import run_job
 from actlake.jobs.lm.config import LMConfig
@@ -71,7 +71,7 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_loca
 
     from actlake.jobs.predictor.model import PredictorTrainer
     from actlake.jobs.predictor.job import run_predictor_job
-    from actlake.jobs.training import latest_checkpoint
+    from actlake.storage.checkpoints import latest_checkpoint
     from actlake.jobs.predictor.loop import held_out
     from actlake.storage.activations import read_windows
 
@@ -265,7 +265,8 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
 
     from actlake.errors import StorageError
     from actlake.jobs.lm.job import train_lm
-    from actlake.jobs.training import TrainingError, list_checkpoints
+    from actlake.errors import TrainingError
+    from actlake.storage.checkpoints import list_checkpoints
 
     cfg = parse_config({
         "name": "lm", "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")]},
@@ -311,7 +312,7 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
 
 
 def latest_two(root: Path):
-    from actlake.jobs.training import list_checkpoints
+    from actlake.storage.checkpoints import list_checkpoints
 
     return list_checkpoints(root)[-2:]
 

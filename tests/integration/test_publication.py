@@ -38,7 +38,7 @@ def _fill(folder: Path, leave: int) -> None:
 
 def test_a_report_on_a_full_disk_keeps_the_previous_one(tiny_models, sample_corpus, tmp_path, ray_local):
     from actlake.jobs.run import run_job
-    from actlake.report import build_report
+    from actlake.jobs.report import build_report
 
     res = run_job(job_config(tiny_models["bert"], sample_corpus, tmp_path / "runs",
                              **{"corpus.max_docs": 8, "output.report": True}))
@@ -62,7 +62,7 @@ def test_a_predictor_rerun_without_probes_unpublishes_probe_scores(tmp_path):
 
     import pyarrow as pa
 
-    from actlake.jobs.training import pending_file, publish_pending
+    from actlake.storage.publish import pending_file, publish_pending
     from actlake.storage.layout import write_json_atomic
     from actlake.storage.parquet_io import write_parquet
 
@@ -95,7 +95,7 @@ def test_a_synthetic_analysis_on_a_full_disk_publishes_none_of_its_tables(tmp_pa
     """It published 4 of its 6 tables before."""
     import yaml
 
-    from actlake.cli import main
+    from actlake.jobs.cli import main
     from actlake.storage.sql import open_run
     from tests.integration.test_synthetic import _data
 

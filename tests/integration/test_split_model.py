@@ -76,7 +76,7 @@ def _assert_batches_equal(a, b):
     for name, x, y in moments:
         for f in ("count", "mean", "m2", "max_abs"):
             _assert_same(getattr(x.moments, f).cpu(), getattr(y.moments, f).cpu(), f"{name}.{f}")
-    _assert_same(a.norms, b.norms, "residual norms")
+    _assert_same(a.parts["residual_norms"].norms, b.parts["residual_norms"].norms, "residual norms")
     _assert_same(a.surprisal, b.surprisal, "surprisal")
 
 
@@ -104,7 +104,7 @@ def test_blocks_offloaded_to_disk_give_the_unsplit_statistics(family, tiny_model
 
 def test_a_job_with_an_offloaded_model_gives_the_unsplit_tables(tiny_models, sample_corpus, tmp_path, ray_local):
     """The whole path: YAML -> actlake run (real Ray worker) -> tables, against the same job unsplit."""
-    from actlake.cli import main
+    from actlake.jobs.cli import main
     from actlake.storage.sql import open_run
     from tests.conftest import job_config
 

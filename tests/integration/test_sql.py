@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from actlake.cli import main
+from actlake.jobs.cli import main
 from actlake.errors import QueryError
 from actlake.jobs.run import run_job
 from actlake.storage.sql import query

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from actlake.cli import main
+from actlake.jobs.cli import main
 from actlake.errors import QueryError, StorageError
 from actlake.jobs.run import run_job
 from actlake.storage.sql import open_run, query
@@ -316,7 +315,7 @@ def test_training_run_tables_are_their_fixed_files(tmp_path, cwd):
 
 
 def test_the_table_registry_covers_what_the_jobs_write():
-    from actlake.analysis.protocol import builtin
+    from actlake.analysis.registry import builtin
     from actlake.storage.manifest import TRAINING_TABLES, extraction_spec
     from actlake.jobs.synthetic.analyze import TABLES as SYNTHETIC_TABLES
     from actlake.jobs.synthetic.loop import CURVES_TABLE

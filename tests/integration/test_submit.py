@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from actlake.cli import main
+from actlake.jobs.cli import main
 from actlake.storage.sql import query
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -42,7 +42,7 @@ def _data(out: Path, **extra) -> dict:
 
 def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
     from actlake.jobs.synthetic.job import run_synthetic
-    from actlake.jobs.training import list_checkpoints, log_spaced_steps
+    from actlake.storage.checkpoints import list_checkpoints, log_spaced_steps
 
     res = run_synthetic(_cfg(tmp_path))
     assert Path(res.report).is_file()
@@ -82,10 +82,10 @@ def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local, cap
 
     import yaml
 
-    from actlake.cli import main
+    from actlake.jobs.cli import main
     from actlake.errors import StorageError
     from actlake.jobs.synthetic.job import run_synthetic
-    from actlake.jobs.training import list_checkpoints
+    from actlake.storage.checkpoints import list_checkpoints
 
     cfg = _cfg(tmp_path, analysis={"enabled": False})
     run_synthetic(cfg, report=False)
@@ -129,8 +129,8 @@ def test_analysis_only_and_resume_take_only_this_runs_whole_checkpoints(tmp_path
 
     import yaml
 
-    from actlake.cli import main
-    from actlake.jobs.training import list_checkpoints
+    from actlake.jobs.cli import main
+    from actlake.storage.checkpoints import list_checkpoints
 
     def job(seed: int, run_id: str) -> Path:
         data = _data(tmp_path / "runs")

@@ -2,8 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.analysis.attention_mass import AttentionMass, allowed_pairs, expand_kv
-from actlake.analysis.layer_qk import BatchInfo, LayerQK
+from actlake.analysis.attention_mass import AttentionMass
+from actlake.analysis.engine.heads import allowed_pairs, expand_kv
+from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.categories import one_hot
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actlake.analysis.attention_mass import expand_kv
-from actlake.analysis.attention_weights import PRODUCTS, explicit_products, fused_products, key_norm_scale
-from actlake.analysis.layer_qk import BatchInfo, LayerQK
+from actlake.analysis.engine.heads import expand_kv
+from actlake.analysis.engine.attention_weights import PRODUCTS, explicit_products, fused_products, key_norm_scale
+from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.categories import one_hot
 
 
@@ -117,7 +117,7 @@ def test_value_heads_of_another_size():
 
 def test_reverse_cumsum_by_product_equals_the_scan():
     """The GPU's causal sum over queries (a product with a triangular matrix) against the CPU's scan."""
-    from actlake.analysis.layer_qk import reverse_cumsum_by_product
+    from actlake.analysis.engine.layer_qk import reverse_cumsum_by_product
 
     g = torch.Generator().manual_seed(5)
     for shape in ((2, 3, 9, 4), (2, 1, 9)):
@@ -127,7 +127,7 @@ def test_reverse_cumsum_by_product_equals_the_scan():
 
 def test_diagonal_sums_by_skew_equal_the_scatter():
     """The GPU's distance profile of a block of query rows (skewed rows) against index_add_ by m - n."""
-    from actlake.analysis.attention_weights import diagonal_sums_from
+    from actlake.analysis.engine.attention_weights import diagonal_sums_from
 
     g = torch.Generator().manual_seed(6)
     H, T = 3, 11

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from actlake.cli import main
+from actlake.jobs.cli import main
 from actlake.config import load_config, parse_config, reference_markdown
 from actlake.errors import ConfigError
 

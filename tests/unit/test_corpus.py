@@ -291,7 +291,7 @@ def test_a_line_over_the_cap_is_a_reject_and_never_held(tmp_path, suffix):
 
     import zstandard
 
-    from actlake.corpus.index import build_index, load_points
+    from actlake.corpus.index import load_points
     from actlake.corpus.readers import Entry, Record, Reject, iter_jsonl
 
     f = tmp_path / f"c{suffix}"

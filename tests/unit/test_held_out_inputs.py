@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from actlake.cli import error_line, main
+from actlake.jobs.cli import error_line, main
 from actlake.config import load_config, parse_config
 from actlake.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of analysis/kernels.py against the explicit weights' products and the PyTorch moments, compiled on
+"""The Triton kernels of analysis/engine/kernels.py against the explicit weights' products and the PyTorch moments, compiled on
 CUDA tensors where there is a GPU, else through Triton's interpreter on CPU tensors (conftest.py sets
 TRITON_INTERPRET=1 there): causal windows with right padding, grouped-query heads, head
 sizes that are not powers of two, windows shorter than one tile and not a whole number of tiles, and
@@ -11,9 +11,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from actlake.analysis.attention_mass import expand_kv  # noqa: E402
-from actlake.analysis.attention_weights import explicit_products, triton_kernels_on  # noqa: E402
-from actlake.analysis.layer_qk import BatchInfo, LayerQK  # noqa: E402
+from actlake.analysis.engine.heads import expand_kv  # noqa: E402
+from actlake.analysis.engine.attention_weights import explicit_products, triton_kernels_on  # noqa: E402
+from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK  # noqa: E402
 from actlake.categories import one_hot  # noqa: E402
 from actlake.errors import AnalysisError, ConfigError  # noqa: E402
 
@@ -47,7 +47,7 @@ def _layer(B, H, H_kv, T, dh, dtype, seed=0):
 
 @pytest.mark.parametrize("B,H,H_kv,T,dh,dtype", CASES)
 def test_distance_kernel_equals_the_explicit_weights_profile(B, H, H_kv, T, dh, dtype):
-    from actlake.analysis.kernels import distance_profile
+    from actlake.analysis.engine.kernels import distance_profile
 
     lq, lse = _layer(B, H, H_kv, T, dh, dtype)
     want = explicit_products(lq, {"distance"})["distance"]
@@ -64,7 +64,7 @@ def test_weighted_qsum_kernel_equals_the_explicit_weights_sums(B, H, H_kv, T, dh
     """sum_m alpha_mn q_m at each key, over valid queries. On a GPU the kernel rounds alpha to the
     model's dtype before the product (as FlashAttention's backward pass does): bfloat16's 2^-9, float16's
     2^-11 relative per weight; on CPU tensors bfloat16 is multiplied in float32."""
-    from actlake.analysis.kernels import weighted_qsum
+    from actlake.analysis.engine.kernels import weighted_qsum
 
     lq, lse = _layer(B, H, H_kv, T, dh, dtype, seed=1)
     want = explicit_products(lq, {"weighted_qsum"})["weighted_qsum"]
@@ -80,7 +80,7 @@ def test_weighted_qsum_kernel_equals_the_explicit_weights_sums(B, H, H_kv, T, dh
 def test_layer_products_refuse_kernels_that_disagree_with_the_weights():
     """The first layer a process runs on a device is compared with explicit weights: a log-sum-exp in the
     wrong units (log2 instead of natural log) stops the run, naming the setting that avoids the kernels."""
-    from actlake.analysis import kernels
+    from actlake.analysis.engine import kernels
 
     lq, lse = _layer(2, 2, 2, 20, 16, torch.bfloat16)
     dev = ("attention", lq.native[0].device)  # cuda:0 where DEVICE says cuda
@@ -98,7 +98,7 @@ def test_layer_products_refuse_kernels_that_disagree_with_the_weights():
 
 
 def test_a_kernel_that_fails_to_run_names_the_setting_that_avoids_it():
-    from actlake.analysis.kernels import _distance_tiles, _run
+    from actlake.analysis.engine.kernels import _distance_tiles, _run
 
     with pytest.raises(AnalysisError, match=r"Triton kernel .* failed on .*analyses.triton_kernels: false"):
         _run(_distance_tiles, (1, 1), DEVICE, torch.zeros(1, device=DEVICE))  # arguments missing
@@ -128,8 +128,8 @@ def test_group_moments_kernel_equals_the_float64_products(dtype):
     """Sums, sums of squares and maxima per group: 150 rows (not a whole number of 128-row tiles), 70
     dimensions (not of 64), rows in no group, three partitions."""
     from actlake.analysis.dim_moments import GROUPS, group_ids
-    from actlake.analysis.kernels import group_moments
-    from actlake.analysis.moments import GroupSums
+    from actlake.analysis.engine.kernels import group_moments
+    from actlake.analysis.engine.moments import GroupSums
 
     hs, valid, role, type8 = _hidden(dtype=dtype)
     ids = group_ids(valid, role, type8).reshape(-1, 3)
@@ -145,7 +145,7 @@ def test_group_moments_kernel_equals_the_float64_products(dtype):
 def test_dim_moments_from_the_kernel_equal_the_strict_path():
     """DimMoments of a batch through the kernel (non-strict, as on a GPU) against the strict PyTorch path;
     the unchecked sum turns non-finite when a valid token holds an inf, not when a padded one does."""
-    from actlake.analysis import kernels
+    from actlake.analysis.engine import kernels
     from actlake.analysis.dim_moments import DimMoments
 
     hs, valid, role, type8 = _hidden()
@@ -172,7 +172,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from actlake.analysis import kernels
+from actlake.analysis.engine import kernels
 
 CASES = [
     ("_distance_tiles", "bf16", dict(BLOCK=64, HEAD_DIM=64, D_PAD=64, DOT_F32=False)),

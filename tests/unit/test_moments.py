@@ -2,7 +2,7 @@ import numpy as np
 import torch
 
 from actlake.analysis.dim_moments import GROUPS, DimMoments
-from actlake.analysis.moments import GroupSums, Moments
+from actlake.analysis.engine.moments import GroupSums, Moments
 
 
 def _random_batch(seed, B=3, T=7, d=5, L1=3):

@@ -103,7 +103,7 @@ def test_missing_accelerate_is_one_error_line_before_ray_starts(tmp_path, monkey
     import importlib.util
 
     import actlake.jobs.run as run
-    from actlake.cli import main
+    from actlake.jobs.cli import main
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))

@@ -124,7 +124,7 @@ def test_jsonl_shards_start_at_entry_points_built_once_in_parallel(tmp_path, mon
 
 def test_corpus_index_command_builds_what_the_first_run_would(tmp_path, capsys, monkeypatch):
     """``actlake corpus index CONFIG`` counts and indexes the files; a plan afterwards indexes nothing."""
-    from actlake.cli import main
+    from actlake.jobs.cli import main
     from actlake.corpus import index
 
     (tmp_path / "c").mkdir()

@@ -1,4 +1,4 @@
-"""Every registered analysis honours the protocol: declared reads, tables that round-trip, merge of the
+"""Every registered producer honours the protocol: declared sites and products, tables that round-trip, merge of the
 two halves of a batch equal to the whole (the reduce step relies on it)."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from actlake.analysis.moments import Moments
-from actlake.analysis.protocol import READS, Analysis, ModelSpec, builtin, load_class
+from actlake.analysis.engine.moments import Moments
+from actlake.analysis.protocol import PRODUCTS, SITES, Analysis, ModelSpec, ShardTable
+from actlake.analysis.registry import builtin, builtin_tables, load_class
+from actlake.config import parse_config
 from actlake.errors import ConfigError
 
 SPEC = ModelSpec(n_layers=2, n_heads=3, n_kv_heads=3, d_model=8, max_length=6, device=torch.device("cpu"))
@@ -43,7 +45,8 @@ def _tensors(a) -> dict:
 @pytest.mark.parametrize("name", sorted(builtin()))
 def test_builtin_analyses_declare_and_round_trip(name):
     cls = builtin()[name]
-    assert issubclass(cls, Analysis) and cls.name == name and cls.tables and set(cls.reads) <= READS
+    assert issubclass(cls, Analysis) and cls.name == name and cls.tables and set(cls.sites) <= SITES
+    assert set(cls.products) <= PRODUCTS and (not cls.products or "attention" in cls.sites)
     a = _filled(cls, 0)
     back = cls.from_tables(a.to_tables())
     for key, value in _tensors(a).items():
@@ -65,3 +68,23 @@ def test_load_class_refuses_what_is_not_an_analysis():
         load_class("collections:OrderedDict")
     with pytest.raises(ConfigError, match="cannot import"):
         load_class("no_such_module_here:Thing")
+
+
+def test_every_builtin_shard_table_declares_its_schema_and_writes_it_when_empty():
+    cfg = parse_config({"name": "t", "activations": {"layers": [1]}})
+    classes = builtin_tables(cfg)
+    assert [c.name for c in classes] == ["documents", "rejects", "tokens", "residual_norms", "activations"]
+    for cls in classes:
+        assert issubclass(cls, ShardTable) and cls.per_token and cls.tables == (cls.name,)
+        empty = cls.to_table([], **cls.options_from(cfg))
+        assert empty.num_rows == 0 and (cls.schema is None or empty.schema == cls.schema)
+
+
+def test_a_class_with_the_old_reads_attribute_is_refused_naming_the_new_ones(tmp_path, monkeypatch):
+    (tmp_path / "old_style.py").write_text(
+        "from actlake.analysis.stats import SumStats\n"
+        "class Old(SumStats):\n    name, tables = 'old', ('old',)\n    reads = frozenset({'attention', 'mass'})\n"
+        "    @classmethod\n    def create(cls, spec, **o):\n        return cls()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="'sites'.*'products'"):
+        load_class("old_style:Old")

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from actlake.reference import reference_blocks
+from actlake.jobs.reference import reference_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@ rotary and on several vectors stacked per token."""
 
 import torch
 
-from actlake.analysis.rope import apply, factors, rotate, rotate_half, unrotate
+from actlake.analysis.engine.rope import apply, factors, rotate, rotate_half, unrotate
 
 
 def _cos_sin(B, T, rot, seed=0, dtype=torch.float32):

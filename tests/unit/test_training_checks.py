@@ -11,8 +11,9 @@ import pytest
 import torch
 import yaml
 
-from actlake.cli import main
-from actlake.jobs.training import STATE_FILE, TrainingError, list_checkpoints, save_checkpoint
+from actlake.jobs.cli import main
+from actlake.errors import TrainingError
+from actlake.storage.checkpoints import STATE_FILE, list_checkpoints, save_checkpoint
 
 
 RAY_LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?\((\w+ )?(pid=|raylet)")
@@ -51,7 +52,7 @@ def test_a_checkpoint_that_cannot_be_written_is_named_and_the_previous_one_kept(
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
-    from actlake.jobs.training import MANIFEST, prepare_checkpoints
+    from actlake.storage.checkpoints import MANIFEST, prepare_checkpoints
 
     root = tmp_path / "ck"
     for step in (20, 40):
@@ -115,7 +116,7 @@ def test_token_counts_are_checked_against_seq_len_before_ray(case, sample_corpus
 
 def test_a_checkpoint_of_another_run_or_trial_is_refused_naming_it(tmp_path):
     """Checkpoints copied from another run (another seed, so another config hash) were resumed silently."""
-    from actlake.jobs.training import checkpoint_identity, prepare_checkpoints
+    from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints
 
     ours, theirs = checkpoint_identity("aaaaaaaaaaaa", "lm"), checkpoint_identity("bbbbbbbbbbbb", "lm")
     root = tmp_path / "ck"
@@ -134,7 +135,7 @@ def test_a_checkpoint_of_another_run_or_trial_is_refused_naming_it(tmp_path):
 def test_every_checkpoint_a_reader_takes_is_verified(tmp_path, damage):
     """--analysis-only read older checkpoints unchecked: a missing one was left out of every table, a zeroed
     one analysed, a truncated one failed inside Ray naming no file."""
-    from actlake.jobs.training import checkpoint_identity, verified_checkpoints
+    from actlake.storage.checkpoints import checkpoint_identity, verified_checkpoints
 
     me = checkpoint_identity("aaaaaaaaaaaa", "t")
     root = tmp_path / "ck"

@@ -96,7 +96,7 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     ``analyses``: the classes whose charts to draw (the job passes its enabled ones, custom analyses
     included); default the built-in ones. ``actlake report`` never imports code named in a run folder.
     """
-    from actlake.analysis.protocol import builtin
+    from actlake.analysis.registry import builtin
 
     layout, con = open_for_report(run_dir, ("dim_moments", "residual_norms"), "no reduced tables to report on "
                                   "(did the job finish?)")

@@ -21,7 +21,11 @@ def _size(spec) -> int:
 
 
 def to_arrow(axes: list[Axis], values: dict[str, np.ndarray]) -> pa.Table:
-    """One row per cell of the full grid; a value over fewer axes is broadcast."""
+    """One row per cell of the full grid; a value over fewer axes is broadcast. Integer axes may be given
+    as 0 to take their length from the values (as :func:`from_arrow` takes it from the table)."""
+    values = {name: np.asarray(v, dtype=np.float64) for name, v in values.items()}
+    axes = [(name, max(v.shape[i] for v in values.values() if v.ndim > i) if spec == 0 else spec)
+            for i, (name, spec) in enumerate(axes)]
     shape = tuple(_size(s) for _, s in axes)
     idx = np.indices(shape).reshape(len(shape), -1)
     cols = {}
@@ -31,7 +35,6 @@ def to_arrow(axes: list[Axis], values: dict[str, np.ndarray]) -> pa.Table:
         else:
             cols[name] = pa.DictionaryArray.from_arrays(pa.array(ix, pa.int32()), pa.array(list(spec))).cast(pa.string())
     for name, v in values.items():
-        v = np.asarray(v, dtype=np.float64)
         v = v.reshape(v.shape + (1,) * (len(shape) - v.ndim))
         cols[name] = pa.array(np.broadcast_to(v, shape).ravel(), pa.float64())
     return pa.table(cols)

@@ -21,6 +21,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from actlake.architectures import blocks, get_path, key_input_module
+
 _ACTIVE: ContextVar["Recorder | None"] = ContextVar("actlake_recorder", default=None)
 PREFIX = "actlake_"
 
@@ -101,8 +103,6 @@ def recording(recorder: Recorder):
 
 def attention_modules(model, family) -> dict[int, int]:
     """``id(attention module) -> layer index`` for a loaded model."""
-    from actlake.architectures import blocks, get_path
-
     return {id(get_path(block, family.attention)): i for i, block in enumerate(blocks(model, family))}
 
 
@@ -140,8 +140,6 @@ class LayerInputs(_Hooks):
     hooks are removed on exit, whatever happens."""
 
     def __init__(self, model, family):
-        from actlake.architectures import blocks, get_path, key_input_module
-
         self.x: dict[int, torch.Tensor] = {}
         self.rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._targets = [(i, key_input_module(b, family), get_path(b, family.attention)) for i, b in enumerate(blocks(model, family))]
@@ -182,8 +180,6 @@ class HiddenStream(_Hooks):
     the consumer are dropped on exit, whatever happens."""
 
     def __init__(self, model, family):
-        from actlake.architectures import blocks
-
         self._blocks = blocks(model, family)
         self.consume: Callable[[int, torch.Tensor], None] | None = None
 

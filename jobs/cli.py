@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sql":
             return _cmd_sql(args)
         if args.command == "report":
-            from actlake.report import build_report
+            from actlake.jobs.report import build_report
 
             print(build_report(args.run_dir))
             return 0

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from actlake.analysis.attention_weights import diagonal_sums_from, explicit_products
+from actlake.analysis.engine.attention_weights import diagonal_sums_from, explicit_products
 from actlake.errors import AnalysisError
 
 LOG2E = 1.4426950408889634
@@ -188,7 +188,7 @@ def weighted_qsum(q, k, lse, validf, scale: float) -> torch.Tensor:
 
 
 def layer_products(lq, names, lse: torch.Tensor) -> dict:
-    """``names`` (of :data:`~actlake.analysis.attention_weights.TRITON`) of one layer from the kernels,
+    """``names`` (of :data:`~actlake.analysis.engine.attention_weights.TRITON`) of one layer from the kernels,
     with ``lse`` (B, H, >= T) of a FlashAttention forward call on the same q and k. The first call on each
     device in a process also computes them from explicit weights and raises if the two disagree (one host
     synchronisation, once; skipped while an input holds inf/NaN, and while a layer graph records:

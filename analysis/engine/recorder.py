@@ -7,13 +7,12 @@ from typing import Callable
 
 import torch
 
-from actlake.analysis.attention_mass import AttentionMass
-from actlake.analysis.attention_weights import EXPLICIT_ONLY, flash_applies
-from actlake.analysis.capture import LayerInputs, attention_modules
-from actlake.analysis.device import tf32
-from actlake.analysis.layer_qk import BatchInfo, LayerQK
-from actlake.analysis.layer_replay import LayerReplay
-from actlake.analysis.rope import factors
+from actlake.analysis.engine.attention_weights import EXPLICIT_ONLY, flash_applies
+from actlake.analysis.engine.capture import LayerInputs, attention_modules
+from actlake.analysis.engine.device import tf32
+from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
+from actlake.analysis.engine.layer_replay import LayerReplay
+from actlake.analysis.engine.rope import factors
 from actlake.architectures import blocks, key_weights
 from actlake.errors import AnalysisError
 
@@ -43,7 +42,8 @@ class AttentionRecorder:
 
     ``valid`` (B, T) and ``role_onehot`` (B, T, C): the batch, preferably as host tensors (whatever
     steers Python code is computed from them, so no layer waits for the device).
-    ``mass``: attention mass per query and key category (fed first, and told of excluded tokens).
+    ``mass``: an attention-mass accumulator (an object with ``add_layer`` and ``nonfinite_excluded``, such as
+    :class:`~actlake.analysis.attention_mass.AttentionMass`), fed first and told of excluded tokens.
     ``on_excluded``: called (layer, token count) when tokens leave a layer's statistics for inf/NaN.
     ``inputs``: active :class:`LayerInputs` when consumers need x / RoPE (contributions).
     ``needs``: products of the attention weights the consumers read (:mod:`attention_weights`), computed
@@ -52,17 +52,17 @@ class AttentionRecorder:
     ``reuse_attention``: when the weights are computed explicitly anyway, hand the model its attention
     output from them instead of running the SDPA kernel a second time.
     ``triton``: on layers FlashAttention serves, the distance profile and the weighted sums from the
-    Triton kernels (:mod:`~actlake.analysis.kernels`).
+    Triton kernels (:mod:`~actlake.analysis.engine.kernels`).
     ``strict``: check each layer's mask and look for inf/NaN tokens as it comes (both read a value back
     from the device, once per layer). False: assume both are fine and count on the device what
     contradicts it (:meth:`problems`); the caller reads that once per batch and, if it is not zero,
     runs the batch again strictly. Statistics of a batch with problems are wrong and must be dropped.
     ``replay``: when not strict, the consumers' work of one layer is recorded and replayed at the others
-    (:mod:`~actlake.analysis.layer_replay`; ``consumers`` are then its analyses' ``add_layer``).
+    (:mod:`~actlake.analysis.engine.layer_replay`; ``consumers`` are then its analyses' ``add_layer``).
     """
 
     def __init__(self, mqk: ModelQK, valid: torch.Tensor, role_onehot: torch.Tensor,
-                 consumers: list[Callable[[LayerQK], None]], mass: AttentionMass | None = None,
+                 consumers: list[Callable[[LayerQK], None]], mass=None,
                  inputs: LayerInputs | None = None, needs=frozenset(), method: str = "auto",
                  reuse_attention: bool = True, strict: bool = True, on_excluded=(), triton: bool = False,
                  replay: LayerReplay | None = None):

@@ -22,9 +22,13 @@ Two ways to get them:
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
+
+from actlake.analysis.engine.heads import expand_kv
+from actlake.errors import ConfigError
 
 PRODUCTS = ("mass", "mass_keynorm", "weighted_qsum", "distance", "output")
 EXPLICIT_ONLY = frozenset({"weighted_qsum", "distance", "output"})
@@ -32,7 +36,7 @@ EXPLICIT_ONLY = frozenset({"weighted_qsum", "distance", "output"})
 FLASH = frozenset({"output", "mass", "mass_keynorm", "weighted_qsum"})
 """Products :func:`flash_products` gives (causal attention, right padding, 16-bit q and k on CUDA)."""
 TRITON = frozenset({"distance", "weighted_qsum"})
-"""Products the Triton kernels of :mod:`~actlake.analysis.kernels` give on the same path."""
+"""Products the Triton kernels of :mod:`~actlake.analysis.engine.kernels` give on the same path."""
 
 
 def block_elements(device: torch.device) -> int:
@@ -79,7 +83,6 @@ class _ExplicitPass:
     category masses ride along with the output (V = [value | one-hot]) when both are wanted."""
 
     def __init__(self, lq, names: set, value, budget: int):
-        from actlake.analysis.attention_mass import expand_kv
 
         self.names, self.batch = names, lq.batch
         self.k = lq.key_per_query_head  # (B, H, T, d_h)
@@ -201,13 +204,12 @@ def flash_products(lq, names) -> dict:
     - ``mass_keynorm``: the same with keys rescaled to their sequence's mean norm, in float16 (the
       rescaled keys are not exact in bfloat16; 2^-11 relative instead of 2^-8).
     - with ``lq.triton``, ``weighted_qsum`` and ``distance`` (:data:`TRITON`) instead come from the Triton
-      kernels of :mod:`~actlake.analysis.kernels`, given the log-sum-exp of the forward call for
+      kernels of :mod:`~actlake.analysis.engine.kernels`, given the log-sum-exp of the forward call for
       the output or the mass (or of one made for them): no backward pass.
 
     Outputs are rounded to the kernel's dtype (bfloat16: 2^-9 relative per entry), then summed in
     float64 by the analyses; padded queries give nothing.
     """
-    from actlake.analysis.attention_mass import expand_kv
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention
     q, k, v = lq.native
@@ -240,7 +242,7 @@ def flash_products(lq, names) -> dict:
             o = flash(q.half(), k16, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
             out["mass_keynorm"] = o[..., :C].float() * valid
     if kernels:  # the weights again, tile by tile, from the log-sum-exp of a forward call above
-        from actlake.analysis.kernels import layer_products
+        from actlake.analysis.engine.kernels import layer_products  # imports triton, installed only where kernels run; kernels imports this module
 
         out.update(layer_products(lq, kernels, lse))
     return {n: out[n] for n in names}
@@ -264,14 +266,10 @@ def ampere_or_newer(device: torch.device) -> bool:
 
 
 def triton_kernels_on(setting: bool | None, device: torch.device) -> bool:
-    """Whether this worker uses the Triton kernels of :mod:`~actlake.analysis.kernels`
+    """Whether this worker uses the Triton kernels of :mod:`~actlake.analysis.engine.kernels`
     (``analyses.triton_kernels``): on a CUDA device of compute capability 8.0 or newer with the package
     installed, unless ``setting`` is False. True where they cannot run is a ConfigError. (The attention kernels serve only the layers
     :func:`flash_products` serves.)"""
-    import importlib.util
-
-    from actlake.errors import ConfigError
-
     installed = importlib.util.find_spec("triton") is not None
     if setting and device.type != "cuda":
         raise ConfigError(f"analyses.triton_kernels: true needs a CUDA device; this worker has {device.type} "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actlake.analysis.device import to_device
+from actlake.analysis.engine.device import to_device
 
 
 @dataclass

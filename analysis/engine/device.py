@@ -34,10 +34,18 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 def tf32(enabled: bool):
     """TF32 for float32 matrix products on CUDA on (``enabled``) or off inside, as before outside.
     Off: full float32 for products whose inputs TF32 would round (sums of the model's values) while the
-    analyses of a 16-bit model run with it on (:func:`actlake.analysis.recorder.tf32_when_exact`)."""
+    analyses of a 16-bit model run with it on (:func:`actlake.analysis.engine.recorder.tf32_when_exact`)."""
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = enabled
     try:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def accumulate(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """``targets[i] += values[i]`` for every i, as one operation (``torch._foreach_add_``: one kernel
+    launch for all of them on a GPU, where the analyses' many small sums are launch-bound). Values are
+    moved to their target's device (with device_map a layer may live on another GPU than the
+    accumulators) and dtype."""
+    torch._foreach_add_(targets, [v.to(t.device, t.dtype) for t, v in zip(targets, values, strict=True)])

@@ -24,14 +24,13 @@ from typing import Callable
 
 import torch
 
-from actlake.analysis.protocol import Analysis
-from actlake.analysis.stats import accumulate
+from actlake.analysis.engine.device import accumulate
 from actlake.errors import AnalysisError
 
 Inputs = dict  # name -> tensor or None: what changes from layer to layer
 
 
-def tensor_fields(a: Analysis) -> list[str]:
+def tensor_fields(a) -> list[str]:
     return [k for k, v in vars(a).items() if isinstance(v, torch.Tensor)]
 
 
@@ -42,7 +41,7 @@ class LayerReplay:
     The recorded function gets the fixed input buffers and the consumers to call (the scratch copies'
     ``add_layer``, at layer 0) and returns the attention output or None."""
 
-    def __init__(self, analyses: list[Analysis]):
+    def __init__(self, analyses: list):
         unsafe = [a.name for a in analyses if not a.graph_safe]
         if unsafe:
             raise AnalysisError(f"analyses.layer_graphs: {unsafe} are not graph_safe")

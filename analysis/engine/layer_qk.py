@@ -3,7 +3,7 @@
 :class:`BatchInfo` holds what is the same for every layer of a batch (masks,
 categories, pair counts) and computes each once; :class:`LayerQK` adds one
 layer's tensors and computes the products of its attention weights the analyses
-read, all in one pass (:mod:`actlake.analysis.attention_weights`).
+read, all in one pass (:mod:`actlake.analysis.engine.attention_weights`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from functools import cached_property
 
 import torch
 
-from actlake.analysis.attention_mass import allowed_pairs, expand_kv
-from actlake.analysis.device import to_device
+from actlake.analysis.engine import attention_weights as aw
+from actlake.analysis.engine import rope
+from actlake.analysis.engine.device import to_device
+from actlake.analysis.engine.heads import allowed_pairs, expand_kv
 
 HOST_FACTS = ("needs_mask", "has_invalid", "lengths", "key_order")
 """Facts about a batch that depend on its values and steer Python code: computed from host tensors
@@ -237,7 +239,7 @@ class LayerQK:
     """(B, T, rot) rotary cos (None without RoPE)."""
     sin: torch.Tensor | None = None
     unrotation: tuple | None = None
-    """:func:`~actlake.analysis.rope.factors` of R_n^T for cos and sin (None: computed when first used)."""
+    """:func:`~actlake.analysis.engine.rope.factors` of R_n^T for cos and sin (None: computed when first used)."""
     needs: frozenset = frozenset()
     """Products of the attention weights the analyses will read (computed together, once)."""
     method: str = "explicit"
@@ -250,7 +252,7 @@ class LayerQK:
     """(query, key, value) as the model's kernel received them (its dtype), for ``method == "flash"``."""
     triton: bool = False
     """With ``method == "flash"``: the ``distance`` and ``weighted_qsum`` products from the Triton kernels
-    (:mod:`~actlake.analysis.kernels`) instead of explicit blocks and FlashAttention's backward."""
+    (:mod:`~actlake.analysis.engine.kernels`) instead of explicit blocks and FlashAttention's backward."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     # shortcuts to the batch
@@ -297,8 +299,6 @@ class LayerQK:
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """R_n^T y at each key position n (y: (B, H, T, ..., d_h)); y itself without RoPE."""
-        from actlake.analysis import rope
-
         if self.cos is None:
             return y
         if self.unrotation is None:
@@ -319,15 +319,13 @@ class LayerQK:
         return self._cache["weights"]
 
     def product(self, name: str) -> torch.Tensor:
-        """One of :data:`~actlake.analysis.attention_weights.PRODUCTS` of this layer's attention weights.
+        """One of :data:`~actlake.analysis.engine.attention_weights.PRODUCTS` of this layer's attention weights.
 
         The first request computes every product in ``needs`` (plus this one) in a single pass
         (explicit blocks, or the fused kernel when ``method == "fused"`` and that suffices; with
         ``method == "flash"``, FlashAttention kernels for all but the distance profile, which explicit
         blocks give, or with ``triton`` the Triton kernels).
         """
-        from actlake.analysis import attention_weights as aw
-
         if name not in self._cache:
             todo = (set(self.needs) | {name}) - self._cache.keys()
             if self.method == "flash":

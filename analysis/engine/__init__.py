@@ -1,0 +1,4 @@
+"""The engine under every analysis: hooks on the model's attention and hidden states, the per-layer
+inputs (:class:`~actlake.analysis.engine.layer_qk.LayerQK`), the products of the attention weights
+computed once per layer, the Triton kernels, layer replay and device helpers. It imports no analysis:
+the analyses (one module each, beside this folder) read what it produces."""

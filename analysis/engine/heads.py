@@ -1,0 +1,20 @@
+"""Which keys a query may attend to, and grouped-query heads expanded to one key head per query head."""
+
+from __future__ import annotations
+
+import torch
+
+
+def allowed_pairs(valid: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, T) validity -> (B, 1, T, T) bool mask of pairs (m, n) a query may attend to."""
+    T = valid.shape[1]
+    mask = valid.bool()[:, None, None, :].expand(-1, 1, T, T)
+    if causal:
+        mask = mask & torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
+    return mask
+
+
+def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, H_kv, T, d) -> (B, H, T, d): query head h reads key head h // (H / H_kv)."""
+    rep = n_heads // key.shape[1]
+    return key if rep == 1 else key.repeat_interleave(rep, dim=1)

@@ -1,0 +1,76 @@
+"""Which producers a job runs: the built-in analyses and shard tables, and the custom ones its config names."""
+
+from __future__ import annotations
+
+import importlib
+
+from actlake.analysis.activation_sample import ActivationSample
+from actlake.analysis.attention_distance import AttentionByDistance
+from actlake.analysis.attention_mass import AttentionMass
+from actlake.analysis.contributions import Contributions
+from actlake.analysis.dim_moments import DimMoments
+from actlake.analysis.documents import Documents, Rejects
+from actlake.analysis.geometry import Geometry
+from actlake.analysis.protocol import PRODUCTS, SITES, Analysis, Producer, ShardTable
+from actlake.analysis.residual_norms import ResidualNorms
+from actlake.analysis.tokens import Tokens
+from actlake.errors import ConfigError
+
+
+def builtin() -> dict[str, type[Analysis]]:
+    """The built-in analyses by config key (``analyses.<name>: true/false``)."""
+    return {c.name: c for c in (DimMoments, AttentionMass, Contributions, Geometry, AttentionByDistance)}
+
+
+def builtin_tables(cfg) -> list[type[ShardTable]]:
+    """The built-in shard tables a job's config turns on, in the order a shard writes them."""
+    return [Documents, Rejects] + [Tokens] * bool(cfg.analyses.tokens) + [ResidualNorms] * bool(cfg.analyses.residual_norms) \
+        + [ActivationSample] * bool(cfg.activations.layers)
+
+
+def load_class(target: str, where: str = "analyses.custom") -> type[Producer]:
+    """``package.module:ClassName`` -> the class, which must subclass :class:`~actlake.analysis.protocol.Analysis`
+    or :class:`~actlake.analysis.protocol.ShardTable`."""
+    module, _, attr = target.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"{where}: '{target}' is not 'package.module:ClassName'")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{where}: cannot import '{target}' ({type(e).__name__}: {e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, (Analysis, ShardTable))):
+        raise ConfigError(f"{where}: '{target}' is not a subclass of actlake.analysis.protocol.Analysis or ShardTable")
+    if "reads" in vars(cls):
+        raise ConfigError(f"{where}: '{target}' sets 'reads', which is now two attributes: 'sites' "
+                          f"(of {sorted(SITES)}) and 'products' (of {sorted(PRODUCTS)})")
+    bad = (set(cls.sites) - SITES) | (set(cls.products) - PRODUCTS)
+    if bad or not cls.name or not cls.tables or (cls.products and "attention" not in cls.sites):
+        raise ConfigError(f"{where}: '{target}' must set name and tables, read sites of {sorted(SITES)} and products "
+                          f"of {sorted(PRODUCTS)} (products need the 'attention' site)"
+                          + (f"; unknown: {sorted(bad)}" if bad else ""))
+    if issubclass(cls, ShardTable) and cls.schema is None:
+        raise ConfigError(f"{where}: '{target}' is a ShardTable without a schema")
+    return cls
+
+
+def custom(cfg) -> list[tuple[type[Producer], dict]]:
+    """(class, options) of every ``analyses.custom`` entry."""
+    return [(load_class(c.analysis, f"analyses.custom[{i}].analysis"), dict(c.args))
+            for i, c in enumerate(getattr(cfg.analyses, "custom", []) or [])]
+
+
+def enabled(cfg) -> list[tuple[type[Analysis], dict]]:
+    """(class, options) of every analysis a job's config turns on, built-ins first."""
+    out = [(cls, cls.options_from(cfg)) for name, cls in builtin().items() if getattr(cfg.analyses, name)]
+    return out + [(cls, options) for cls, options in custom(cfg) if issubclass(cls, Analysis)]
+
+
+def shard_tables(cfg) -> list[tuple[type[ShardTable], dict]]:
+    """(class, options) of every shard table a job writes, built-ins first."""
+    out = [(cls, cls.options_from(cfg)) for cls in builtin_tables(cfg)]
+    return out + [(cls, options) for cls, options in custom(cfg) if issubclass(cls, ShardTable)]
+
+
+def products(producers) -> frozenset:
+    """Products of the attention weights the given producers (classes or instances) read."""
+    return frozenset().union(*(p.products for p in producers))

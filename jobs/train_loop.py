@@ -1,0 +1,109 @@
+"""The training loop every training job runs on its Ray Train workers, as a template.
+
+:meth:`TrainLoop.run`: resume from the trial's newest checkpoint (or start) -> step -> evaluate on its
+cadence (a learning-curve row, reported to Ray Train and logged) -> checkpoint and prune on its cadence
+(rank 0) -> finish (rank 0). A job subclasses it and fills in what differs: building or loading its model
+and optimizer, one optimisation step, one evaluation, what a checkpoint holds; the order, the cadences,
+the step numbering and the checkpoint bookkeeping are here, once.
+
+Steps are counted as completed optimiser steps: ``done`` runs from the resumed step to ``steps``;
+``train_step(step)`` is called with the 0-based index of the step it takes (``done`` before it).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from actlake.jobs.training import worker_setup
+from actlake.storage.checkpoints import latest_checkpoint, prune_checkpoints, save_checkpoint
+
+log = logging.getLogger("actlake.training")
+
+
+class TrainLoop(ABC):
+    """One trial's loop on one Ray Train worker; ``config`` is the trial's config mapping (``trial``,
+    ``run_dir``, ``identity``, ``cpus_per_worker`` and the job's own keys)."""
+
+    steps: int
+    """Optimiser steps in all."""
+    eval_every: int
+    checkpoint_every: int
+    keep_steps: frozenset = frozenset()
+    """Steps whose checkpoints are kept (and written) besides the newest two."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        self.curve: list[dict] = []
+        self.ck_root = Path(config["run_dir"]) / "checkpoints" / config["trial"]
+
+    # ------------------------------------------------------------------ what a job fills in
+    @abstractmethod
+    def start(self) -> None:
+        """A fresh model and optimizer (no checkpoint yet)."""
+
+    @abstractmethod
+    def resume(self, folder: Path) -> int:
+        """Model, optimizer and :attr:`curve` from a checkpoint folder; returns its step."""
+
+    @abstractmethod
+    def train_step(self, step: int) -> float:
+        """Take optimiser step ``step`` (0-based); returns its training loss."""
+
+    @abstractmethod
+    def evaluate(self, done: int, train_loss: float) -> dict:
+        """The learning-curve row after ``done`` steps."""
+
+    @abstractmethod
+    def save(self, folder: Path, done: int) -> None:
+        """Write a checkpoint's files (model, trainer state with :attr:`curve`) into ``folder``."""
+
+    def describe(self, row: dict) -> str:
+        """The log line of a learning-curve row."""
+        return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+
+    def reported(self, row: dict) -> dict:
+        """What goes to ``ray.train.report`` for a row (default: the row)."""
+        return row
+
+    def begin(self, resumed: bool) -> None:
+        """After start or resume, before the first step (the model is on its device)."""
+
+    def after_checkpoint(self, done: int) -> None:
+        """After a checkpoint was written and old ones pruned (rank 0)."""
+
+    def finish(self, start: int) -> None:
+        """After the last step, on rank 0 (``start``: the step this attempt resumed from)."""
+
+    # ------------------------------------------------------------------ the template
+    def checkpoint(self, done: int) -> None:
+        save_checkpoint(self.ck_root, done, lambda folder: self.save(folder, done), self.config.get("identity"))
+        prune_checkpoints(self.ck_root, set(self.keep_steps))
+        self.after_checkpoint(done)
+
+    def run(self) -> None:
+        import ray.train
+
+        self.rank, self.world, self.device = worker_setup(self.config)
+        latest = latest_checkpoint(self.ck_root)
+        if latest is None:
+            self.start()
+            start = 0
+        else:
+            start = self.resume(latest[1])
+            log.info("%s: resuming from step %d", self.config["trial"], start)
+        self.begin(resumed=latest is not None)
+        for step in range(start, self.steps):
+            loss = self.train_step(step)
+            done = step + 1
+            if done % self.eval_every == 0 or done == self.steps:
+                row = self.evaluate(done, loss)
+                self.curve.append(row)
+                ray.train.report(self.reported(row))
+                if self.rank == 0:
+                    log.info("%s step %d/%d: %s", self.config["trial"], done, self.steps, self.describe(row))
+            if self.rank == 0 and (done % self.checkpoint_every == 0 or done == self.steps or done in self.keep_steps):
+                self.checkpoint(done)
+        if self.rank == 0:
+            self.finish(start)
