@@ -25,13 +25,17 @@ __all__ = [
 
 def open_run(run_dir, **kwargs):
     """Open a run directory as a read-only DuckDB connection (see ``actlake.storage.sql.open_run``)."""
-    from actlake.storage.sql import open_run as _open_run
+    from actlake.storage.sql import (
+        open_run as _open_run,  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+    )
 
     return _open_run(run_dir, **kwargs)
 
 
 def query(run_dir, sql, **kwargs):
     """Run one read-only SQL statement over a run and return a pyarrow Table."""
-    from actlake.storage.sql import query as _query
+    from actlake.storage.sql import (
+        query as _query,  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+    )
 
     return _query(run_dir, sql, **kwargs)

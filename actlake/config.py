@@ -15,10 +15,24 @@ from typing import Literal, Optional, Union
 
 from pydantic import model_validator
 
-from actlake.config_base import (PACKAGE_PREFIX, ConfigRoot, HubOrLocal, LocalPath, Location, Section, _compose_with_lines,
-                                 _fail, config_error, looks_local, validate)
+from actlake.config_base import (
+    PACKAGE_PREFIX,
+    ConfigRoot,
+    HubOrLocal,
+    LocalPath,
+    Location,
+    Section,
+    _compose_with_lines,
+    _fail,
+    config_error,
+    looks_local,
+    validate,
+)
 from actlake.config_base import reference_markdown as _reference_markdown
-from actlake.errors import ConfigError
+from actlake.errors import ConfigError, StorageError
+from actlake.fs import check_scheme, location
+from actlake.fs import glob as expand
+from actlake.fs import url_scheme as scheme_of
 from actlake.sizes import MEMORY_UNITS, memory_bytes  # noqa: F401 - part of this module's API
 
 
@@ -43,7 +57,6 @@ class ModelConfig(Section):
     """Allow ``pytorch_model.bin`` (pickle) weights. Off: safetensors only."""
     trust_remote_code: bool = False
     """Run modelling code shipped with a hub model. Off unless you trust its author."""
-
 
 class CorpusConfig(Section):
     paths: list[Location] = ["data/sample/*.jsonl.zst"]
@@ -86,7 +99,6 @@ class TokenizationConfig(Section):
     min_tokens: int = 2
     """Windows with fewer content tokens are dropped."""
 
-
 class ShardingConfig(Section):
     docs_per_shard: int = 64
     """Documents per shard; a shard is the unit of scheduling, retry and resume. jsonl inputs get an entry point every this many records (see Architecture: reading)."""
@@ -95,13 +107,11 @@ class ShardingConfig(Section):
     commit_seconds: float = 600.0
     """A worker commits the shards it has run (tables, merged partial statistics, one record) at least this often: the work a dead worker loses. It also commits once its partial statistics would be at most 5 % of its shards' table bytes, and when no shards are left for it."""
 
-
 class BatchingConfig(Section):
     max_tokens: int = 4096
     """Token budget per batch, padding included (batch size x longest window)."""
     max_batch_size: int = 64
     """Upper bound on windows per batch."""
-
 
 class CustomAnalysisConfig(Section):
     analysis: str = ""
@@ -110,7 +120,6 @@ class CustomAnalysisConfig(Section):
     """A `.py` file or package folder holding it, shipped to every worker (Ray `py_modules`) and importable by the driver; null: already installed everywhere."""
     args: dict = {}
     """Keyword arguments of the class's `create(spec, **args)`."""
-
 
 class AnalysesConfig(Section):
     tokens: bool = True
@@ -142,7 +151,6 @@ class AnalysesConfig(Section):
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 
-
 class ActivationsConfig(Section):
     layers: list[int] = []
     """Hidden states to store (0 = embeddings, L = last block; negative counts from the end). Empty: no activation store."""
@@ -153,7 +161,6 @@ class ActivationsConfig(Section):
     dtype: Literal["float32", "float16"] = "float32"
     """Stored precision of the activation vectors."""
 
-
 class OutputConfig(Section):
     dir: Location = "runs"
     """Parent folder of run directories: a local folder (``~`` expanded, relative to the working directory, resolved to an absolute path when the config is read) or an object-store URL (``s3://bucket/runs``)."""
@@ -162,12 +169,10 @@ class OutputConfig(Section):
     report: bool = True
     """Render ``report/report.html`` at the end of the job (an extraction also writes PNGs; train-lm renders none)."""
 
-
 class RayAddress(Section):
     address: Optional[str] = None
     """Ray address (``auto``: the cluster ``ray start`` started on this machine). None: ``RAY_ADDRESS`` if set,
     else a new embedded Ray on 127.0.0.1, never one found running."""
-
 
 class ResourcesConfig(RayAddress):
     num_workers: int = 0
@@ -182,7 +187,6 @@ class ResourcesConfig(RayAddress):
     """Times a shard is retried after its worker dies."""
     read_ahead: Optional[bool] = None
     """A worker holds two shards: it reads and tokenises the next while the model runs the current, and writes one's tables while the model runs the other. null: on for GPU workers (their device would otherwise wait for the CPU between shards), off on CPUs (where reading competes with the model for the same cores)."""
-
 
 class JobConfig(ConfigRoot.with_defaults(name="job")):
     model: ModelConfig
@@ -212,7 +216,6 @@ class JobConfig(ConfigRoot.with_defaults(name="job")):
     @property
     def run_dir(self):
         """The run folder: a local Path, or an ObjectPath when ``output.dir`` is an object-store URL."""
-        from actlake.fs import location
 
         return location(self.output.dir) / self.run_id
 
@@ -401,7 +404,6 @@ def resolve_model_path(name_or_path: str) -> str:
 
 def url_scheme(path: str) -> str | None:
     """The scheme of ``path`` when it is a URL (``s3://…``, ``gs://…``, ``hf://…``), lower-cased, else None."""
-    from actlake.fs import url_scheme as scheme_of
 
     return scheme_of(path)
 
@@ -409,8 +411,6 @@ def url_scheme(path: str) -> str | None:
 def resolve_corpus_files(cfg: JobConfig) -> list[str]:
     """Expand ``corpus.paths`` (absolute paths or object-store URLs since the config was read) into a
     sorted list of existing, readable files; globs expand over a folder or a bucket's listing."""
-    from actlake.errors import StorageError
-    from actlake.fs import check_scheme, glob as expand
 
     c = cfg.corpus
     if c.format == "hf":

@@ -16,13 +16,21 @@ import typing
 from typing import Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, PrivateAttr, ValidationError, create_model, field_validator,
-                      model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from actlake.errors import ConfigError, StorageError
-
+from actlake.fs import resolve_text, url_scheme
 
 # --------------------------------------------------------------------------- paths
 
@@ -30,7 +38,6 @@ from actlake.errors import ConfigError, StorageError
 def _location(value: str) -> str:
     """A path a config holds, resolved once at load (:func:`actlake.fs.resolve_text`): an object-store URL
     as it is, anything else an absolute local path (``~`` expanded, relative to the working directory)."""
-    from actlake.fs import resolve_text
 
     try:
         return resolve_text(value, key="")
@@ -39,8 +46,6 @@ def _location(value: str) -> str:
 
 
 def _local_path(value: str) -> str:
-    from actlake.fs import url_scheme
-
     if url_scheme(value) not in (None, "file"):
         raise ValueError(f"{value!r}: must be a local folder or a shared mount, not an object store")
     return _location(value)

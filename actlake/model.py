@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from actlake.architectures import Family, family_for
-from actlake.config import ModelConfig, resolve_model_path
+from actlake.config import ModelConfig, max_memory_map, resolve_model_path
 from actlake.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,6 @@ def _placement_kwargs(cfg: ModelConfig) -> dict:
     subfolder per worker."""
     import tempfile
 
-    from actlake.config import max_memory_map
 
     if not cfg.device_map:
         device = pick_device(cfg)

@@ -8,10 +8,11 @@ import math
 from pathlib import Path
 from typing import ClassVar
 
-from actlake.config import OutputConfig, RayAddress
 from pydantic import model_validator
 
+from actlake.config import OutputConfig, RayAddress
 from actlake.config_base import ConfigRoot, Section, config_error
+from actlake.fs import url_scheme
 
 
 class TrainResourcesConfig(RayAddress):
@@ -53,7 +54,6 @@ class Warmup(Section):
     warmup_steps: int = 100
     """Linear warm-up steps (from lr/warmup_steps up to lr)."""
 
-
 class TrainingLoop(AdamW):
     """The ``training`` section every training job shares; a job sets the defaults (``with_defaults``)."""
 
@@ -89,8 +89,6 @@ class TrainJob(ConfigRoot):
 
     @model_validator(mode="after")
     def _local_output(self):
-        from actlake.fs import url_scheme
-
         if url_scheme(self.output.dir) not in (None, "file"):
             config_error(("output", "dir"), f"{self.output.dir!r}: training jobs write to a local folder or a shared "
                          "mount (object stores hold the runs of `actlake run` only)")

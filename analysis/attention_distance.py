@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import pyarrow as pa
+import torch
 
 from actlake.analysis.engine import grid
 from actlake.analysis.engine.layer_qk import LayerQK

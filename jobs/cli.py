@@ -106,8 +106,8 @@ def _show(table) -> None:
 
 
 def _cmd_run(args) -> int:
-    from actlake.config import load_config
-    from actlake.jobs.run import run_job
+    from actlake.config import load_config  # per command: the command line starts without loading every job
+    from actlake.jobs.run import run_job  # per command: the command line starts without loading every job
 
     overrides = {"output.run_id": args.run_id} if args.run_id else None
     cfg = load_config(args.config, overrides=overrides)
@@ -122,7 +122,7 @@ def _cmd_run(args) -> int:
     print(f"input:   rejected records: {skipped}; documents cut to the window limit: {t['cut_docs']}")
     if res.report:
         print(f"report:  {res.report}")
-    from actlake.storage.sql import query
+    from actlake.storage.sql import query  # per command: the command line starts without loading every job
 
     act = os.path.join(res.run_dir, "tables", "activations")
     if os.path.isdir(act):
@@ -135,9 +135,9 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_train_synthetic(args) -> int:
-    from actlake.config import load_config
-    from actlake.jobs.synthetic.job import run_synthetic, summary_lines
-    from actlake.jobs.synthetic.config import SyntheticConfig
+    from actlake.config import load_config  # per command: the command line starts without loading every job
+    from actlake.jobs.synthetic.job import run_synthetic, summary_lines  # per command: the command line starts without loading every job
+    from actlake.jobs.synthetic.config import SyntheticConfig  # per command: the command line starts without loading every job
 
     if args.analysis_only and args.no_analysis:
         raise ActlakeError("--analysis-only and --no-analysis together leave nothing to do; drop one")
@@ -155,10 +155,10 @@ def _cmd_train_synthetic(args) -> int:
 
 
 def _cmd_train_predictor(args) -> int:
-    from actlake.config import load_config
-    from actlake.jobs.predictor.job import PROBE_SQL, SUMMARY_SQL, run_predictor_job
-    from actlake.jobs.predictor.config import PredictorJobConfig
-    from actlake.storage.sql import query
+    from actlake.config import load_config  # per command: the command line starts without loading every job
+    from actlake.jobs.predictor.job import PROBE_SQL, SUMMARY_SQL, run_predictor_job  # per command: the command line starts without loading every job
+    from actlake.jobs.predictor.config import PredictorJobConfig  # per command: the command line starts without loading every job
+    from actlake.storage.sql import query  # per command: the command line starts without loading every job
 
     cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None,
                       root=PredictorJobConfig)
@@ -173,13 +173,13 @@ def _cmd_train_predictor(args) -> int:
 
 
 def _cmd_sql(args) -> int:
-    from actlake.storage.sql_process import MAX_TEMP_SIZE, run_sql
+    from actlake.storage.sql_process import MAX_TEMP_SIZE, run_sql  # per command: the command line starts without loading every job
 
     sql = args.sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
     _check_output(args.format, args.output)
     if args.timeout <= 0:
         raise ActlakeError(f"--timeout: must be more than 0 seconds, got {args.timeout:g}")
-    from actlake.sizes import memory_bytes
+    from actlake.sizes import memory_bytes  # per command: the command line starts without loading every job
 
     for flag, value in (("--max-temp-size", args.max_temp_size), ("--memory-limit", args.memory_limit)):
         try:
@@ -198,8 +198,8 @@ def _cmd_corpus_index(args) -> int:
     import time
     from collections import Counter
 
-    from actlake.config import load_config
-    from actlake.jobs.plan import make_plan
+    from actlake.config import load_config  # per command: the command line starts without loading every job
+    from actlake.jobs.plan import make_plan  # per command: the command line starts without loading every job
 
     cfg = load_config(args.config)
     t0 = time.perf_counter()
@@ -226,9 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return _cmd_run(args)
         if args.command == "train-lm":
-            from actlake.config import load_config
-            from actlake.jobs.lm.job import train_lm
-            from actlake.jobs.lm.config import LMConfig
+            from actlake.config import load_config  # per command: the command line starts without loading every job
+            from actlake.jobs.lm.job import train_lm  # per command: the command line starts without loading every job
+            from actlake.jobs.lm.config import LMConfig  # per command: the command line starts without loading every job
 
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None, root=LMConfig)
             res = train_lm(cfg, address=args.address)
@@ -241,15 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train-predictor":
             return _cmd_train_predictor(args)
         if args.command == "quickstart":
-            from actlake.corpus.sample import write_sample
+            from actlake.corpus.sample import write_sample  # per command: the command line starts without loading every job
 
             if not os.path.isdir("data/sample"):
                 write_sample("data/sample", args.docs)
             args.config, args.address, args.run_id, args.no_report = None, None, None, False
             return _cmd_run(args)
         if args.command == "submit":
-            from actlake.config import load_config
-            from actlake.jobs.submit import submit
+            from actlake.config import load_config  # per command: the command line starts without loading every job
+            from actlake.jobs.submit import submit  # per command: the command line starts without loading every job
 
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None)
             sid = submit(cfg, args.address, args.submission_id)
@@ -257,21 +257,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"follow it with: actlake status {sid} --address {args.address}", file=sys.stderr)
             return 0
         if args.command in ("status", "logs", "stop"):
-            from actlake.jobs import submit as js
+            from actlake.jobs import submit as js  # per command: the command line starts without loading every job
 
             print(getattr(js, args.command)(args.address, args.submission_id))
             return 0
         if args.command == "sql":
             return _cmd_sql(args)
         if args.command == "report":
-            from actlake.jobs.report import build_report
+            from actlake.jobs.report import build_report  # per command: the command line starts without loading every job
 
             print(build_report(args.run_dir))
             return 0
         if args.command == "corpus" and args.corpus_command == "index":
             return _cmd_corpus_index(args)
         if args.command == "corpus":
-            from actlake.corpus.sample import write_sample
+            from actlake.corpus.sample import write_sample  # per command: the command line starts without loading every job
 
             for flag, n in (("--docs", args.docs), ("--files", args.files)):
                 if n < 1:

@@ -11,7 +11,7 @@ from actlake.config import JobConfig, resolve_corpus_files
 from actlake.corpus.fingerprint import file_exists, file_fingerprint, hf_fingerprint
 from actlake.corpus.index import INDEX_DIR, index_files, load_points
 from actlake.corpus.readers import HF_STREAM, MAX_LINE_BYTES, Entry, file_format, load_hf, load_hf_stream
-from actlake.fs import location
+from actlake.fs import location, write_atomic
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,6 @@ def cached_counts(files: list[tuple[str, str, dict]], every: int, out_dir, worke
     """Per ``(path, fmt, fingerprint)``: ``{"records": n}`` (+ ``index``, ``every`` for jsonl), from the
     cache where it matches the file's fingerprint, else by indexing the files, in parallel. ``out_dir``
     (a Path or an ObjectPath) holds the cache and the index."""
-    from actlake.fs import write_atomic
 
     cache_file = out_dir / COUNT_CACHE
     try:

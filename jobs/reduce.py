@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout
-from actlake.storage.manifest import write_reduce_record
+from actlake.storage.manifest import REDUCE_RECORD, aggregate_path, write_reduce_record
 from actlake.storage.parquet_io import read_parquet, verify_parquet, write_parquet_atomic
 from actlake.storage.shards import Committed, committed
 
@@ -51,7 +51,6 @@ def previous_aggregates(layout: RunLayout) -> set:
     """The files the last reduce record names (unique names in an object store, replaced by a new reduce)."""
     import json
 
-    from actlake.storage.manifest import REDUCE_RECORD, aggregate_path
 
     try:
         files = json.loads((layout.complete / REDUCE_RECORD).read_text())["files"]

@@ -11,9 +11,10 @@ import json
 import os
 from pathlib import Path
 
-from actlake.fs import location, write_atomic
 from actlake.errors import StorageError
+from actlake.fs import ObjectPath, location, write_atomic
 from actlake.storage.layout import RunLayout
+
 
 def _blocks(con, analyses) -> list:
     """Report blocks ((slug, title, Altair chart) or HTML) of the residual norms and of every analysis
@@ -82,7 +83,7 @@ def _summary_html(layout: RunLayout, nonfinite: str = "") -> str:
 def open_for_report(run_dir: str | Path, tables: tuple[str, ...], missing: str):
     """(layout, read-only DuckDB connection) of a run that has at least one of ``tables``; otherwise
     StorageError "<run>: <missing>". The caller closes the connection."""
-    from actlake.storage.sql import open_run
+    from actlake.storage.sql import open_run  # loads pyarrow: imported when used
 
     layout = RunLayout(location(run_dir))
     if not any((layout.tables / t).exists() for t in tables):
@@ -96,7 +97,7 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     ``analyses``: the classes whose charts to draw (the job passes its enabled ones, custom analyses
     included); default the built-in ones. ``actlake report`` never imports code named in a run folder.
     """
-    from actlake.analysis.registry import builtin
+    from actlake.analysis.registry import builtin  # loads pyarrow, torch: imported when used
 
     layout, con = open_for_report(run_dir, ("dim_moments", "residual_norms"), "no reduced tables to report on "
                                   "(did the job finish?)")
@@ -151,7 +152,6 @@ def _replace_report(layout: RunLayout, files: dict[str, bytes]) -> None:
     import shutil
     import uuid
 
-    from actlake.fs import ObjectPath
 
     if isinstance(layout.report, ObjectPath):
         for name in sorted(files, key=lambda n: n == "report.html"):

@@ -9,14 +9,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from actlake.config import JobConfig
+from actlake.config import JobConfig, resolve_model_path
 from actlake.corpus.fingerprint import current_fingerprints, first_change
 from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
+from actlake.fs import ObjectPath, location, remove_tree
 from actlake.jobs.dispatch import Dispatcher
 from actlake.jobs.plan import plan_hash, plan_with_inputs
 from actlake.jobs.progress import Progress
 from actlake.jobs.ray_env import init_ray, store_env
-from actlake.fs import location, remove_tree
+from actlake.jobs.reduce import reduce_run
+from actlake.jobs.report import build_report
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.lock import run_lock
 from actlake.storage.shards import committed
@@ -53,7 +55,6 @@ def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
 def check_fits_a_node(r, gpus: float, nodes: list[dict]) -> None:
     """ConfigError naming ``resources.cpus_per_worker`` / ``gpus_per_worker`` / ``memory_per_worker_gb`` when no
     node of the cluster (``nodes``: each alive node's Ray resources) has that much (Ray would wait for ever)."""
-    from actlake.errors import ConfigError
 
     most_cpus = max((nd.get("CPU", 0) for nd in nodes), default=0)
     if r.cpus_per_worker and r.cpus_per_worker > most_cpus:
@@ -94,7 +95,6 @@ def ensure_output_dir(path) -> None:
     import tempfile
     import uuid
 
-    from actlake.fs import ObjectPath
 
     if isinstance(path, ObjectPath):
         probe = path / f".actlake-write-test-{uuid.uuid4().hex[:8]}"
@@ -156,8 +156,7 @@ def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
     """Print the store's size per token and an upper bound for the documents about to run."""
     from transformers import AutoConfig
 
-    from actlake.config import resolve_model_path
-    from actlake.analysis.activation_sample import bytes_per_token, resolve_layers
+    from actlake.analysis.activation_sample import bytes_per_token, resolve_layers  # loads torch: imported when used
 
     hf = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), revision=cfg.model.revision,
                                     trust_remote_code=cfg.model.trust_remote_code)
@@ -213,8 +212,8 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
 
     ``on_shard(summary)`` is called in the driver after each shard commits (summary includes the
     worker's resident memory after the shard, ``worker_rss_mb``)."""
-    from actlake.analysis.registry import enabled
-    from actlake.model import require_accelerate
+    from actlake.analysis.registry import enabled  # loads torch: imported when used
+    from actlake.model import require_accelerate  # loads torch: imported when used
 
     t0 = time.perf_counter()
     import_custom_analyses(cfg)
@@ -232,7 +231,6 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
 
 def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_shard, t0) -> RunResult:
     """run_job's part under the run directory's lock: prepare it, dispatch the pending shards, reduce, report."""
-    from actlake.jobs.reduce import reduce_run
 
     prepare_run_dir(cfg, layout, shards, phash, inputs)
     remove_tree(layout.staging)  # leftovers of attempts that died mid-write
@@ -260,7 +258,6 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
     write_json_atomic(layout.summary_json, totals)
     report_path = None
     if cfg.output.report if report is None else report:
-        from actlake.jobs.report import build_report
 
         report_path = str(build_report(layout.root, analyses))
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
@@ -282,7 +279,7 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
     one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
     import ray
 
-    from actlake.jobs.worker import ShardWorker
+    from actlake.jobs.worker import ShardWorker  # loads ray: imported when used
 
     started = init_ray(address)
     try:

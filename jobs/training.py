@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from actlake.errors import StorageError, TrainingError
+from actlake.errors import ConfigError, StorageError, TrainingError
 
 log = logging.getLogger("actlake.training")
 
@@ -46,7 +46,6 @@ class Trial:
     config: dict = field(default_factory=dict)
     """Passed to ``loop`` (plain data: it travels to the workers)."""
 
-
 @dataclass
 class Resources:
     num_workers: int = 1
@@ -55,7 +54,6 @@ class Resources:
     """CPUs reserved per worker; torch uses as many threads."""
     use_gpu: bool = False
     """One GPU per worker."""
-
 
 def _fit(trial: Trial, run_dir: str, resources: Resources) -> dict:
     import ray.train
@@ -123,7 +121,6 @@ def run_trials(trials: list[Trial], run_dir: Path, resources: Resources) -> dict
 def check_fits(resources: Resources, nodes: list[dict]) -> None:
     """ConfigError naming the key when one trial's worker group cannot be placed on the cluster (``nodes``:
     each alive node's Ray resources): Ray Train would wait for resources that never come."""
-    from actlake.errors import ConfigError
 
     most_cpus = max((nd.get("CPU", 0) for nd in nodes), default=0)
     if resources.cpus_per_worker > most_cpus:

@@ -7,6 +7,10 @@ import threading
 
 import ray
 
+from actlake.config import parse_config
+from actlake.fs import location
+from actlake.jobs.plan import Shard
+from actlake.storage.layout import RunLayout
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
@@ -79,12 +83,9 @@ class ShardWorker:
         os.environ.update(store_env or {})
         import torch
 
-        from actlake.config import parse_config
-        from actlake.fs import location
-        from actlake.jobs.extract import Extractor
-        from actlake.model import load_model
-        from actlake.storage.layout import RunLayout
-        from actlake.storage.shards import CommitPolicy, Group
+        from actlake.jobs.extract import Extractor  # loads pyarrow, torch: imported when used
+        from actlake.model import load_model  # loads torch: imported when used
+        from actlake.storage.shards import CommitPolicy, Group  # loads pyarrow: imported when used
 
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
@@ -99,7 +100,6 @@ class ShardWorker:
 
     def process(self, shard_dict: dict, last: bool = False) -> dict:
         """Run one shard; ``committed``: the shard ids this call committed (its group's, when due or ``last``)."""
-        from actlake.jobs.plan import Shard
 
         import psutil
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from actlake.errors import ConfigError
+from actlake.errors import ConfigError, StorageError
+from actlake.fs import location
+from actlake.storage.layout import RunLayout
+
 
 def read_windows(con, layer: int, where: str = "") -> tuple:
     """Read one layer of a store through DuckDB: (h (N, T, d) float32, valid (N, T), meta rows per window).
@@ -60,10 +63,7 @@ def verify_store(root) -> dict:
     import hashlib
     import json
 
-    from actlake.errors import StorageError
-    from actlake.fs import location
-    from actlake.storage.layout import RunLayout
-    from actlake.storage.shards import committed
+    from actlake.storage.shards import committed  # loads pyarrow: imported when used
 
     layout = RunLayout(location(root))
     try:
@@ -93,8 +93,7 @@ def check_store_values(files: list, layers: list[int] | None = None, max_shown: 
     first rows with NaN/inf (file, row, doc_id/window/position/layer)."""
     import pyarrow.parquet as pq
 
-    from actlake.errors import StorageError
-    from actlake.storage.parquet_io import verify_parquet
+    from actlake.storage.parquet_io import verify_parquet  # loads pyarrow: imported when used
 
     bad, n_bad, rows, windows = [], 0, 0, set()
     for path, meta in files:

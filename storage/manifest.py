@@ -30,6 +30,7 @@ from pathlib import Path
 
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.publish import published
 from actlake.storage.shards import PARTIAL_SUFFIX, committed
 
 
@@ -236,7 +237,6 @@ def committed_files(layout: RunLayout) -> dict[str, list[Path]]:
 
     Every file lies inside the run: a symbolic link on its way below the run folder (a linked
     ``tables/``, a record naming a link to a file elsewhere) is a StorageError naming it."""
-    from actlake.storage.publish import published
 
     run = read_run(layout)
     specs = table_specs(run, layout.run_json)

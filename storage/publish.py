@@ -78,7 +78,7 @@ def publish(layout: RunLayout, files: dict[tuple[str, str | None], Path], drop: 
     with _turn(layout):
         current = published(layout)
         if current is None:  # a run from before the record: its files by their fixed names
-            from actlake.storage.manifest import fixed_name_files
+            from actlake.storage.manifest import fixed_name_files  # loads pyarrow: imported when used
 
             current = fixed_name_files(layout)
         new = {t: list(ps) for t, ps in current.items() if t not in drop}
@@ -130,7 +130,7 @@ def publish_pending(run_dir: Path, drop: tuple[str, ...] = ()) -> int:
 def publish_table(run_dir: Path, table: str, partition: str | None, data) -> None:
     """Publish one Arrow table (``partition``: e.g. ``trial=lm``, or None) at once: written whole, then
     named by the publication record."""
-    from actlake.storage.parquet_io import write_parquet
+    from actlake.storage.parquet_io import write_parquet  # loads pyarrow: imported when used
 
     layout = RunLayout(Path(run_dir))
     Path(layout.staging).mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,8 @@ from pathlib import Path
 from actlake.errors import QueryError, StorageError
 from actlake.fs import arrow, location
 from actlake.storage.layout import RunLayout
-from actlake.storage.manifest import committed_files
+from actlake.storage.manifest import committed_files, is_table_name, recorded_views
+from actlake.storage.readonly_fs import ReadOnlyFiles, url
 from actlake.storage.sql_process import MAX_TEMP_SIZE  # one default for open_run and actlake sql
 from actlake.storage.verified import verify_files
 
@@ -32,11 +33,10 @@ def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
     their tables, as its reduce record names them; created when the source table has committed files.
     Querying a run imports no analysis (no torch) and never code named in the run folder. A run reduced
     before views were recorded gets the built-in analyses' views (which imports them)."""
-    from actlake.storage.manifest import recorded_views
 
     views = recorded_views(layout)
     if views is None:
-        from actlake.analysis.registry import builtin
+        from actlake.analysis.registry import builtin  # loads torch: imported when used
 
         views = {name: (cls.tables[0], sql) for cls in builtin().values() for name, sql in cls.views.items()}
     return views
@@ -120,7 +120,6 @@ def _ident(name: str) -> str:
 
 def _view_sql(files: list[Path]) -> str:
     """SELECT over exactly ``files``, read through the read-only file system (hive keys from the folder names)."""
-    from actlake.storage.readonly_fs import url
 
     casts = _fixed_size_casts(files)
     select = f"* REPLACE ({', '.join(casts)})" if casts else "*"
@@ -147,7 +146,6 @@ def _connect(private: str, memory_limit: str, threads: int | None, max_temp_size
 
 def _restrict(con, files: list[Path]) -> None:
     """File access only to ``files`` through the read-only file system (the caller then locks the configuration)."""
-    from actlake.storage.readonly_fs import url
 
     con.execute(f"SET allowed_paths = [{', '.join(_quote(url(f)) for f in files)}]")
     con.execute("SET enable_external_access = false")
@@ -155,7 +153,6 @@ def _restrict(con, files: list[Path]) -> None:
 
 def _check_view(layout: RunLayout, name: str, sql: str) -> None:
     """A recorded view must be one SELECT under a plain name (the record is a file of the run folder)."""
-    from actlake.storage.manifest import is_table_name
 
     try:
         if not is_table_name(name):
@@ -169,7 +166,6 @@ def _open(run_dir, memory_limit: str = "2GB", threads: int | None = None, max_te
     """(connection, cleanup): the locked connection of :func:`open_run` and a callable that closes it and removes its folder."""
     import duckdb
 
-    from actlake.storage.readonly_fs import ReadOnlyFiles
 
     layout = RunLayout(location(run_dir))
     files = committed_files(layout)

@@ -28,6 +28,7 @@ import threading
 import time
 
 from actlake.errors import QueryError, StorageError
+from actlake.sizes import memory_bytes
 
 MAX_TEMP_SIZE = "4GB"
 """Default bound on what the query may spill into its private temporary folder."""
@@ -47,7 +48,6 @@ def run_sql(run_dir: str, sql: str, fmt: str, output: str | None, timeout_s: flo
             max_temp_size: str) -> None:
     """Run ``sql`` over ``run_dir`` in a child process and write its rows to standard output (or ``output``
     for Parquet) in ``fmt``; QueryError/StorageError for what failed, the time limit or the memory cap."""
-    from actlake.sizes import memory_bytes
 
     import psutil
 
@@ -175,7 +175,11 @@ def _child(job: dict) -> int:
     try:
         import duckdb
 
-        from actlake.storage.sql import _first_line, check_statement, open_run
+        from actlake.storage.sql import (  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+            _first_line,
+            check_statement,
+            open_run,
+        )
 
         check_statement(job["sql"])
         con = open_run(job["run_dir"], memory_limit=job["memory_limit"], max_temp_size=job["max_temp_size"])

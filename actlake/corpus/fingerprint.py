@@ -26,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import os
 
+from actlake.corpus.readers import REMOTE_SCAN_CHUNK, is_url, open_file
 from actlake.errors import CorpusError, StorageError
+from actlake.fs import location, stat
 
 FULL_HASH_LIMIT = 64 << 20
 """Files up to this size are hashed whole; larger ones by sampled blocks."""
@@ -36,7 +38,6 @@ SAMPLE_BLOCK = 1 << 20
 
 def _hash_blocks(path: str, size: int) -> tuple[str, str]:
     """(hash kind, hex SHA-256) of the whole file, or of its size and head/middle/tail blocks."""
-    from actlake.corpus.readers import REMOTE_SCAN_CHUNK, is_url, open_file
 
     h = hashlib.sha256()
     block = REMOTE_SCAN_CHUNK if is_url(path) else SAMPLE_BLOCK  # whole-object hashing: fewer requests
@@ -54,7 +55,6 @@ def _hash_blocks(path: str, size: int) -> tuple[str, str]:
 
 def _stat(path: str) -> tuple[int, int]:
     """(size, mtime in ns) of a local file or an object (its LastModified)."""
-    from actlake.fs import stat
 
     return stat(path)
 
@@ -62,7 +62,6 @@ def _stat(path: str) -> tuple[int, int]:
 def change_time(path: str) -> int | None:
     """A local file's change time (ns), which every write moves and no user can set; None for an object
     (an object is never changed in place: a new upload has a new LastModified)."""
-    from actlake.corpus.readers import is_url
 
     return None if is_url(path) else os.stat(path).st_ctime_ns
 
@@ -157,11 +156,9 @@ def current_fingerprints(recorded: dict[str, dict]) -> dict[str, dict]:
 def file_exists(path: str, what: str = "corpus file") -> bool:
     """Whether a local file or an object (``s3://…``) exists; CorpusError naming ``what`` when its store
     cannot be reached."""
-    from actlake.corpus.readers import is_url
 
     if not is_url(path):
         return os.path.isfile(path)
-    from actlake.fs import location
 
     try:
         return location(path).is_file()

@@ -31,7 +31,9 @@ import json
 import os
 from typing import Iterator
 
+from actlake.corpus.readers import count_records, decoded_chunks, is_url, long_line
 from actlake.errors import CorpusError, StorageError
+from actlake.fs import ObjectPath, location, stat, write_atomic
 
 INDEX_DIR = "_corpus_index"
 """In ``output.dir``: one ``KEY.json`` of entry points per indexed input, and ``KEY.jsonl.zst``, the
@@ -50,7 +52,6 @@ def _pieces(chunks: Iterator[bytes], every: int, counted: list[int],
     in order, and appends the number of records to ``counted``. A line longer than ``max_line`` bytes is
     held as :func:`~actlake.corpus.readers.long_line` of its length, never whole in memory. A last line
     without a newline is a record, as the readers count it."""
-    from actlake.corpus.readers import long_line
 
     parts: list[bytes] = []
     nbytes = n_nl = 0
@@ -91,8 +92,6 @@ def build_index(path: str, fmt: str, every: int, content_hash: str, max_line: in
     """Count the records of ``path`` and, for jsonl inputs, write its entry points (and the seekable
     copy of a ``.zst``) under ``out_dir`` (a local folder or an object-store URL). Returns
     ``{"records": n}`` plus, for jsonl, ``"index"`` (the entry-point file) and ``"every"``."""
-    from actlake.corpus.readers import count_records, decoded_chunks
-    from actlake.fs import location, write_atomic
 
     if fmt == "parquet":
         return {"records": count_records(path, fmt)}
@@ -131,7 +130,6 @@ def _write_frames(pieces: Iterator[list[bytes]], dest, points: list[int]) -> Non
     upload (the object appears when it completes); if writing fails, the object is deleted."""
     import zstandard
 
-    from actlake.fs import ObjectPath
 
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True)
     if isinstance(dest, ObjectPath):
@@ -164,7 +162,6 @@ def _write_frames(pieces: Iterator[list[bytes]], dest, points: list[int]) -> Non
 
 def load_points(index_file: str) -> dict:
     """An index written by :func:`build_index` (``records``, ``every``, ``file``, ``points``)."""
-    from actlake.fs import location
 
     try:
         return json.loads(location(index_file).read_text())
@@ -175,8 +172,8 @@ def load_points(index_file: str) -> dict:
 def index_files(jobs: list[tuple[str, str, int, str, int]], out_dir: str, workers: int) -> list[dict]:
     """:func:`build_index` for each ``(path, fmt, every, content_hash, max_line)``, in a pool of ``workers``
     processes (0: one per CPU core) when there is more than one file and enough bytes to be worth it."""
-    from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     size = sum(_size(p) for p, fmt, *_ in jobs if fmt != "parquet")
@@ -190,10 +187,7 @@ def index_files(jobs: list[tuple[str, str, int, str, int]], out_dir: str, worker
 
 
 def _size(path: str) -> int:
-    from actlake.corpus.readers import is_url
-
     if not is_url(path):
         return os.path.getsize(path)
-    from actlake.fs import stat
 
     return stat(path)[0]

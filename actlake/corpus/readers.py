@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterator, Union
 
 from actlake.errors import CorpusError
+from actlake.fs import open_input, url_scheme
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,6 @@ def _get(obj, dotted: str):
 
 def is_url(path: str) -> bool:
     """Whether ``path`` names an object in an object store (``s3://…``) rather than a local file."""
-    from actlake.fs import url_scheme
 
     scheme = url_scheme(path)
     return scheme is not None and scheme != "file"
@@ -94,7 +94,6 @@ def is_url(path: str) -> bool:
 
 def open_file(path: str):
     """A seekable binary reader of a local file or an object-store URL."""
-    from actlake.fs import open_input
 
     return open_input(path)
 

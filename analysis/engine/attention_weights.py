@@ -83,7 +83,6 @@ class _ExplicitPass:
     category masses ride along with the output (V = [value | one-hot]) when both are wanted."""
 
     def __init__(self, lq, names: set, value, budget: int):
-
         self.names, self.batch = names, lq.batch
         self.k = lq.key_per_query_head  # (B, H, T, d_h)
         self.q = lq.query * lq.scaling  # the softmax scale folded into q once
@@ -242,7 +241,9 @@ def flash_products(lq, names) -> dict:
             o = flash(q.half(), k16, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
             out["mass_keynorm"] = o[..., :C].float() * valid
     if kernels:  # the weights again, tile by tile, from the log-sum-exp of a forward call above
-        from actlake.analysis.engine.kernels import layer_products  # imports triton, installed only where kernels run; kernels imports this module
+        from actlake.analysis.engine.kernels import (
+            layer_products,  # imports triton, installed only where kernels run; kernels imports this module
+        )
 
         out.update(layer_products(lq, kernels, lse))
     return {n: out[n] for n in names}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from actlake.config import CorpusConfig
+from actlake.config import CorpusConfig, resolve_corpus_files
 from actlake.config_base import LocalPath, Section
+from actlake.errors import ConfigError
 from actlake.train_config import TrainingLoop, TrainJob, Warmup
-
 
 MAX_VOCAB = 1 << 20
 """Largest ``tokenizer.vocab_size``: the BPE trainer aborted the process (exit 134) at 10^9."""
@@ -18,7 +18,6 @@ class LMTokenizerConfig(Section):
     """Existing tokenizer folder to use (stored absolute); null: train a byte-level BPE tokenizer on the corpus."""
     vocab_size: int = 4096
     """Vocabulary of the trained tokenizer (special tokens included)."""
-
 
 class LMArchConfig(Section):
     hidden_size: int = 128
@@ -32,14 +31,12 @@ class LMArchConfig(Section):
     rotary_pct: float = 0.25
     """Fraction of each head rotated by RoPE (Pythia: 0.25)."""
 
-
 class LMTrainingConfig(TrainingLoop.with_defaults(steps=1200, batch_size=16, lr=1e-3, weight_decay=0.1,
                                                   eval_every=100, checkpoint_every=200), Warmup):
     seq_len: int = 128
     """Tokens per training window."""
     eval_fraction: float = 0.05
     """Documents held out for evaluation (chosen by a hash of the document number)."""
-
 
 class LMConfig(TrainJob.with_defaults(name="lm")):
     corpus: CorpusConfig
@@ -65,8 +62,6 @@ class LMConfig(TrainJob.with_defaults(name="lm")):
     def check_files(self) -> None:
         from pathlib import Path
 
-        from actlake.config import resolve_corpus_files
-        from actlake.errors import ConfigError
 
         resolve_corpus_files(self)
         if self.tokenizer.path is not None and not Path(self.tokenizer.path).is_dir():

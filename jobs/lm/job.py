@@ -9,9 +9,23 @@ import shutil
 import time
 from pathlib import Path
 
+from actlake.config import resolve_corpus_files
+from actlake.corpus.fingerprint import file_fingerprint, first_change
+from actlake.errors import CorpusError, TrainingError
+from actlake.jobs.lm import loop as lm
 from actlake.jobs.lm.config import LMConfig
+from actlake.jobs.ray_env import init_ray
+from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+from actlake.storage.checkpoints import (
+    checkpoint_identity,
+    checkpoint_problem,
+    foreign,
+    latest_checkpoint,
+    prepare_checkpoints,
+)
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.lock import holds_run_dir
+from actlake.storage.publish import publish_table
 
 log = logging.getLogger("actlake.lm")
 
@@ -24,11 +38,6 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
 
     Everything that can be known before Ray starts is checked first: the settings and world size
     against the run directory, the token counts against ``seq_len``, and the checkpoints."""
-    from actlake.jobs.lm import loop as lm
-    from actlake.jobs.ray_env import init_ray
-    from actlake.errors import TrainingError
-    from actlake.jobs.training import Resources, Trial, check_settings, run_trials
-    from actlake.storage.checkpoints import (checkpoint_identity, checkpoint_problem, foreign, latest_checkpoint, prepare_checkpoints)
 
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
@@ -81,9 +90,6 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
 def _check_inputs(cfg: LMConfig, layout: RunLayout) -> dict:
     """Fingerprints of the corpus files and of the tokenizer folder's files (``path -> fingerprint``); a
     CorpusError naming the first that changed since the run directory was made (its ``run.json``)."""
-    from actlake.config import resolve_corpus_files
-    from actlake.corpus.fingerprint import file_fingerprint, first_change
-    from actlake.errors import CorpusError
 
     paths = resolve_corpus_files(cfg)
     if cfg.tokenizer.path:
@@ -100,7 +106,6 @@ def _check_inputs(cfg: LMConfig, layout: RunLayout) -> dict:
 def _token_streams(cfg: LMConfig, data: Path, inputs: dict) -> dict:
     """Tokenize the corpus into ``data`` once; reused while the corpus (its files' fingerprints), the
     tokenizer and eval_fraction are unchanged."""
-    from actlake.jobs.lm import loop as lm
 
     key = hashlib.sha256(json.dumps({"corpus": cfg.to_dict()["corpus"], "tokenizer": cfg.to_dict()["tokenizer"],
                                      "inputs": inputs, "eval_fraction": cfg.training.eval_fraction},
@@ -117,7 +122,6 @@ def _token_streams(cfg: LMConfig, data: Path, inputs: dict) -> dict:
 def _write_curve(layout: RunLayout, curve: list[dict]) -> None:
     import pyarrow as pa
 
-    from actlake.storage.publish import publish_table
 
     if curve:
         publish_table(layout.root, "lm_curve", None, pa.Table.from_pylist(curve))

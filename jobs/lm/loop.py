@@ -14,7 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from actlake.config import parse_config, resolve_corpus_files
+from actlake.corpus.readers import Reject, file_format, iter_items
+from actlake.errors import ConfigError, CorpusError
 from actlake.hashing import unit_hash
+from actlake.jobs.lm.config import LMConfig
 from actlake.jobs.train_loop import TrainLoop
 from actlake.jobs.training import warmup_cosine_lr
 from actlake.storage.checkpoints import STATE_FILE
@@ -27,8 +31,6 @@ PAD = "<|padding|>"
 
 def iter_texts(cfg) -> "Iterator[tuple[int, str]]":  # noqa: F821
     """(document number, text) over the corpus files in order; bad records are skipped (and counted)."""
-    from actlake.config import resolve_corpus_files
-    from actlake.corpus.readers import Reject, file_format, iter_items
 
     c, n = cfg.corpus, 0
     for path in resolve_corpus_files(cfg):
@@ -66,7 +68,6 @@ def build_token_streams(cfg, out: Path) -> dict:
     """Tokenizer + train/eval token streams (uint32 .npy) under ``out``; returns their sizes."""
     from transformers import AutoTokenizer
 
-    from actlake.errors import ConfigError, CorpusError
 
     out.mkdir(parents=True, exist_ok=True)
     tok = None
@@ -101,7 +102,6 @@ def build_token_streams(cfg, out: Path) -> dict:
 
 def check_token_counts(cfg, sizes: dict) -> None:
     """Both token streams must be longer than ``training.seq_len`` (windows are drawn from them); else ConfigError."""
-    from actlake.errors import ConfigError
 
     t = cfg.training
     for split, fix in (("train", "a smaller training.eval_fraction"), ("eval", "a larger training.eval_fraction")):
@@ -145,8 +145,6 @@ class LMLoop(TrainLoop):
     def __init__(self, config: dict):
         from transformers import AutoTokenizer
 
-        from actlake.config import parse_config
-        from actlake.jobs.lm.config import LMConfig
 
         super().__init__(config)
         self.cfg = parse_config(config["job"], where="train-lm config", root=LMConfig)

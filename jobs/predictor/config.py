@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from actlake.config_base import LocalPath, Section
+from actlake.errors import ConfigError
 from actlake.train_config import TrainingLoop, TrainJob, Warmup
 
 
@@ -17,7 +18,6 @@ class PredictorSettings(TrainingLoop.with_defaults(steps=2000, batch_size=32, lr
     """Head size of the predictor; null: see n_heads."""
     eval_fraction: float = 0.2
     """Windows held out for evaluation (by a hash of doc id and window), never trained on."""
-
 
 class ProbeSettings(Section):
     enabled: bool = True
@@ -32,7 +32,6 @@ class ProbeSettings(Section):
     """Inverse regularisation strengths tried; the best on validation is scored on test."""
     seed: int = 0
     """Seeds the splits."""
-
 
 class PredictorJobConfig(TrainJob.with_defaults(name="predictor")):
     RUN_ID_EXCLUDE = ("probes",)
@@ -62,8 +61,6 @@ class PredictorJobConfig(TrainJob.with_defaults(name="predictor")):
             err(("probes", "Cs"), f"must be positive numbers, got {q.Cs}")
 
     def check_files(self) -> None:
-        from actlake.errors import ConfigError
-
         tables = Path(self.store) / "tables" / "activations"
         if not tables.is_dir():
             raise ConfigError(f"{self.source_file}: 'store': {self.store} has no activation store "

@@ -8,10 +8,18 @@ import shutil
 import time
 from pathlib import Path
 
+from actlake.config import resolve_model_path
 from actlake.errors import ConfigError, StorageError
 from actlake.jobs.predictor.config import PredictorJobConfig
+from actlake.jobs.predictor.loop import held_out, train_loop
+from actlake.jobs.predictor.report import build_predictive_report
+from actlake.jobs.ray_env import init_ray
+from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+from actlake.storage.activations import check_store_values, verify_store
+from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.lock import holds_run_dir
+from actlake.storage.publish import discard_pending, publish_pending
 
 log = logging.getLogger("actlake.predictive")
 
@@ -20,8 +28,7 @@ def store_info(store: str | Path) -> dict:
     """Layers in the store and the analysed model's attention shape (from the store's run.json)."""
     from transformers import AutoConfig
 
-    from actlake.config import resolve_model_path
-    from actlake.storage.sql import query
+    from actlake.storage.sql import query  # loads pyarrow: imported when used
 
     root = Path(store)
     layers = [r["layer"] for r in query(root, "SELECT DISTINCT layer FROM activations ORDER BY layer").to_pylist()]
@@ -38,11 +45,6 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     Before Ray starts: the store must be complete (completion records, file sizes), unchanged since
     this run began (its fingerprint), whole and finite; the settings must match the run directory,
     and the checkpoints must be usable."""
-    from actlake.jobs.ray_env import init_ray
-    from actlake.jobs.training import Resources, Trial, check_settings, run_trials
-    from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints
-    from actlake.storage.publish import discard_pending, publish_pending
-    from actlake.jobs.predictor.loop import train_loop
 
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
@@ -82,7 +84,6 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     publish_pending(layout.root, drop=() if cfg.probes.enabled else ("probe_scores",))
     report_path = None
     if cfg.output.report if report is None else report:
-        from actlake.jobs.predictor.report import build_predictive_report
 
         report_path = str(build_predictive_report(layout.root))
     summary = {"kind": "predictor", "layers": layers, "wall_seconds": time.perf_counter() - t0, "report": report_path}
@@ -95,7 +96,6 @@ def _checked_store(cfg: PredictorJobConfig, layout: RunLayout) -> dict:
 
     The full read (page checksums, non-finite values) is skipped when the run directory records
     this fingerprint: it passed when it was recorded."""
-    from actlake.storage.activations import check_store_values, verify_store
 
     store = verify_store(cfg.store)
     old = json.loads(layout.run_json.read_text()).get("store_fingerprint") if layout.run_json.exists() else None
@@ -112,7 +112,6 @@ def _checked_store(cfg: PredictorJobConfig, layout: RunLayout) -> dict:
 
 def _check_split(cfg: PredictorJobConfig, windows: set) -> None:
     """Both the training and the evaluation split of the store's windows must be non-empty."""
-    from actlake.jobs.predictor.loop import held_out
 
     pairs = sorted(windows)
     ev = held_out([d for d, _ in pairs], [w for _, w in pairs], cfg.predictor.eval_fraction)

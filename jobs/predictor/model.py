@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from pydantic import ConfigDict
 
 from actlake.errors import ConfigError
-from actlake.train_config import AdamW, Warmup
 from actlake.jobs.training import warmup_cosine_lr
+from actlake.train_config import AdamW, Warmup
 
 from .metrics import RunningMoments, fit_standardisation
 
@@ -148,7 +148,6 @@ class EvalResult:
     """the Var of the R² denominator."""
     n_targets: int = 0
     """number of valid (window, position) targets."""
-
 
 def _cpu(obj):
     """Recursively detach tensors to CPU copies (checkpoints load on any device)."""

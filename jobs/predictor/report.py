@@ -5,6 +5,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from actlake.jobs.report import open_for_report, write_page
+
 
 def _curves(con, column: str, title: str):
     import altair as alt
@@ -39,8 +41,6 @@ def _f1_heatmap(con, task: str):
 
 
 def build_predictive_report(run_dir: str | Path) -> Path:
-    from actlake.jobs.report import open_for_report, write_page
-
     layout, con = open_for_report(run_dir, ("predictor_summary",), "no predictor_summary table (did train-predictor finish?)")
     try:
         have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}

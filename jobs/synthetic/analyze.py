@@ -17,6 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from actlake.jobs.synthetic.loop import build_process, config_from_dict
+from actlake.storage.checkpoints import checkpoint_identity, list_checkpoints, log_spaced_steps, verified_checkpoints
+from actlake.storage.layout import RunLayout
+from actlake.storage.publish import discard_pending, pending_file, publish_pending
+
 log = logging.getLogger("actlake.synthetic")
 
 STORED_SEQUENCES = 500
@@ -29,7 +34,7 @@ def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
     """Pooled final-residual activations (N*(L-1), D) and their positions (1 .. L-1)."""
     import torch
 
-    from actlake.jobs.synthetic.models import final_residual, with_bos
+    from actlake.jobs.synthetic.models import final_residual, with_bos  # loads torch: imported when used
 
     x = with_bos(torch.from_numpy(tokens), bos)
     h = final_residual(model, x)[:, 1:].double().numpy()  # (N, L-1, D): BOS dropped
@@ -39,7 +44,7 @@ def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _model_rows(model, data: dict, dims: list[int], threshold: float) -> dict:
     """Every measurement of one model on the analysis data."""
-    from actlake.jobs.synthetic import factored as F
+    from actlake.jobs.synthetic import factored as F  # loads pyarrow, scipy, sklearn: imported when used
 
     acts, pos = _acts(model, data["tokens"], data["bos"])
     out = {"effective_dim": F.effective_dimension(acts, threshold), "fits": [], "preds": [], "acts": (acts, pos)}
@@ -84,10 +89,8 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
     import pyarrow as pa
     import torch
 
-    from actlake.jobs.synthetic import factored as F
-    from actlake.storage.checkpoints import list_checkpoints, log_spaced_steps
-    from actlake.jobs.synthetic.models import build_model, load_model
-    from actlake.jobs.synthetic.loop import build_process, config_from_dict
+    from actlake.jobs.synthetic import factored as F  # loads pyarrow, scipy, sklearn: imported when used
+    from actlake.jobs.synthetic.models import build_model, load_model  # loads torch: imported when used
 
     torch.set_num_threads(max(1, threads))
     cfg = config_from_dict(cfg_dict)
@@ -124,9 +127,7 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
                                     for r, (p, a) in enumerate(zip(pos, acts))]
         log.info("trial %s %s %d: effective dim %d, R2 %s", name, kind, step, m["effective_dim"],
                  " ".join(f"{t}={r2:.3f}" for t, r2, _ in m["fits"]))
-    from actlake.storage.publish import pending_file
-    from actlake.storage.layout import RunLayout
-    from actlake.storage.parquet_io import write_parquet_atomic
+    from actlake.storage.parquet_io import write_parquet_atomic  # loads pyarrow: imported when used
 
     layout = RunLayout(Path(run_dir))
     for t, r in rows.items():  # published by the driver once every trial is analysed (analyze_run)
@@ -148,8 +149,6 @@ def analyze_run(cfg, run_dir: Path, cpus: float = 1) -> list[dict]:
     checked first, here: present, whole (its manifest) and this run's (its identity)."""
     import ray
 
-    from actlake.storage.checkpoints import checkpoint_identity, log_spaced_steps, verified_checkpoints
-    from actlake.storage.publish import discard_pending, publish_pending
 
     steps = log_spaced_steps(cfg.training.steps, cfg.training.n_checkpoints)
     for trial in cfg.trials():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 from actlake.config_base import Section
+from actlake.errors import ConfigError
 from actlake.train_config import TrainingLoop, TrainJob
 
 
@@ -19,7 +20,6 @@ class VariantConfig(Section):
     """Mess3 or Bloch-walk alpha of this variant (default: the factor's)."""
     beta: Optional[float] = None
     """Bloch-walk beta of this variant (default: the factor's)."""
-
 
 class FactorConfig(Section):
     kind: Literal["mess3", "bloch_walk", "matrices"] = "mess3"
@@ -37,13 +37,11 @@ class FactorConfig(Section):
     variants: list[VariantConfig] = []
     """Hidden dependency: one parameter set per sub-token of the previous factor, chosen by that sub-token at each step. Empty: independent."""
 
-
 class ProcessConfig(Section):
     factors: list[FactorConfig] = [FactorConfig(), FactorConfig(), FactorConfig()]
     """The factors; the joint token is their radix encoding (factor 0 most significant)."""
     noise: float = 0.0
     """epsilon: probability that the emitted joint token is replaced by a uniform one."""
-
 
 class SyntheticModelConfig(Section):
     arch: Literal["transformer", "rnn", "lstm"] = "transformer"
@@ -59,7 +57,6 @@ class SyntheticModelConfig(Section):
     context: int = 8
     """Tokens per sequence; the model reads [BOS, x1 .. x(context-1)] and predicts x1 .. x(context)."""
 
-
 class SyntheticTrainingConfig(TrainingLoop.with_defaults(steps=2000, batch_size=512, lr=5e-4, weight_decay=0.0,
                                                           eval_every=50, checkpoint_every=250)):
     COUNTS = (*TrainingLoop.COUNTS, "eval_sequences")
@@ -69,13 +66,11 @@ class SyntheticTrainingConfig(TrainingLoop.with_defaults(steps=2000, batch_size=
     eval_sequences: int = 2048
     """Held-out sequences for the evaluation loss and the Bayes-optimal loss."""
 
-
 class SweepConfig(Section):
     noise: list[float] = []
     """One trial per epsilon (overrides process.noise); empty: just process.noise."""
     arch: list[Literal["transformer", "rnn", "lstm"]] = []
     """One trial per architecture (overrides model.arch); empty: just model.arch."""
-
 
 class SyntheticAnalysisConfig(Section):
     enabled: bool = True
@@ -92,7 +87,6 @@ class SyntheticAnalysisConfig(Section):
     """Points per factor kept for the belief-simplex scatter."""
     seed: int = 1234
     """Seeds the analysis sequences (the same for every checkpoint)."""
-
 
 class SyntheticConfig(TrainJob.with_defaults(name="synthetic")):
     process: ProcessConfig
@@ -146,8 +140,9 @@ class SyntheticConfig(TrainJob.with_defaults(name="synthetic")):
 def _check_factor(f: FactorConfig, i: int, err) -> None:
     """Build the factor's process (each variant's too) here, before Ray: ragged, non-finite or
     non-stochastic matrices and parameters out of range are one line naming the factor."""
-    from actlake.errors import ConfigError
-    from actlake.jobs.synthetic.loop import _factor_ghmm
+    from actlake.jobs.synthetic.loop import (
+        _factor_ghmm,  # actlake.jobs.synthetic.loop imports this module: imported when used
+    )
 
     if f.kind == "matrices" and f.matrices is None:
         return  # named by the caller

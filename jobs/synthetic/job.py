@@ -7,9 +7,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from actlake.jobs.ray_env import init_ray
+from actlake.jobs.synthetic.analyze import analyze_run
+from actlake.jobs.synthetic.config import SyntheticConfig
+from actlake.jobs.synthetic.loop import train_loop
+from actlake.jobs.synthetic.report import build_synthetic_report
+from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints, require_finished
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.lock import holds_run_dir
-from actlake.jobs.synthetic.config import SyntheticConfig
 
 log = logging.getLogger("actlake.synthetic")
 
@@ -24,7 +30,6 @@ class SyntheticResult:
 
 def _prepare(cfg: SyntheticConfig, layout: RunLayout) -> None:
     """Refuse a run directory trained with other settings or world size; record this config."""
-    from actlake.jobs.training import check_settings
 
     layout.root.mkdir(parents=True, exist_ok=True)
     training = {k: v for k, v in cfg.to_dict().items() if k not in ("output", "resources", "analysis", "name")}
@@ -41,10 +46,6 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     """Train every trial (resuming), then analyse the checkpoints and render the report."""
     import shutil
 
-    from actlake.jobs.ray_env import init_ray
-    from actlake.jobs.training import Resources, Trial, run_trials
-    from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints, require_finished
-    from actlake.jobs.synthetic.loop import train_loop
 
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
@@ -64,7 +65,6 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
             run_trials([Trial(t["name"], train_loop, {"job": cfg.to_dict(), **t}) for t in trials], layout.root,
                        Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
         if cfg.analysis.enabled if analyze is None else analyze:
-            from actlake.jobs.synthetic.analyze import analyze_run
 
             log.info("analysing the checkpoints of %d trial(s)", len(trials))
             analyze_run(cfg, layout.root, cpus=r.cpus_per_worker)
@@ -75,7 +75,6 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
             ray.shutdown()
     report_path = None
     if (cfg.output.report if report is None else report) and (layout.tables / "factored_dimension").exists():
-        from actlake.jobs.synthetic.report import build_synthetic_report
 
         report_path = str(build_synthetic_report(layout.root))
     wall = time.perf_counter() - t0
@@ -86,7 +85,7 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
 
 def summary_lines(run_dir: str | Path) -> list[str]:
     """Effective dimension and factor R² at the first and last checkpoint of each trial (from SQL)."""
-    from actlake.storage.sql import query
+    from actlake.storage.sql import query  # loads pyarrow: imported when used
 
     sql = """
         WITH d AS (SELECT trial, step, effective_dim, factored_reference, joint_reference, belief_dimension

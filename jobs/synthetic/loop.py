@@ -14,10 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from actlake.config import parse_config
 from actlake.jobs.synthetic import processes as P
 from actlake.jobs.synthetic.config import FactorConfig, ProcessConfig, SyntheticConfig
 from actlake.jobs.train_loop import TrainLoop
 from actlake.storage.checkpoints import STATE_FILE, log_spaced_steps
+from actlake.storage.publish import publish_table
 
 log = logging.getLogger("actlake.synthetic")
 
@@ -43,8 +45,6 @@ def build_process(pcfg: ProcessConfig, noise: float | None = None) -> "P.Product
 
 
 def config_from_dict(d: dict) -> SyntheticConfig:
-    from actlake.config import parse_config
-
     return parse_config(d, where="synthetic job config", root=SyntheticConfig)
 
 
@@ -65,14 +65,14 @@ class SyntheticLoop(TrainLoop):
         self.optimal = float(self.process.optimal_loss(self.eval_tokens).mean())
 
     def start(self) -> None:
-        from actlake.jobs.synthetic.models import build_model
+        from actlake.jobs.synthetic.models import build_model  # loads torch: imported when used
 
         self._prepare(build_model(self.cfg.model, self.config["arch"], self.bos + 1, self.t.seed), None)
 
     def resume(self, folder: Path) -> int:
         import torch
 
-        from actlake.jobs.synthetic.models import load_model
+        from actlake.jobs.synthetic.models import load_model  # loads torch: imported when used
 
         model = load_model(folder / "model")
         state = torch.load(folder / STATE_FILE, weights_only=False)
@@ -100,7 +100,7 @@ class SyntheticLoop(TrainLoop):
     def train_step(self, step: int) -> float:
         import torch
 
-        from actlake.jobs.synthetic.models import logits, with_bos
+        from actlake.jobs.synthetic.models import logits, with_bos  # loads torch: imported when used
 
         t = self.t
         toks = self.process.sample(t.batch_size, self.cfg.model.context, np.random.default_rng([t.seed, step + 1, self.rank]))
@@ -115,7 +115,7 @@ class SyntheticLoop(TrainLoop):
     def _eval_loss(self) -> float:
         import torch
 
-        from actlake.jobs.synthetic.models import logits, with_bos
+        from actlake.jobs.synthetic.models import logits, with_bos  # loads torch: imported when used
 
         self.model.eval()
         with torch.no_grad():
@@ -152,7 +152,6 @@ def train_loop(config: dict) -> None:
 def _write_curve(run_dir: Path, trial: str, curve: list[dict]) -> None:
     import pyarrow as pa
 
-    from actlake.storage.publish import publish_table
 
     table = pa.Table.from_pylist(curve, schema=pa.schema([("step", pa.int64()), ("train_loss", pa.float64()),
                                                           ("eval_loss", pa.float64()), ("optimal_loss", pa.float64())]))

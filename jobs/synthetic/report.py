@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from actlake.jobs.report import open_for_report, write_page
+
 
 def _dimension_chart(con):
     import altair as alt
@@ -108,8 +110,6 @@ def _curve_chart(con):
 
 
 def build_synthetic_report(run_dir: str | Path) -> Path:
-    from actlake.jobs.report import open_for_report, write_page
-
     layout, con = open_for_report(run_dir, ("factored_dimension",), "no factored_dimension table (did the analysis run?)")
     try:
         blocks = [
