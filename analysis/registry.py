@@ -15,6 +15,7 @@ from actlake.analysis.protocol import PRODUCTS, SITES, Analysis, Producer, Shard
 from actlake.analysis.residual_norms import ResidualNorms
 from actlake.analysis.tokens import Tokens
 from actlake.errors import ConfigError
+from actlake.tables import PARTIAL_SUFFIX, is_table_name
 
 
 def builtin() -> dict[str, type[Analysis]]:
@@ -69,6 +70,20 @@ def shard_tables(cfg) -> list[tuple[type[ShardTable], dict]]:
     """(class, options) of every shard table a job writes, built-ins first."""
     out = [(cls, cls.options_from(cfg)) for cls in builtin_tables(cfg)]
     return out + [(cls, options) for cls, options in custom(cfg) if issubclass(cls, ShardTable)]
+
+
+def check_table_names(cfg) -> None:
+    """ConfigError naming the producers when two of a job's producers write the same table, or a table
+    name is not a plain identifier or ends in ``_partial`` (the reduce step's partials)."""
+    seen: dict[str, str] = {}
+    for cls, _ in enabled(cfg) + shard_tables(cfg):
+        for table in cls.tables:
+            if not is_table_name(table) or table.endswith(PARTIAL_SUFFIX):
+                raise ConfigError(f"analyses: {cls.name!r} names a table {table!r}: use lower-case letters, digits and "
+                                  "underscores, a letter first, not ending in _partial")
+            if table in seen:
+                raise ConfigError(f"analyses: {seen[table]!r} and {cls.name!r} both write a table {table!r}")
+            seen[table] = cls.name
 
 
 def products(producers) -> frozenset:

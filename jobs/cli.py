@@ -1,4 +1,7 @@
-"""The ``actlake`` command line. ``main(argv)`` is callable in-process (tests do)."""
+"""The ``actlake`` command line. ``main(argv)`` is callable in-process (tests do).
+
+Each command imports what it runs inside its own function ("per command (start-up)"): ``actlake sql``
+must start without loading torch, transformers, Ray or the training jobs."""
 
 from __future__ import annotations
 
@@ -106,8 +109,8 @@ def _show(table) -> None:
 
 
 def _cmd_run(args) -> int:
-    from actlake.config import load_config  # per command: the command line starts without loading every job
-    from actlake.jobs.run import run_job  # per command: the command line starts without loading every job
+    from actlake.config import load_config  # per command (start-up)
+    from actlake.jobs.run import run_job  # per command (start-up)
 
     overrides = {"output.run_id": args.run_id} if args.run_id else None
     cfg = load_config(args.config, overrides=overrides)
@@ -122,7 +125,7 @@ def _cmd_run(args) -> int:
     print(f"input:   rejected records: {skipped}; documents cut to the window limit: {t['cut_docs']}")
     if res.report:
         print(f"report:  {res.report}")
-    from actlake.storage.sql import query  # per command: the command line starts without loading every job
+    from actlake.storage.sql import query  # per command (start-up)
 
     act = os.path.join(res.run_dir, "tables", "activations")
     if os.path.isdir(act):
@@ -135,9 +138,9 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_train_synthetic(args) -> int:
-    from actlake.config import load_config  # per command: the command line starts without loading every job
-    from actlake.jobs.synthetic.job import run_synthetic, summary_lines  # per command: the command line starts without loading every job
-    from actlake.jobs.synthetic.config import SyntheticConfig  # per command: the command line starts without loading every job
+    from actlake.config import load_config  # per command (start-up)
+    from actlake.jobs.synthetic.config import SyntheticConfig  # per command (start-up)
+    from actlake.jobs.synthetic.job import run_synthetic, summary_lines  # per command (start-up)
 
     if args.analysis_only and args.no_analysis:
         raise ActlakeError("--analysis-only and --no-analysis together leave nothing to do; drop one")
@@ -155,10 +158,10 @@ def _cmd_train_synthetic(args) -> int:
 
 
 def _cmd_train_predictor(args) -> int:
-    from actlake.config import load_config  # per command: the command line starts without loading every job
-    from actlake.jobs.predictor.job import PROBE_SQL, SUMMARY_SQL, run_predictor_job  # per command: the command line starts without loading every job
-    from actlake.jobs.predictor.config import PredictorJobConfig  # per command: the command line starts without loading every job
-    from actlake.storage.sql import query  # per command: the command line starts without loading every job
+    from actlake.config import load_config  # per command (start-up)
+    from actlake.jobs.predictor.config import PredictorJobConfig  # per command (start-up)
+    from actlake.jobs.predictor.job import PROBE_SQL, SUMMARY_SQL, run_predictor_job  # per command (start-up)
+    from actlake.storage.sql import query  # per command (start-up)
 
     cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None,
                       root=PredictorJobConfig)
@@ -173,13 +176,13 @@ def _cmd_train_predictor(args) -> int:
 
 
 def _cmd_sql(args) -> int:
-    from actlake.storage.sql_process import MAX_TEMP_SIZE, run_sql  # per command: the command line starts without loading every job
+    from actlake.storage.sql_process import MAX_TEMP_SIZE, run_sql  # per command (start-up)
 
     sql = args.sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
     _check_output(args.format, args.output)
     if args.timeout <= 0:
         raise ActlakeError(f"--timeout: must be more than 0 seconds, got {args.timeout:g}")
-    from actlake.sizes import memory_bytes  # per command: the command line starts without loading every job
+    from actlake.sizes import memory_bytes  # per command (start-up)
 
     for flag, value in (("--max-temp-size", args.max_temp_size), ("--memory-limit", args.memory_limit)):
         try:
@@ -198,8 +201,8 @@ def _cmd_corpus_index(args) -> int:
     import time
     from collections import Counter
 
-    from actlake.config import load_config  # per command: the command line starts without loading every job
-    from actlake.jobs.plan import make_plan  # per command: the command line starts without loading every job
+    from actlake.config import load_config  # per command (start-up)
+    from actlake.jobs.plan import make_plan  # per command (start-up)
 
     cfg = load_config(args.config)
     t0 = time.perf_counter()
@@ -226,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return _cmd_run(args)
         if args.command == "train-lm":
-            from actlake.config import load_config  # per command: the command line starts without loading every job
-            from actlake.jobs.lm.job import train_lm  # per command: the command line starts without loading every job
-            from actlake.jobs.lm.config import LMConfig  # per command: the command line starts without loading every job
+            from actlake.config import load_config  # per command (start-up)
+            from actlake.jobs.lm.config import LMConfig  # per command (start-up)
+            from actlake.jobs.lm.job import train_lm  # per command (start-up)
 
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None, root=LMConfig)
             res = train_lm(cfg, address=args.address)
@@ -241,15 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train-predictor":
             return _cmd_train_predictor(args)
         if args.command == "quickstart":
-            from actlake.corpus.sample import write_sample  # per command: the command line starts without loading every job
+            from actlake.corpus.sample import write_sample  # per command (start-up)
 
             if not os.path.isdir("data/sample"):
                 write_sample("data/sample", args.docs)
             args.config, args.address, args.run_id, args.no_report = None, None, None, False
             return _cmd_run(args)
         if args.command == "submit":
-            from actlake.config import load_config  # per command: the command line starts without loading every job
-            from actlake.jobs.submit import submit  # per command: the command line starts without loading every job
+            from actlake.config import load_config  # per command (start-up)
+            from actlake.jobs.submit import submit  # per command (start-up)
 
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None)
             sid = submit(cfg, args.address, args.submission_id)
@@ -257,21 +260,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"follow it with: actlake status {sid} --address {args.address}", file=sys.stderr)
             return 0
         if args.command in ("status", "logs", "stop"):
-            from actlake.jobs import submit as js  # per command: the command line starts without loading every job
+            from actlake.jobs import submit as js  # per command (start-up)
 
             print(getattr(js, args.command)(args.address, args.submission_id))
             return 0
         if args.command == "sql":
             return _cmd_sql(args)
         if args.command == "report":
-            from actlake.jobs.report import build_report  # per command: the command line starts without loading every job
+            from actlake.jobs.report import build_report  # per command (start-up)
 
             print(build_report(args.run_dir))
             return 0
         if args.command == "corpus" and args.corpus_command == "index":
             return _cmd_corpus_index(args)
         if args.command == "corpus":
-            from actlake.corpus.sample import write_sample  # per command: the command line starts without loading every job
+            from actlake.corpus.sample import write_sample  # per command (start-up)
 
             for flag, n in (("--docs", args.docs), ("--files", args.files)):
                 if n < 1:

@@ -212,12 +212,13 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
 
     ``on_shard(summary)`` is called in the driver after each shard commits (summary includes the
     worker's resident memory after the shard, ``worker_rss_mb``)."""
-    from actlake.analysis.registry import enabled  # loads torch: imported when used
+    from actlake.analysis.registry import check_table_names, enabled  # loads torch: imported when used
     from actlake.model import require_accelerate  # loads torch: imported when used
 
     t0 = time.perf_counter()
     import_custom_analyses(cfg)
-    analyses = [cls for cls, _ in enabled(cfg)]  # imports custom classes: a bad one fails here
+    check_table_names(cfg)  # imports custom classes: a bad one fails here
+    analyses = [cls for cls, _ in enabled(cfg)]
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
     layout = RunLayout(cfg.run_dir)
     ensure_output_dir(location(cfg.output.dir))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actlake.fs import ObjectPath, write_atomic
+from actlake.tables import PARTIAL_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class RunLayout:
 
     def partial_file(self, table: str, group: str) -> "Path | ObjectPath":
         """A group's merged partial of analysis table ``table`` (``<table>_partial``); a group id is unique."""
-        return self.tables / f"{table}_partial" / f"group={group}" / "part-0.parquet"
+        return self.tables / f"{table}{PARTIAL_SUFFIX}" / f"group={group}" / "part-0.parquet"
 
     def aggregate_file(self, table: str, unique: bool = False) -> "Path | ObjectPath":
         return self.tables / table / (self._unique("part-0") if unique else "part-0.parquet")

@@ -14,7 +14,8 @@ this manifest instead of globbing:
   name, so the committed files are exactly ``tables/<table>/part-0.parquet`` or
   ``tables/<table>/<key>=<value>/part-0.parquet`` for the table's partition key.
 
-Only tables actlake writes are listed: the extractor's own per-shard tables (:data:`SHARD_TABLES`),
+Only tables actlake writes are listed: per-shard tables (:data:`SHARD_TABLES` and custom shard tables, as
+the commit records' shard entries name them),
 the analyses' partials (``<table>_partial``, one file per commit group) and reduced tables as the records name them
 (any analysis, built in or custom: storage knows no analysis by name; a name must be a plain
 identifier, :func:`is_table_name`), and the training jobs' tables (:data:`TRAINING_TABLES`). Other
@@ -31,7 +32,8 @@ from pathlib import Path
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.publish import published
-from actlake.storage.shards import PARTIAL_SUFFIX, committed
+from actlake.storage.shards import committed
+from actlake.tables import PARTIAL_SUFFIX, is_table_name
 
 
 @dataclass(frozen=True)
@@ -45,15 +47,8 @@ class TableSpec:
 
 
 SHARD_TABLES = ("documents", "rejects", "tokens", "residual_norms", "activations")
-"""Per-shard tables written by ``jobs/extract.py`` (and ``storage/activations.py``)."""
-
-_TABLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
-
-
-def is_table_name(name: str) -> bool:
-    """A name actlake can give a table: lower-case letters, digits and underscores, a letter first."""
-    return bool(_TABLE_NAME.fullmatch(name))
-
+"""The built-in per-shard tables (``analysis/registry.py`` ``builtin_tables``); a custom ``ShardTable``'s are
+per-shard tables too, named by the shard entries of the commit records."""
 
 def extraction_spec(table: str) -> TableSpec | None:
     """How an extraction run (``actlake run``) commits ``table``: per shard (the extractor's tables), per
@@ -203,9 +198,10 @@ def _extraction_files(layout: RunLayout, run: dict) -> dict[str, list[Path]]:
             continue
         for table, meta in rec["partials"].items():
             add(f"{table}{PARTIAL_SUFFIX}", meta, ("partial",))
-        for entry in rec["shards"].values():
+        for entry in rec["shards"].values():  # a shard's own tables: the built-in ones and custom ShardTables
             for table, meta in entry["files"].items():
-                add(table, meta, ("shard",))
+                if is_table_name(table) and not table.endswith(PARTIAL_SUFFIX):
+                    files.setdefault(table, []).append(layout.root / meta["path"])
     files.update(_reduced_files(layout, run["plan_hash"]))
     return files
 

@@ -32,11 +32,10 @@ import pyarrow as pa
 from actlake.fs import file_sizes, remove_tree
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.parquet_io import write_parquet, write_parquet_atomic
+from actlake.tables import PARTIAL_SUFFIX
 
 log = logging.getLogger("actlake.commit")
 
-PARTIAL_SUFFIX = "_partial"
-"""A group's partial of an analysis's reduced table ``t`` is table ``t + PARTIAL_SUFFIX``."""
 
 
 class ShardFiles:

@@ -88,3 +88,22 @@ def test_a_class_with_the_old_reads_attribute_is_refused_naming_the_new_ones(tmp
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match="'sites'.*'products'"):
         load_class("old_style:Old")
+
+
+def test_two_producers_writing_one_table_are_refused_naming_both(tmp_path, monkeypatch):
+    from actlake.analysis.registry import check_table_names
+
+    (tmp_path / "clash.py").write_text(
+        "import pyarrow as pa\nfrom actlake.analysis.protocol import ShardTable\n"
+        "class MyTokens(ShardTable):\n    name, tables = 'my_tokens', ('tokens',)\n"
+        "    schema = pa.schema([('x', pa.int64())])\n"
+        "    @classmethod\n    def to_table(cls, parts, **o):\n        return cls.schema.empty_table()\n"
+        "class Partial(MyTokens):\n    name, tables = 'partial', ('mass_partial',)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = parse_config({"name": "t", "analyses": {"custom": [{"analysis": "clash:MyTokens"}]}})
+    with pytest.raises(ConfigError, match="'tokens' and 'my_tokens' both write a table 'tokens'"):
+        check_table_names(cfg)
+    cfg = parse_config({"name": "t", "analyses": {"tokens": False, "custom": [{"analysis": "clash:Partial"}]}})
+    with pytest.raises(ConfigError, match="'partial' names a table 'mass_partial'"):
+        check_table_names(cfg)
+    check_table_names(parse_config({"name": "t", "analyses": {"tokens": False, "custom": [{"analysis": "clash:MyTokens"}]}}))
