@@ -115,7 +115,7 @@ class BatchingConfig(Section):
 
 class CustomAnalysisConfig(Section):
     analysis: str = ""
-    """Your analysis class, `package.module:ClassName`, a subclass of `actlake.analysis.protocol.Analysis`."""
+    """Your analysis class, `package.module:ClassName`, a subclass of `actlake.analysis.protocol.Analysis` (statistics, reduced) or `ShardTable` (rows per token, written per shard)."""
     path: Optional[LocalPath] = None
     """A `.py` file or package folder holding it, shipped to every worker (Ray `py_modules`) and importable by the driver; null: already installed everywhere."""
     args: dict = {}

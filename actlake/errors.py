@@ -33,5 +33,20 @@ class AnalysisError(ActlakeError):
     """Captured tensors do not fit what an analysis assumes (e.g. an attention mask it cannot describe)."""
 
 
+class AnalysisFailed(AnalysisError):
+    """An analysis (or shard table, built in or custom) raised: the message names it, the file and line, and
+    the method that failed; ``traceback`` is the whole traceback, as text."""
+
+    def __init__(self, message: str, traceback: str = ""):
+        super().__init__(message, traceback)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    @property
+    def traceback(self) -> str:
+        return self.args[1]
+
+
 class TrainingError(ActlakeError):
     """A training trial failed; the message names the trial and the first error line."""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
+import traceback
 
 from actlake.analysis.activation_sample import ActivationSample
 from actlake.analysis.attention_distance import AttentionByDistance
@@ -14,7 +17,7 @@ from actlake.analysis.geometry import Geometry
 from actlake.analysis.protocol import PRODUCTS, SITES, Analysis, Producer, ShardTable
 from actlake.analysis.residual_norms import ResidualNorms
 from actlake.analysis.tokens import Tokens
-from actlake.errors import ConfigError
+from actlake.errors import AnalysisFailed, ConfigError
 from actlake.tables import PARTIAL_SUFFIX, is_table_name
 
 
@@ -89,3 +92,34 @@ def check_table_names(cfg) -> None:
 def products(producers) -> frozenset:
     """Products of the attention weights the given producers (classes or instances) read."""
     return frozenset().union(*(p.products for p in producers))
+
+
+def failure(exc: BaseException, classes) -> AnalysisFailed | None:
+    """``exc`` as an :class:`~actlake.errors.AnalysisFailed` naming the producer among ``classes`` whose code
+    raised it (None: none of theirs did). The producer is the innermost frame whose ``self``/``cls`` is one
+    of them, or else whose file is one of theirs; FILE:LINE is the innermost frame in such a file."""
+    if isinstance(exc, AnalysisFailed):
+        return exc
+    classes = list(classes)
+    files = {}
+    for cls in classes:
+        try:
+            files.setdefault(os.path.realpath(inspect.getsourcefile(cls)), cls)
+        except TypeError:  # a class without a source file
+            continue
+    frames = list(traceback.walk_tb(exc.__traceback__))  # (frame, line number), outermost first
+    line_at = where = owner = None
+    for frame, lineno in reversed(frames):
+        me = frame.f_locals.get("self", frame.f_locals.get("cls"))
+        mine = next((c for c in classes if me is c or isinstance(me, c) or (isinstance(me, type) and issubclass(me, c))), None)
+        if line_at is None and (mine is not None or os.path.realpath(frame.f_code.co_filename) in files):
+            line_at = (frame.f_code.co_filename, lineno)
+        if mine is not None and not frame.f_code.co_name.startswith("<"):  # not a comprehension's frame
+            owner, where = mine, frame.f_code.co_name
+            break
+    if line_at is None:
+        return None
+    owner = owner or files[os.path.realpath(line_at[0])]
+    text = " ".join(str(exc).split())[:300] or "(no message)"
+    return AnalysisFailed(f"analysis {owner.name!r} failed at {line_at[0]}:{line_at[1]} in {where or '?'}: "
+                          f"{type(exc).__name__}: {text}", "".join(traceback.format_exception(exc)))

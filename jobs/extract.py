@@ -55,6 +55,7 @@ class Extractor:
         self.tokenizing = threading.Lock()
         self.analyses = enabled(cfg)  # (class, options) per enabled analysis
         tables = shard_tables(cfg)
+        self.producers = [c for c, _ in self.analyses + tables]
         self.reading = [(c, o) for c, o in tables if c.of_reading]  # documents, rejects
         self.token_tables = [(c, o) for c, o in tables if not c.of_reading]  # made batch by batch
         self.triton = triton_kernels_on(cfg.analyses.triton_kernels, lm.device)
@@ -130,21 +131,23 @@ class Extractor:
         return Launched(batch, result, DeviceChecks(dev, checks, sink.devices), recorder)
 
     # ------------------------------------------------------------------ one shard
-    def process(self, shard: Shard, layout: RunLayout, group: Group, compute_lock=None) -> dict:
+    def process(self, shard: Shard, layout: RunLayout, group: Group, compute_lock=None, on_batch=None) -> dict:
         """Run one shard: its tables go into their tables (not yet committed), its statistics into ``group``,
         which the caller commits (:mod:`actlake.storage.shards`). Returns the shard's summary.
 
         ``compute_lock`` is held only while the model runs: a worker running two shards at once (reading
         ahead, ``resources.read_ahead``) reads and tokenises one, and writes the other's tables, while the
         model runs the third. Batches are queued one ahead (:meth:`launch`): on a GPU the host prepares
-        batch k+1 while the device runs batch k, and collects batch k's results while it runs k+1."""
+        batch k+1 while the device runs batch k, and collects batch k's results while it runs k+1.
+        ``on_batch(documents, tokens)`` is told of every finished batch (documents: the batch's share of the
+        shard's, by windows), for progress."""
         t0 = time.perf_counter()
         windows, docs, rejects = self.read_shard(shard)
         read_s = time.perf_counter() - t0
         with compute_lock or contextlib.nullcontext():
             t1 = time.perf_counter()
             batches = make_batches(windows, self.cfg.batching)
-            acc = ShardResults(self.new_stats())
+            acc = ShardResults(self.new_stats(), on_batch, len(docs) / max(len(windows), 1))
             splits_before = self.oom_splits
             pending = None  # the batch queued before this one: its results are read once this one is queued
             for batch in batches:
@@ -222,10 +225,11 @@ class Extractor:
 class ShardResults:
     """A shard's finished batches: the analyses' statistics merged, the token tables' parts kept for writing."""
 
-    def __init__(self, stats: dict):
+    def __init__(self, stats: dict, on_batch=None, docs_per_window: float = 0.0):
         self.stats = stats
         self.parts: dict[str, list] = {}
         self.n_tokens = self.n_padded = 0
+        self.on_batch, self.docs_per_window = on_batch, docs_per_window
 
     def add(self, r: BatchResult) -> None:
         """Take one finished batch (host copies complete, statistics on the device). Token tables gather host
@@ -238,3 +242,5 @@ class ShardResults:
         for table, part in r.parts.items():
             part.collect(r.outputs)
             self.parts.setdefault(table, []).append(part)
+        if self.on_batch is not None:
+            self.on_batch(len(lengths) * self.docs_per_window, sum(lengths))

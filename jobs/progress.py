@@ -1,4 +1,12 @@
-"""Shard progress: a tqdm bar on a terminal, one log line per shard otherwise."""
+"""A job's progress, from the first batch: documents, tokens and shards done, tokens/s and an ETA.
+
+Workers report every batch they finish to a :class:`BatchCounter` actor (a call they do not wait for);
+the driver reads it every few seconds while it waits for shards (:meth:`Progress.tick`) and draws a tqdm
+bar over the planned documents on a terminal, or logs a line at most every :data:`LOG_EVERY_S` seconds
+otherwise. Each finished shard is one log line that stays. A shard that is run again (its worker died)
+reports its batches again, so the counts may run ahead of the shards until it is done; they never pass
+the planned total.
+"""
 
 from __future__ import annotations
 
@@ -8,24 +16,79 @@ import time
 
 log = logging.getLogger("actlake.progress")
 
+LOG_EVERY_S = 10.0
+"""Without a terminal, a progress line at most this often (and only when something moved)."""
+
+
+class BatchCounter:
+    """Totals the workers add to, batch by batch (a Ray actor: :func:`counter_actor`)."""
+
+    def __init__(self):
+        self.docs, self.tokens, self.batches = 0.0, 0, 0
+
+    def add(self, docs: float, tokens: int) -> None:
+        self.docs, self.tokens, self.batches = self.docs + docs, self.tokens + tokens, self.batches + 1
+
+    def totals(self) -> tuple[float, int, int]:
+        return self.docs, self.tokens, self.batches
+
+
+def counter_actor():
+    """A :class:`BatchCounter` actor that takes no CPU of the workers'."""
+    import ray
+
+    return ray.remote(num_cpus=0)(BatchCounter).remote()
+
 
 class Progress:
-    def __init__(self, total: int, skipped: int = 0, stream=None):
+    """``total_docs``: documents of the shards to run (None when unknown: streamed Hugging Face datasets);
+    ``shards``: shards to run; ``skipped``: shards committed by an earlier run."""
+
+    def __init__(self, total_docs: int | None, shards: int, skipped: int = 0, stream=None):
         from tqdm import tqdm
 
-        self.total, self.done, self.tokens, self.start = total, skipped, 0, time.monotonic()
+        self.shards, self.skipped, self.ran, self.start = shards, skipped, 0, time.monotonic()
+        self.docs = self.tokens = 0
+        self.last_log, self.logged = 0.0, (0, 0)
         # disable=None: a bar only when the stream is a terminal
-        self.bar = tqdm(total=total, initial=skipped, unit="shard", file=stream or sys.stderr, disable=None,
-                        dynamic_ncols=True, desc="shards")
+        self.bar = tqdm(total=total_docs, unit="doc", file=stream or sys.stderr, disable=None, dynamic_ncols=True,
+                        desc="documents", smoothing=0.1)
 
-    def update(self, summary: dict) -> None:
-        self.tokens += summary.get("tokens", 0)
+    def tick(self, totals: tuple[float, int, int]) -> None:
+        """The counter's totals (docs, tokens, batches) as the workers reported them so far."""
+        docs, self.tokens, _ = totals
+        if self.bar.total is not None:
+            docs = min(docs, self.bar.total)
+        self.bar.update(docs - self.docs)
+        self.docs = docs
+        self.bar.set_postfix_str(self._status(), refresh=True)
+        now = time.monotonic()
+        if self.bar.disable and (int(self.docs), self.tokens) != self.logged and now - self.last_log >= LOG_EVERY_S:
+            self.last_log, self.logged = now, (int(self.docs), self.tokens)
+            total = f"/{self.bar.total:,}" if self.bar.total is not None else ""
+            eta = self._eta()
+            log.info("documents %s%s  %s%s", f"{self.docs:,.0f}", total, self._status(), f"  ETA {eta}" if eta else "")
+
+    def shard_ran(self, summary: dict) -> None:
+        """One log line per finished shard."""
+        self.ran += 1
+        line = (f"shard {summary.get('shard_id', -1):05d} done ({self.ran + self.skipped}/{self.shards + self.skipped}): "
+                f"{summary.get('tokens', 0):,} tokens of {summary.get('docs', 0):,} documents in {summary.get('seconds', 0.0):.1f}s")
+        if self.bar.disable:
+            log.info("%s", line)
+        else:  # above the bar, which stays at the bottom
+            self.bar.write(f"{time.strftime('%H:%M:%S')} actlake.progress: {line}", file=self.bar.fp)
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _status(self) -> str:
         elapsed = time.monotonic() - self.start
-        rate = f"{self.tokens / elapsed if elapsed > 0 else 0.0:,.0f} tokens/s"
-        self.bar.set_postfix_str(rate, refresh=False)
-        self.bar.update(1)
-        self.done += 1
-        if self.bar.disable:  # a disabled bar counts nothing
-            log.info("shards %d/%d  %s", self.done, self.total, rate)
-        if self.done >= self.total:
-            self.bar.close()
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        return f"{self.tokens:,} tokens, {rate:,.0f} tokens/s, shards {self.ran + self.skipped}/{self.shards + self.skipped}"
+
+    def _eta(self) -> str:
+        if not self.bar.total or self.docs <= 0:
+            return ""
+        left = (time.monotonic() - self.start) * (self.bar.total - self.docs) / self.docs
+        return time.strftime("%H:%M:%S", time.gmtime(left))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from actlake.analysis.registry import failure
 from actlake.errors import StorageError
 from actlake.storage.layout import RunLayout
 from actlake.storage.manifest import REDUCE_RECORD, aggregate_path, write_reduce_record
@@ -86,7 +87,11 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
     for cls in analyses:
         having = [g for g in groups if cls.tables[0] in g["partials"]]
         if having:
-            for table, data in merge_partials(layout, having, cls).to_tables().items():
+            try:
+                merged = merge_partials(layout, having, cls).to_tables()
+            except Exception as e:
+                raise (failure(e, [cls]) or e) from None
+            for table, data in merged.items():
                 path = layout.aggregate_file(table, unique=True)
                 published[table] = (path, write_parquet_atomic(data, path, layout.staging))
     replaced = previous_aggregates(layout)

@@ -28,7 +28,12 @@ def _blocks(con, analyses) -> list:
         blocks.append((3, _residual_norms_chart(con)))
     for cls in analyses:
         if all(t in have for t in cls.tables):
-            blocks += cls.charts(con)
+            try:
+                blocks += cls.charts(con)
+            except Exception as e:
+                from actlake.analysis.registry import failure  # loads torch: imported when used
+
+                raise (failure(e, [cls]) or e) from None
     return [block for _, block in sorted(blocks, key=lambda pb: pb[0])]
 
 

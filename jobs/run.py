@@ -11,11 +11,12 @@ from pathlib import Path
 
 from actlake.config import JobConfig, resolve_model_path
 from actlake.corpus.fingerprint import current_fingerprints, first_change
+from actlake.corpus.readers import HF_STREAM
 from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
 from actlake.fs import ObjectPath, location, remove_tree
 from actlake.jobs.dispatch import Dispatcher
 from actlake.jobs.plan import plan_hash, plan_with_inputs
-from actlake.jobs.progress import Progress
+from actlake.jobs.progress import Progress, counter_actor
 from actlake.jobs.ray_env import init_ray, store_env
 from actlake.jobs.reduce import reduce_run
 from actlake.jobs.report import build_report
@@ -289,14 +290,17 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         n = min(n, len(pending))
         retries = cfg.resources.max_retries
         env = store_env(local=not (address or os.environ.get("RAY_ADDRESS")))
+        counter = counter_actor()
         workers = [ShardWorker.options(**worker_options(cfg, cpus, gpus)).remote(cfg.to_dict(), str(layout.root), phash,
-                                                                               threads, code, env)
+                                                                               threads, code, env, counter)
                    for _ in range(n)]
         log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus, gpus,
                  f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb else "unreserved")
-        progress = Progress(total, skipped=total - len(pending))
+        streamed = any(s.fmt == HF_STREAM for s in pending)  # its shards' record counts are unknown
+        progress = Progress(None if streamed else sum(s.end - s.start for s in pending), len(pending),
+                            skipped=total - len(pending))
+
         def done(summary):
-            progress.update(summary)
             if on_shard:
                 on_shard(summary)
 
@@ -304,11 +308,15 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
             return {sid: dict(e["summary"], shard_id=sid) for sid, e in committed(layout, phash).shards.items()}
 
         try:
-            summaries, failures = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored).run(pending)
+            summaries, failures = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored,
+                                             on_ran=progress.shard_ran,
+                                             on_tick=lambda: progress.tick(ray.get(counter.totals.remote()))).run(pending)
+            progress.tick(ray.get(counter.totals.remote()))
             if cfg.model.offload_folder:
                 _close_workers(workers)
         finally:  # also when the driver fails: no actor outlives the job
-            for w in workers:
+            progress.close()
+            for w in workers + [counter]:
                 ray.kill(w)
         if failures:
             check_inputs_after_failure(layout, inputs or {}, len(failures))

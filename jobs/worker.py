@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 
 import ray
 
+from actlake.analysis.registry import failure
 from actlake.config import parse_config
+from actlake.errors import AnalysisFailed
 from actlake.fs import location
 from actlake.jobs.plan import Shard
 from actlake.storage.layout import RunLayout
@@ -50,15 +54,19 @@ def release_free_memory() -> None:
         pass
 
 
-def install_code(files: dict) -> None:
-    """Write the custom analyses' code (``{relative path: bytes}``) to a private folder on sys.path."""
+def install_code(files: dict, origins: list[str] = ()) -> dict[str, str]:
+    """Write the custom analyses' code (``{relative path: bytes}``) to a private folder on sys.path. Returns
+    {path written: the driver's path of that file} for ``origins`` (``analyses.custom[].path``), so errors
+    name the files their authors know."""
     import sys
     import tempfile
     from pathlib import Path
 
     if not files:
-        return
+        return {}
     root = Path(tempfile.mkdtemp(prefix="actlake-custom-"))
+    tops = {Path(o).name: Path(o).parent for o in origins if o}
+    written = {str(root / rel): str(tops[Path(rel).parts[0]] / rel) for rel in files if Path(rel).parts[0] in tops}
     for rel, data in files.items():
         target = (root / rel).resolve()
         if root not in target.parents:
@@ -66,6 +74,9 @@ def install_code(files: dict) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     sys.path.insert(0, str(root))
+    return written
+
+log = logging.getLogger("actlake.worker")
 
 
 @ray.remote
@@ -76,10 +87,11 @@ class ShardWorker:
     while the other is read and tokenised, so the device does not wait for the CPU between shards."""
 
     def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None,
-                 store_env: dict | None = None):
+                 store_env: dict | None = None, counter=None):
         """``store_env``: the driver's object-store variables (:func:`actlake.jobs.ray_env.store_env`), set in
         this process before any store is opened. An argument, never a ``runtime_env``: Ray writes a
-        runtime_env's variables in plain text to its agent's log."""
+        runtime_env's variables in plain text to its agent's log. ``counter``: the job's
+        :class:`~actlake.jobs.progress.BatchCounter` actor, told of every finished batch."""
         os.environ.update(store_env or {})
         import torch
 
@@ -90,23 +102,27 @@ class ShardWorker:
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         keep_freed_heap()
-        install_code(code or {})
         self.cfg = parse_config(cfg_dict)
+        self.shipped = install_code(code or {}, [str(c.path) for c in self.cfg.analyses.custom if c.path])
         self.layout = RunLayout(location(run_dir))
         self.group = Group(self.layout, plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
         self.compute = threading.Lock()  # the model runs one shard at a time, also when two are in hand
         self.pid = os.getpid()
+        self.counter = counter
 
     def process(self, shard_dict: dict, last: bool = False) -> dict:
-        """Run one shard; ``committed``: the shard ids this call committed (its group's, when due or ``last``)."""
-
+        """Run one shard; ``committed``: the shard ids this call committed (its group's, when due or ``last``).
+        An exception raised by an analysis's code is an AnalysisFailed naming it, file, line and method, its
+        traceback logged here (the job's log)."""
         import psutil
 
         shard = Shard(**shard_dict)
-        summary = self.extractor.process(shard, self.layout, self.group, self.compute)
-        with self.group.lock:
-            committed = self.group.commit() if last or self.group.due() else []
+        on_batch = None if self.counter is None else (lambda docs, tokens: self.counter.add.remote(docs, tokens))
+        with self._analyses_named():
+            summary = self.extractor.process(shard, self.layout, self.group, self.compute, on_batch)
+            with self.group.lock:
+                committed = self.group.commit() if last or self.group.due() else []
         release_free_memory()
         rss_mb = psutil.Process().memory_info().rss / 2**20
         return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed,
@@ -114,7 +130,23 @@ class ShardWorker:
 
     def flush(self) -> list[int]:
         """Commit the open group now; the shard ids committed."""
-        return self.group.commit()
+        with self._analyses_named():
+            return self.group.commit()
+
+    @contextlib.contextmanager
+    def _analyses_named(self):
+        try:
+            yield
+        except Exception as e:
+            failed = failure(e, self.extractor.producers)
+            if failed is None:
+                raise
+            message, trace = failed.args
+            for shipped, original in self.shipped.items():  # name the author's file, not the worker's copy
+                message, trace = message.replace(shipped, original), trace.replace(shipped, original)
+            failed = AnalysisFailed(message, trace)
+            log.error("%s\n%s", failed, failed.traceback)
+            raise failed from None
 
     def close(self) -> None:
         """Remove this worker's offload folder (``model.offload_folder``); called before the actor is killed."""

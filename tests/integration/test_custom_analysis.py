@@ -140,3 +140,82 @@ def test_a_class_that_is_not_an_analysis_is_refused_in_one_line(minilm_path, sam
     assert main(["run", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "analyses.custom[0].analysis" in err[0] and "not a subclass" in err[0]
+
+
+BUGGY = '''
+from dataclasses import dataclass
+
+import torch
+
+from actlake.analysis.protocol import OneTable
+from actlake.analysis.stats import SumStats, zeros
+
+
+@dataclass
+class Buggy(OneTable, SumStats):
+    name, sites, tables = "buggy", frozenset({"attention"}), ("buggy",)
+    total: torch.Tensor
+
+    @classmethod
+    def create(cls, spec, **options):
+        return cls(zeros(spec.n_layers, spec.n_heads + 1, device=spec.device))  # one head too many
+
+    def add_layer(self, lq) -> None:
+        self.total[lq.layer] += lq.weights().sum((0, 2, 3)).double()
+'''
+
+
+def _buggy(tmp_path, name: str) -> tuple[Path, int]:
+    """The buggy analysis as module ``name`` (a name per test: a module imported once stays imported)."""
+    module = tmp_path / "code" / f"{name}.py"
+    module.parent.mkdir(exist_ok=True)
+    module.write_text(BUGGY)
+    line = BUGGY.splitlines().index("        self.total[lq.layer] += lq.weights().sum((0, 2, 3)).double()") + 1
+    return module, line
+
+
+def test_an_analysis_that_raises_is_named_with_its_file_line_and_method_in_a_job(minilm_path, sample_corpus, tmp_path,
+                                                                                ray_local, capsys):
+    """Issue 33: a bug in an analysis gave one line with no analysis name, file or line. The job stops at its
+    first failure (every shard would fail alike) with the line, and the whole traceback in the file it names."""
+    module, line = _buggy(tmp_path, "buggy_in_a_job")
+    cfg = {"name": "buggy", "model": {"name_or_path": minilm_path},
+           "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 6},
+           "tokenization": {"max_length": 32}, "output": {"dir": str(tmp_path / "runs"), "report": False},
+           "resources": {"num_workers": 1, "cpus_per_worker": 1},
+           "analyses": {"contributions": False, "geometry": False, "attention_by_distance": False,
+                        "custom": [{"analysis": "buggy_in_a_job:Buggy", "path": str(module)}]}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"actlake: error: analysis 'buggy' failed at {module}:{line} in add_layer: RuntimeError: "
+                          "The size of tensor a (13) must match the size of tensor b (12)"), err
+    log = Path(err.rsplit("; traceback in ", 1)[1])
+    assert f'File "{module}", line {line}, in add_layer' in log.read_text()
+
+
+def test_try_analysis_runs_one_analysis_in_process_and_names_a_failure(minilm_path, tmp_path, capsys):
+    """``actlake try-analysis``: the example on two texts, in this process, equal to eager attention's
+    entropies; the buggy one is the same one line as in a job."""
+    from actlake.jobs.try_analysis import try_analysis
+
+    texts = ["The cat sat on the mat, and then it slept.", "def f(x):\n    return x + 1"]
+    tables = try_analysis("attention_entropy:AttentionEntropy", texts, model=minilm_path, path=str(EXAMPLE))
+    assert set(tables) == {"attention_entropy", "attention_entropy_mean"}
+    got = tables["attention_entropy"]
+    from transformers import AutoModel, AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(minilm_path), AutoModel.from_pretrained(minilm_path, attn_implementation="eager")
+    want = 0.0
+    with torch.no_grad():
+        for text in texts:
+            att = torch.stack(model(**tok(text, return_tensors="pt"), output_attentions=True).attentions)[:, 0].double()
+            want += float(-(att * att.clamp(min=1e-30).log()).sum())
+    assert sum(got["entropy_sum"].to_pylist()) == pytest.approx(want, rel=1e-5)
+    module, line = _buggy(tmp_path, "buggy_tried")
+    assert main(["try-analysis", "buggy_tried:Buggy", "--path", str(module), "--model", minilm_path, "--text", texts[0]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"actlake: error: analysis 'buggy' failed at {module}:{line} in add_layer: RuntimeError:"), err
+    assert main(["try-analysis", "attention_mass", "--model", minilm_path, "--text", texts[0], "--rows", "2"]) == 0
+    assert "attention_mass_by_key:" in capsys.readouterr().out

@@ -63,3 +63,25 @@ def test_a_second_job_on_the_same_run_directory_is_refused_naming_the_first(mini
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=120)
     assert proc.returncode == 130
+
+
+def test_the_command_a_job_prints_runs_as_printed_in_a_new_shell(minilm_path, sample_corpus, tmp_path, own_ray_env):
+    """Issue 33: the quick start printed ``actlake sql …``, which a new shell without the virtual environment
+    on its PATH cannot find. The job runs as ``.venv/bin/actlake`` does, outside the venv's PATH; the printed
+    example is then pasted into ``bash`` with a bare PATH."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"model: {{name_or_path: {minilm_path}}}\ncorpus: {{paths: ['{sample_corpus}/*.jsonl.zst'], max_docs: 6}}\n"
+                   f"sharding: {{docs_per_shard: 3}}\noutput: {{dir: '{tmp_path}/my runs', run_id: r, report: false}}\n"
+                   "resources: {num_workers: 1, cpus_per_worker: 1}\n")
+    actlake = Path(sys.executable).with_name("actlake")
+    bare = {k: v for k, v in own_ray_env.items() if k != "PATH"} | {"PATH": "/usr/bin:/bin"}
+    done = subprocess.run([str(actlake), "run", str(cfg)], cwd=tmp_path, env=bare, text=True, capture_output=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("example: ")]
+    command = line.removeprefix("example: ")
+    assert command.startswith(str(actlake)) and "'" in command  # the absolute path; the folder with a space quoted
+    pasted = subprocess.run(["bash", "-c", command], cwd=tmp_path / "my runs", env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+                            text=True, capture_output=True, timeout=120)
+    assert pasted.returncode == 0, pasted.stderr
+    assert "mean_norm" in pasted.stdout and pasted.stdout.count("│") > 10

@@ -1,0 +1,39 @@
+"""Progress from the first batch (issue 33): workers report every batch to the driver, which shows documents,
+tokens, tokens/s and an ETA while a shard is still running, and one line per finished shard."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_progress_moves_batch_by_batch_inside_a_shard(minilm_path, sample_corpus, tmp_path, ray_local, caplog,
+                                                      monkeypatch):
+    from actlake.config import parse_config
+    from actlake.jobs import dispatch, progress
+    from actlake.jobs.run import run_job
+
+    monkeypatch.setattr(dispatch, "TICK_S", 0.05)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    cfg = parse_config({"name": "progress", "model": {"name_or_path": minilm_path},
+                        "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 16},
+                        "tokenization": {"max_length": 64, "max_windows_per_doc": 2}, "sharding": {"docs_per_shard": 16},
+                        "batching": {"max_tokens": 128}, "analyses": {"contributions": False, "geometry": False},
+                        "output": {"dir": str(tmp_path / "runs"), "run_id": "p", "report": False},
+                        "resources": {"num_workers": 1, "cpus_per_worker": 1}})
+    with caplog.at_level(logging.INFO, logger="actlake.progress"):
+        res = run_job(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.name == "actlake.progress"]
+    moving = [ln for ln in lines if ln.startswith("documents ")]
+    done = [ln for ln in lines if ln.startswith("shard ")]
+    assert res.shards_total == 1 and len(done) == 1, lines
+    assert done[0].startswith(f"shard 00000 done (1/1): {res.totals['tokens']:,} tokens of 16 documents"), done
+    tokens = [int(re.search(r"  ([\d,]+) tokens,", ln).group(1).replace(",", "")) for ln in moving]
+    assert tokens == sorted(tokens) and tokens[-1] == res.totals["tokens"], moving
+    assert any(0 < t < res.totals["tokens"] for t in tokens), moving  # seen inside the one shard: per batch
+    assert moving[-1].startswith("documents 16/16") and "tokens/s" in moving[-1]
+    assert any("ETA" in ln for ln in moving if not ln.startswith("documents 16/16")), moving
