@@ -1,6 +1,6 @@
 """The job config: one YAML file parsed into typed pydantic models.
 
-Every field has a docstring; the README's configuration reference is generated from the same text.
+Every field has a docstring; the the configuration reference (docs/configuration.md) is generated from the same text.
 Unknown keys, wrong types and missing files are errors that name the file, the dotted key and the
 line, raised before Ray starts (the machinery is in :mod:`actlake.config_base`).
 """
@@ -145,9 +145,9 @@ class AnalysesConfig(Section):
     triton_kernels: Optional[bool] = None
     """Triton kernels on GPU workers (needs the `triton` package, which PyTorch's CUDA wheels install). Where FlashAttention serves the attention products (`attention_weights: auto`, a causal model in bfloat16 or float16), two kernels rebuild the weights tile by tile from q, k and the flash forward pass's log-sum-exp for attention_by_distance and the weighted contributions (no T x T matrix in memory, no backward pass); dim_moments reads each layer's hidden states once in the model's dtype and sums them in float64 in one kernel. The first use of each kernel in a worker is also computed the PyTorch way, and a disagreement stops the job. false: PyTorch operators only (explicit weights in blocks for the distance profile, FlashAttention's backward pass for the weighted sums, float64 products for the moments). null: the kernels on CUDA workers of compute capability 8.0 or newer (A100, L4, H100, ...) that have the package. true: required (a CPU worker, an older GPU or a worker without the package is an error); a kernel that fails to compile or run stops the job with an error naming this key."""
     layer_graphs: bool = False
-    """Record each batch's attention analyses at one layer and replay the recording at the others, on GPU workers (which check a batch on the device and rerun it strictly when a check fails). On a GPU the recording is a CUDA graph: the host issues a copy of the layer's q, k, v and x into the graph's buffers and one replay per layer instead of about a hundred small launches (README: On a GPU); the graph keeps one layer's working memory for the batch. CPU workers run strictly and do not use it; where run_batch is called with strict=False on a CPU (tests, benchmarks) the recording is a torch.fx trace, no faster. Every attention analysis must be graph_safe (README: Your own analysis). New and not yet measured on a GPU, hence off by default."""
+    """Record each batch's attention analyses at one layer and replay the recording at the others, on GPU workers (which check a batch on the device and rerun it strictly when a check fails). On a GPU the recording is a CUDA graph: the host issues a copy of the layer's q, k, v and x into the graph's buffers and one replay per layer instead of about a hundred small launches (docs: Benchmarks, On a GPU); the graph keeps one layer's working memory for the batch. CPU workers run strictly and do not use it; where run_batch is called with strict=False on a CPU (tests, benchmarks) the recording is a torch.fx trace, no faster. Every attention analysis must be graph_safe (docs: Writing an analysis). New and not yet measured on a GPU, hence off by default."""
     custom: list[CustomAnalysisConfig] = []
-    """Your own analyses, run and reduced like the built-in ones (README: Your own analysis)."""
+    """Your own analyses, run and reduced like the built-in ones (docs: Writing an analysis)."""
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 
@@ -442,5 +442,5 @@ def resolve_corpus_files(cfg: JobConfig) -> list[str]:
 
 
 def reference_markdown(root: type | None = None) -> str:
-    """A configuration reference table (README section), from the field docstrings."""
+    """A configuration reference table (docs/configuration.md), from the field docstrings."""
     return _reference_markdown(root or JobConfig)

@@ -2,7 +2,7 @@
 
 A config is a tree of :class:`Section` models under a :class:`ConfigRoot`. Each field's docstring is its
 documentation (pydantic's ``use_attribute_docstrings``); :func:`reference_markdown` turns them into the
-README's configuration reference. Validation errors become one :class:`ConfigError` line naming the file,
+the configuration reference (docs/configuration.md). Validation errors become one :class:`ConfigError` line naming the file,
 the line and the dotted key, with a did-you-mean for unknown keys.
 """
 
@@ -304,11 +304,11 @@ def validate(root: type, data, lines: dict | None = None, where: str = "<config>
     return cfg
 
 
-# --------------------------------------------------------------------------- README reference
+# --------------------------------------------------------------------------- configuration reference
 
 
 def reference_markdown(root: type) -> str:
-    """A configuration reference table (README section), from the field docstrings."""
+    """A configuration reference table (docs/configuration.md), from the field docstrings."""
 
     def row(key: str, f: FieldInfo) -> str:
         default = f.get_default(call_default_factory=True)

@@ -1,4 +1,4 @@
-"""Attention entropy per layer, query category and head: a custom analysis (README: Your own analysis).
+"""Attention entropy per layer, query category and head: a custom analysis (docs: Writing an analysis).
 
 Tensor fields are float64 sums (SumStats merges them), sized in create, updated per layer in add_layer on
 the model's device, and written as one long table over AXES."""

@@ -62,7 +62,7 @@ class Extractor:
         unsafe = [c.name for c, _ in self.analyses if "attention" in c.sites and not c.graph_safe]
         if cfg.analyses.layer_graphs and unsafe:
             raise ConfigError(f"analyses.layer_graphs: true needs every attention analysis to be graph_safe; {unsafe} "
-                              "are not (README: Your own analysis)")
+                              "are not (docs: Writing an analysis)")
         self.strict = lm.device.type != "cuda"
         """run_batch's default: strict checks layer by layer on a CPU, device-side counts read once per batch on a GPU."""
         self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,

@@ -104,8 +104,7 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     """
     from actlake.analysis.registry import builtin  # loads pyarrow, torch: imported when used
 
-    layout, con = open_for_report(run_dir, ("dim_moments", "residual_norms"), "no reduced tables to report on "
-                                  "(did the job finish?)")
+    layout, con = open_for_report(run_dir, ("documents",), "no committed shard to report on (did the job run?)")
     try:
         blocks = _blocks(con, list(builtin().values()) if analyses is None else analyses)
         nonfinite = _nonfinite(con)

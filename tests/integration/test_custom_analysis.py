@@ -4,6 +4,7 @@ exactly once, is reduced, and its table equals an independent computation from e
 from __future__ import annotations
 
 import json
+import os
 
 import re
 from pathlib import Path
@@ -23,8 +24,9 @@ EXAMPLE = ROOT / "configs" / "attention_entropy.py"
 
 
 def test_the_readme_shows_the_example_file():
-    block = re.search(r"```python\n(\"\"\"Attention entropy per layer.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert block and block.group(1) == EXAMPLE.read_text()
+    for page in (ROOT / "README.md", ROOT / "docs" / "writing-an-analysis.md"):
+        block = re.search(r'```python title="configs/attention_entropy.py"\n(.*?)```', page.read_text(), re.S)
+        assert block and block.group(1) == EXAMPLE.read_text(), page
     assert len(EXAMPLE.read_text().splitlines()) <= 50
 
 
@@ -126,6 +128,16 @@ def test_a_custom_analysis_runs_reduces_and_is_queryable(minilm_path, sample_cor
     for col in ("doc_id", "window_index", "position"):
         assert mine[col].to_pylist() == builtin[col].to_pylist()
     np.testing.assert_allclose(mine["norm"].to_numpy(), builtin["norm"].to_numpy(), rtol=1e-9)
+    # docs/writing-an-analysis.md's query of the example's view, as printed (RUN: this run's folder)
+    import subprocess
+    import sys
+
+    from tests.documented import command
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+    shown = subprocess.run(["bash", "-c", command("custom-sql").replace("runs/RUN", str(run))], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "mean_entropy" in shown.stdout and shown.stdout.count("│") > 20, shown.stderr
     assert main(["run", str(path), "--run-id", "r"]) == 0  # a rerun skips both shards and reduces again
     again = query(run, "SELECT sum(entropy_sum) AS s FROM attention_entropy")["s"][0].as_py()
     assert again == pytest.approx(float(want.sum()), rel=1e-4)

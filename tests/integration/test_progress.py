@@ -1,5 +1,6 @@
 """Progress from the first batch (issue 33): workers report every batch to the driver, which shows documents,
-tokens, tokens/s and an ETA while a shard is still running, and one line per finished shard."""
+tokens, tokens/s and an ETA while a shard is still running, and one line per finished shard. The same job,
+with neither residual norms nor dimension moments, has a report."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def test_progress_moves_batch_by_batch_inside_a_shard(minilm_path, sample_corpus
     cfg = parse_config({"name": "progress", "model": {"name_or_path": minilm_path},
                         "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 16},
                         "tokenization": {"max_length": 64, "max_windows_per_doc": 2}, "sharding": {"docs_per_shard": 16},
-                        "batching": {"max_tokens": 128}, "analyses": {"contributions": False, "geometry": False},
+                        "batching": {"max_tokens": 128},
+                        "analyses": {"contributions": False, "geometry": False, "residual_norms": False, "dim_moments": False},
                         "output": {"dir": str(tmp_path / "runs"), "run_id": "p", "report": False},
                         "resources": {"num_workers": 1, "cpus_per_worker": 1}})
     with caplog.at_level(logging.INFO, logger="actlake.progress"):
@@ -37,3 +39,9 @@ def test_progress_moves_batch_by_batch_inside_a_shard(minilm_path, sample_corpus
     assert any(0 < t < res.totals["tokens"] for t in tokens), moving  # seen inside the one shard: per batch
     assert moving[-1].startswith("documents 16/16") and "tokens/s" in moving[-1]
     assert any("ETA" in ln for ln in moving if not ln.startswith("documents 16/16")), moving
+
+    # a job with neither residual norms nor dimension moments still has a report (issue 33: it exited 2)
+    from actlake.jobs.report import build_report
+
+    page = build_report(res.run_dir).read_text()
+    assert "attention_mass" in page and "residual_norms" not in page

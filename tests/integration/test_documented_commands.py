@@ -1,0 +1,80 @@
+"""Every command the README and the docs tell a reader to run, run as printed, from the repository's folder,
+in a shell whose PATH does not hold the virtual environment (a reader's new terminal): the quick start, the
+command it prints, the five-minute tour, and the S3 walkthrough against a local S3 server
+(``tests/documented.py`` finds the blocks by their ``<!-- command: ID -->``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.documented import ROOT, command
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BIN = Path(sys.executable).parent
+
+
+def _env() -> dict:
+    """A new terminal's environment: the venv's folder off the PATH, no venv active."""
+    path = ":".join(p for p in os.environ.get("PATH", "/usr/bin:/bin").split(":") if Path(p) != BIN)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    return env | {"PATH": path or "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                  "RAY_DISABLE_USAGE_STATS": "1"}
+
+
+def _bash(script: str, timeout: int = 900, **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=kwargs.pop("cwd", ROOT), env=_env(),
+                          capture_output=True, text=True, timeout=timeout, **kwargs)
+    assert done.returncode == 0, f"{script}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    """``bash scripts/quickstart.sh`` as the README prints it (in CI: a fresh clone, so a fresh corpus and run)."""
+    return _bash(command("quickstart"), timeout=1800)
+
+
+def test_the_quick_start_prints_a_command_that_runs_in_a_new_shell(quickstart):
+    assert "actlake.progress: shard 00000 done" in quickstart.stderr  # progress lines from the workers
+    (line,) = [ln for ln in quickstart.stdout.splitlines() if ln.startswith("example: ")]
+    printed = line.removeprefix("example: ")
+    assert printed.startswith(str(BIN / "actlake")), printed  # the venv is not on this shell's PATH
+    shown = _bash(printed).stdout
+    assert "mean_norm" in shown and shown.count("│") > 10
+
+
+def test_activating_the_environment_then_querying(quickstart):
+    out = _bash(command("activate-and-query")).stdout
+    assert "mean_norm" in out and " 6 " in out  # MiniLM: hidden states 0 to 6
+
+
+def test_the_five_minute_tour(quickstart):
+    again = _bash(command("tour-run")).stdout
+    assert "(0 of 8 shards ran)" in again
+    outliers = _bash(command("tour-sql")).stdout
+    assert "robust_z" not in outliers and " z " in outliers
+    for code in (command("tour-python"), command("querying-python")):
+        shown = subprocess.run([str(BIN / "python"), "-c", code], cwd=ROOT, env=_env(), capture_output=True,
+                               text=True, timeout=300)
+        assert shown.returncode == 0 and "key_category" in shown.stdout, shown.stderr
+    page = ROOT / "runs" / "quickstart" / "report" / "report.html"
+    page.unlink()
+    _bash(command("tour-report"))
+    assert page.is_file()
+    tried = _bash(command("tour-try")).stdout
+    assert "attention_entropy: " in tried and "attention_entropy_mean: " in tried
+
+
+def test_the_s3_walkthrough_against_a_local_server(quickstart):
+    """docs/cluster.md's walkthrough: moto's server, the sample corpus uploaded, the default job on s3://."""
+    out = _bash("trap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + command("s3-walkthrough"), timeout=1800).stdout
+    local = _bash(f"{BIN / 'actlake'} sql runs/quickstart 'SELECT count(*) AS tokens, count(DISTINCT doc_id) AS "
+                  "documents FROM tokens'").stdout
+    assert local.strip().splitlines()[-2] in out  # the same counts from the object store as from the local run
+    (ROOT / "s3job.yaml").unlink()
