@@ -58,9 +58,10 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("corpus", help="corpus tools")
     csub = c.add_subparsers(dest="corpus_command", required=True)
-    cs = csub.add_parser("sample", help="write a deterministic Pile-format sample corpus")
+    cs = csub.add_parser("sample", help="write the sample corpus (the same documents on every machine) unless the "
+                                              "folder holds it already")
     cs.add_argument("out_dir")
-    cs.add_argument("--docs", type=int, default=400, help="number of documents (default 400)")
+    cs.add_argument("--docs", type=int, default=400, help="number of documents, at most 1,000 (default 400)")
     cs.add_argument("--files", type=int, default=2, help="number of files (default 2)")
     ci = csub.add_parser("index", help="count a job's corpus files and build their entry points now (in parallel), "
                                         "as its first run would")
@@ -293,10 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "try-analysis":
             return _cmd_try_analysis(args)
         if args.command == "quickstart":
-            from actlake.corpus.sample import write_sample  # per command (start-up)
+            from actlake.corpus.sample import ensure_sample  # per command (start-up)
 
-            if not os.path.isdir("data/sample"):
-                write_sample("data/sample", args.docs)
+            ensure_sample("data/sample", args.docs)  # the shipped sample, or refused when another folder is there
             args.config, args.address, args.run_id, args.no_report = None, None, None, False
             return _cmd_run(args)
         if args.command == "submit":
@@ -323,16 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "corpus" and args.corpus_command == "index":
             return _cmd_corpus_index(args)
         if args.command == "corpus":
-            from actlake.corpus.sample import write_sample  # per command (start-up)
+            from actlake.corpus.sample import ensure_sample  # per command (start-up)
 
             for flag, n in (("--docs", args.docs), ("--files", args.files)):
                 if n < 1:
                     raise ActlakeError(f"{flag}: must be at least 1, got {n}")
             if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
                 raise ActlakeError(f"{args.out_dir} exists and is not a folder")
-
-            for p in write_sample(args.out_dir, args.docs, args.files):
-                print(p)
+            ensure_sample(args.out_dir, args.docs, args.files)
             return 0
     except KeyboardInterrupt:
         print("actlake: interrupted; committed shards and checkpoints are kept (rerun to resume)", file=sys.stderr)

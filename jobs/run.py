@@ -20,6 +20,7 @@ from actlake.jobs.progress import Progress, counter_actor
 from actlake.jobs.ray_env import init_ray, store_env
 from actlake.jobs.reduce import reduce_run
 from actlake.jobs.report import build_report
+from actlake.provenance import provenance
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.lock import run_lock
 from actlake.storage.shards import committed
@@ -256,11 +257,10 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
     wall = time.perf_counter() - t0
     tokens_run = sum(r["tokens"] for r in ran)
     totals.update(wall_seconds=wall, shards_run=len(pending), tokens_run=tokens_run,
-                  tokens_per_second=tokens_run / wall if ran else None)
+                  tokens_per_second=tokens_run / wall if ran else None, provenance=provenance(inputs))
     write_json_atomic(layout.summary_json, totals)
     report_path = None
     if cfg.output.report if report is None else report:
-
         report_path = str(build_report(layout.root, analyses))
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
 

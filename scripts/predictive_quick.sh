@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DISABLE_USAGE_STATS=1
-[ -d data/sample ] || actlake corpus sample data/sample
+actlake corpus sample data/sample  # the shipped sample; refused when data/sample is something else
 actlake train-lm configs/lm_quick.yaml
 actlake run configs/predictive_extract_quick.yaml
 actlake train-predictor configs/predictor_quick.yaml

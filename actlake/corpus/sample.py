@@ -1,6 +1,9 @@
-"""A deterministic Pile-format sample corpus from text every Debian/Python machine has.
+"""The sample corpus: the same Pile-format documents on every machine.
 
-Sources (``meta.pile_set_name``):
+``actlake corpus sample`` writes the first N of the 1,000 documents shipped with the package
+(:data:`BUNDLE`, 0.46 MB), so every machine gets byte-identical files and the same numbers. The bundle
+was built once (:func:`build_bundle`, ``python -m actlake.corpus.sample BUNDLE``) from text a
+Debian/Python machine has, round-robin over five sources (``meta.pile_set_name``):
 
 - ``PythonSource``: Python standard-library modules (code);
 - ``Docstrings``: their module, class and function docstrings (English prose);
@@ -8,12 +11,14 @@ Sources (``meta.pile_set_name``):
 - ``Licenses``: license texts (``/usr/share/common-licenses``, Python's LICENSE);
 - ``DebianCopyright``: package copyright files (``/usr/share/doc/*/copyright``).
 
-The same machine and arguments always give byte-identical files.
+A written sample carries ``SAMPLE.json`` (its documents, files, the bundle's sha256 and each file's), so a
+folder can be checked against what the arguments ask for (:func:`check_sample`).
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import sys
@@ -96,8 +101,17 @@ SOURCES = {
 }
 
 
-def sample_documents(n_docs: int) -> list[dict]:
-    """Round-robin over the sources until ``n_docs`` documents (fewer if the machine has less text)."""
+BUNDLE = Path(__file__).resolve().parents[1] / "sample_corpus.jsonl.zst"
+"""The shipped documents (jsonl, zstd)."""
+BUNDLE_SHA256 = "3e93a8e1f587db813288b2080f16b7d8d471a87e90f57705856c775a4ea0a596"
+"""sha256 of the bundle's decompressed jsonl: what every sample is cut from."""
+BUNDLE_DOCS = 1000
+RECORD = "SAMPLE.json"
+
+
+def machine_documents(n_docs: int) -> list[dict]:
+    """Round-robin over this machine's sources until ``n_docs`` documents (fewer if it has less text): how the
+    bundle was made. Differs between machines; use :func:`sample_documents` for the shipped ones."""
     iters = {name: fn() for name, fn in SOURCES.items()}
     docs: list[dict] = []
     while len(docs) < n_docs and iters:
@@ -113,14 +127,44 @@ def sample_documents(n_docs: int) -> list[dict]:
     return docs
 
 
+def build_bundle(path: str | os.PathLike = BUNDLE, n_docs: int = BUNDLE_DOCS) -> str:
+    """Write this machine's documents as the bundle; returns the sha256 of its jsonl (set BUNDLE_SHA256 to it)."""
+    import zstandard
+
+    data = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in machine_documents(n_docs)).encode("utf-8")
+    Path(path).write_bytes(zstandard.ZstdCompressor(level=19).compress(data))
+    return hashlib.sha256(data).hexdigest()
+
+
+def sample_documents(n_docs: int) -> list[dict]:
+    """The first ``n_docs`` shipped documents (at most :data:`BUNDLE_DOCS`)."""
+    import zstandard
+
+    from actlake.errors import ConfigError
+
+    if not 1 <= n_docs <= BUNDLE_DOCS:
+        raise ConfigError(f"--docs: the sample corpus has 1 to {BUNDLE_DOCS:,} documents, not {n_docs:,}")
+    data = zstandard.ZstdDecompressor().decompress(BUNDLE.read_bytes(), max_output_size=64 << 20)
+    if hashlib.sha256(data).hexdigest() != BUNDLE_SHA256:
+        from actlake.errors import CorpusError
+
+        raise CorpusError(f"{BUNDLE}: its contents differ from the shipped sample corpus (sha256); reinstall actlake")
+    return [json.loads(line) for line in data.decode("utf-8").splitlines()[:n_docs]]
+
+
+def _files(n_files: int) -> list[str]:
+    return [f"{i:02d}.{ext}" for i in range(n_files) for ext in ("jsonl", "jsonl.zst")]
+
+
 def write_sample(out_dir: str | os.PathLike, n_docs: int = 400, n_files: int = 2) -> list[Path]:
-    """Write ``n_files`` Pile-format shards as ``.jsonl`` and ``.jsonl.zst``; return the written paths."""
+    """Write ``n_files`` Pile-format shards as ``.jsonl`` and ``.jsonl.zst`` (documents dealt round-robin), then
+    ``SAMPLE.json``; return the written corpus files."""
     import zstandard
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     docs = sample_documents(n_docs)
-    written = []
+    written, digests = [], {}
     for i in range(n_files):
         part = docs[i::n_files]
         data = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in part).encode("utf-8")
@@ -129,7 +173,53 @@ def write_sample(out_dir: str | os.PathLike, n_docs: int = 400, n_files: int = 2
             tmp.write_bytes(payload)
             os.replace(tmp, out / name)
             written.append(out / name)
+            digests[name] = hashlib.sha256(payload).hexdigest()
+    record = {"documents": n_docs, "files": n_files, "bundle_sha256": BUNDLE_SHA256, "sha256": digests}
+    (out / f".{RECORD}.tmp").write_text(json.dumps(record, indent=1, sort_keys=True))
+    os.replace(out / f".{RECORD}.tmp", out / RECORD)
     labels = sorted({d["meta"]["pile_set_name"] for d in docs})
     print(f"wrote {len(docs)} documents from {len(labels)} sources ({', '.join(labels)}) to {out}/ "
           f"as {n_files} .jsonl and {n_files} .jsonl.zst files", file=sys.stderr)
     return written
+
+
+def check_sample(out_dir: str | os.PathLike, n_docs: int = 400, n_files: int = 2) -> bool:
+    """True when ``out_dir`` holds exactly the sample these arguments write (its files' sha256 as recorded);
+    False when it holds none or another sample actlake wrote (write it again). A folder with files that are
+    not a sample's is a ConfigError naming it: nothing of it is overwritten."""
+    from actlake.errors import ConfigError
+
+    out = Path(out_dir)
+    if not out.is_dir():
+        return False
+    present = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    mine = set(_files(max(n_files, 1))) | {RECORD} | {f for f in present if f.endswith((".jsonl", ".jsonl.zst"))
+                                                    and f.split(".")[0].isdigit()}
+    if RECORD not in present or set(present) - mine:
+        raise ConfigError(f"{out}: not a sample corpus written by this version of `actlake corpus sample` "
+                          f"({', '.join(present[:5]) or 'empty'}{' …' if len(present) > 5 else ''}); move it away or "
+                          "delete it, and run the command again")
+    try:
+        record = json.loads((out / RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    want = {"documents": n_docs, "files": n_files, "bundle_sha256": BUNDLE_SHA256}
+    if any(record.get(k) != v for k, v in want.items()) or sorted(record.get("sha256", {})) != sorted(_files(n_files)):
+        return False
+    return all((out / name).is_file() and hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+               for name, digest in record["sha256"].items())
+
+
+def ensure_sample(out_dir: str | os.PathLike, n_docs: int = 400, n_files: int = 2) -> bool:
+    """Write the sample unless ``out_dir`` holds it already (:func:`check_sample`); True when it was written."""
+    if check_sample(out_dir, n_docs, n_files):
+        print(f"{out_dir}/ holds the sample corpus already ({n_docs} documents, {n_files} files)", file=sys.stderr)
+        return False
+    for stale in Path(out_dir).glob("[0-9]*.jsonl*") if Path(out_dir).is_dir() else []:
+        stale.unlink()  # another sample of ours: written again whole
+    write_sample(out_dir, n_docs, n_files)
+    return True
+
+
+if __name__ == "__main__":
+    print(build_bundle(sys.argv[1] if len(sys.argv) > 1 else BUNDLE))

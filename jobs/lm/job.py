@@ -16,6 +16,7 @@ from actlake.jobs.lm import loop as lm
 from actlake.jobs.lm.config import LMConfig
 from actlake.jobs.ray_env import init_ray
 from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+from actlake.provenance import provenance
 from actlake.storage.checkpoints import (
     checkpoint_identity,
     checkpoint_problem,
@@ -81,7 +82,8 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
 
     curve = torch.load(ck / "trainer_state.pt", weights_only=False)["curve"]
     summary = {"model": str(final), "step": step, **sizes, "wall_seconds": time.perf_counter() - t0,
-               "last": curve[-1] if curve else None}
+               "last": curve[-1] if curve else None,
+               "provenance": provenance(json.loads(layout.run_json.read_text()).get("inputs"))}
     write_json_atomic(layout.summary_json, summary)
     _write_curve(layout, curve)
     return summary

@@ -15,6 +15,7 @@ from actlake.jobs.predictor.loop import held_out, train_loop
 from actlake.jobs.predictor.report import build_predictive_report
 from actlake.jobs.ray_env import init_ray
 from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+from actlake.provenance import provenance
 from actlake.storage.activations import check_store_values, verify_store
 from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints
 from actlake.storage.layout import RunLayout, write_json_atomic
@@ -84,9 +85,9 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     publish_pending(layout.root, drop=() if cfg.probes.enabled else ("probe_scores",))
     report_path = None
     if cfg.output.report if report is None else report:
-
         report_path = str(build_predictive_report(layout.root))
-    summary = {"kind": "predictor", "layers": layers, "wall_seconds": time.perf_counter() - t0, "report": report_path}
+    summary = {"kind": "predictor", "layers": layers, "wall_seconds": time.perf_counter() - t0, "report": report_path,
+               "provenance": provenance({"store": {"hash": json.loads(layout.run_json.read_text())["store_fingerprint"]}})}
     write_json_atomic(layout.summary_json, summary)
     return dict(summary, run_dir=str(layout.root))
 

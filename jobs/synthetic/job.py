@@ -13,6 +13,7 @@ from actlake.jobs.synthetic.config import SyntheticConfig
 from actlake.jobs.synthetic.loop import train_loop
 from actlake.jobs.synthetic.report import build_synthetic_report
 from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+from actlake.provenance import provenance
 from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints, require_finished
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.lock import holds_run_dir
@@ -65,7 +66,6 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
             run_trials([Trial(t["name"], train_loop, {"job": cfg.to_dict(), **t}) for t in trials], layout.root,
                        Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
         if cfg.analysis.enabled if analyze is None else analyze:
-
             log.info("analysing the checkpoints of %d trial(s)", len(trials))
             analyze_run(cfg, layout.root, cpus=r.cpus_per_worker)
     finally:
@@ -75,11 +75,10 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
             ray.shutdown()
     report_path = None
     if (cfg.output.report if report is None else report) and (layout.tables / "factored_dimension").exists():
-
         report_path = str(build_synthetic_report(layout.root))
     wall = time.perf_counter() - t0
     write_json_atomic(layout.summary_json, {"kind": "synthetic", "trials": [t["name"] for t in trials],
-                                            "wall_seconds": wall})
+                                            "wall_seconds": wall, "provenance": provenance(None)})
     return SyntheticResult(str(layout.root), [t["name"] for t in trials], wall, report_path)
 
 

@@ -45,3 +45,18 @@ def test_progress_moves_batch_by_batch_inside_a_shard(minilm_path, sample_corpus
 
     page = build_report(res.run_dir).read_text()
     assert "attention_mass" in page and "residual_norms" not in page
+
+    # the summary records what the numbers depend on besides the config (issue 33): the corpus and the versions
+    import hashlib
+    import json
+    from importlib import metadata
+    from pathlib import Path
+
+    run = Path(res.run_dir)
+    recorded = json.loads((run / "summary.json").read_text())["provenance"]
+    files = json.loads((run / "run.json").read_text())["inputs"]
+    assert files and all(Path(f).stat().st_size < 1 << 20 for f in files)  # small: hashed whole
+    want = hashlib.sha256("\n".join(sorted(hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in files)).encode())
+    assert recorded["corpus_fingerprint"] == want.hexdigest()
+    assert {k: recorded["versions"][k] for k in ("actlake", "torch", "transformers", "tokenizers")} == {
+        k: metadata.version(k) for k in ("actlake", "torch", "transformers", "tokenizers")}

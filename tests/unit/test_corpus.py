@@ -22,6 +22,39 @@ def test_sample_corpus_is_deterministic_and_pile_shaped(tmp_path):
     assert zstandard.ZstdDecompressor().decompress(zst.read_bytes()) == plain.read_bytes()
 
 
+def test_the_sample_is_the_shipped_bundle_on_every_machine_and_checked_before_reuse(tmp_path, capsys):
+    """Issue 33: the sample was built from the machine's own files, so machines differed. Now it is cut from the
+    shipped bundle (its sha256 checked), records its files, and a folder is reused, rewritten or refused."""
+    import hashlib
+
+    from actlake.corpus.sample import BUNDLE, BUNDLE_SHA256, check_sample, ensure_sample, sample_documents
+    from actlake.errors import ConfigError
+    from actlake.jobs.cli import main
+
+    data = zstandard.ZstdDecompressor().decompress(BUNDLE.read_bytes(), max_output_size=64 << 20)
+    assert hashlib.sha256(data).hexdigest() == BUNDLE_SHA256
+    docs = sample_documents(400)
+    assert docs == [json.loads(line) for line in data.decode().splitlines()[:400]]
+    assert sorted({d["meta"]["pile_set_name"] for d in docs}) == ["DebianCopyright", "Docstrings", "Licenses",
+                                                                    "PydocTopics", "PythonSource"]
+    out = tmp_path / "sample"
+    assert main(["corpus", "sample", str(out), "--docs", "50"]) == 0 and check_sample(out, 50, 2)
+    record = json.loads((out / "SAMPLE.json").read_text())
+    assert record["bundle_sha256"] == BUNDLE_SHA256 and sorted(record["sha256"]) == ["00.jsonl", "00.jsonl.zst",
+                                                                                     "01.jsonl", "01.jsonl.zst"]
+    before = (out / "00.jsonl").stat().st_mtime_ns
+    assert ensure_sample(out, 50) is False and (out / "00.jsonl").stat().st_mtime_ns == before  # reused
+    assert not check_sample(out, 60)  # other arguments: written again
+    (out / "01.jsonl").write_text("{}\n")
+    assert not check_sample(out, 50) and ensure_sample(out, 50) and check_sample(out, 50)  # a changed file: again
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a sample corpus written by"):
+        ensure_sample(out, 50)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert main(["corpus", "sample", str(tmp_path / "x"), "--docs", "1001"]) == 2
+    assert "the sample corpus has 1 to 1,000 documents, not 1,001" in capsys.readouterr().err
+
+
 def test_bad_lines_are_rejected_and_the_rest_of_the_file_runs(tmp_path):
     f = tmp_path / "c.jsonl"
     lines = [json.dumps({"text": "good one", "meta": {"pile_set_name": "A"}}).encode(), b"{not json",
