@@ -49,6 +49,15 @@ def test_the_quick_start_prints_a_command_that_runs_in_a_new_shell(quickstart):
     assert "mean_norm" in shown and shown.count("│") > 10
 
 
+def test_the_docs_figures_are_what_the_quick_start_gives(quickstart):
+    """docs/findings.md's headline figures are written by scripts/findings.py from the runs; on the shipped
+    sample every machine's quick start gives them."""
+    assert "tokens:  150,768 in 1,261 windows of 400 documents" in quickstart.stdout
+    checked = subprocess.run([str(BIN / "python"), "scripts/findings.py", "--check"], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0 and checked.stdout.strip() == "current", checked.stdout + checked.stderr
+
+
 def test_activating_the_environment_then_querying(quickstart):
     out = _bash(command("activate-and-query")).stdout
     assert "mean_norm" in out and " 6 " in out  # MiniLM: hidden states 0 to 6
