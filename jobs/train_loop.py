@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from actlake.jobs.training import worker_setup
-from actlake.storage.checkpoints import latest_checkpoint, prune_checkpoints, save_checkpoint
+from actlake.storage.checkpoints import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint
 
 log = logging.getLogger("actlake.training")
 
@@ -107,3 +107,50 @@ class TrainLoop(ABC):
                 self.checkpoint(done)
         if self.rank == 0:
             self.finish(start)
+
+
+class ModelLoop(TrainLoop):
+    """A loop whose checkpoint is a ``save_pretrained`` model with AdamW's state and the learning curve
+    (train-lm, train-synthetic): a job gives its model (:meth:`new_model`, :meth:`load_model`) and AdamW's
+    options; starting, resuming and saving are here."""
+
+    @abstractmethod
+    def new_model(self):
+        """A freshly initialised model."""
+
+    @abstractmethod
+    def load_model(self, folder: Path):
+        """The model saved in ``folder`` (a checkpoint's ``model/``)."""
+
+    def adamw_options(self) -> dict:
+        """Keyword arguments of ``torch.optim.AdamW`` besides the parameters."""
+        return {}
+
+    def start(self) -> None:
+        self._prepare(self.new_model(), None)
+
+    def resume(self, folder: Path) -> int:
+        import torch
+
+        model = self.load_model(folder / "model")
+        state = torch.load(folder / STATE_FILE, weights_only=False)
+        self.curve = state["curve"]
+        self._prepare(model, state["optimizer"])
+        return state["step"]
+
+    def _prepare(self, model, optimizer_state) -> None:
+        import ray.train
+        import torch
+
+        self.model = ray.train.torch.prepare_model(model)
+        self.raw = self.model.module if hasattr(self.model, "module") else self.model  # unwrapped from DDP
+        self.opt = torch.optim.AdamW(self.model.parameters(), **self.adamw_options())
+        if optimizer_state is not None:
+            self.opt.load_state_dict(optimizer_state)
+        self.model.train()
+
+    def save(self, folder: Path, done: int) -> None:
+        import torch
+
+        self.raw.save_pretrained(folder / "model")
+        torch.save({"step": done, "optimizer": self.opt.state_dict(), "curve": self.curve}, folder / STATE_FILE)

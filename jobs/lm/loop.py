@@ -19,9 +19,8 @@ from actlake.corpus.readers import Reject, file_format, iter_items
 from actlake.errors import ConfigError, CorpusError
 from actlake.hashing import unit_hash
 from actlake.jobs.lm.config import LMConfig
-from actlake.jobs.train_loop import TrainLoop
+from actlake.jobs.train_loop import ModelLoop
 from actlake.jobs.training import warmup_cosine_lr
-from actlake.storage.checkpoints import STATE_FILE
 
 log = logging.getLogger("actlake.lm")
 
@@ -139,12 +138,11 @@ def build_model(cfg, vocab_size: int, tokenizer):
     return GPTNeoXForCausalLM(config)
 
 
-class LMLoop(TrainLoop):
+class LMLoop(ModelLoop):
     """train-lm's trial: ``config`` has job (LMConfig as dict) and data (the folder of the token streams)."""
 
     def __init__(self, config: dict):
         from transformers import AutoTokenizer
-
 
         super().__init__(config)
         self.cfg = parse_config(config["job"], where="train-lm config", root=LMConfig)
@@ -155,28 +153,16 @@ class LMLoop(TrainLoop):
         self.train, held = np.load(data / "train.npy"), np.load(data / "eval.npy")
         self.eval_x = windows(held, 32, t.seq_len, np.random.default_rng([t.seed, 10**9]))  # (32, seq_len)
 
-    def start(self) -> None:
-        self._prepare(build_model(self.cfg, len(self.tokenizer), self.tokenizer), None)
+    def new_model(self):
+        return build_model(self.cfg, len(self.tokenizer), self.tokenizer)
 
-    def resume(self, folder: Path) -> int:
-        import torch
+    def load_model(self, folder: Path):
         from transformers import GPTNeoXForCausalLM
 
-        state = torch.load(folder / STATE_FILE, weights_only=False)
-        self.curve = state["curve"]
-        self._prepare(GPTNeoXForCausalLM.from_pretrained(folder / "model"), state["optimizer"])
-        return state["step"]
+        return GPTNeoXForCausalLM.from_pretrained(folder)
 
-    def _prepare(self, model, optimizer_state) -> None:
-        import ray.train
-        import torch
-
-        self.model = ray.train.torch.prepare_model(model)
-        self.raw = self.model.module if hasattr(self.model, "module") else self.model
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.t.lr, weight_decay=self.t.weight_decay, betas=(0.9, 0.95))
-        if optimizer_state is not None:
-            self.opt.load_state_dict(optimizer_state)
-        self.model.train()
+    def adamw_options(self) -> dict:
+        return {"lr": self.t.lr, "weight_decay": self.t.weight_decay, "betas": (0.9, 0.95)}
 
     def train_step(self, step: int) -> float:
         import torch
@@ -206,12 +192,6 @@ class LMLoop(TrainLoop):
     def describe(self, row: dict) -> str:
         return (f"train loss {row['train_loss']:.3f}, held-out loss {row['eval_loss']:.3f} "
                 f"(perplexity {math.exp(row['eval_loss']):.1f})")
-
-    def save(self, folder: Path, done: int) -> None:
-        import torch
-
-        self.raw.save_pretrained(folder / "model")
-        torch.save({"step": done, "optimizer": self.opt.state_dict(), "curve": self.curve}, folder / STATE_FILE)
 
 
 def train_loop(config: dict) -> None:

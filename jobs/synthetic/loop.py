@@ -17,8 +17,8 @@ import numpy as np
 from actlake.config import parse_config
 from actlake.jobs.synthetic import processes as P
 from actlake.jobs.synthetic.config import FactorConfig, ProcessConfig, SyntheticConfig
-from actlake.jobs.train_loop import TrainLoop
-from actlake.storage.checkpoints import STATE_FILE, log_spaced_steps
+from actlake.jobs.train_loop import ModelLoop
+from actlake.storage.checkpoints import log_spaced_steps
 from actlake.storage.publish import publish_table
 
 log = logging.getLogger("actlake.synthetic")
@@ -48,7 +48,7 @@ def config_from_dict(d: dict) -> SyntheticConfig:
     return parse_config(d, where="synthetic job config", root=SyntheticConfig)
 
 
-class SyntheticLoop(TrainLoop):
+class SyntheticLoop(ModelLoop):
     """One trial of train-synthetic: ``config`` has job (SyntheticConfig as dict), noise and arch. Step k
     (1-based) draws fresh sequences seeded by (seed, k, rank); the untrained model is evaluated and
     checkpointed as step 0; log-spaced checkpoints are kept for the analysis."""
@@ -64,38 +64,24 @@ class SyntheticLoop(TrainLoop):
         self.eval_tokens = self.process.sample(t.eval_sequences, self.cfg.model.context, np.random.default_rng([t.seed, 10**9]))
         self.optimal = float(self.process.optimal_loss(self.eval_tokens).mean())
 
-    def start(self) -> None:
+    def new_model(self):
         from actlake.jobs.synthetic.models import build_model  # loads torch: imported when used
 
-        self._prepare(build_model(self.cfg.model, self.config["arch"], self.bos + 1, self.t.seed), None)
+        return build_model(self.cfg.model, self.config["arch"], self.bos + 1, self.t.seed)
 
-    def resume(self, folder: Path) -> int:
-        import torch
-
+    def load_model(self, folder: Path):
         from actlake.jobs.synthetic.models import load_model  # loads torch: imported when used
 
-        model = load_model(folder / "model")
-        state = torch.load(folder / STATE_FILE, weights_only=False)
-        self.curve = state["curve"]
-        self._prepare(model, state["optimizer"])
-        return state["step"]
+        return load_model(folder)
 
-    def _prepare(self, model, optimizer_state) -> None:
-        import ray.train
-        import torch
-
-        self.model = ray.train.torch.prepare_model(model)
-        self.raw = self.model.module if hasattr(self.model, "module") else self.model
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.t.lr, weight_decay=self.t.weight_decay)
-        if optimizer_state is not None:
-            self.opt.load_state_dict(optimizer_state)
+    def adamw_options(self) -> dict:
+        return {"lr": self.t.lr, "weight_decay": self.t.weight_decay}
 
     def begin(self, resumed: bool) -> None:
         if not resumed:  # a run resumed from the step-0 checkpoint has this row already
             self.curve.append({"step": 0, "train_loss": None, "eval_loss": self._eval_loss(), "optimal_loss": self.optimal})
             if self.rank == 0:
                 self.checkpoint(0)
-        self.model.train()
 
     def train_step(self, step: int) -> float:
         import torch
@@ -133,12 +119,6 @@ class SyntheticLoop(TrainLoop):
 
     def describe(self, row: dict) -> str:
         return f"loss {row['eval_loss']:.4f} (Bayes-optimal {self.optimal:.4f})"
-
-    def save(self, folder: Path, done: int) -> None:
-        import torch
-
-        self.raw.save_pretrained(folder / "model")
-        torch.save({"step": done, "optimizer": self.opt.state_dict(), "curve": self.curve}, folder / STATE_FILE)
 
     def after_checkpoint(self, done: int) -> None:
         _write_curve(Path(self.config["run_dir"]), self.config["trial"], self.curve)
