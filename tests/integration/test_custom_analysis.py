@@ -92,7 +92,7 @@ def test_a_custom_analysis_runs_reduces_and_is_queryable(minilm_path, sample_cor
     records it, and ``actlake sql`` makes it without importing the class."""
     module = tmp_path / "code" / "entropy_views.py"
     module.parent.mkdir()
-    module.write_text(EXAMPLE.read_text() + f"\n\nAttentionEntropy.views = {{'entropy_by_head': {VIEW!r}}}\n")
+    module.write_text(EXAMPLE.read_text() + f"\n\nAttentionEntropy.views = {{**AttentionEntropy.views, 'entropy_by_head': {VIEW!r}}}\n")
     (tmp_path / "code" / "last_norm.py").write_text(LAST_NORM)
     cfg = {"name": "custom", "model": {"name_or_path": minilm_path},
            "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 12},
