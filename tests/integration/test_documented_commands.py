@@ -63,10 +63,14 @@ def test_activating_the_environment_then_querying(quickstart):
     assert "mean_norm" in out and " 6 " in out  # MiniLM: hidden states 0 to 6
 
 
+ACTIVATE = "source .venv/bin/activate\n"
+"""The tour's commands run "with the environment active", as it says."""
+
+
 def test_the_five_minute_tour(quickstart):
-    again = _bash(command("tour-run")).stdout
+    again = _bash(ACTIVATE + command("tour-run")).stdout
     assert "(0 of 8 shards ran)" in again
-    outliers = _bash(command("tour-sql")).stdout
+    outliers = _bash(ACTIVATE + command("tour-sql")).stdout
     assert "robust_z" not in outliers and " z " in outliers
     for code in (command("tour-python"), command("querying-python")):
         shown = subprocess.run([str(BIN / "python"), "-c", code], cwd=ROOT, env=_env(), capture_output=True,
@@ -74,9 +78,9 @@ def test_the_five_minute_tour(quickstart):
         assert shown.returncode == 0 and "key_category" in shown.stdout, shown.stderr
     page = ROOT / "runs" / "quickstart" / "report" / "report.html"
     page.unlink()
-    _bash(command("tour-report"))
+    _bash(ACTIVATE + command("tour-report"))
     assert page.is_file()
-    tried = _bash(command("tour-try")).stdout
+    tried = _bash(ACTIVATE + command("tour-try")).stdout
     assert "attention_entropy: " in tried and "attention_entropy_mean: " in tried
 
 
