@@ -48,7 +48,18 @@ class DimMoments(OneTable, Analysis):
         SELECT m.layer, m.dim, m.mean, m.count,
                (m.mean - s.med) / nullif(1.4826 * d.mad, 0) AS robust_z,
                row_number() OVER (PARTITION BY m.layer ORDER BY abs(m.mean - s.med) DESC) AS rank
-        FROM m JOIN s USING (layer) JOIN d USING (layer)"""}
+        FROM m JOIN s USING (layer) JOIN d USING (layer)""",
+             "massive_activations": """
+        WITH e AS (SELECT layer, dim, scheme, category, count, mean, max_abs,
+                          mean * mean + m2 / count AS mean_square FROM dim_moments WHERE count > 0)
+        SELECT layer, dim, scheme, category, count, mean, max_abs,
+               mean_square / sum(mean_square) OVER (PARTITION BY layer, scheme, category) AS share,
+               row_number() OVER (PARTITION BY layer, scheme, category ORDER BY abs(mean) DESC, dim) AS rank
+        FROM e"""}
+    """``outliers``: dimensions ranked by their mean over all tokens against the layer's other dimensions
+    (robust z). ``massive_activations``: dimensions ranked by |mean| within each token category of each
+    scheme, so a dimension large only on a rare role ([CLS]) ranks first there; ``share`` is its part of the
+    category's mean squared norm, E[x_j²] / E[‖x‖²]."""
 
     moments: Moments
     """Shape (L+1, G, d)."""

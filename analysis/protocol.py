@@ -113,6 +113,12 @@ class Producer(ABC):
     """The tables it writes."""
     per_token: ClassVar[bool] = False
     """True for a :class:`ShardTable` (rows written per shard, never reduced)."""
+    graph_safe: ClassVar[bool] = False
+    """:meth:`add_layer` may be recorded at one layer of a batch and replayed at the others
+    (``analyses.layer_graphs``, :mod:`~actlake.analysis.engine.layer_replay`): it reads only ``lq`` and what
+    is the same for the whole batch, reads nothing back from the device and copies nothing from the host,
+    keeps no Python state per layer, and writes only its tensor fields, each at ``[lq.layer]`` on its
+    first dimension. :meth:`layer_scratch` must then work (it does for :class:`~actlake.analysis.stats.SumStats`)."""
 
     @classmethod
     def options_from(cls, cfg) -> dict:
@@ -150,13 +156,6 @@ class Analysis(Producer):
     views: ClassVar[dict[str, str]] = {}
     """SQL views over its reduced tables (name -> SELECT), recorded in the run by the reduce step and
     created by ``actlake sql`` / ``open_run``."""
-    graph_safe: ClassVar[bool] = False
-    """:meth:`add_layer` may be recorded at one layer of a batch and replayed at the others
-    (``analyses.layer_graphs``, :mod:`~actlake.analysis.engine.layer_replay`): it reads only ``lq`` and what
-    is the same for the whole batch, reads nothing back from the device and copies nothing from the host,
-    keeps no Python state per layer, and writes only its tensor fields, each at ``[lq.layer]`` on its
-    first dimension. :meth:`layer_scratch` must then work (it does for :class:`~actlake.analysis.stats.SumStats`)."""
-
     def layer_scratch(self) -> "Analysis":
         """For :attr:`graph_safe` analyses: a copy whose tensor fields hold one layer, zero (first dimension
         1), which a recorded :meth:`add_layer` writes at layer 0."""

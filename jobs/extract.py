@@ -59,7 +59,7 @@ class Extractor:
         self.reading = [(c, o) for c, o in tables if c.of_reading]  # documents, rejects
         self.token_tables = [(c, o) for c, o in tables if not c.of_reading]  # made batch by batch
         self.triton = triton_kernels_on(cfg.analyses.triton_kernels, lm.device)
-        unsafe = [c.name for c, _ in self.analyses if "attention" in c.sites and not c.graph_safe]
+        unsafe = [c.name for c, _ in self.analyses + tables if "attention" in c.sites and not c.graph_safe]
         if cfg.analyses.layer_graphs and unsafe:
             raise ConfigError(f"analyses.layer_graphs: true needs every attention analysis to be graph_safe; {unsafe} "
                               "are not (docs: Writing an analysis)")

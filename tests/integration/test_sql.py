@@ -88,3 +88,41 @@ def test_runaway_query_is_stopped(run_dir):
     with pytest.raises(QueryError, match="time limit"):
         query(run_dir, "SELECT count(*) FROM range(100000000) a, range(100000000) b WHERE a.range * b.range = 7",
               timeout_s=1.0)
+
+
+def test_massive_activations_rank_dimensions_within_each_token_role(run_dir, tiny_models):
+    """Issue 34: the ``outliers`` view ranks by the all-token mean, so a dimension large only on [CLS] never
+    shows. ``massive_activations`` ranks within each category; checked against the model's hidden states
+    recomputed window by window (float64): per role, the mean, max |x|, E[x_j^2] / E[|x|^2] and the top dimension."""
+    import numpy as np
+    import torch
+    from transformers import AutoModel
+
+    from actlake.categories import ROLE
+
+    model = AutoModel.from_pretrained(tiny_models["bert"]).eval()
+    rows = query(run_dir, "SELECT doc_id, window_index, token_id, role FROM tokens ORDER BY doc_id, window_index, position")
+    windows: dict = {}
+    for doc, win, tid, role in zip(*(rows[c].to_pylist() for c in ("doc_id", "window_index", "token_id", "role"))):
+        windows.setdefault((doc, win), []).append((tid, role))
+    layer, xs = 1, {r: [] for r in ROLE}
+    with torch.no_grad():
+        for toks in windows.values():
+            h = model(input_ids=torch.tensor([[t for t, _ in toks]]), output_hidden_states=True).hidden_states[layer][0]
+            for (_, role), vec in zip(toks, h.double().numpy()):
+                xs[role].append(vec)
+    got = query(run_dir, f"SELECT category, dim, mean, max_abs, share, rank FROM massive_activations "
+                         f"WHERE layer = {layer} AND scheme = 'role'").to_pylist()
+    by = {(r["category"], r["dim"]): r for r in got}
+    for role, vecs in xs.items():
+        if not vecs:
+            continue
+        x = np.stack(vecs)  # (n, d)
+        mean, square = x.mean(0), (x * x).mean(0)
+        top = int(np.argmax(np.abs(mean)))
+        assert by[(role, top)]["rank"] == 1, role
+        for j in (top, 0):
+            r = by[(role, j)]
+            assert r["mean"] == pytest.approx(mean[j], rel=1e-4, abs=1e-5)
+            assert r["max_abs"] == pytest.approx(np.abs(x[:, j]).max(), rel=1e-4)
+            assert r["share"] == pytest.approx(square[j] / square.sum(), rel=1e-4)
