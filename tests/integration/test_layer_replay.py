@@ -4,6 +4,7 @@ that issued them, as a graph does) give every layer's statistics as computing ea
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import pytest
@@ -13,7 +14,9 @@ from actlake.analysis.engine.layer_replay import LayerReplay, _same_layout
 from actlake.analysis.stats import SumStats, zeros
 from actlake.batching import Window
 from actlake.errors import AnalysisError, ConfigError
-from actlake.jobs.extract import Extractor
+from actlake.analysis.registry import enabled
+from actlake.config import parse_config
+from actlake.jobs.extract import Extractor, layer_graphs_on
 from actlake.model import load_model
 from tests.conftest import FAMILIES, job_config
 
@@ -142,6 +145,20 @@ def test_layer_graphs_refuse_analyses_not_declared_graph_safe(deep_tiny_models, 
                                           r"\['not_declared'\]"):
         _extractor(deep_tiny_models["gpt2"], tmp_path, True, **_custom(NotDeclared))
     _extractor(deep_tiny_models["gpt2"], tmp_path, False, **_custom(NotDeclared))  # fine without layer graphs
+    _extractor(deep_tiny_models["gpt2"], tmp_path, None, **_custom(NotDeclared))  # and by default (then off)
+
+
+def test_layer_graphs_by_default_on_gpu_workers_when_every_attention_analysis_is_graph_safe(caplog):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert layer_graphs_on(None, cuda, []) and not layer_graphs_on(None, cpu, [])
+    with caplog.at_level(logging.INFO, "actlake.extract"):
+        assert not layer_graphs_on(None, cuda, ["not_declared"])
+    assert "analyses.layer_graphs off: ['not_declared'] not declared graph_safe" in caplog.text
+    assert not layer_graphs_on(False, cuda, []) and layer_graphs_on(True, cpu, [])
+    # every built-in attention analysis is graph_safe, so a default job on a GPU replays its layers
+    cfg = parse_config({"name": "defaults"})
+    attention = [c for c, _ in enabled(cfg) if "attention" in c.sites]
+    assert attention and all(c.graph_safe for c in attention)
 
 
 def test_a_failed_recording_leaves_nothing_to_replay():
