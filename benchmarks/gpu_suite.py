@@ -345,7 +345,8 @@ def heap_peak(fn, i) -> float:
 
 
 def profile(fn, n: int, rows: int = 15) -> None:
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         for i in range(n):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from actlake.analysis.engine.layer_replay import LayerReplay, _same_layout
+from actlake.analysis.registry import enabled
 from actlake.analysis.stats import SumStats, zeros
 from actlake.batching import Window
-from actlake.errors import AnalysisError, ConfigError
-from actlake.analysis.registry import enabled
 from actlake.config import parse_config
+from actlake.errors import AnalysisError, ConfigError
 from actlake.jobs.extract import Extractor, layer_graphs_on
 from actlake.model import load_model
 from tests.conftest import FAMILIES, job_config
