@@ -43,20 +43,31 @@ def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
 def document_windows(tokenizer, text: str, cfg: TokenizationConfig) -> tuple[list[list[int]], bool]:
     """Token ids of each window of one document (special tokens included), and whether the
     document was cut: longer than the windows allowed (``truncate``, ``max_windows_per_doc``)."""
+    return documents_windows(tokenizer, [text], cfg)[0]
+
+
+def documents_windows(tokenizer, texts: list[str], cfg: TokenizationConfig) -> list[tuple[list[list[int]], bool]]:
+    """:func:`document_windows` of each text, from one tokenizer call for them all. A fast (Rust) tokenizer
+    encodes a list with the interpreter lock released, where one call per document holds it for most of
+    its time: beside a thread that launches the model's kernels (a GPU worker reading ahead), per-document
+    calls hold it and starve that thread (``benchmarks/host_work.py``)."""
     prefix, suffix = special_affixes(tokenizer)
     body = cfg.max_length - len(prefix) - len(suffix)
     step = body - cfg.stride
     n_max = 1 if cfg.overflow == "truncate" else cfg.max_windows_per_doc
     limit = (body + step * (n_max - 1)) * CHARS_PER_TOKEN_CAP
-    ids = tokenizer(text[:limit], add_special_tokens=False, verbose=False)["input_ids"]
-    out = []
-    for w in range(n_max):
-        chunk = ids[w * step : w * step + body]
-        if len(chunk) < cfg.min_tokens or (w > 0 and w * step + cfg.stride >= len(ids)):
-            break
-        out.append(prefix + chunk + suffix)
-    covered = (len(out) - 1) * step + body if out else 0
-    return out, len(text) > limit or len(ids) > covered
+    encoded = tokenizer([t[:limit] for t in texts], add_special_tokens=False, verbose=False)["input_ids"]
+    results = []
+    for text, ids in zip(texts, encoded):
+        out = []
+        for w in range(n_max):
+            chunk = ids[w * step : w * step + body]
+            if len(chunk) < cfg.min_tokens or (w > 0 and w * step + cfg.stride >= len(ids)):
+                break
+            out.append(prefix + chunk + suffix)
+        covered = (len(out) - 1) * step + body if out else 0
+        results.append((out, len(text) > limit or len(ids) > covered))
+    return results
 
 
 def make_batches(windows: list[Window], cfg: BatchingConfig) -> list[list[Window]]:

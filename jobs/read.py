@@ -4,42 +4,80 @@ from __future__ import annotations
 
 import threading
 
-from actlake.batching import Window, document_windows
+from actlake.batching import Window, document_windows, documents_windows
 from actlake.corpus.fingerprint import check_stat
 from actlake.corpus.readers import Reject, iter_range
 from actlake.jobs.plan import Shard
+
+TOKENIZE_EVERY = 64
+"""Documents tokenised per tokenizer call (:func:`~actlake.batching.documents_windows`)."""
 
 
 def read_shard(shard: Shard, cfg, tokenizer, tokenizing: threading.Lock):
     """Windows, documents and rejects of the shard's records. A record the tokenizer fails on is a
     ``tokenizer_error`` reject; a file whose size or mtime moved since planning, or while it was read,
-    fails the shard (CorpusError naming it). ``tokenizing`` is held around each tokenizer call (two shards
-    may be read at once with read-ahead; one tokenizer call at a time)."""
+    fails the shard (CorpusError naming it). Records are tokenised TOKENIZE_EVERY at a time, in one call
+    (the interpreter lock released while a fast tokenizer encodes them); ``tokenizing`` is held around each
+    call (two shards may be read at once with read-ahead; one tokenizer call at a time)."""
     c = cfg.corpus
-    windows: list[Window] = []
-    docs, rejects = [], []
+    out = _Reading(shard, cfg, tokenizer, tokenizing)
     if shard.size is not None:
         check_stat(shard.path, shard.size, shard.mtime_ns, "since the run planned it", shard.ctime_ns)
     items = iter_range(shard.path, shard.fmt, shard.start, shard.end, c.text_field, c.source_field, c.hf_split,
                        entry=shard.entry(), max_line=c.max_line_bytes)  # jsonl: from the entry point the plan found, not the file's start
+    pending = []  # records in file order, rejects among them, tokenised together
     for item in items:
-        if isinstance(item, Reject):
-            rejects.append({"file": shard.path, "record": item.index, "reason": item.reason, "detail": item.detail})
-            continue
-        doc_id = shard.doc_offset + item.index
-        try:
-            with tokenizing:
-                ws, cut = document_windows(tokenizer, item.text, cfg.tokenization)
-        except Exception as e:  # noqa: BLE001 - whatever the tokenizer raises on one record skips that record
-            rejects.append({"file": shard.path, "record": item.index, "reason": "tokenizer_error",
-                            "detail": f"{type(e).__name__}: {e}"[:200].encode("utf-8", "backslashreplace").decode()})
-            continue
-        if not ws:
-            rejects.append({"file": shard.path, "record": item.index, "reason": "too_few_tokens", "detail": ""})
-            continue
-        windows += [Window(doc_id, w, ids, item.source) for w, ids in enumerate(ws)]
-        docs.append({"doc_id": doc_id, "file": shard.path, "record": item.index, "source": item.source,
-                     "n_chars": len(item.text), "n_windows": len(ws), "n_tokens": sum(len(x) for x in ws), "cut": cut})
+        pending.append(item)
+        if len(pending) >= TOKENIZE_EVERY:
+            out.add(pending)
+            pending = []
+    out.add(pending)
     if shard.size is not None:
         check_stat(shard.path, shard.size, shard.mtime_ns, "while the shard read it", shard.ctime_ns)
-    return windows, docs, rejects
+    return out.windows, out.docs, out.rejects
+
+
+class _Reading:
+    """A shard's windows, documents and rejects, added a run of records at a time, in file order."""
+
+    def __init__(self, shard: Shard, cfg, tokenizer, tokenizing: threading.Lock):
+        self.shard, self.cfg, self.tokenizer, self.tokenizing = shard, cfg, tokenizer, tokenizing
+        self.windows: list[Window] = []
+        self.docs, self.rejects = [], []
+
+    def add(self, items: list) -> None:
+        texts = [item.text for item in items if not isinstance(item, Reject)]
+        tokenized = self._together(texts) if texts else iter(())
+        for item in items:
+            if isinstance(item, Reject):
+                self._reject(item.index, item.reason, item.detail)
+                continue
+            try:
+                ws, cut = next(tokenized) if tokenized is not None else self._alone(item.text)
+            except Exception as e:  # noqa: BLE001 - whatever the tokenizer raises on one record skips that record
+                self._reject(item.index, "tokenizer_error",
+                             f"{type(e).__name__}: {e}"[:200].encode("utf-8", "backslashreplace").decode())
+                continue
+            if not ws:
+                self._reject(item.index, "too_few_tokens", "")
+                continue
+            doc_id = self.shard.doc_offset + item.index
+            self.windows += [Window(doc_id, w, ids, item.source) for w, ids in enumerate(ws)]
+            self.docs.append({"doc_id": doc_id, "file": self.shard.path, "record": item.index, "source": item.source,
+                              "n_chars": len(item.text), "n_windows": len(ws), "n_tokens": sum(len(x) for x in ws),
+                              "cut": cut})
+
+    def _together(self, texts: list[str]):
+        """The texts' windows from one tokenizer call, or None where it failed (then each record alone says which)."""
+        try:
+            with self.tokenizing:
+                return iter(documents_windows(self.tokenizer, texts, self.cfg.tokenization))
+        except Exception:  # noqa: BLE001 - one record failed the call
+            return None
+
+    def _alone(self, text: str):
+        with self.tokenizing:
+            return document_windows(self.tokenizer, text, self.cfg.tokenization)
+
+    def _reject(self, record: int, reason: str, detail: str) -> None:
+        self.rejects.append({"file": self.shard.path, "record": record, "reason": reason, "detail": detail})

@@ -168,8 +168,8 @@ def test_tokenizer_errors_become_rejects(minilm_path, sample_corpus, tmp_path):
         """The real tokenizer, raising on one marked text."""
         _actlake_affixes = special_affixes(real)
 
-        def __call__(self, text, **kwargs):
-            if "REFUSE" in text:
+        def __call__(self, text, **kwargs):  # records are tokenised many to a call, then one by one where a call fails
+            if any("REFUSE" in t for t in ([text] if isinstance(text, str) else text)):
                 raise TypeError("injected tokenizer failure")
             return real(text, **kwargs)
 
@@ -179,6 +179,10 @@ def test_tokenizer_errors_become_rejects(minilm_path, sample_corpus, tmp_path):
     assert [(r["record"], r["reason"]) for r in rejects] == [(victim, "tokenizer_error")]
     assert "injected" in rejects[0]["detail"]
     assert [d["record"] for d in docs] == [i for i in range(len(lines)) if i != victim]
+    ex.lm.tokenizer = real  # the other records' windows are those the real tokenizer gives
+    kept = {d["doc_id"] for d in docs}
+    assert [(w.doc_id, w.window, w.ids) for w in ex.read_shard(shard)[0] if w.doc_id in kept] == \
+        [(w.doc_id, w.window, w.ids) for w in windows]
 
 
 def _documents(run_dir) -> list[tuple]:

@@ -1,7 +1,8 @@
+import pytest
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from actlake.batching import Window, collate, document_windows, make_batches, right_padded
+from actlake.batching import Window, collate, document_windows, documents_windows, make_batches, right_padded
 from actlake.config import BatchingConfig, TokenizationConfig
 
 
@@ -22,6 +23,27 @@ def test_windows_split_with_stride_and_keep_special_tokens(minilm_path):
     assert len(first) == 1 and cut
     capped, cut = document_windows(tok, text, TokenizationConfig(max_length=16, max_windows_per_doc=3))
     assert len(capped) == 3 and cut
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "byte-level BPE with BOS"])
+def test_documents_tokenised_together_get_the_windows_each_gets_alone(kind, minilm_path, tmp_path):
+    """Reading tokenises a run of records in one call (the interpreter lock released): same windows, same cuts
+    as one call per record, the way reading tokenised before."""
+    from transformers import AutoTokenizer
+
+    from actlake.batching import CHARS_PER_TOKEN_CAP
+    from tests.conftest import _bpe_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(minilm_path) if kind == "wordpiece" else _bpe_tokenizer(tmp_path, True)
+    texts = [" ".join(f"word{i}" for i in range(n)) for n in (0, 1, 3, 40, 200)] + ["", "héllo wörld", "x" * 5000]
+    cfg = TokenizationConfig(max_length=16, stride=4, max_windows_per_doc=5)
+    together = documents_windows(tok, texts, cfg)
+    assert together == [document_windows(tok, t, cfg) for t in texts]
+    limit = (14 + 10 * 4) * CHARS_PER_TOKEN_CAP  # the characters documents_windows tokenises at most here
+    listed = tok([t[:limit] for t in texts], add_special_tokens=False)["input_ids"]
+    assert listed == [tok(t[:limit], add_special_tokens=False)["input_ids"] for t in texts]  # one str per call: as before
+    assert [cut for _, cut in together] == [False] * 3 + [True] * 2 + [False] * 2 + [True]  # cut ones, empty ones
+    assert together[0][0] == together[5][0] == []  # the empty texts
 
 
 def test_batches_respect_budget_and_pad_little():
