@@ -17,6 +17,9 @@ from actlake.analysis.engine.layer_qk import LayerQK
 from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 
+SHOWN_DISTANCE = 32
+"""The report's chart draws relative positions |m - n| up to this (its title says so); the table holds every one."""
+
 
 @dataclass
 class AttentionByDistance(OneTable, SumStats):
@@ -73,15 +76,16 @@ class AttentionByDistance(OneTable, SumStats):
     def charts(cls, con) -> list:
         import altair as alt
 
-        df = con.execute("""
+        df = con.execute(f"""
             SELECT layer, distance, sum(attn_sum) / sum(n_pairs) AS mean_attention FROM attention_by_distance
-            WHERE n_pairs > 0 AND abs(distance) <= 32 GROUP BY layer, distance ORDER BY layer, distance
+            WHERE n_pairs > 0 AND abs(distance) <= {SHOWN_DISTANCE} GROUP BY layer, distance ORDER BY layer, distance
         """).df()
         c = alt.Chart(df).mark_line().encode(
-            x=alt.X("distance:Q", title="relative position m - n (query minus key)"),
+            x=alt.X("distance:Q", title=f"relative position m - n (query minus key), |m - n| <= {SHOWN_DISTANCE}"),
             y=alt.Y("mean_attention:Q", title="mean attention weight", scale=alt.Scale(type="log")),
             color=alt.Color("layer:O", title="layer"),
             tooltip=["layer", "distance", alt.Tooltip("mean_attention:Q", format=".4f")],
         ).properties(width=520, height=260)
-        return [(9, ("attention_by_distance", "Attention by relative position (mean over heads)", c))]
+        return [(9, ("attention_by_distance", "Attention by relative position (mean over heads), |m - n| up to "
+                                              f"{SHOWN_DISTANCE}; the table attention_by_distance holds every distance", c))]
 

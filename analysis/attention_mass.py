@@ -85,5 +85,24 @@ class AttentionMass(OneTable, SumStats):
             color=alt.Color("key_category:N", title="key category"),
             tooltip=["layer", "key_category", alt.Tooltip("mean_mass:Q", format=".3f")],
         ).properties(width=420, height=260)
-        return [(2, ("attention_mass", "Fig. 2 (seed 001): attention mass by key category per layer", c))]
+        blocks = [(2, ("attention_mass", "Fig. 2 (seed 001): attention mass by key category per layer", c))]
+        heads = first_token_mass(con)
+        if len(heads):
+            h = alt.Chart(heads).mark_rect().encode(
+                x=alt.X("head:O", title="head"), y=alt.Y("layer:O", title="layer"),
+                color=alt.Color("mean_mass:Q", title="mass on it", scale=alt.Scale(scheme="viridis")),
+                tooltip=["layer", "head", alt.Tooltip("mean_mass:Q", format=".3f")],
+            ).properties(width=26 * heads["head"].nunique(), height=18 * heads["layer"].nunique())
+            blocks.append((2.5, ("first_token_mass", "Attention mass on the leading special token ([CLS] or BOS) "
+                                                     "per layer and head: the sink, head by head", h)))
+        return blocks
+
+
+def first_token_mass(con):
+    """(layer, head, mean_mass) on keys of category ``bos`` (the leading special token), as a DataFrame; no rows
+    when the tokenizer adds none."""
+    return con.execute("""
+        SELECT layer, head, mean_mass FROM attention_mass_by_key
+        WHERE key_category = 'bos' AND n_queries > 0 AND mass > 0 ORDER BY layer, head
+    """).df()
 

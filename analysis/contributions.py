@@ -237,16 +237,17 @@ class Contributions(OneTable, SumStats):
 
         layers = contribution_layers(con)
         df = con.execute(f"""
-            SELECT layer, head, dim, sum(contribution_sum) / sum(n_pairs) AS mean_c
-            FROM contributions WHERE query_category = 'all' AND layer IN ({", ".join(map(str, layers))})
-            GROUP BY layer, head, dim ORDER BY layer, head, dim
+            SELECT layer, head, dim, key_category, sum(contribution_sum) / sum(n_pairs) AS mean_c
+            FROM contributions WHERE query_category = 'all' AND n_pairs > 0 AND layer IN ({", ".join(map(str, layers))})
+            GROUP BY layer, head, dim, key_category ORDER BY layer, head, dim, key_category
         """).df()
         c = alt.Chart(df).mark_circle(size=10, opacity=0.6).encode(
-            x=alt.X("dim:Q", title="dimension j"), y=alt.Y("mean_c:Q", title="mean C_j over all valid pairs"),
-            color=alt.Color("head:N", title="head", legend=None),
-            tooltip=["layer", "head", "dim", alt.Tooltip("mean_c:Q", format=".3f")],
+            x=alt.X("dim:Q", title="dimension j"), y=alt.Y("mean_c:Q", title="mean C_j"),
+            color=alt.Color("key_category:N", title="key category"),
+            tooltip=["layer", "head", "dim", "key_category", alt.Tooltip("mean_c:Q", format=".3f")],
         ).properties(width=640, height=150).facet(row=alt.Row("layer:O", title="layer"))
-        blocks = [(6, ("contributions", "Fig. 4 (seed 001): per-dimension contributions to attention scores, every head", c))]
+        blocks = [(6, ("contributions", "Fig. 4 (seed 001): per-dimension contributions to attention scores by key "
+                                        "category, a point per head", c))]
         have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         if "outliers" in have:
             blocks.append((5, table1_html(con)))

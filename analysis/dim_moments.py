@@ -157,7 +157,39 @@ class DimMoments(OneTable, Analysis):
             ).properties(width=260, height=200).facet(column=alt.Column("dim:O", title="outlier dimension"))
             blocks.append((4, ("outlier_dims_by_category",
                                "Fig. 3 (seed 001): outlier dimensions' mean value by token category", c)))
+        blocks.append((4.5, massive_activations_html(con)))
         return blocks
+
+
+MASSIVE_TOP = 2
+"""Dimensions per layer and token role in the report's massive-activations table."""
+
+
+def massive_activations_html(con, top: int = MASSIVE_TOP) -> str:
+    """The report's section on massive activations: per layer and token role, the ``top`` dimensions by |mean|
+    (view ``massive_activations``) with their mean, largest |value| and share of the role's mean squared norm."""
+    import html
+
+    rows = con.execute(f"""
+        SELECT layer, category, rank, dim, mean, max_abs, share FROM massive_activations
+        WHERE scheme = 'role' AND rank <= {int(top)} ORDER BY layer, category, rank
+    """).fetchall()
+    cats = [c for c in SCHEMES["role"] if any(r[1] == c for r in rows)]
+    cells: dict = {}
+    for layer, cat, _, dim, mean, max_abs, share in rows:
+        cells.setdefault(layer, {}).setdefault(cat, []).append(
+            f"<b>{dim}</b>: {mean:.3g} (max {max_abs:.3g}, {100 * share:.0f} %)")
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cats)
+    body = "".join(f"<tr><td>{layer}</td>" + "".join(f"<td>{'<br>'.join(by.get(c, []))}</td>" for c in cats) + "</tr>"
+                   for layer, by in sorted(cells.items()))
+    return ("<section id='massive-activations'><h2>Massive activations: per layer and token role, the dimensions "
+            f"with the largest |mean| (top {int(top)})</h2>"
+            "<p>Each cell: <b>dimension</b>: mean (largest |value|, share of the role's mean squared norm "
+            "E[x<sub>j</sub>²] / E[‖x‖²]). A dimension large only on a rare role ([CLS] or BOS: <i>bos</i>) ranks "
+            "first there and never in the all-token ranking of Fig. 1.</p>"
+            f"<table class='t1 massive'><tr><th>layer</th>{head}</tr>{body}</table>"
+            "<p>SQL: <code>SELECT * FROM massive_activations WHERE scheme = 'role' AND category = 'bos' AND rank &lt;= 5"
+            "</code></p></section>")
 
 
 class BatchMoments:

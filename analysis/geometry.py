@@ -116,10 +116,12 @@ class Geometry(OneTable, SumStats):
             base.mark_line(point=True).encode(y=alt.Y("mean_cos:Q", title="mean cos(q, k) over pairs")).properties(width=250, height=200),
         )
         long = df.melt(id_vars=["layer", "key_category"], value_vars=["mass", "mass_keynorm"], var_name="logits", value_name="m")
-        long["logits"] = long["logits"].map({"mass": "as computed", "mass_keynorm": "keys at mean norm"})
+        long["logits"] = long["logits"].map({"mass": "as computed (solid)", "mass_keynorm": "at mean norm (dashed)"})
         keynorm = alt.Chart(long).mark_line(point=True).encode(
             x=alt.X("layer:O", title="layer"), y=alt.Y("m:Q", title="mean attention per query"),
-            color=alt.Color("key_category:N", title="key category"), strokeDash=alt.StrokeDash("logits:N", title="keys"),
+            color=alt.Color("key_category:N", title="key category"),
+            strokeDash=alt.StrokeDash("logits:N", legend=None),
+            shape=alt.Shape("logits:N", title="keys"),  # the legend's marks; the labels name the dashes
             tooltip=["layer", "key_category", "logits", alt.Tooltip("m:Q", format=".3f")],
         ).properties(width=520, height=260)
         return [(7, ("geometry_norms", "Attention geometry (seed 002): key norm and q-k angle by key category", norms)),

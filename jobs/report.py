@@ -115,7 +115,8 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
 
 def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
     """Write ``report/report.html`` from ``blocks`` — (slug, title, altair chart) or raw HTML strings —
-    and ``report/<slug>.png`` per chart; the page inlines Vega and needs no network."""
+    and ``report/<slug>.png`` per chart, titled; the page inlines Vega and needs no network."""
+    import altair as alt
     import vl_convert as vlc
 
     files: dict[str, bytes] = {}
@@ -126,8 +127,9 @@ def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
             continue
         slug, title, chart = block
         spec = chart.to_dict()
-        specs[slug] = spec
-        files[f"{slug}.png"] = vlc.vegalite_to_png(spec, scale=1.5)
+        specs[slug] = spec  # the page gives it a heading; a PNG on its own carries the title itself
+        png = chart.properties(title=alt.TitleParams(title, anchor="start", limit=900)).to_dict()
+        files[f"{slug}.png"] = vlc.vegalite_to_png(png, scale=1.5)
         sections.append(f"<section><h2>{html.escape(title)}</h2><div class='chart' id='chart-{slug}'></div></section>")
     bundle = vlc.javascript_bundle().replace("</script>", "<\\/script>")
     embed = "\n".join(

@@ -25,7 +25,8 @@ def test_report_files(report_run):
     html = report.read_text()
     assert "<script src=" not in html
     for png in ("dim_means.png", "attention_mass.png", "residual_norms.png", "outlier_dims_by_category.png",
-                "contributions.png", "geometry_norms.png", "keynorm_mass.png", "attention_by_distance.png"):
+                "contributions.png", "geometry_norms.png", "keynorm_mass.png", "attention_by_distance.png",
+                "first_token_mass.png"):
         data = (report.parent / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
@@ -37,8 +38,38 @@ def test_report_renders_in_headless_chromium(report_run):
     assert errors == []
     ids = {i for i, _ in charts}
     assert {"chart-dim_means", "chart-attention_mass", "chart-residual_norms", "chart-outlier_dims_by_category",
-            "chart-contributions", "chart-geometry_norms", "chart-keynorm_mass", "chart-attention_by_distance"} <= ids
+            "chart-contributions", "chart-geometry_norms", "chart-keynorm_mass", "chart-attention_by_distance",
+            "chart-first_token_mass"} <= ids
     assert all(n >= 1 for _, n in charts)
     assert min(marks) > 10
     assert table1 > 3  # header plus a row per (layer, outlier dimension)
     assert all(u.startswith("file://") for u in requests)
+
+
+def test_report_draws_the_sink_head_by_head_and_the_massive_activations(report_run):
+    """The heatmap's values are the attention on [CLS] per layer and head, recomputed from the raw partial
+    sums; the massive-activations table names, per layer, the dimension with the largest |mean| on [CLS]."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from actlake import open_run
+    from actlake.analysis.attention_mass import first_token_mass
+
+    con = open_run(str(report_run.run_dir))
+    raw = con.execute("SELECT layer, head, key_category, mass, n_queries FROM attention_mass").df()
+    bos = raw[raw.key_category == "bos"].groupby(["layer", "head"])[["mass", "n_queries"]].sum()
+    drawn = first_token_mass(con).set_index(["layer", "head"])["mean_mass"]
+    assert len(drawn) == len(bos) > 0
+    np.testing.assert_allclose(drawn.to_numpy(), (bos.mass / bos.n_queries).loc[drawn.index].to_numpy(), rtol=1e-12)
+    assert drawn.max() > 1.5 * drawn.min()  # heads differ: what the per-layer average hides
+
+    m = con.execute("SELECT layer, dim, mean FROM dim_moments WHERE scheme = 'role' AND category = 'bos'").df()
+    top = m.loc[m["mean"].abs().groupby(m.layer).idxmax()]
+    html = Path(report_run.report).read_text()
+    section = html[html.index("id='massive-activations'"):]
+    rows = section[section.index("<table"):section.index("</table>")].split("<tr>")[2:]
+    assert len(rows) == m.layer.nunique()
+    for row, (_, t) in zip(rows, top.sort_values("layer").iterrows()):
+        bos_cell = row.split("<td>")[2]  # after the layer, the first role: bos
+        assert bos_cell.startswith(f"<b>{int(t.dim)}</b>: {t['mean']:.3g} ")
