@@ -5,6 +5,7 @@ Public entry points::
     import actlake
     con = actlake.open_run("runs/quickstart")   # DuckDB connection, one view per table
     con.sql("SELECT layer, avg(norm) FROM residual_norms GROUP BY layer").show()
+    both = actlake.open_runs(["runs/a", "runs/b"])  # the same views, a leading column run
 """
 
 from actlake.errors import ActlakeError, ConfigError, CorpusError, ModelLoadError, QueryError, StorageError
@@ -19,6 +20,7 @@ __all__ = [
     "QueryError",
     "StorageError",
     "open_run",
+    "open_runs",
     "query",
 ]
 
@@ -30,6 +32,15 @@ def open_run(run_dir, **kwargs):
     )
 
     return _open_run(run_dir, **kwargs)
+
+
+def open_runs(run_dirs, **kwargs):
+    """Open several runs side by side: every view gains a leading column ``run`` (see ``actlake.storage.sql.open_runs``)."""
+    from actlake.storage.sql import (
+        open_runs as _open_runs,  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+    )
+
+    return _open_runs(run_dirs, **kwargs)
 
 
 def query(run_dir, sql, **kwargs):

@@ -11,6 +11,7 @@ import os
 import shlex
 import shutil
 import sys
+from pathlib import Path
 
 from actlake.errors import ActlakeError, AnalysisFailed
 
@@ -42,9 +43,11 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("submission_id")
         q.add_argument("--address", default=os.environ.get("RAY_JOB_ADDRESS", "http://127.0.0.1:8265"))
 
-    q = sub.add_parser("sql", help="one read-only SQL statement over a run's tables")
-    q.add_argument("run_dir")
-    q.add_argument("sql", nargs="?", help="the statement; omit to list tables")
+    q = sub.add_parser("sql", help="one read-only SQL statement over a run's tables (several runs: side by side)",
+                       usage="actlake sql RUN_DIR [RUN_DIR ...] [SQL] [options]")
+    q.add_argument("runs_and_sql", nargs="+", metavar="RUN_DIR [RUN_DIR ...] [SQL]",
+                   help="run folders (local or object store), then the statement (omit it to list the tables); "
+                        "with several runs every view gains a leading column run, the run folder's name")
     q.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
     q.add_argument("--output", "-o", help="file for --format parquet (default: stdout is refused)")
     q.add_argument("--timeout", type=float, default=60.0, help="seconds before the query is stopped")
@@ -223,10 +226,22 @@ def _cmd_train_predictor(args) -> int:
     return 0
 
 
+def _runs_and_sql(words: list[str]) -> tuple[list[str], str | None]:
+    """The run folders and the statement of ``actlake sql``: the last word is the statement unless it names a run
+    (a folder here or a URL)."""
+    last = words[-1]
+    if len(words) == 1 or "://" in last or Path(last).exists():
+        return words, None
+    if not any(c.isspace() for c in last):
+        raise ActlakeError(f"{last}: no such run folder (and not a SQL statement)")
+    return words[:-1], last
+
+
 def _cmd_sql(args) -> int:
     from actlake.storage.sql_process import MAX_TEMP_SIZE, run_sql  # per command (start-up)
 
-    sql = args.sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
+    runs, sql = _runs_and_sql(args.runs_and_sql)
+    sql = sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
     _check_output(args.format, args.output)
     if args.timeout <= 0:
         raise ActlakeError(f"--timeout: must be more than 0 seconds, got {args.timeout:g}")
@@ -238,7 +253,7 @@ def _cmd_sql(args) -> int:
                 memory_bytes(value)
         except ValueError as e:
             raise ActlakeError(f"{flag}: {e}") from None
-    run_sql(args.run_dir, sql, args.format, args.output, args.timeout, args.memory_limit,
+    run_sql(runs[0] if len(runs) == 1 else runs, sql, args.format, args.output, args.timeout, args.memory_limit,
             args.max_temp_size or MAX_TEMP_SIZE)
     return 0
 

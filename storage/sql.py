@@ -162,18 +162,76 @@ def _check_view(layout: RunLayout, name: str, sql: str) -> None:
         raise StorageError(f"{layout.complete}/reduced.json: view {name!r} refused ({e})") from None
 
 
-def _open(run_dir, memory_limit: str = "2GB", threads: int | None = None, max_temp_size: str = MAX_TEMP_SIZE):
-    """(connection, cleanup): the locked connection of :func:`open_run` and a callable that closes it and removes its folder."""
+class _Run:
+    """One run's committed tables as SELECTs over their files, and its recorded views (checked) over them."""
+
+    def __init__(self, run_dir):
+        self.layout = RunLayout(location(run_dir))
+        files = committed_files(self.layout)
+        if not files:
+            raise StorageError(f"{self.layout.root}: no committed tables (has a job finished a shard here?)")
+        self.files = [f for fs in files.values() for f in fs]
+        self.tables = {t: _view_sql(fs) for t, fs in files.items()}
+        self.views = {}
+        for name, (source, sql) in derived_views(self.layout).items():
+            if source in self.tables and name not in self.tables:
+                _check_view(self.layout, name, sql)
+                self.views[name] = sql
+
+    @property
+    def name(self) -> str:
+        return self.layout.root.name
+
+    def select(self, name: str) -> str:
+        """A SELECT of table or view ``name`` of this run alone: a view's tables, and the views recorded before
+        it, given to it as common table expressions (several runs share one connection, and their tables one name)."""
+        if name in self.tables:
+            return self.tables[name]
+        views = list(self.views)
+        before = list(self.tables.items()) + [(v, self.views[v]) for v in views[: views.index(name)]]
+        ctes = ", ".join(f"{_ident(n)} AS (\n{sql}\n)" for n, sql in before)
+        return f"WITH {ctes} SELECT * FROM (\n{self.views[name]}\n)"
+
+
+def _side_by_side(con, runs: list[_Run]) -> list[str]:
+    """Create, for every table and view of the runs, one view of their rows with a leading column ``run`` (the
+    run folder's name), where every run has it with the same columns; the lines saying which were left out and why."""
+    names = [r.name for r in runs]
+    if len(set(names)) < len(names):
+        raise StorageError(f"runs opened together need distinct folder names, got {names}")
+    notes, every = [], list(dict.fromkeys(n for r in runs for n in list(r.tables) + list(r.views)))
+    for name in every:
+        missing = [r.name for r in runs if name not in r.tables and name not in r.views]
+        if missing:
+            notes.append(f"{name}: not offered, missing in {', '.join(missing)}")
+            continue
+        columns = [[tuple(c[:2]) for c in con.execute(f"DESCRIBE {r.select(name)}").fetchall()] for r in runs]
+        if "run" in (c for c, _ in columns[0]):
+            notes.append(f"{name}: not offered, it has a column named run")
+            continue
+        differ = next((i for i, cols in enumerate(columns) if cols != columns[0]), None)
+        if differ is not None:
+            a, b = set(columns[0]), set(columns[differ])
+            notes.append(f"{name}: not offered, columns differ: {runs[0].name} has {sorted(a - b) or 'no others'}, "
+                         f"{runs[differ].name} has {sorted(b - a) or 'no others'}")
+            continue
+        union = "\nUNION ALL\n".join(f"SELECT {_quote(r.name)} AS run, * FROM (\n{r.select(name)}\n)" for r in runs)
+        con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {union}")
+    return notes
+
+
+def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_temp_size: str = MAX_TEMP_SIZE):
+    """(connection, cleanup, notes): the locked connection of :func:`open_run` (one run folder) or of
+    :func:`open_runs` (a list of them), a callable that closes it and removes its folder, and the lines naming
+    the tables and views left out."""
     import duckdb
 
-
-    layout = RunLayout(location(run_dir))
-    files = committed_files(layout)
-    if not files:
-        raise StorageError(f"{layout.root}: no committed tables (has a job finished a shard here?)")
-    every = [f for fs in files.values() for f in fs]
+    side_by_side = not isinstance(run_dirs, (str, os.PathLike))
+    runs = [_Run(d) for d in (run_dirs if side_by_side else [run_dirs])]
+    if not runs:
+        raise StorageError("no run to open")
+    every = [f for r in runs for f in r.files]
     verify_files(every)  # page checksums, once per version of a file (storage/verified.py)
-    views = {t: _view_sql(fs) for t, fs in files.items()}
     private = tempfile.mkdtemp(prefix="actlake-duckdb-")
     try:
         con = _connect(private, memory_limit, threads, max_temp_size)
@@ -186,20 +244,27 @@ def _open(run_dir, memory_limit: str = "2GB", threads: int | None = None, max_te
         con.close()
         finalizer()
 
+    notes = []
     try:
         con.register_filesystem(ReadOnlyFiles(every))
-        for t, sql in views.items():
-            con.execute(f"CREATE TEMP VIEW {_ident(t)} AS {sql}")
-        _restrict(con, every)  # the recorded views below are the run folder's text: bound with no access outside
-        for name, (source, sql) in derived_views(layout).items():
-            if source in views and name not in views:
-                _check_view(layout, name, sql)
+        if not side_by_side:
+            for t, sql in runs[0].tables.items():
+                con.execute(f"CREATE TEMP VIEW {_ident(t)} AS {sql}")
+            _restrict(con, every)  # the recorded views below are the run folder's text: bound with no access outside
+            for name, sql in runs[0].views.items():
                 con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {sql}")
+        else:
+            _restrict(con, every)
+            notes = _side_by_side(con, runs)
         con.execute("SET lock_configuration = true")
     except duckdb.Error as e:
         cleanup()
-        raise StorageError(f"{layout.root}: cannot set up the views ({_first_line(e)})") from None
-    return con, cleanup
+        where = runs[0].layout.root if len(runs) == 1 else ", ".join(str(r.layout.root) for r in runs)
+        raise StorageError(f"{where}: cannot set up the views ({_first_line(e)})") from None
+    except BaseException:
+        cleanup()
+        raise
+    return con, cleanup, notes
 
 
 def open_run(run_dir: str | os.PathLike, memory_limit: str = "2GB", threads: int | None = None,
@@ -212,14 +277,28 @@ def open_run(run_dir: str | os.PathLike, memory_limit: str = "2GB", threads: int
     return _open(run_dir, memory_limit, threads, max_temp_size)[0]
 
 
+def open_runs(run_dirs: list, memory_limit: str = "2GB", threads: int | None = None,
+              max_temp_size: str = MAX_TEMP_SIZE):
+    """Several runs side by side: :func:`open_run`'s connection, where each table and view holds every run's rows
+    under a leading column ``run`` (the run folder's name). A table or view is offered only where every run has
+    it with the same columns; a warning names each one left out and why."""
+    import warnings
+
+    con, _, notes = _open(list(run_dirs), memory_limit, threads, max_temp_size)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return con
+
+
 def query(run_dir, sql: str, timeout_s: float = 60.0, **kwargs):
-    """Run one read-only statement over a run; returns a pyarrow Table."""
+    """Run one read-only statement over a run (a list of run folders: side by side, as :func:`open_runs`); returns a
+    pyarrow Table."""
     import threading
 
     import duckdb
 
     check_statement(sql)
-    con, cleanup = _open(run_dir, **kwargs)
+    con, cleanup, _ = _open(run_dir, **kwargs)
     try:
         timer = threading.Timer(timeout_s, con.interrupt)
         timer.start()

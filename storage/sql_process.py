@@ -44,15 +44,16 @@ FAILED = 3
 """The child's exit status when it reports a failure."""
 
 
-def run_sql(run_dir: str, sql: str, fmt: str, output: str | None, timeout_s: float, memory_limit: str,
+def run_sql(run_dir: str | list[str], sql: str, fmt: str, output: str | None, timeout_s: float, memory_limit: str,
             max_temp_size: str) -> None:
-    """Run ``sql`` over ``run_dir`` in a child process and write its rows to standard output (or ``output``
-    for Parquet) in ``fmt``; QueryError/StorageError for what failed, the time limit or the memory cap."""
+    """Run ``sql`` over ``run_dir`` (a list: those runs side by side, :func:`~actlake.storage.sql.open_runs`) in a
+    child process and write its rows to standard output (or ``output`` for Parquet) in ``fmt``; the lines naming
+    views left out go to standard error. QueryError/StorageError for what failed, the time limit or the memory cap."""
 
     import psutil
 
     cap = memory_bytes(memory_limit) + HEADROOM
-    job = {"run_dir": str(run_dir), "sql": sql, "fmt": fmt, "output": output, "memory_limit": memory_limit,
+    job = {"run_dir": [str(r) for r in run_dir] if isinstance(run_dir, list) else str(run_dir), "sql": sql, "fmt": fmt, "output": output, "memory_limit": memory_limit,
            "max_temp_size": max_temp_size}
     proc = subprocess.Popen([sys.executable, "-m", "actlake.storage.sql_process"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -82,8 +83,12 @@ def run_sql(run_dir: str, sql: str, fmt: str, output: str | None, timeout_s: flo
         for t in relays:
             t.join(timeout=10)
         sys.stdout.flush()
+    stderr = b"".join(err).decode("utf-8", "replace")
     if proc.returncode:
-        _raise(proc.returncode, b"".join(err).decode("utf-8", "replace"), memory_limit)
+        _raise(proc.returncode, stderr, memory_limit)
+    for line in stderr.splitlines():
+        if line.startswith("note\t"):
+            print(f"actlake: note: {line.partition(chr(9))[2]}", file=sys.stderr)
 
 
 def _relay(src, dest) -> None:
@@ -177,12 +182,14 @@ def _child(job: dict) -> int:
 
         from actlake.storage.sql import (  # actlake.storage.sql imports this module; loads pyarrow: imported when used
             _first_line,
+            _open,
             check_statement,
-            open_run,
         )
 
         check_statement(job["sql"])
-        con = open_run(job["run_dir"], memory_limit=job["memory_limit"], max_temp_size=job["max_temp_size"])
+        con, _, notes = _open(job["run_dir"], memory_limit=job["memory_limit"], max_temp_size=job["max_temp_size"])
+        for note in notes:
+            sys.stderr.write(f"note\t{' '.join(note.split())}\n")
         try:
             _write(con.sql(job["sql"]).to_arrow_reader(BATCH_ROWS), job["fmt"], job["output"])
         except duckdb.OutOfMemoryException:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from actlake.jobs.cli import main
 from actlake.errors import QueryError
+from actlake.jobs.cli import main
 from actlake.jobs.run import run_job
 from actlake.storage.sql import query
 from tests.conftest import job_config
@@ -126,3 +126,59 @@ def test_massive_activations_rank_dimensions_within_each_token_role(run_dir, tin
             assert r["mean"] == pytest.approx(mean[j], rel=1e-4, abs=1e-5)
             assert r["max_abs"] == pytest.approx(np.abs(x[:, j]).max(), rel=1e-4)
             assert r["share"] == pytest.approx(square[j] / square.sum(), rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def other_run(tiny_models, sample_corpus, tmp_path_factory, ray_local):
+    out = tmp_path_factory.mktemp("sqlrun2")
+    return run_job(job_config(tiny_models["gpt2"], sample_corpus, out, **{"corpus.max_docs": 8,
+                                                                           "analyses.attention_by_distance": False})).run_dir
+
+
+def _names(con) -> set[str]:
+    return {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+
+
+def test_runs_side_by_side(run_dir, other_run, capsys):
+    """Two runs of different models opened together: every row of each run's own views reappears under its run
+    value and nothing else; a view the runs do not share is left out with a line naming it."""
+    import warnings
+    from pathlib import Path
+
+    import pandas as pd
+
+    import actlake
+
+    runs = [run_dir, other_run]
+    names = [Path(r).name for r in runs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        both = actlake.open_runs(runs)
+    offered = _names(both)
+    assert {"residual_norms", "dim_moments", "attention_mass_by_key", "massive_activations", "documents"} <= offered
+    alone = [actlake.open_run(r) for r in runs]
+    for view in sorted(offered):
+        cols = ", ".join(f'"{c[0]}"' for c in alone[0].execute(f"DESCRIBE {view}").fetchall())
+        counts = []
+        for name, con in zip(names, alone):
+            own = con.execute(f"SELECT {cols} FROM {view} ORDER BY ALL").df()
+            theirs = both.execute(f"SELECT {cols} FROM {view} WHERE run = ? ORDER BY ALL", [name]).df()
+            pd.testing.assert_frame_equal(own, theirs, check_dtype=False, obj=f"{view} of {name}")
+            counts.append(len(own))
+        assert both.execute(f"SELECT count(*) FROM {view}").fetchone()[0] == sum(counts), view
+    import duckdb
+
+    for write in ("CREATE TABLE t AS SELECT 1", f"COPY (SELECT 1) TO '{Path(run_dir).parent}/x.csv'",
+                  f"SELECT * FROM read_csv('{Path(run_dir).parent}/x.csv')"):
+        with pytest.raises(duckdb.Error):  # read-only, and locked to the runs' committed files, as one run is
+            both.execute(write)
+    left_out = (_names(alone[0]) | _names(alone[1])) - offered
+    assert "attention_by_distance" in left_out and all(v.startswith("attention_by_distance") for v in left_out) and all(any(str(w.message).startswith(f"{v}: not offered") for w in caught) for v in left_out)
+
+    capsys.readouterr()
+    assert main(["sql", *runs, "SELECT run, count(*) AS n FROM residual_norms GROUP BY run ORDER BY run",
+                 "--format", "json"]) == 0
+    out = capsys.readouterr()
+    got = {json.loads(line)["run"]: json.loads(line)["n"] for line in out.out.splitlines()}
+    assert got == {n: c.execute("SELECT count(*) FROM residual_norms").fetchone()[0] for n, c in zip(names, alone)}
+    assert all(f"actlake: note: {v}: not offered" in out.err for v in left_out)
