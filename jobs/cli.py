@@ -56,8 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--memory-limit", default="2GB", help="DuckDB's memory limit (default 2GB); the query's process "
                                                         "is stopped beyond it plus 1 GiB")
 
-    rp = sub.add_parser("report", help="(re)build report/report.html and PNGs of a run")
-    rp.add_argument("run_dir")
+    rp = sub.add_parser("report", help="(re)build report/report.html and PNGs of a run, or compare runs",
+                        usage="actlake report RUN_DIR | actlake report --compare RUN_DIR RUN_DIR [...] [--out DIR]")
+    rp.add_argument("run_dir", nargs="+")
+    rp.add_argument("--compare", action="store_true",
+                    help="the runs' headline statistics side by side, one colour per run")
+    rp.add_argument("--out", help="with --compare: the folder for report/report.html "
+                                  "(default compare-A-vs-B-... in the current folder)")
 
     c = sub.add_parser("corpus", help="corpus tools")
     csub = c.add_subparsers(dest="corpus_command", required=True)
@@ -226,6 +231,26 @@ def _cmd_train_predictor(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    from actlake.jobs.report import build_comparison, build_report  # per command (start-up)
+
+    if args.compare:
+        import warnings
+
+        out = args.out or "compare-" + "-vs-".join(Path(r.rstrip("/")).name for r in args.run_dir)
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            page = build_comparison(args.run_dir, out)
+        for note in notes:  # the tables and views the runs do not share
+            print(f"actlake: note: {note.message}", file=sys.stderr)
+        print(page)
+        return 0
+    if len(args.run_dir) > 1 or args.out:
+        raise ActlakeError("report: one run folder (several, or --out, with --compare)")
+    print(build_report(args.run_dir[0]))
+    return 0
+
+
 def _runs_and_sql(words: list[str]) -> tuple[list[str], str | None]:
     """The run folders and the statement of ``actlake sql``: the last word is the statement unless it names a run
     (a folder here or a URL)."""
@@ -331,10 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sql":
             return _cmd_sql(args)
         if args.command == "report":
-            from actlake.jobs.report import build_report  # per command (start-up)
-
-            print(build_report(args.run_dir))
-            return 0
+            return _cmd_report(args)
         if args.command == "corpus" and args.corpus_command == "index":
             return _cmd_corpus_index(args)
         if args.command == "corpus":

@@ -113,6 +113,68 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     return write_page(layout, blocks, _summary_html(layout, nonfinite))
 
 
+def build_comparison(run_dirs: list, out_dir: str | Path) -> Path:
+    """``actlake report --compare``: the headline statistics of several runs side by side (models or corpora
+    compared), one colour per run, from :func:`~actlake.storage.sql.open_runs`; written to
+    ``out_dir/report/report.html`` with a PNG per chart. Returns the HTML path."""
+    from actlake.storage.sql import open_runs  # loads pyarrow: imported when used
+
+    if len(run_dirs) < 2:
+        raise StorageError(f"--compare needs two runs or more, got {len(run_dirs)}")
+    con = open_runs(run_dirs)
+    try:
+        blocks = comparison_blocks(con)
+        runs = [r[0] for r in con.execute("SELECT DISTINCT run FROM documents ORDER BY run").fetchall()]
+    finally:
+        con.close()
+    if not blocks:
+        raise StorageError(f"{', '.join(map(str, run_dirs))}: no statistic the runs share to compare")
+    out = location(out_dir)
+    if not isinstance(out, ObjectPath):
+        Path(out).mkdir(parents=True, exist_ok=True)
+    header = ("<p>Runs compared, one colour each: " + ", ".join(f"<code>{html.escape(str(r))}</code>" for r in run_dirs)
+              + f" (the column <code>run</code>: {', '.join(html.escape(r) for r in runs)}).</p>")
+    return write_page(RunLayout(out), blocks, header)
+
+
+def comparison_blocks(con) -> list:
+    """(slug, title, chart) per headline statistic the side-by-side connection ``con`` offers."""
+    import altair as alt
+
+    from actlake.analysis.dim_moments import OUTLIER_Z  # loads torch: imported when used
+
+    alt.data_transformers.disable_max_rows()
+    have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    charts = [
+        ("residual_norms", "compare_residual_norms", "Residual-stream norm by layer (mean)", "mean ||h||",
+         "SELECT run, layer, avg(norm) AS value FROM residual_norms GROUP BY ALL ORDER BY run, layer"),
+        ("attention_mass_by_key", "compare_first_token_mass",
+         "Attention mass on the leading special token ([CLS] or BOS) by layer, mean over heads", "mass on it",
+         "SELECT run, layer, avg(mean_mass) AS value FROM attention_mass_by_key WHERE key_category = 'bos' "
+         "GROUP BY ALL ORDER BY run, layer"),
+        ("massive_activations", "compare_massive_activations",
+         "Share of [CLS]/BOS's mean squared norm in its largest dimension, by layer", "share (top dimension)",
+         "SELECT run, layer, share AS value, dim FROM massive_activations WHERE scheme = 'role' AND category = 'bos' "
+         "AND rank = 1 ORDER BY run, layer"),
+        ("outliers", "compare_outliers", f"Outlier dimensions by layer (|robust z| > {OUTLIER_Z:g})", "dimensions",
+         f"SELECT run, layer, count(*) FILTER (WHERE abs(robust_z) > {OUTLIER_Z}) AS value FROM outliers "
+         "GROUP BY ALL ORDER BY run, layer"),
+    ]
+    blocks = []
+    for view, slug, title, y, sql in charts:
+        if view not in have:
+            continue
+        df = con.execute(sql).df()
+        if df.empty:
+            continue
+        c = alt.Chart(df).mark_line(point=True).encode(
+            x=alt.X("layer:O", title="layer"), y=alt.Y("value:Q", title=y), color=alt.Color("run:N", title="run"),
+            tooltip=[c for c in df.columns],
+        ).properties(width=480, height=240)
+        blocks.append((slug, title, c))
+    return blocks
+
+
 def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
     """Write ``report/report.html`` from ``blocks`` — (slug, title, altair chart) or raw HTML strings —
     and ``report/<slug>.png`` per chart, titled; the page inlines Vega and needs no network."""

@@ -182,3 +182,32 @@ def test_runs_side_by_side(run_dir, other_run, capsys):
     got = {json.loads(line)["run"]: json.loads(line)["n"] for line in out.out.splitlines()}
     assert got == {n: c.execute("SELECT count(*) FROM residual_norms").fetchone()[0] for n, c in zip(names, alone)}
     assert all(f"actlake: note: {v}: not offered" in out.err for v in left_out)
+
+
+def test_report_compares_runs_side_by_side(run_dir, other_run, tmp_path, capsys):
+    """``actlake report --compare``: a page with a chart per shared headline statistic; each run's line holds
+    what that run alone gives."""
+    import warnings
+    from pathlib import Path
+
+    import pandas as pd
+
+    import actlake
+    from actlake.jobs.report import comparison_blocks
+
+    assert main(["report", "--compare", run_dir, other_run, "--out", str(tmp_path / "cmp")]) == 0
+    page = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert page == tmp_path / "cmp" / "report" / "report.html" and Path(run_dir).name in page.read_text()
+    for slug in ("compare_residual_norms", "compare_first_token_mass", "compare_massive_activations", "compare_outliers"):
+        assert (page.parent / f"{slug}.png").read_bytes()[:4] == b"\x89PNG"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the view one run lacks
+        blocks = {slug: chart.data for slug, _, chart in comparison_blocks(actlake.open_runs([run_dir, other_run]))}
+    for run in (run_dir, other_run):
+        own = actlake.open_run(run).execute("SELECT layer, avg(norm) AS value FROM residual_norms GROUP BY layer "
+                                            "ORDER BY layer").df()
+        drawn = blocks["compare_residual_norms"]
+        drawn = drawn[drawn.run == Path(run).name][["layer", "value"]].reset_index(drop=True)
+        pd.testing.assert_frame_equal(own, drawn, check_dtype=False)
+    assert main(["report", run_dir, other_run]) == 2  # several runs without --compare: one line, status 2
+    assert "with --compare" in capsys.readouterr().err
