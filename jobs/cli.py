@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -252,14 +253,21 @@ def _cmd_report(args) -> int:
 
 
 def _runs_and_sql(words: list[str]) -> tuple[list[str], str | None]:
-    """The run folders and the statement of ``actlake sql``: the last word is the statement unless it names a run
-    (a folder here or a URL)."""
+    """The run folders and the statement of ``actlake sql``: after a run folder, a last word holding a space is the
+    statement (every statement has one); else every word is a run folder (a URL, or a folder here)."""
     last = words[-1]
-    if len(words) == 1 or "://" in last or Path(last).exists():
+    if len(words) > 1 and any(c.isspace() for c in last):  # every statement has a space; run folders rarely do
+        return words[:-1], last
+    if len(words) == 1 or re.fullmatch(r"[a-z][a-z0-9+.-]*://\S+", last) or _exists(last):
         return words, None
-    if not any(c.isspace() for c in last):
-        raise ActlakeError(f"{last}: no such run folder (and not a SQL statement)")
-    return words[:-1], last
+    raise ActlakeError(f"{last}: no such run folder (and not a SQL statement)")
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except OSError:  # a name too long for this file system, say
+        return False
 
 
 def _cmd_sql(args) -> int:

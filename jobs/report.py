@@ -124,9 +124,9 @@ def build_comparison(run_dirs: list, out_dir: str | Path) -> Path:
     con = open_runs(run_dirs)
     try:
         blocks = comparison_blocks(con)
-        runs = [r[0] for r in con.execute("SELECT DISTINCT run FROM documents ORDER BY run").fetchall()]
     finally:
         con.close()
+    runs = [RunLayout(location(r)).root.name for r in run_dirs]
     if not blocks:
         raise StorageError(f"{', '.join(map(str, run_dirs))}: no statistic the runs share to compare")
     out = location(out_dir)

@@ -162,6 +162,17 @@ def _check_view(layout: RunLayout, name: str, sql: str) -> None:
         raise StorageError(f"{layout.complete}/reduced.json: view {name!r} refused ({e})") from None
 
 
+def _without_terminator(sql: str) -> str:
+    """One statement without its closing semicolon and what follows it (comments), so that it can stand in a
+    subquery; a statement that check_statement passed."""
+    import duckdb
+
+    tokens = [(at, kind) for at, kind in duckdb.tokenize(sql) if kind != duckdb.token_type.comment]
+    if tokens and sql[tokens[-1][0]] == ";":
+        return sql[: tokens[-1][0]]
+    return sql
+
+
 class _Run:
     """One run's committed tables as SELECTs over their files, and its recorded views (checked) over them."""
 
@@ -176,7 +187,7 @@ class _Run:
         for name, (source, sql) in derived_views(self.layout).items():
             if source in self.tables and name not in self.tables:
                 _check_view(self.layout, name, sql)
-                self.views[name] = sql
+                self.views[name] = _without_terminator(sql)
 
     @property
     def name(self) -> str:
@@ -226,7 +237,7 @@ def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_t
     the tables and views left out."""
     import duckdb
 
-    side_by_side = not isinstance(run_dirs, (str, os.PathLike))
+    side_by_side = isinstance(run_dirs, (list, tuple))  # else one run: a path, a URL or an ObjectPath
     runs = [_Run(d) for d in (run_dirs if side_by_side else [run_dirs])]
     if not runs:
         raise StorageError("no run to open")

@@ -84,11 +84,11 @@ def run_sql(run_dir: str | list[str], sql: str, fmt: str, output: str | None, ti
             t.join(timeout=10)
         sys.stdout.flush()
     stderr = b"".join(err).decode("utf-8", "replace")
-    if proc.returncode:
-        _raise(proc.returncode, stderr, memory_limit)
-    for line in stderr.splitlines():
+    for line in stderr.splitlines():  # first: they may say why a query names a view that is not there
         if line.startswith("note\t"):
             print(f"actlake: note: {line.partition(chr(9))[2]}", file=sys.stderr)
+    if proc.returncode:
+        _raise(proc.returncode, stderr, memory_limit)
 
 
 def _relay(src, dest) -> None:

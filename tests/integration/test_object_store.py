@@ -63,6 +63,8 @@ def test_a_job_reads_and_writes_only_the_bucket(minilm_path, sample_corpus, corp
     assert main(["sql", f"{runs}/r1", "SELECT count(*) AS n FROM tokens", "--format", "csv"]) == 0
     n = capsys.readouterr().out.strip().splitlines()[-1]
     assert int(n) == len(reference["tokens"])
+    assert main(["report", f"{runs}/r1"]) == 0  # and its report, read and written there
+    assert "r1/report/report.html" in location(runs).sizes() and list(tmp_path.iterdir()) == []
 
 
 def test_no_credential_reaches_rays_files(minilm_path, sample_corpus, corpus_url, s3_server, ray_local, tmp_path):

@@ -60,11 +60,12 @@ def test_report_draws_the_sink_head_by_head_and_the_massive_activations(report_r
     raw = con.execute("SELECT layer, head, key_category, mass, n_queries FROM attention_mass").df()
     bos = raw[raw.key_category == "bos"].groupby(["layer", "head"])[["mass", "n_queries"]].sum()
     drawn = first_token_mass(con).set_index(["layer", "head"])["mean_mass"]
+    m = con.execute("SELECT layer, dim, mean FROM dim_moments WHERE scheme = 'role' AND category = 'bos'").df()
+    con.close()
     assert len(drawn) == len(bos) > 0
     np.testing.assert_allclose(drawn.to_numpy(), (bos.mass / bos.n_queries).loc[drawn.index].to_numpy(), rtol=1e-12)
     assert drawn.max() > 1.5 * drawn.min()  # heads differ: what the per-layer average hides
 
-    m = con.execute("SELECT layer, dim, mean FROM dim_moments WHERE scheme = 'role' AND category = 'bos'").df()
     top = m.loc[m["mean"].abs().groupby(m.layer).idxmax()]
     html = Path(report_run.report).read_text()
     section = html[html.index("id='massive-activations'"):]

@@ -168,8 +168,9 @@ def test_runs_side_by_side(run_dir, other_run, capsys):
         assert both.execute(f"SELECT count(*) FROM {view}").fetchone()[0] == sum(counts), view
     import duckdb
 
+    assert (Path(run_dir) / "run.json").exists()
     for write in ("CREATE TABLE t AS SELECT 1", f"COPY (SELECT 1) TO '{Path(run_dir).parent}/x.csv'",
-                  f"SELECT * FROM read_csv('{Path(run_dir).parent}/x.csv')"):
+                  f"SELECT * FROM read_json('{Path(run_dir) / 'run.json'}')"):
         with pytest.raises(duckdb.Error):  # read-only, and locked to the runs' committed files, as one run is
             both.execute(write)
     left_out = (_names(alone[0]) | _names(alone[1])) - offered
@@ -182,6 +183,32 @@ def test_runs_side_by_side(run_dir, other_run, capsys):
     got = {json.loads(line)["run"]: json.loads(line)["n"] for line in out.out.splitlines()}
     assert got == {n: c.execute("SELECT count(*) FROM residual_norms").fetchone()[0] for n, c in zip(names, alone)}
     assert all(f"actlake: note: {v}: not offered" in out.err for v in left_out)
+    for con in (both, *alone):
+        con.close()
+
+
+def test_the_statement_and_the_runs_are_told_apart(tmp_path):
+    from actlake.errors import ActlakeError
+    from actlake.jobs.cli import _runs_and_sql
+
+    long = "SELECT " + "x" * 300 + " FROM t"  # a name too long for a file: no OSError
+    assert _runs_and_sql(["a", long]) == (["a"], long)
+    like = "SELECT * FROM documents WHERE file LIKE 's3://%'"
+    assert _runs_and_sql(["s3://b/r1", like]) == (["s3://b/r1"], like)
+    (tmp_path / "r2").mkdir()
+    assert _runs_and_sql(["s3://b/r1", str(tmp_path / "r2")]) == (["s3://b/r1", str(tmp_path / "r2")], None)
+    with pytest.raises(ActlakeError, match="nowhere: no such run folder"):
+        _runs_and_sql(["s3://b/r1", "nowhere"])
+
+
+def test_a_recorded_view_stands_in_a_subquery_without_its_semicolon():
+    import duckdb
+
+    from actlake.storage.sql import _without_terminator
+
+    for sql in ("SELECT 1 AS x;", "SELECT 1 AS x; -- done", "SELECT 1 AS x -- a comment; not a terminator",
+                "WITH e AS (SELECT ';' AS x) SELECT 1 AS x FROM e ;  /* z */ "):
+        assert duckdb.sql(f"SELECT * FROM (\n{_without_terminator(sql)}\n)").fetchall() == [(1,)], sql
 
 
 def test_report_compares_runs_side_by_side(run_dir, other_run, tmp_path, capsys):
@@ -202,10 +229,13 @@ def test_report_compares_runs_side_by_side(run_dir, other_run, tmp_path, capsys)
         assert (page.parent / f"{slug}.png").read_bytes()[:4] == b"\x89PNG"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the view one run lacks
-        blocks = {slug: chart.data for slug, _, chart in comparison_blocks(actlake.open_runs([run_dir, other_run]))}
+        both = actlake.open_runs([run_dir, other_run])
+    blocks = {slug: chart.data for slug, _, chart in comparison_blocks(both)}
+    both.close()
     for run in (run_dir, other_run):
-        own = actlake.open_run(run).execute("SELECT layer, avg(norm) AS value FROM residual_norms GROUP BY layer "
-                                            "ORDER BY layer").df()
+        con = actlake.open_run(run)
+        own = con.execute("SELECT layer, avg(norm) AS value FROM residual_norms GROUP BY layer ORDER BY layer").df()
+        con.close()
         drawn = blocks["compare_residual_norms"]
         drawn = drawn[drawn.run == Path(run).name][["layer", "value"]].reset_index(drop=True)
         pd.testing.assert_frame_equal(own, drawn, check_dtype=False)

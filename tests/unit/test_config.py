@@ -241,3 +241,12 @@ def test_every_path_a_config_holds_is_resolved_once_when_it_is_read(tmp_path, mo
     lm = parse_config({"output": {"dir": "~/lm"}, "tokenizer": {"path": "tok"}}, root=LMConfig)
     assert (lm.output.dir, lm.tokenizer.path, str(lm.run_dir)) == (f"{home}/lm", f"{work}/tok", f"{home}/lm/{lm.run_id}")
     assert parse_config({"store": "~/store"}, root=PredictorJobConfig).store == f"{home}/store"
+
+
+def test_the_layer_graphs_default_keeps_run_ids():
+    """analyses.layer_graphs changes no result: its null default (on for GPU workers) hashes as the false it
+    replaced, so a run made before keeps its id and resumes."""
+    from actlake.config import parse_config
+
+    ids = {parse_config({"name": "j", "analyses": a}).run_id for a in ({}, {"layer_graphs": False})}
+    assert len(ids) == 1 and parse_config({"name": "j", "analyses": {"layer_graphs": True}}).run_id not in ids
