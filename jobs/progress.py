@@ -34,10 +34,13 @@ class BatchCounter:
 
 
 def counter_actor():
-    """A :class:`BatchCounter` actor that takes no CPU of the workers'."""
+    """A :class:`BatchCounter` actor that takes no CPU of the workers' and lives on the driver's node: the driver
+    reads it every tick, so a worker node lost mid-job must not take it along (the job would end with it)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return ray.remote(num_cpus=0)(BatchCounter).remote()
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(BatchCounter).options(scheduling_strategy=here).remote()
 
 
 class Progress:
