@@ -70,8 +70,12 @@ def documents_windows(tokenizer, texts: list[str], cfg: TokenizationConfig) -> l
     return results
 
 
-def make_batches(windows: list[Window], cfg: BatchingConfig) -> list[list[Window]]:
-    """Greedy batches over windows sorted by length: padding stays small, budget never exceeded."""
+def make_batches(windows: list[Window], cfg: BatchingConfig, by_source: bool = False) -> list[list[Window]]:
+    """Greedy batches over windows sorted by length: padding stays small, budget never exceeded.
+    ``by_source``: each batch holds one source's windows (sources in label order)."""
+    if by_source:
+        labels = sorted({w.source for w in windows})
+        return [b for label in labels for b in make_batches([w for w in windows if w.source == label], cfg)]
     order = sorted(windows, key=lambda w: (len(w.ids), w.doc_id, w.window))
     batches: list[list[Window]] = []
     cur: list[Window] = []

@@ -148,6 +148,10 @@ class AnalysesConfig(Section):
     """Record each batch's attention analyses at one layer and replay the recording at the others, on GPU workers (which check a batch on the device and rerun it strictly when a check fails). On a GPU the recording is a CUDA graph: the host issues a copy of the layer's q, k, v and x into the graph's buffers and one replay per layer instead of about a hundred small launches; the graph keeps one layer's working memory for the batch. Measured on an H200 (docs: Benchmarks, On a GPU): statistics identical to those without, 1.23-1.37x their speed at 4,096 tokens per batch (Pythia-410m, two runs), at 16,384 tokens from 4 % slower (Pythia-410m) to 6 % faster (MiniLM), peak memory 3-8 % higher. null: on for GPU workers when every enabled attention analysis is graph_safe, else off (a line in the worker's log says which analysis keeps it off). true: required (an analysis that is not graph_safe is an error). false: off. CPU workers run strictly and never use it; where run_batch is called with strict=False on a CPU (tests, benchmarks) the recording is a torch.fx trace, no faster. docs: Writing an analysis says what graph_safe promises."""
     custom: list[CustomAnalysisConfig] = []
     """Your own analyses, run and reduced like the built-in ones (docs: Writing an analysis)."""
+    by_source: bool = False
+    """Every statistics table (dim_moments, attention_mass, contributions, attention_geometry, attention_by_distance, custom ones) by corpus subset: its rows per document source label (``meta.pile_set_name`` or ``corpus.source_field``) in its ``source`` column, plus the rows ``source = '*'`` over every document, equal to a run without it. Each batch then holds one source's windows, and each worker keeps one set of statistics per source. false: only the ``'*'`` rows."""
+    max_sources: int = 32
+    """With ``by_source``: the most source labels a job may have (memory and partial files grow with their number); a corpus with more is an error naming this key and the labels seen, at the first shard or commit group that sees them."""
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 
@@ -209,6 +213,9 @@ class JobConfig(ConfigRoot.with_defaults(name="job")):
             d.pop(k)
         if d["analyses"].get("layer_graphs") is None:  # its null default hashes as the false it replaced: runs made
             d["analyses"]["layer_graphs"] = False     # before keep their id and resume (it changes no result)
+        d["analyses"].pop("max_sources")  # changes no result
+        if not d["analyses"]["by_source"]:  # off, the tables hold what they held before it (and a source column,
+            d["analyses"].pop("by_source")  # which partials written before it lack: they read as source '*')
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     @property
@@ -265,6 +272,8 @@ def _check_values(cfg: JobConfig, err) -> None:
     if cfg.sharding.plan_workers < 0:
         err(("sharding", "plan_workers"), "must be 0 (one per core) or more")
     a = cfg.analyses
+    if a.max_sources < 1:
+        err(("analyses", "max_sources"), f"must be at least 1, got {a.max_sources}")
     if a.attention_weights == "fused":
         for name in ("weighted_contributions", "attention_by_distance"):
             if getattr(a, name) and (name != "weighted_contributions" or a.contributions):

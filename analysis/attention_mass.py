@@ -28,9 +28,9 @@ class AttentionMass(OneTable, SumStats):
     products = frozenset({"mass"})
     tables = ("attention_mass",)
     views = {"attention_mass_by_key": """
-        SELECT layer, head, key_category, sum(mass) AS mass, sum(n_queries) AS n_queries,
+        SELECT source, layer, head, key_category, sum(mass) AS mass, sum(n_queries) AS n_queries,
                sum(mass) / sum(n_queries) AS mean_mass
-        FROM attention_mass GROUP BY layer, head, key_category"""}
+        FROM attention_mass GROUP BY source, layer, head, key_category"""}
 
     mass: torch.Tensor
     """(L, H, Cq, Ck) summed attention weight from queries of category cq to keys of category ck."""
@@ -77,7 +77,7 @@ class AttentionMass(OneTable, SumStats):
 
         df = con.execute("""
             SELECT layer, key_category, avg(mean_mass) AS mean_mass FROM attention_mass_by_key
-            GROUP BY layer, key_category ORDER BY layer
+            WHERE source = '*' GROUP BY layer, key_category ORDER BY layer
         """).df()
         c = alt.Chart(df).mark_bar().encode(
             x=alt.X("layer:O", title="layer"),
@@ -103,6 +103,6 @@ def first_token_mass(con):
     when the tokenizer adds none."""
     return con.execute("""
         SELECT layer, head, mean_mass FROM attention_mass_by_key
-        WHERE key_category = 'bos' AND n_queries > 0 AND mass > 0 ORDER BY layer, head
+        WHERE source = '*' AND key_category = 'bos' AND n_queries > 0 AND mass > 0 ORDER BY layer, head
     """).df()
 

@@ -42,19 +42,20 @@ class DimMoments(OneTable, Analysis):
     sites = frozenset({"hidden_states"})
     tables = ("dim_moments",)
     views = {"outliers": """
-        WITH m AS (SELECT layer, dim, mean, count FROM dim_moments WHERE scheme = 'all'),
-             s AS (SELECT layer, median(mean) AS med FROM m GROUP BY layer),
-             d AS (SELECT layer, median(abs(m.mean - s.med)) AS mad FROM m JOIN s USING (layer) GROUP BY layer)
-        SELECT m.layer, m.dim, m.mean, m.count,
+        WITH m AS (SELECT source, layer, dim, mean, count FROM dim_moments WHERE scheme = 'all'),
+             s AS (SELECT source, layer, median(mean) AS med FROM m GROUP BY source, layer),
+             d AS (SELECT source, layer, median(abs(m.mean - s.med)) AS mad FROM m JOIN s USING (source, layer)
+                   GROUP BY source, layer)
+        SELECT m.source, m.layer, m.dim, m.mean, m.count,
                (m.mean - s.med) / nullif(1.4826 * d.mad, 0) AS robust_z,
-               row_number() OVER (PARTITION BY m.layer ORDER BY abs(m.mean - s.med) DESC) AS rank
-        FROM m JOIN s USING (layer) JOIN d USING (layer)""",
+               row_number() OVER (PARTITION BY m.source, m.layer ORDER BY abs(m.mean - s.med) DESC) AS rank
+        FROM m JOIN s USING (source, layer) JOIN d USING (source, layer)""",
              "massive_activations": """
-        WITH e AS (SELECT layer, dim, scheme, category, count, mean, max_abs,
+        WITH e AS (SELECT source, layer, dim, scheme, category, count, mean, max_abs,
                           mean * mean + m2 / count AS mean_square FROM dim_moments WHERE count > 0)
-        SELECT layer, dim, scheme, category, count, mean, max_abs,
-               mean_square / sum(mean_square) OVER (PARTITION BY layer, scheme, category) AS share,
-               row_number() OVER (PARTITION BY layer, scheme, category ORDER BY abs(mean) DESC, dim) AS rank
+        SELECT source, layer, dim, scheme, category, count, mean, max_abs,
+               mean_square / sum(mean_square) OVER (PARTITION BY source, layer, scheme, category) AS share,
+               row_number() OVER (PARTITION BY source, layer, scheme, category ORDER BY abs(mean) DESC, dim) AS rank
         FROM e"""}
     """``outliers``: dimensions ranked by their mean over all tokens against the layer's other dimensions
     (robust z). ``massive_activations``: dimensions ranked by |mean| within each token category of each
@@ -134,7 +135,8 @@ class DimMoments(OneTable, Analysis):
         import altair as alt
 
         df = con.execute(f"""
-            SELECT layer, dim, mean, robust_z, abs(robust_z) > {OUTLIER_Z} AS outlier FROM outliers ORDER BY layer, dim
+            SELECT layer, dim, mean, robust_z, abs(robust_z) > {OUTLIER_Z} AS outlier FROM outliers
+            WHERE source = '*' ORDER BY layer, dim
         """).df()
         means = alt.Chart(df).mark_circle(size=12).encode(
             x=alt.X("dim:Q", title="dimension"),
@@ -148,7 +150,7 @@ class DimMoments(OneTable, Analysis):
         if dims:
             df = con.execute(f"""
                 SELECT layer, dim, category, mean FROM dim_moments
-                WHERE scheme = 'role' AND dim IN ({", ".join(map(str, dims))}) AND count > 0 ORDER BY layer
+                WHERE source = '*' AND scheme = 'role' AND dim IN ({", ".join(map(str, dims))}) AND count > 0 ORDER BY layer
             """).df()
             c = alt.Chart(df).mark_line(point=True).encode(
                 x=alt.X("layer:O", title="layer"), y=alt.Y("mean:Q", title="mean value"),
@@ -172,7 +174,7 @@ def massive_activations_html(con, top: int = MASSIVE_TOP) -> str:
 
     rows = con.execute(f"""
         SELECT layer, category, rank, dim, mean, max_abs, share FROM massive_activations
-        WHERE scheme = 'role' AND rank <= {int(top)} ORDER BY layer, category, rank
+        WHERE source = '*' AND scheme = 'role' AND rank <= {int(top)} ORDER BY layer, category, rank
     """).fetchall()
     cats = [c for c in SCHEMES["role"] if any(r[1] == c for r in rows)]
     cells: dict = {}
@@ -276,6 +278,6 @@ class BatchMoments:
 def top_outlier_dims(con, k: int = 3) -> list[int]:
     """The k dimensions with the largest |robust z| in any layer."""
     rows = con.execute(f"""
-        SELECT dim FROM outliers WHERE robust_z IS NOT NULL GROUP BY dim ORDER BY max(abs(robust_z)) DESC LIMIT {k}
+        SELECT dim FROM outliers WHERE source = '*' AND robust_z IS NOT NULL GROUP BY dim ORDER BY max(abs(robust_z)) DESC LIMIT {k}
     """).fetchall()
     return [r[0] for r in rows]

@@ -5,6 +5,8 @@ Two kinds of producer share it (:class:`Producer`):
 - an :class:`Analysis` holds mergeable statistics (float64 sums on the model's device). Each shard's
   statistics are committed in its commit group as ``<table>_partial`` rows; the reduce step merges every
   group's (``merge`` is associative) into the reduced ``<table>``. It may declare SQL views and report charts.
+  Its tables get a leading ``source`` column from the engine (``analyses.by_source``,
+  :mod:`~actlake.analysis.by_source`): one instance per document source label, ``'*'`` for every document.
 - a :class:`ShardTable` writes rows per token, window or document (``per_token``) with each shard and is
   never reduced: ``tokens``, ``residual_norms``, ``activations``, ``documents``, ``rejects``.
 

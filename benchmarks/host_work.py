@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     from actlake.batching import collate
     from actlake.categories import Categorizer
     from actlake.config import parse_config
-    from actlake.jobs.extract import Extractor, ShardResults
+    from actlake.jobs.extract import Extractor
 
     lm = gpu_suite.build(args)
     batch = gpu_suite.packed_batches(lm, args)[0]
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     plain()  # warm-up
 
     def collect():
-        acc = ShardResults(ex.new_stats())
+        acc = ex.shard_results()
         acc.add(result)  # the statistics' merges are queued on the device, not waited for
         return acc
 
@@ -140,7 +140,6 @@ def beside_compute(ex, result, args) -> None:
     """The second thread's stages alone and beside an operations thread (see the module's docstring)."""
     from actlake.batching import CHARS_PER_TOKEN_CAP, documents_windows
     from actlake.jobs import read
-    from actlake.jobs.extract import ShardResults
     from actlake.jobs.plan import Shard
     from actlake.storage.layout import RunLayout
     from actlake.storage.shards import Group, ShardFiles
@@ -153,7 +152,7 @@ def beside_compute(ex, result, args) -> None:
         corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         shard = Shard(0, str(corpus), "jsonl", 0, len(texts), 0)
         _, docs, rejects = ex.read_shard(shard)
-        acc = ShardResults(ex.new_stats())
+        acc = ex.shard_results()
         acc.add(result)
         runs = iter(range(10**6))
 

@@ -18,7 +18,7 @@ class AttentionEntropy(OneTable, SumStats):
     name = "attention_entropy"
     sites = frozenset({"attention"})  # add_layer gets each layer's LayerQK
     tables = ("attention_entropy",)
-    views = {"attention_entropy_mean": "SELECT layer, query_category, head, "
+    views = {"attention_entropy_mean": "SELECT source, layer, query_category, head, "
                                        "entropy_sum / nullif(n_queries, 0) AS mean_entropy FROM attention_entropy"}
     AXES = [("layer", 0), ("query_category", ROLE), ("head", 0)]  # 0: length from the tensors or the table
 

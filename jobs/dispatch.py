@@ -17,7 +17,11 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict
 
-from actlake.errors import AnalysisFailed
+from actlake.errors import AnalysisFailed, ConfigError
+
+FATAL = (AnalysisFailed, ConfigError)
+"""Errors a worker raises that every shard would raise (an analysis's bug, a setting the data breaks, such as
+``analyses.max_sources``): they end the job at once."""
 
 log = logging.getLogger("actlake.dispatch")
 
@@ -160,8 +164,8 @@ class Dispatcher:
 
     def _commit_failed(self, w, e: Exception) -> None:
         """Writing a group failed (the store refused): its shards go back to the queue like a dead worker's.
-        An analysis that failed writing its tables ends the job."""
-        if isinstance(getattr(e, "cause", None) or e, AnalysisFailed):
+        An analysis that failed writing its tables ends the job, as does a :data:`FATAL` error."""
+        if isinstance(getattr(e, "cause", None) or e, FATAL):
             raise (getattr(e, "cause", None) or e) from None
         cause = str(getattr(e, "cause", None) or e).strip().splitlines()[-1][:500]
         log.error("a group could not be committed: %s", cause)
@@ -183,9 +187,9 @@ class Dispatcher:
 
     def _shard_failed(self, w, s, e: Exception) -> None:
         """An error of the shard's own (a corrupt file): deterministic, so not retried. An analysis that
-        failed would fail on every shard: it ends the job at once."""
+        failed would fail on every shard: it ends the job at once, as does any :data:`FATAL` error."""
         cause = getattr(e, "cause", None) or e
-        if isinstance(cause, AnalysisFailed):
+        if isinstance(cause, FATAL):
             raise cause from None
         self.failures.append(f"shard {s.shard_id:05d} ({s.path} records {s.start}-{s.end}): {cause}")
         log.error("%s", self.failures[-1])

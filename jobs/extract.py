@@ -16,6 +16,7 @@ from collections import Counter
 
 import torch
 
+from actlake.analysis.by_source import BySource, check_labels
 from actlake.analysis.engine import capture
 from actlake.analysis.engine.attention_weights import triton_kernels_on
 from actlake.analysis.engine.device import to_device, to_host
@@ -73,6 +74,13 @@ class Extractor:
     def new_stats(self) -> dict:
         """Fresh accumulators of every enabled analysis, on the model's device: {name: Analysis}."""
         return {cls.name: cls.create(self.spec, **options) for cls, options in self.analyses}
+
+    def shard_results(self, on_batch=None, docs_per_window: float = 0.0) -> "ShardResults":
+        """An empty :class:`ShardResults` for a shard (or for texts, try-analysis): statistics by source label
+        (:mod:`~actlake.analysis.by_source`), one label ``'*'`` without ``analyses.by_source``."""
+        a = self.cfg.analyses
+        stats = {name: BySource(zero, a.by_source, a.max_sources) for name, zero in self.new_stats().items()}
+        return ShardResults(stats, on_batch, docs_per_window)
 
     # ------------------------------------------------------------------ one batch
     def run_batch(self, batch: list[Window], strict: bool | None = None) -> BatchResult:
@@ -142,10 +150,12 @@ class Extractor:
         t0 = time.perf_counter()
         windows, docs, rejects = self.read_shard(shard)
         read_s = time.perf_counter() - t0
+        if self.cfg.analyses.by_source:  # before any compute: too many labels is a setting the corpus breaks
+            check_labels({w.source for w in windows}, self.cfg.analyses.max_sources)
         with compute_lock or contextlib.nullcontext():
             t1 = time.perf_counter()
-            batches = make_batches(windows, self.cfg.batching)
-            acc = ShardResults(self.new_stats(), on_batch, len(docs) / max(len(windows), 1))
+            batches = make_batches(windows, self.cfg.batching, self.cfg.analyses.by_source)
+            acc = self.shard_results(on_batch, len(docs) / max(len(windows), 1))
             splits_before = self.oom_splits
             pending = None  # the batch queued before this one: its results are read once this one is queued
             for batch in batches:
@@ -240,7 +250,7 @@ class ShardResults:
     """A shard's finished batches: the analyses' statistics merged, the token tables' parts kept for writing."""
 
     def __init__(self, stats: dict, on_batch=None, docs_per_window: float = 0.0):
-        self.stats = stats
+        self.stats = stats  # {name: BySource}
         self.parts: dict[str, list] = {}
         self.n_tokens = self.n_padded = 0
         self.on_batch, self.docs_per_window = on_batch, docs_per_window
@@ -252,7 +262,8 @@ class ShardResults:
         self.n_tokens += sum(lengths)
         self.n_padded += len(lengths) * max(lengths) - sum(lengths)
         for name, part in r.stats.items():
-            self.stats[name] = self.stats[name].merge(part)
+            acc = self.stats[name]
+            acc.add(acc.label_of(r.batch), part)
         for table, part in r.parts.items():
             part.collect(r.outputs)
             self.parts.setdefault(table, []).append(part)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from actlake.analysis.by_source import BySource
 from actlake.analysis.registry import failure
-from actlake.errors import StorageError
+from actlake.errors import ConfigError, StorageError
 from actlake.storage.layout import RunLayout
 from actlake.storage.manifest import REDUCE_RECORD, aggregate_path, write_reduce_record
 from actlake.storage.parquet_io import read_parquet, verify_parquet, write_parquet_atomic
@@ -28,11 +29,14 @@ def verify(layout: RunLayout, done: Committed) -> None:
             verify_parquet(layout.root / meta["path"], rows=meta["rows"], size=meta["bytes"])
 
 
-def merge_partials(layout: RunLayout, groups: list[dict], cls):
-    """Merge one statistics class over the given groups, in the given order (any order gives the same result)."""
+def merge_partials(layout: RunLayout, groups: list[dict], cls, max_sources: int | None = None) -> BySource:
+    """Merge one statistics class over the given groups, in the given order (any order gives the same
+    result), by source label (:mod:`~actlake.analysis.by_source`)."""
     total = None
     for rec in groups:
-        stats = cls.from_tables({t: read_parquet(layout.root / rec["partials"][t]["path"]) for t in cls.tables})
+        tables = {t: read_parquet(layout.root / rec["partials"][t]["path"]) for t in cls.tables}
+        stats = BySource.from_tables(cls, tables)
+        stats.max_sources = max_sources
         total = stats if total is None else total.merge(stats)
     return total
 
@@ -73,9 +77,11 @@ def totals_of(summaries: list[dict]) -> dict:
     return totals
 
 
-def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses, verify_files: bool = True) -> dict:
+def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses, verify_files: bool = True,
+               max_sources: int | None = None) -> dict:
     """Verify every shard, merge the partials of each analysis in ``analyses`` (the classes of the job's
-    enabled analyses), publish the reduced tables; return the job's totals."""
+    enabled analyses), publish the reduced tables (by source label, with the rows over every document);
+    return the job's totals."""
     done = collect(layout, shard_ids, plan_hash)
     planned = set(shard_ids)
     groups = [g for g in done.groups if all(int(s) in planned for s in g["shards"])]
@@ -88,7 +94,9 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
         having = [g for g in groups if cls.tables[0] in g["partials"]]
         if having:
             try:
-                merged = merge_partials(layout, having, cls).to_tables()
+                merged = merge_partials(layout, having, cls, max_sources).to_tables(with_total=True)
+            except ConfigError:
+                raise
             except Exception as e:
                 raise (failure(e, [cls]) or e) from None
             for table, data in merged.items():

@@ -65,7 +65,7 @@ def _nonfinite(con) -> str:
     for table, what in NONFINITE:
         if table not in have:
             continue
-        rows = con.execute(f"SELECT layer, max(nonfinite_tokens) FROM {table} GROUP BY layer ORDER BY layer").fetchall()
+        rows = con.execute(f"SELECT layer, max(nonfinite_tokens) FROM {table} WHERE source = '*' GROUP BY layer ORDER BY layer").fetchall()
         bad = [(layer, int(n)) for layer, n in rows if n]
         parts.append(f"{what}s: " + ("0 in every layer" if not bad else ", ".join(f"{what} {l}: {n}" for l, n in bad)))
     return "; ".join(parts)
@@ -107,6 +107,8 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     layout, con = open_for_report(run_dir, ("documents",), "no committed shard to report on (did the job run?)")
     try:
         blocks = _blocks(con, list(builtin().values()) if analyses is None else analyses)
+        if len(source_labels(con)) > 1:  # analyses.by_source: the headline statistics, a line per source
+            blocks += comparison_blocks(con, series="source")
         nonfinite = _nonfinite(con)
     finally:
         con.close()
@@ -137,42 +139,58 @@ def build_comparison(run_dirs: list, out_dir: str | Path) -> Path:
     return write_page(RunLayout(out), blocks, header)
 
 
-def comparison_blocks(con) -> list:
-    """(slug, title, chart) per headline statistic the side-by-side connection ``con`` offers."""
+def comparison_blocks(con, series: str = "run") -> list:
+    """(slug, title, chart) per headline statistic ``con`` offers, a line per ``series``: ``run`` (a
+    side-by-side connection, :func:`~actlake.storage.sql.open_runs`; rows over every document) or ``source``
+    (one run's rows per source label, ``analyses.by_source``)."""
     import altair as alt
 
     from actlake.analysis.dim_moments import OUTLIER_Z  # loads torch: imported when used
 
     alt.data_transformers.disable_max_rows()
     have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    rows = "source = '*'" if series == "run" else "source <> '*'"
+    norms = ("SELECT run AS series, layer, avg(norm) AS value FROM residual_norms GROUP BY ALL ORDER BY ALL"
+             if series == "run" else
+             "SELECT d.source AS series, r.layer, avg(r.norm) AS value FROM residual_norms r JOIN documents d "
+             "USING (doc_id) GROUP BY ALL ORDER BY ALL")
     charts = [
-        ("residual_norms", "compare_residual_norms", "Residual-stream norm by layer (mean)", "mean ||h||",
-         "SELECT run, layer, avg(norm) AS value FROM residual_norms GROUP BY ALL ORDER BY run, layer"),
-        ("attention_mass_by_key", "compare_first_token_mass",
+        ("residual_norms", "residual_norms", "Residual-stream norm by layer (mean)", "mean ||h||", norms),
+        ("attention_mass_by_key", "first_token_mass",
          "Attention mass on the leading special token ([CLS] or BOS) by layer, mean over heads", "mass on it",
-         "SELECT run, layer, avg(mean_mass) AS value FROM attention_mass_by_key WHERE key_category = 'bos' "
-         "GROUP BY ALL ORDER BY run, layer"),
-        ("massive_activations", "compare_massive_activations",
+         f"SELECT {series} AS series, layer, avg(mean_mass) AS value FROM attention_mass_by_key WHERE {rows} "
+         "AND key_category = 'bos' GROUP BY ALL ORDER BY ALL"),
+        ("massive_activations", "massive_activations",
          "Share of [CLS]/BOS's mean squared norm in its largest dimension, by layer", "share (top dimension)",
-         "SELECT run, layer, share AS value, dim FROM massive_activations WHERE scheme = 'role' AND category = 'bos' "
-         "AND rank = 1 ORDER BY run, layer"),
-        ("outliers", "compare_outliers", f"Outlier dimensions by layer (|robust z| > {OUTLIER_Z:g})", "dimensions",
-         f"SELECT run, layer, count(*) FILTER (WHERE abs(robust_z) > {OUTLIER_Z}) AS value FROM outliers "
-         "GROUP BY ALL ORDER BY run, layer"),
+         f"SELECT {series} AS series, layer, share AS value, dim FROM massive_activations WHERE {rows} "
+         "AND scheme = 'role' AND category = 'bos' AND rank = 1 ORDER BY ALL"),
+        ("outliers", "outliers", f"Outlier dimensions by layer (|robust z| > {OUTLIER_Z:g})", "dimensions",
+         f"SELECT {series} AS series, layer, count(*) FILTER (WHERE abs(robust_z) > {OUTLIER_Z}) AS value "
+         f"FROM outliers WHERE {rows} GROUP BY ALL ORDER BY ALL"),
     ]
     blocks = []
     for view, slug, title, y, sql in charts:
         if view not in have:
             continue
-        df = con.execute(sql).df()
+        df = con.execute(sql).df().rename(columns={"series": series})
         if df.empty:
             continue
         c = alt.Chart(df).mark_line(point=True).encode(
-            x=alt.X("layer:O", title="layer"), y=alt.Y("value:Q", title=y), color=alt.Color("run:N", title="run"),
+            x=alt.X("layer:O", title="layer"), y=alt.Y("value:Q", title=y), color=alt.Color(f"{series}:N", title=series),
             tooltip=[c for c in df.columns],
         ).properties(width=480, height=240)
-        blocks.append((slug, title, c))
+        blocks.append((f"{'compare' if series == 'run' else 'by_source'}_{slug}",
+                       title if series == "run" else f"By source: {title[0].lower()}{title[1:]}", c))
     return blocks
+
+
+def source_labels(con) -> list[str]:
+    """The source labels of a run's statistics (``analyses.by_source``; none without it)."""
+    have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    table = next((t for t in ("dim_moments", "attention_mass") if t in have), None)
+    if table is None:
+        return []
+    return [r[0] for r in con.execute(f"SELECT DISTINCT source FROM {table} WHERE source <> '*' ORDER BY 1").fetchall()]
 
 
 def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:

@@ -253,7 +253,7 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
         if todo:
             log.warning("%d shard(s) not committed after dispatch (a commit record was skipped); running them again",
                         len(todo))
-    totals = reduce_run(layout, [s.shard_id for s in shards], phash, analyses)
+    totals = reduce_run(layout, [s.shard_id for s in shards], phash, analyses, max_sources=cfg.analyses.max_sources)
     wall = time.perf_counter() - t0
     tokens_run = sum(r["tokens"] for r in ran)
     totals.update(wall_seconds=wall, shards_run=len(pending), tokens_run=tokens_run,

@@ -16,7 +16,7 @@ from actlake.analysis.registry import builtin, enabled, failure, shard_tables
 from actlake.batching import Window, document_windows, make_batches
 from actlake.config import parse_config
 from actlake.errors import ConfigError
-from actlake.jobs.extract import Extractor, ShardResults
+from actlake.jobs.extract import Extractor
 from actlake.jobs.run import import_custom_analyses
 from actlake.model import load_model
 
@@ -49,7 +49,7 @@ def try_analysis(target: str, texts: list[str], model: str = DEFAULT_MODEL, path
     if not windows:
         raise ConfigError(f"try-analysis: the texts give no window of at least {cfg.tokenization.min_tokens} tokens")
     try:
-        acc = ShardResults(ex.new_stats())
+        acc = ex.shard_results()
         for batch in make_batches(windows, cfg.batching):
             for result in ex.run_batch_resilient(batch):
                 acc.add(result)

@@ -32,6 +32,27 @@ def quickstart_headline(runs: Path) -> str:
             f"periods {pct.get('period', 0):.1f} %, commas {pct.get('comma', 0):.1f} %).")
 
 
+BY_SOURCE_SQL = """SELECT source, round(avg(mean_mass) FILTER (WHERE layer BETWEEN 1 AND 4), 3) AS cls_mass_1_4,
+       round(avg(mean_mass) FILTER (WHERE layer = 5), 3) AS cls_mass_5
+FROM attention_mass_by_key WHERE key_category = 'bos' GROUP BY source ORDER BY cls_mass_1_4 DESC"""
+"""Mass on [CLS] per source (``analyses.by_source``): docs/findings.md and the README's tour."""
+
+
+def by_source(runs: Path) -> str:
+    rows = actlake.query(runs / "quickstart", BY_SOURCE_SQL).to_pylist()
+    cells = [f"| {r['source']}{' (every document)' if r['source'] == '*' else ''} | {r['cls_mass_1_4']:.3f} | "
+             f"{r['cls_mass_5']:.3f} |" for r in rows]
+    top, low = rows[0], rows[-1]
+    return "\n".join([
+        f"- **By source** (`analyses.by_source`, on in the quick start): the sink is strongest on {top['source']} "
+        f"({top['cls_mass_1_4']:.3f} of each query's attention on [CLS], layers 1–4) and weakest on {low['source']} "
+        f"({low['cls_mass_1_4']:.3f}); `actlake sql runs/quickstart` with the README's query:",
+        "",
+        "  | source | mass on [CLS], layers 1–4 | layer 5 |",
+        "  |---|---|---|",
+        *[f"  {c}" for c in cells]])
+
+
 def predictive(runs: Path) -> str:
     lm = json.loads((runs / "lm-quick" / "summary.json").read_text())
     pred = runs / "predictor-quick"
@@ -61,6 +82,7 @@ def predictive(runs: Path) -> str:
 
 
 BLOCKS = {"quickstart-headline": (quickstart_headline, ("quickstart",)),
+          "by-source": (by_source, ("quickstart",)),
           "predictive-measured": (predictive, ("lm-quick", "predictor-quick"))}
 
 

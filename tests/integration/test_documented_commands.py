@@ -72,6 +72,8 @@ def test_the_five_minute_tour(quickstart):
     assert "(0 of 8 shards ran)" in again
     outliers = _bash(ACTIVATE + command("tour-sql")).stdout
     assert "robust_z" not in outliers and " z " in outliers
+    by_source = _bash(ACTIVATE + command("tour-by-source")).stdout
+    assert all(label in by_source for label in ("PythonSource", "Licenses", "│ *")), by_source
     for code in (command("tour-python"), command("querying-python")):
         shown = subprocess.run([str(BIN / "python"), "-c", code], cwd=ROOT, env=_env(), capture_output=True,
                                text=True, timeout=300)
