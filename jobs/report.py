@@ -103,7 +103,10 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     included); default the built-in ones. ``actlake report`` never imports code named in a run folder.
     """
     from actlake.analysis.registry import builtin  # loads pyarrow, torch: imported when used
+    from actlake.storage.layout import sweep_checkpoints
 
+    if sweep_checkpoints(location(run_dir)) is not None:
+        return build_sweep_report(run_dir)
     layout, con = open_for_report(run_dir, ("documents",), "no committed shard to report on (did the job run?)")
     try:
         blocks = _blocks(con, list(builtin().values()) if analyses is None else analyses)
@@ -113,6 +116,21 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     finally:
         con.close()
     return write_page(layout, blocks, _summary_html(layout, nonfinite))
+
+
+def build_sweep_report(run_dir) -> Path:
+    """A checkpoint sweep's ``report/report.html`` (:func:`sweep_blocks`), in the sweep's folder."""
+    from actlake.storage.sql import open_run  # loads pyarrow: imported when used
+
+    layout = RunLayout(location(run_dir))
+    con = open_run(layout.root)
+    try:
+        blocks = sweep_blocks(con)
+    finally:
+        con.close()
+    return write_page(layout, blocks, "<p>A checkpoint sweep: each checkpoint's run is in "
+                                      "<code>checkpoints/LABEL/</code>; its tables carry the column "
+                                      "<code>checkpoint</code>.</p>")
 
 
 def build_comparison(run_dirs: list, out_dir: str | Path) -> Path:
@@ -139,21 +157,17 @@ def build_comparison(run_dirs: list, out_dir: str | Path) -> Path:
     return write_page(RunLayout(out), blocks, header)
 
 
-def comparison_blocks(con, series: str = "run") -> list:
-    """(slug, title, chart) per headline statistic ``con`` offers, a line per ``series``: ``run`` (a
-    side-by-side connection, :func:`~actlake.storage.sql.open_runs`; rows over every document) or ``source``
-    (one run's rows per source label, ``analyses.by_source``)."""
-    import altair as alt
-
+def headline_frames(con, series: str = "run") -> list:
+    """(slug, title, y title, DataFrame of (series, layer, value)) per headline statistic ``con`` offers, by
+    ``series``: ``run`` (a side-by-side connection, :func:`~actlake.storage.sql.open_runs`), ``checkpoint``
+    (a sweep) -- their rows over every document -- or ``source`` (one run's rows per source label)."""
     from actlake.analysis.dim_moments import OUTLIER_Z  # loads torch: imported when used
 
-    alt.data_transformers.disable_max_rows()
     have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    rows = "source = '*'" if series == "run" else "source <> '*'"
-    norms = ("SELECT run AS series, layer, avg(norm) AS value FROM residual_norms GROUP BY ALL ORDER BY ALL"
-             if series == "run" else
-             "SELECT d.source AS series, r.layer, avg(r.norm) AS value FROM residual_norms r JOIN documents d "
-             "USING (doc_id) GROUP BY ALL ORDER BY ALL")
+    rows = "source <> '*'" if series == "source" else "source = '*'"
+    norms = ("SELECT d.source AS series, r.layer, avg(r.norm) AS value FROM residual_norms r JOIN documents d "
+             "USING (doc_id) GROUP BY ALL ORDER BY ALL" if series == "source" else
+             f"SELECT {series} AS series, layer, avg(norm) AS value FROM residual_norms GROUP BY ALL ORDER BY ALL")
     charts = [
         ("residual_norms", "residual_norms", "Residual-stream norm by layer (mean)", "mean ||h||", norms),
         ("attention_mass_by_key", "first_token_mass",
@@ -168,19 +182,57 @@ def comparison_blocks(con, series: str = "run") -> list:
          f"SELECT {series} AS series, layer, count(*) FILTER (WHERE abs(robust_z) > {OUTLIER_Z}) AS value "
          f"FROM outliers WHERE {rows} GROUP BY ALL ORDER BY ALL"),
     ]
-    blocks = []
+    out = []
     for view, slug, title, y, sql in charts:
-        if view not in have:
-            continue
-        df = con.execute(sql).df().rename(columns={"series": series})
-        if df.empty:
-            continue
+        if view in have:
+            df = con.execute(sql).df().rename(columns={"series": series})
+            if not df.empty:
+                out.append((slug, title, y, df))
+    return out
+
+
+def comparison_blocks(con, series: str = "run") -> list:
+    """(slug, title, chart) per headline statistic (:func:`headline_frames`), a line per ``series`` over the layers."""
+    import altair as alt
+
+    alt.data_transformers.disable_max_rows()
+    blocks = []
+    for slug, title, y, df in headline_frames(con, series):
         c = alt.Chart(df).mark_line(point=True).encode(
             x=alt.X("layer:O", title="layer"), y=alt.Y("value:Q", title=y), color=alt.Color(f"{series}:N", title=series),
             tooltip=[c for c in df.columns],
         ).properties(width=480, height=240)
         blocks.append((f"{'compare' if series == 'run' else 'by_source'}_{slug}",
                        title if series == "run" else f"By source: {title[0].lower()}{title[1:]}", c))
+    return blocks
+
+
+def sweep_blocks(con) -> list:
+    """A checkpoint sweep's report: each headline statistic against the training step (the checkpoint's place
+    in the sweep where it has no step), a line per layer; then the checkpoints table, copies flagged."""
+    import altair as alt
+
+    alt.data_transformers.disable_max_rows()
+    points = con.execute("SELECT checkpoint, ordinal, step, sha256, same_as FROM checkpoints ORDER BY ordinal").df()
+    by_step = points["step"].notna().all()
+    x = alt.X("step:Q" if by_step else "ordinal:O", title="training step" if by_step else "checkpoint (sweep order)")
+    blocks = []
+    for slug, title, y, df in headline_frames(con, "checkpoint"):
+        df = df.merge(points[["checkpoint", "ordinal", "step"]], on="checkpoint")
+        c = alt.Chart(df).mark_line(point=True).encode(
+            x=x, y=alt.Y("value:Q", title=y), color=alt.Color("layer:O", title="layer"),
+            tooltip=[c for c in df.columns],
+        ).properties(width=480, height=240)
+        blocks.append((f"sweep_{slug}", f"Across checkpoints: {title[0].lower()}{title[1:]}", c))
+    rows = "".join(
+        f"<tr><td>{html.escape(str(r.checkpoint))}</td><td>{'' if r.step != r.step else int(r.step)}</td>"
+        f"<td><code>{html.escape(str(r.sha256)[:16])}</code></td>"
+        f"<td>{'<b>same weights as ' + html.escape(str(r.same_as)) + '</b>' if isinstance(r.same_as, str) else ''}</td></tr>"
+        for r in points.itertuples())
+    blocks.insert(0, "<section id='checkpoints'><h2>Checkpoints</h2><table class='t1'><tr><th>checkpoint</th>"
+                     f"<th>step</th><th>sha256 of the weights</th><th></th></tr>{rows}</table>"
+                     "<p>A checkpoint with the same weights as an earlier one gives the same statistics: its points "
+                     "repeat that one's.</p></section>")
     return blocks
 
 

@@ -210,10 +210,14 @@ def custom_code(cfg: JobConfig) -> dict[str, bytes]:
 
 def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None) -> RunResult:
     """Run a job to completion (resuming a run directory), reduce, and build the report; one job at a time
-    per run directory (:mod:`actlake.storage.lock`).
+    per run directory (:mod:`actlake.storage.lock`). With ``model.checkpoints``, a sweep (:mod:`~actlake.jobs.sweep`).
 
     ``on_shard(summary)`` is called in the driver after each shard commits (summary includes the
     worker's resident memory after the shard, ``worker_rss_mb``)."""
+    if cfg.model.checkpoints:  # a sweep: this job once per checkpoint
+        from actlake.jobs.sweep import run_sweep
+
+        return run_sweep(cfg, address, report, on_shard)
     from actlake.analysis.registry import check_table_names, enabled  # loads torch: imported when used
     from actlake.model import require_accelerate  # loads torch: imported when used
 

@@ -73,6 +73,21 @@ class RunLayout:
         return str(path.relative_to(self.root))
 
 
+SWEEP_RECORD = "sweep.json"
+"""In a checkpoint sweep's folder (``model.checkpoints``): its checkpoints in order, written once every
+checkpoint's run is complete (:mod:`~actlake.jobs.sweep`)."""
+CHECKPOINTS_DIR = "checkpoints"
+"""In a sweep's folder: a run folder per checkpoint, named by its label."""
+
+
+def sweep_checkpoints(root) -> list[dict] | None:
+    """The checkpoint rows of a sweep folder's record (``root``: a Path or ObjectPath); None for a run."""
+    try:
+        return json.loads((root / SWEEP_RECORD).read_text())["checkpoints"]
+    except FileNotFoundError:
+        return None
+
+
 def write_json_atomic(path, obj) -> None:
     """Write ``obj`` as JSON: whole or not at all (temporary name and rename; one PUT in an object store)."""
     write_atomic(path, json.dumps(obj, indent=2, sort_keys=True).encode())

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from actlake.errors import QueryError, StorageError
 from actlake.fs import arrow, location
-from actlake.storage.layout import RunLayout
+from actlake.storage.layout import CHECKPOINTS_DIR, RunLayout, sweep_checkpoints
 from actlake.storage.manifest import committed_files, is_table_name, recorded_views
 from actlake.storage.readonly_fs import ReadOnlyFiles, url
 from actlake.storage.sql_process import MAX_TEMP_SIZE  # one default for open_run and actlake sql
@@ -204,9 +204,10 @@ class _Run:
         return f"WITH {ctes} SELECT * FROM (\n{self.views[name]}\n)"
 
 
-def _side_by_side(con, runs: list[_Run]) -> list[str]:
-    """Create, for every table and view of the runs, one view of their rows with a leading column ``run`` (the
-    run folder's name), where every run has it with the same columns; the lines saying which were left out and why."""
+def _side_by_side(con, runs: list[_Run], column: str = "run") -> list[str]:
+    """Create, for every table and view of the runs, one view of their rows with a leading ``column`` (the run
+    folder's name: ``run``, or ``checkpoint`` in a sweep), where every run has it with the same columns; the
+    lines saying which were left out and why."""
     names = [r.name for r in runs]
     if len(set(names)) < len(names):
         raise StorageError(f"runs opened together need distinct folder names, got {names}")
@@ -217,8 +218,8 @@ def _side_by_side(con, runs: list[_Run]) -> list[str]:
             notes.append(f"{name}: not offered, missing in {', '.join(missing)}")
             continue
         columns = [[tuple(c[:2]) for c in con.execute(f"DESCRIBE {r.select(name)}").fetchall()] for r in runs]
-        if "run" in (c for c, _ in columns[0]):
-            notes.append(f"{name}: not offered, it has a column named run")
+        if column in (c for c, _ in columns[0]):
+            notes.append(f"{name}: not offered, it has a column named {column}")
             continue
         differ = next((i for i, cols in enumerate(columns) if cols != columns[0]), None)
         if differ is not None:
@@ -226,9 +227,25 @@ def _side_by_side(con, runs: list[_Run]) -> list[str]:
             notes.append(f"{name}: not offered, columns differ: {runs[0].name} has {sorted(a - b) or 'no others'}, "
                          f"{runs[differ].name} has {sorted(b - a) or 'no others'}")
             continue
-        union = "\nUNION ALL\n".join(f"SELECT {_quote(r.name)} AS run, * FROM (\n{r.select(name)}\n)" for r in runs)
+        union = "\nUNION ALL\n".join(f"SELECT {_quote(r.name)} AS {column}, * FROM (\n{r.select(name)}\n)" for r in runs)
         con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {union}")
     return notes
+
+
+CHECKPOINT_COLUMNS = (("checkpoint", "VARCHAR"), ("ordinal", "INTEGER"), ("step", "BIGINT"), ("path", "VARCHAR"),
+                      ("revision", "VARCHAR"), ("sha256", "VARCHAR"), ("same_as", "VARCHAR"))
+"""The ``checkpoints`` table of a sweep (``ordinal``: its place in ``model.checkpoints``, from 0)."""
+
+
+def _checkpoints_sql(rows: list[dict]) -> str:
+    """A SELECT of a sweep's checkpoints (its record's rows) as literal values."""
+    def literal(v) -> str:
+        return "NULL" if v is None else str(int(v)) if isinstance(v, int) else _quote(str(v))
+
+    values = ", ".join("(" + ", ".join(literal(i if c == "ordinal" else r.get(c)) for c, _ in CHECKPOINT_COLUMNS) + ")"
+                       for i, r in enumerate(rows))
+    cast = ", ".join(f"{_ident(c)}::{t} AS {_ident(c)}" for c, t in CHECKPOINT_COLUMNS)
+    return f"SELECT {cast} FROM (VALUES {values}) AS v({', '.join(_ident(c) for c, _ in CHECKPOINT_COLUMNS)})"
 
 
 def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_temp_size: str = MAX_TEMP_SIZE):
@@ -238,6 +255,10 @@ def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_t
     import duckdb
 
     side_by_side = isinstance(run_dirs, (list, tuple))  # else one run: a path, a URL or an ObjectPath
+    column, sweep = "run", None if side_by_side else sweep_checkpoints(location(run_dirs))
+    if sweep is not None:  # a checkpoint sweep: its checkpoints' runs side by side
+        run_dirs = [location(run_dirs) / CHECKPOINTS_DIR / c["checkpoint"] for c in sweep]
+        side_by_side, column = True, "checkpoint"
     runs = [_Run(d) for d in (run_dirs if side_by_side else [run_dirs])]
     if not runs:
         raise StorageError("no run to open")
@@ -266,7 +287,9 @@ def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_t
                 con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {sql}")
         else:
             _restrict(con, every)
-            notes = _side_by_side(con, runs)
+            notes = _side_by_side(con, runs, column)
+        if sweep is not None:
+            con.execute(f"CREATE TEMP VIEW checkpoints AS {_checkpoints_sql(sweep)}")
         con.execute("SET lock_configuration = true")
     except duckdb.Error as e:
         cleanup()

@@ -250,3 +250,18 @@ def test_the_layer_graphs_default_keeps_run_ids():
 
     ids = {parse_config({"name": "j", "analyses": a}).run_id for a in ({}, {"layer_graphs": False})}
     assert len(ids) == 1 and parse_config({"name": "j", "analyses": {"layer_graphs": True}}).run_id not in ids
+
+
+def test_by_source_and_checkpoints_off_keep_run_ids_and_bad_checkpoints_are_named():
+    """analyses.by_source / max_sources and model.checkpoints came after runs were made: off (their defaults)
+    they hash as before, so those runs keep their ids and resume; a sweep's checkpoint needs a path or a
+    revision and a label of its own."""
+    base = parse_config({"name": "j"}).run_id  # at 81bbc5b, before the keys, this config's id was the same
+    assert parse_config({"name": "j", "analyses": {"by_source": False, "max_sources": 5}}).run_id == base
+    assert parse_config({"name": "j", "analyses": {"by_source": True}}).run_id != base
+    with pytest.raises(ConfigError, match=r"model.checkpoints.1.*path .* or revision"):
+        parse_config({"name": "j", "model": {"checkpoints": [{"path": "/tmp"}, {"step": 3}]}})
+    with pytest.raises(ConfigError, match=r"label 'step-3' .* another checkpoint has it"):
+        parse_config({"name": "j", "model": {"checkpoints": [{"revision": "a", "step": 3}, {"revision": "b", "step": 3}]}})
+    with pytest.raises(ConfigError, match=r"analyses.max_sources.*at least 1"):
+        parse_config({"name": "j", "analyses": {"max_sources": 0}})

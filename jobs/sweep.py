@@ -1,0 +1,117 @@
+"""A checkpoint sweep (``model.checkpoints``): the job's shards under each checkpoint, one run per checkpoint.
+
+``RUN/checkpoints/LABEL/`` is an ordinary run of the same config with that checkpoint as the model. They run
+one after the other, so the work is ordered by checkpoint and each worker loads each checkpoint once; each
+resumes on its own (its plan, commit groups and completion records), so (checkpoint, shard) is the unit of
+work. ``RUN/sweep.json``, written last, lists the checkpoints with the sha256 of their weight files and
+``same_as`` (the first earlier checkpoint with byte-identical weights): public checkpoint series do serve
+identical weights under different step names, and a sweep that plotted them silently would mislead.
+``actlake sql RUN`` opens the runs side by side with a leading column ``checkpoint`` and a table
+``checkpoints`` (:mod:`~actlake.storage.sql`); the report draws the headline statistics against the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+from actlake.config import JobConfig, resolve_model_path
+from actlake.config_base import looks_local
+from actlake.errors import ModelLoadError
+from actlake.storage.layout import CHECKPOINTS_DIR, SWEEP_RECORD, write_json_atomic
+
+log = logging.getLogger("actlake.sweep")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+"""Files whose bytes are a model's weights (names included in the digest, configs and tokenizers not)."""
+
+
+def checkpoint_config(cfg: JobConfig, c) -> JobConfig:
+    """The job of one checkpoint: ``cfg`` with that model, run in ``RUN/checkpoints/LABEL``."""
+    where = {"name_or_path": c.path, "revision": None} if c.path is not None else {"revision": c.revision}
+    model = cfg.model.model_copy(update={"checkpoints": [], **where})
+    output = cfg.output.model_copy(update={"dir": str(cfg.run_dir / CHECKPOINTS_DIR), "run_id": c.name, "report": False})
+    return cfg.model_copy(update={"model": model, "output": output})
+
+
+def weights_digest(cfg: JobConfig, c) -> str:
+    """sha256 over a checkpoint's weight files (each file's name and sha256, in name order): equal digests
+    are byte-identical weights. A local folder is read here; a hub model's files are not downloaded: the
+    hub's own sha256 of each (LFS) file is used."""
+    name = c.path if c.path is not None else cfg.model.name_or_path
+    if c.path is not None and (looks_local(name) or name.startswith("package:")):
+        folder = Path(resolve_model_path(name))
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+        digests = [(p.relative_to(folder).as_posix(), _file_sha256(p)) for p in files]
+    else:
+        digests = _hub_digests(name, c.revision if c.path is None else cfg.model.revision, c.name)
+    if not digests:
+        raise ModelLoadError(f"model.checkpoints: {c.name} ({name}): no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    h = hashlib.sha256()
+    for rel, digest in digests:
+        h.update(f"{rel}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _hub_digests(repo: str, revision: str | None, label: str) -> list[tuple[str, str]]:
+    """(file, sha256) of a hub model's weight files at ``revision``, from the hub's file metadata."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+    except Exception as e:  # noqa: BLE001 - offline, unknown revision, private repo: one line naming it
+        raise ModelLoadError(f"model.checkpoints: {label}: cannot read the weight files' sha256 of {repo} at "
+                             f"revision {revision} from the hub ({type(e).__name__}: {e})") from None
+    return sorted((s.rfilename, s.lfs.sha256 if s.lfs else (s.blob_id or "")) for s in info.siblings
+                  if s.rfilename.endswith(WEIGHT_SUFFIXES))
+
+
+def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None):
+    """Run every checkpoint's job in order (each resumes what it finished before), then write the sweep's
+    record and report; returns a :class:`~actlake.jobs.run.RunResult` over all of them."""
+    from actlake.jobs.run import RunResult, run_job
+
+    t0 = time.perf_counter()
+    rows, results = [], []
+    for i, c in enumerate(cfg.model.checkpoints):
+        digest = weights_digest(cfg, c)
+        same_as = next((r["checkpoint"] for r in rows if r["sha256"] == digest), None)
+        if same_as is not None:
+            log.warning("checkpoint %s has byte-identical weights to %s (sha256 %s): its statistics are %s's; the "
+                        "checkpoints table flags it (same_as)", c.name, same_as, digest[:12], same_as)
+        log.info("checkpoint %d/%d: %s (%s)", i + 1, len(cfg.model.checkpoints), c.name, c.path or c.revision)
+        results.append(run_job(checkpoint_config(cfg, c), address, report=False, on_shard=on_shard))
+        rows.append({"checkpoint": c.name, "step": c.step, "path": c.path, "revision": c.revision,
+                     "sha256": digest, "same_as": same_as})
+    write_json_atomic(cfg.run_dir / SWEEP_RECORD, {"checkpoints": rows})  # last: a sweep is opened once complete
+    totals = sweep_totals([r.totals for r in results], time.perf_counter() - t0)
+    totals["checkpoints"] = rows
+    report_path = None
+    if cfg.output.report if report is None else report:
+        from actlake.jobs.report import build_report
+
+        report_path = str(build_report(cfg.run_dir))
+    return RunResult(str(cfg.run_dir), sum(r.shards_total for r in results), sum(r.shards_run for r in results),
+                     totals, time.perf_counter() - t0, report_path)
+
+
+def sweep_totals(totals: list[dict], wall: float) -> dict:
+    """The checkpoints' job totals added up (documents, windows, tokens: once per checkpoint)."""
+    out: dict = {"rejects": {}, "wall_seconds": wall}
+    for t in totals:
+        for k in ("shards", "docs", "windows", "tokens", "padded_tokens", "oom_splits", "cut_docs", "tokens_run"):
+            out[k] = out.get(k, 0) + (t.get(k) or 0)
+        for reason, n in t.get("rejects", {}).items():
+            out["rejects"][reason] = out["rejects"].get(reason, 0) + n
+    out["padded_fraction"] = out["padded_tokens"] / max(1, out["tokens"])
+    out["tokens_per_second"] = out["tokens_run"] / wall if out["tokens_run"] else None
+    return out
