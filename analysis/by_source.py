@@ -51,7 +51,7 @@ class BySource:
         self.parts[label] = self.parts[label].merge(stats) if label in self.parts else stats
         self._check()
 
-    def merge(self, other: "BySource") -> "BySource":
+    def merge(self, other: BySource) -> BySource:
         parts = dict(self.parts)
         for label, stats in other.parts.items():
             parts[label] = parts[label].merge(stats) if label in parts else stats
@@ -85,7 +85,7 @@ class BySource:
         return {t: pa.concat_tables(parts) for t, parts in out.items()}
 
     @classmethod
-    def from_tables(cls, analysis, tables: dict) -> "BySource":
+    def from_tables(cls, analysis, tables: dict) -> BySource:
         """The inverse of :meth:`to_tables` for ``analysis`` (a class): its statistics per label, the
         :data:`ALL` rows of a reduced table left out where labelled rows sum to them."""
         first = tables[analysis.tables[0]]

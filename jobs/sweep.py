@@ -20,6 +20,7 @@ from pathlib import Path
 from actlake.config import JobConfig, resolve_model_path
 from actlake.config_base import looks_local
 from actlake.errors import ModelLoadError
+from actlake.hashing import file_sha256
 from actlake.storage.layout import CHECKPOINTS_DIR, SWEEP_RECORD, write_json_atomic
 
 log = logging.getLogger("actlake.sweep")
@@ -43,7 +44,7 @@ def weights_digest(cfg: JobConfig, c) -> str:
     if c.path is not None and (looks_local(name) or name.startswith("package:")):
         folder = Path(resolve_model_path(name))
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
-        digests = [(p.relative_to(folder).as_posix(), _file_sha256(p)) for p in files]
+        digests = [(p.relative_to(folder).as_posix(), file_sha256(p)) for p in files]
     else:
         digests = _hub_digests(name, c.revision if c.path is None else cfg.model.revision, c.name)
     if not digests:
@@ -51,14 +52,6 @@ def weights_digest(cfg: JobConfig, c) -> str:
     h = hashlib.sha256()
     for rel, digest in digests:
         h.update(f"{rel}\0{digest}\n".encode())
-    return h.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
     return h.hexdigest()
 
 

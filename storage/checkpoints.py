@@ -10,7 +10,6 @@ and set aside). Readers of a finished run take only verified checkpoints (:func:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from actlake.errors import TrainingError
+from actlake.hashing import file_sha256
 
 log = logging.getLogger("actlake.training")
 
@@ -63,17 +63,9 @@ def checkpoint_identity(config_hash: str, trial: str) -> dict:
     return {"config": config_hash, "trial": trial}
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _write_manifest(folder: Path) -> None:
     files = sorted(p for p in folder.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _digest(p)} for p in files}
+    manifest = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in files}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
 
@@ -136,7 +128,7 @@ def checkpoint_problem(path: Path) -> str | None:
             return f"{f}: missing"
         if f.stat().st_size != meta["bytes"]:
             return f"{f}: {f.stat().st_size} bytes, its manifest says {meta['bytes']}"
-        if _digest(f) != meta["sha256"]:
+        if file_sha256(f) != meta["sha256"]:
             return f"{f}: contents differ from its manifest (sha256)"
     return None
 
