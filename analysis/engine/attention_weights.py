@@ -17,6 +17,10 @@ Two ways to get them:
   block, so the weights are computed once per layer whatever the analyses.
 - :func:`fused_products`: ``mass`` and ``mass_keynorm`` only, without alpha: one fused
   attention-kernel call each with V = the one-hot key categories, O(T) memory.
+
+On a GPU, :func:`flash_products` serves causal layers (FlashAttention, and the Triton kernels of
+:mod:`~actlake.analysis.engine.kernels`), and with the kernels on, ``padded_products`` there serves
+bidirectional ones (encoders) over right-padded windows.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ FLASH = frozenset({"output", "mass", "mass_keynorm", "weighted_qsum"})
 """Products :func:`flash_products` gives (causal attention, right padding, 16-bit q and k on CUDA)."""
 TRITON = frozenset({"distance", "weighted_qsum"})
 """Products the Triton kernels of :mod:`~actlake.analysis.engine.kernels` give on the same path."""
+PADDED = frozenset({"mass", "mass_keynorm", "weighted_qsum", "distance"})
+"""Products the Triton kernels give for bidirectional attention over right-padded windows (encoders;
+:func:`~actlake.analysis.engine.kernels.padded_products`)."""
 
 
 def block_elements(device: torch.device) -> int:
@@ -255,6 +262,14 @@ def flash_applies(lq_query: torch.Tensor, batch) -> bool:
     return (lq_query.device.type == "cuda" and lq_query.dtype in (torch.bfloat16, torch.float16)
             and batch.causal and batch.lengths is not None and lq_query.shape[-1] <= 256
             and lq_query.shape[-1] % 8 == 0 and ampere_or_newer(lq_query.device))
+
+
+def padded_applies(lq_query: torch.Tensor, batch) -> bool:
+    """Whether :func:`~actlake.analysis.engine.kernels.padded_products` can serve this layer (with the Triton
+    kernels on): CUDA, compute capability 8.0 or newer, 16-bit q, bidirectional, right padding."""
+    return (lq_query.device.type == "cuda" and lq_query.dtype in (torch.bfloat16, torch.float16)
+            and not batch.causal and batch.lengths is not None and lq_query.shape[-1] <= 256
+            and ampere_or_newer(lq_query.device))
 
 
 @functools.lru_cache

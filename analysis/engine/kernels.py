@@ -59,61 +59,76 @@ def _rows(ptr, base, pos, s_t, s_d, T, HEAD_DIM: tl.constexpr, D_PAD: tl.constex
 
 
 @triton.jit
-def _weights_t(q, k, lse, valid, m, n, scale_log2e, DOT_F32: tl.constexpr):
+def _weights_t(q, k, lse, valid, kvalid, m, n, scale_log2e, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr):
     """(BLOCK keys, BLOCK queries) float32 weights of queries m (rows q, their lse and validity) on keys n
-    (rows k), transposed: computed as k q^T, already in the layout of the accumulator of a product
-    alpha^T Q (no conversion through shared memory). Zero where n > m or the query is not valid.
-    ``DOT_F32``: multiply in full float32 (the interpreter's bfloat16 products are wrong, and products of
-    bfloat16 numbers are exact in float32; float32 inputs, which only tests give, would otherwise be
-    rounded to TF32)."""
+    (rows k, their validity), transposed: computed as k q^T, already in the layout of the accumulator of a
+    product alpha^T Q (no conversion through shared memory). Zero where the query or the key is not valid,
+    and with ``CAUSAL`` where n > m. ``DOT_F32``: multiply in full float32 (the interpreter's bfloat16
+    products are wrong, and products of bfloat16 numbers are exact in float32; float32 inputs, which only
+    tests give, would otherwise be rounded to TF32)."""
     if DOT_F32:
         s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(k, tl.trans(q))  # 16-bit inputs, float32 accumulation
     p = tl.exp2(s * scale_log2e - lse[None, :] * 1.4426950408889634)
-    return tl.where((m[None, :] >= n[:, None]) & (valid[None, :] > 0), p, 0.0)
+    keep = (valid[None, :] > 0) & (kvalid[:, None] > 0)
+    if CAUSAL:
+        keep = keep & (m[None, :] >= n[:, None])
+    return tl.where(keep, p, 0.0)
 
 
 @triton.jit
 def _distance_tiles(q_ptr, k_ptr, lse_ptr, valid_ptr, out_ptr, n_heads, kv_group, T, n_blocks,
                     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sl_b, sl_h, sl_t, sv_b, sv_t, scale_log2e,
-                    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr):
-    """Program (b * H + h, D): out[b, h, D] = sum over query blocks I >= D of the weights' tile of keys
-    (I - D) * BLOCK + j and queries I * BLOCK + i (transposed: rows are keys)."""
+                    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr,
+                    CAUSAL: tl.constexpr):
+    """Program (b * H + h, P): out[b, h, P] = sum over the query blocks I of the weights' tile of keys
+    (I - D) * BLOCK + j and queries I * BLOCK + i (transposed: rows are keys), where the block diagonal D is
+    P (causal: D >= 0) or P - (n_blocks - 1) (bidirectional: keys after the query too)."""
     bh = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: large batches pass 2^31 elements
-    D = tl.program_id(1)
+    P = tl.program_id(1)
+    if CAUSAL:
+        D = P
+    else:
+        D = P - (n_blocks - 1)
     b, h = bh // n_heads, bh % n_heads
     i = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for I in range(D, n_blocks):
+    for I in range(tl.maximum(D, 0), tl.minimum(n_blocks, n_blocks + D)):  # key block I - D in [0, n_blocks)
         m, n = I * BLOCK + i, (I - D) * BLOCK + i  # (BLOCK,) query and key positions
         q = _rows(q_ptr, b * sq_b + h * sq_h, m, sq_t, sq_d, T, HEAD_DIM, D_PAD)  # (BLOCK, D_PAD)
         k = _rows(k_ptr, b * sk_b + (h // kv_group) * sk_h, n, sk_t, sk_d, T, HEAD_DIM, D_PAD)
         lse = tl.load(lse_ptr + b * sl_b + h * sl_h + m * sl_t, mask=m < T, other=0.0)  # (BLOCK,)
         valid = tl.load(valid_ptr + b * sv_b + m * sv_t, mask=m < T, other=0.0)
-        acc += _weights_t(q, k, lse, valid, m, n, scale_log2e, DOT_F32)
-    tl.store(out_ptr + ((bh * n_blocks + D) * BLOCK + i[:, None]) * BLOCK + i[None, :], acc)
+        kvalid = tl.load(valid_ptr + b * sv_b + n * sv_t, mask=n < T, other=0.0)
+        acc += _weights_t(q, k, lse, valid, kvalid, m, n, scale_log2e, CAUSAL, DOT_F32)
+    tl.store(out_ptr + ((bh * tl.num_programs(1) + P) * BLOCK + i[:, None]) * BLOCK + i[None, :], acc)
 
 
 @triton.jit
 def _weighted_qsum_rows(q_ptr, k_ptr, lse_ptr, valid_ptr, out_ptr, n_heads, kv_group, T, n_blocks,
                         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sl_b, sl_h, sl_t, sv_b, sv_t, scale_log2e,
-                        BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr):
-    """Program (b * H + h, J): out[b, h, n] = sum over valid queries m >= n of alpha_mn q_m, for the keys
-    n of block J (out: (B, H, T, HEAD_DIM) float32, contiguous)."""
+                        BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr,
+                        CAUSAL: tl.constexpr):
+    """Program (b * H + h, J): out[b, h, n] = sum over valid queries m (causal: m >= n) of alpha_mn q_m, for
+    the keys n of block J (out: (B, H, T, HEAD_DIM) float32, contiguous)."""
     bh = tl.program_id(0).to(tl.int64)
     J = tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
     i = tl.arange(0, BLOCK)
     n = J * BLOCK + i
     k = _rows(k_ptr, b * sk_b + (h // kv_group) * sk_h, n, sk_t, sk_d, T, HEAD_DIM, D_PAD)  # (BLOCK, D_PAD)
+    kvalid = tl.load(valid_ptr + b * sv_b + n * sv_t, mask=n < T, other=0.0)
     acc = tl.zeros((BLOCK, D_PAD), dtype=tl.float32)
-    for I in range(J, n_blocks):
+    first = 0
+    if CAUSAL:
+        first = J
+    for I in range(first, n_blocks):
         m = I * BLOCK + i
         q = _rows(q_ptr, b * sq_b + h * sq_h, m, sq_t, sq_d, T, HEAD_DIM, D_PAD)
         lse = tl.load(lse_ptr + b * sl_b + h * sl_h + m * sl_t, mask=m < T, other=0.0)
         valid = tl.load(valid_ptr + b * sv_b + m * sv_t, mask=m < T, other=0.0)
-        pt = _weights_t(q, k, lse, valid, m, n, scale_log2e, DOT_F32)  # (BLOCK keys, BLOCK queries)
+        pt = _weights_t(q, k, lse, valid, kvalid, m, n, scale_log2e, CAUSAL, DOT_F32)  # (BLOCK keys, BLOCK queries)
         if DOT_F32:
             acc += tl.dot(pt, q.to(tl.float32), input_precision="ieee")
         else:  # alpha rounded to the model's dtype, as FlashAttention's backward pass rounds it for dV
@@ -121,6 +136,69 @@ def _weighted_qsum_rows(q_ptr, k_ptr, lse_ptr, valid_ptr, out_ptr, n_heads, kv_g
     c = tl.arange(0, D_PAD)
     tl.store(out_ptr + ((bh * T + n[:, None]) * HEAD_DIM + c[None, :]), acc,
              mask=(n[:, None] < T) & (c[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _category_mass_rows(q_ptr, k_ptr, ks_ptr, cat_ptr, valid_ptr, out_ptr, lse_ptr, n_heads, kv_group, T, n_blocks,
+                        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, ss_b, ss_h, ss_t, sc_b, sc_t, sc_c,
+                        sv_b, sv_t, scale_log2e, C,
+                        BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, C_PAD: tl.constexpr,
+                        DOT_F32: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr):
+    """Program (b * H + h, I): for the queries m of block I, out[b, h, m, c] = sum over valid keys n (causal:
+    n <= m) of alpha_mn [category of n is c], by an online softmax over the key blocks (FlashAttention's
+    forward pass with V the one-hot key categories); with ``SCALED`` each key's logits are multiplied by
+    ks[b, h, n] (keys rescaled to their mean norm), else lse[b, h, m] gets the rows' log-sum-exp (natural
+    log), which the other kernels rebuild the weights from. Rows of invalid queries, or without a valid
+    key, are zero (out: (B, H, T, C) float32, contiguous)."""
+    bh = tl.program_id(0).to(tl.int64)
+    I = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    i = tl.arange(0, BLOCK)
+    m = I * BLOCK + i
+    c = tl.arange(0, C_PAD)
+    q = _rows(q_ptr, b * sq_b + h * sq_h, m, sq_t, sq_d, T, HEAD_DIM, D_PAD)  # (BLOCK, D_PAD)
+    top = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)  # running max of the base-2 logits
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK, C_PAD), dtype=tl.float32)
+    last = n_blocks
+    if CAUSAL:
+        last = I + 1
+    for J in range(0, last):
+        n = J * BLOCK + i
+        k = _rows(k_ptr, b * sk_b + (h // kv_group) * sk_h, n, sk_t, sk_d, T, HEAD_DIM, D_PAD)
+        kvalid = tl.load(valid_ptr + b * sv_b + n * sv_t, mask=n < T, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # (BLOCK queries, BLOCK keys)
+        s = s * scale_log2e
+        if SCALED:
+            s = s * tl.load(ks_ptr + b * ss_b + h * ss_h + n * ss_t, mask=n < T, other=1.0)[None, :]
+        keep = kvalid[None, :] > 0
+        if CAUSAL:
+            keep = keep & (m[:, None] >= n[None, :])
+        s = tl.where(keep, s, float("-inf"))
+        new_top = tl.maximum(top, tl.max(s, 1))
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # no valid key yet: nothing to rescale
+        p = tl.exp2(s - safe[:, None])
+        rescale = tl.exp2(top - safe)
+        cats = tl.load(cat_ptr + b * sc_b + n[:, None] * sc_t + c[None, :] * sc_c,
+                       mask=(n[:, None] < T) & (c[None, :] < C), other=0.0)  # (BLOCK keys, C_PAD)
+        if DOT_F32:
+            acc = acc * rescale[:, None] + tl.dot(p, cats, input_precision="ieee")
+        else:  # weights in float16 (2^-11), the categories 0 or 1: as the flash route's key-normalised mass
+            acc = acc * rescale[:, None] + tl.dot(p.to(tl.float16), cats.to(tl.float16))
+        total = total * rescale + tl.sum(p, 1)
+        top = new_top
+    valid = tl.load(valid_ptr + b * sv_b + m * sv_t, mask=m < T, other=0.0)
+    ok = (valid > 0) & (total > 0)
+    out = tl.where(ok[:, None], acc / tl.where(ok, total, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + ((bh * T + m[:, None]) * C + c[None, :]), out, mask=(m[:, None] < T) & (c[None, :] < C))
+    if SCALED:
+        pass
+    else:
+        lse = tl.where(ok, (top + tl.log2(tl.where(ok, total, 1.0))) * 0.6931471805599453, 0.0)
+        tl.store(lse_ptr + bh * T + m, lse, mask=m < T)
 
 
 def block_size(T: int, head_dim: int = 64) -> int:
@@ -142,57 +220,92 @@ def _run(kernel, grid, device: torch.device, *args, **meta) -> None:
                             "set analyses.triton_kernels: false") from e
 
 
-def _launch(kernel, out, q, k, lse, validf, scale) -> None:
-    """Run ``kernel`` on (B * H, blocks) programs. q (B, H, T, d_h), k (B, H_kv, T, d_h) 16-bit on a GPU;
-    lse (B, H, T) float32; validf (B, T) 1.0 for valid queries."""
+def _launch(kernel, out, q, k, lse, validf, scale, causal: bool = True, programs: int | None = None) -> None:
+    """Run ``kernel`` on (B * H, ``programs`` or the blocks of T) programs. q (B, H, T, d_h), k (B, H_kv, T,
+    d_h) 16-bit on a GPU; lse (B, H, T) float32; validf (B, T) 1.0 for valid tokens."""
+    _check_device(q)
+    B, H, T, dh = q.shape
+    BL = block_size(T, dh)
+    _run(kernel, (B * H, programs or -(-T // BL)), q.device,
+        q, k, lse, validf, out, H, H // k.shape[1], T, -(-T // BL),
+        *q.stride(), *k.stride(), *lse.stride(), *validf.stride(), scale * LOG2E,
+        BLOCK=BL, HEAD_DIM=dh, D_PAD=_d_pad(dh), DOT_F32=_dot_f32(q), CAUSAL=causal, num_warps=4)
+
+
+def _check_device(q: torch.Tensor) -> None:
     if q.device.type != "cuda" and not interpreted():
         raise ValueError("the Triton attention kernels run on CUDA tensors, or on CPU tensors under "
                          "TRITON_INTERPRET=1 (tests)")
-    B, H, T, dh = q.shape
-    BL = block_size(T, dh)
-    _run(kernel, (B * H, -(-T // BL)), q.device,
-        q, k, lse, validf, out, H, H // k.shape[1], T, -(-T // BL),
-        *q.stride(), *k.stride(), *lse.stride(), *validf.stride(), scale * LOG2E,
-        BLOCK=BL, HEAD_DIM=dh, D_PAD=max(16, triton.next_power_of_2(dh)),  # tl.dot wants 16 or more
-        DOT_F32=q.dtype == torch.float32 or (q.device.type == "cpu" and q.dtype == torch.bfloat16), num_warps=4)
 
 
-def distance_profile(q, k, lse, validf, scale: float) -> torch.Tensor:
-    """(H, 2T - 1) float64: summed causal attention weight at each m - n (index m - n + T - 1) over the
-    batch's valid queries; zero at negative distances. Arguments as :func:`_launch`; right padding is
-    assumed (valid queries see only valid keys), as on the FlashAttention path this serves."""
+def _d_pad(dh: int) -> int:
+    return max(16, triton.next_power_of_2(dh))  # tl.dot wants 16 or more
+
+
+def _dot_f32(q: torch.Tensor) -> bool:
+    return q.dtype == torch.float32 or (q.device.type == "cpu" and q.dtype == torch.bfloat16)
+
+
+def distance_profile(q, k, lse, validf, scale: float, causal: bool = True) -> torch.Tensor:
+    """(H, 2T - 1) float64: summed attention weight at each m - n (index m - n + T - 1) over the batch's
+    valid queries; causal: zero at negative distances. Arguments as :func:`_launch`; right padding is
+    assumed (valid queries see only valid keys)."""
     B, H, T, dh = q.shape
     BL = block_size(T, dh)
     n_blocks = -(-T // BL)
-    tiles = torch.empty(B, H, n_blocks, BL, BL, dtype=torch.float32, device=q.device)
-    _launch(_distance_tiles, tiles, q, k, lse, validf, scale)
-    # tile D's entry (i, j) (query i, key j once transposed) is at m - n = D * BL + i - j; diagonal_sums_from
-    # gives, per tile, the sums at c = i - j + BL - 1, i.e. at profile index D * BL + c + T - BL
-    by_query = tiles.sum(0).transpose(-1, -2).reshape(H * n_blocks, BL, BL)
-    span = diagonal_sums_from(by_query).view(H, n_blocks, 2 * BL - 1)
-    flat = span.new_zeros(H, (n_blocks + 1) * BL)  # position D * BL + c
-    flat[:, : n_blocks * BL] += span[..., :BL].reshape(H, -1)
-    flat[:, BL:] += torch.nn.functional.pad(span[..., BL:], (0, 1)).reshape(H, -1)
+    n_diag = n_blocks if causal else 2 * n_blocks - 1
+    tiles = torch.empty(B, H, n_diag, BL, BL, dtype=torch.float32, device=q.device)
+    _launch(_distance_tiles, tiles, q, k, lse, validf, scale, causal, n_diag)
+    # tile P's entry (i, j) (query i, key j once transposed) is at m - n = D * BL + i - j, D its block
+    # diagonal; diagonal_sums_from gives, per tile, the sums at c = i - j + BL - 1: profile index D * BL + c + T - BL
+    by_query = tiles.sum(0).transpose(-1, -2).reshape(H * n_diag, BL, BL)
+    span = diagonal_sums_from(by_query).view(H, n_diag * (2 * BL - 1))
+    first = 0 if causal else -(n_blocks - 1)
+    index = ((torch.arange(n_diag, device=q.device)[:, None] + first) * BL
+             + torch.arange(2 * BL - 1, device=q.device)[None, :] + T - BL).reshape(-1)
+    inside = (index >= 0) & (index < 2 * T - 1)  # the rest lies beyond the window: zero weight
     out = span.new_zeros(H, 2 * T - 1)
-    start = max(0, T - BL)  # profile index of flat's position max(0, BL - T)
-    out[:, start:] = flat[:, start + BL - T : start + BL - T + 2 * T - 1 - start]
+    out.index_add_(1, index[inside], span[:, inside])
     return out
 
 
-def weighted_qsum(q, k, lse, validf, scale: float) -> torch.Tensor:
-    """(B, H, T, d_h) float32: at each key n, sum_m alpha_mn q_m over the valid queries m >= n (METHODS.md
-    §3, the ``weighted_qsum`` product). Arguments as :func:`_launch`."""
+def weighted_qsum(q, k, lse, validf, scale: float, causal: bool = True) -> torch.Tensor:
+    """(B, H, T, d_h) float32: at each key n, sum_m alpha_mn q_m over the valid queries m (causal: m >= n;
+    METHODS.md §3, the ``weighted_qsum`` product). Arguments as :func:`_launch`."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    _launch(_weighted_qsum_rows, out, q, k, lse, validf, scale)
+    _launch(_weighted_qsum_rows, out, q, k, lse, validf, scale, causal)
     return out
+
+
+def category_mass(q, k, categories, validf, scale: float, key_scale: torch.Tensor | None = None,
+                  causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mass (B, H, T, C) float32, log-sum-exp (B, H, T) float32 or None): for each valid query, the attention
+    it gives to each key category (METHODS.md §2; ``categories`` (B, T, C) one-hot, zero on padding), with
+    every key's logits multiplied by ``key_scale`` (B, H, T) when given (the key-normalised mass, METHODS.md
+    §4; then no log-sum-exp). One pass over the key tiles with an online softmax: no T x T matrix, and no
+    attention output is needed for it."""
+    _check_device(q)
+    B, H, T, dh = q.shape
+    C = categories.shape[-1]
+    BL = block_size(T, dh)
+    out = torch.empty(B, H, T, C, dtype=torch.float32, device=q.device)
+    lse = None if key_scale is not None else torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    cats = categories.float()
+    ks = key_scale if key_scale is not None else validf[:, None]  # (B, 1, T): not read without SCALED
+    _run(_category_mass_rows, (B * H, -(-T // BL)), q.device,
+         q, k, ks, cats, validf, out, lse if lse is not None else out, H, H // k.shape[1], T, -(-T // BL),
+         *q.stride(), *k.stride(), *ks.stride(), *cats.stride(),
+         *validf.stride(), scale * LOG2E, C,
+         BLOCK=BL, HEAD_DIM=dh, D_PAD=_d_pad(dh), C_PAD=max(16, triton.next_power_of_2(C)),
+         DOT_F32=_dot_f32(q), CAUSAL=causal, SCALED=key_scale is not None, num_warps=4)
+    return out, lse
 
 
 def layer_products(lq, names, lse: torch.Tensor) -> dict:
-    """``names`` (of :data:`~actlake.analysis.engine.attention_weights.TRITON`) of one layer from the kernels,
-    with ``lse`` (B, H, >= T) of a FlashAttention forward call on the same q and k. The first call on each
-    device in a process also computes them from explicit weights and raises if the two disagree (one host
-    synchronisation, once; skipped while an input holds inf/NaN, and while a layer graph records:
-    ``analyses.layer_graphs``)."""
+    """``names`` (of :data:`~actlake.analysis.engine.attention_weights.TRITON`) of one causal layer from the
+    kernels, with ``lse`` (B, H, >= T) of a FlashAttention forward call on the same q and k. The first call on
+    each device in a process also computes them from explicit weights and raises if the two disagree
+    (:func:`_checked_once`)."""
     q, k, _ = lq.native
     T = q.shape[2]
     args = (q, k, lse[..., :T], lq.batch.validf, lq.scaling)
@@ -201,10 +314,42 @@ def layer_products(lq, names, lse: torch.Tensor) -> dict:
         out["distance"] = distance_profile(*args)
     if "weighted_qsum" in names:
         out["weighted_qsum"] = weighted_qsum(*args)
-    if ("attention", q.device) not in _verified and out and not capturing(q.device):
+    return _checked_once(lq, out, "attention")
+
+
+def padded_products(lq, names) -> dict:
+    """``names`` (of :data:`~actlake.analysis.engine.attention_weights.PADDED`) of one bidirectional layer over
+    right-padded windows (an encoder: BERT, MiniLM), from the kernels on the model's q and k (``lq.native``):
+    the masses by key category first, whose pass gives the rows' log-sum-exp, then the weighted query sums and
+    the distance profile rebuilt tile by tile from it. No T x T matrix and no float32 copy of q and k. The
+    first call on each device in a process is checked against explicit weights (:func:`_checked_once`)."""
+    from actlake.analysis.engine.attention_weights import key_norm_scale
+
+    q, k, _ = lq.native
+    validf, cats, scale = lq.batch.validf, lq.key_onehot, float(lq.scaling)
+    out, lse = {}, None
+    if names & {"mass", "weighted_qsum", "distance"}:
+        mass, lse = category_mass(q, k, cats, validf, scale)
+        if "mass" in names:
+            out["mass"] = mass
+    if "mass_keynorm" in names:
+        out["mass_keynorm"] = category_mass(q, k, cats, validf, scale, key_scale=key_norm_scale(lq))[0]
+    if "weighted_qsum" in names:
+        out["weighted_qsum"] = weighted_qsum(q, k, lse, validf, scale, causal=False)
+    if "distance" in names:
+        out["distance"] = distance_profile(q, k, lse, validf, scale, causal=False)
+    return _checked_once(lq, out, "bidirectional attention")
+
+
+def _checked_once(lq, out: dict, route: str) -> dict:
+    """``out``, compared with explicit weights' products at the route's first use on the device in this process
+    (one host synchronisation, once; skipped while an input holds inf/NaN, and while a layer graph records:
+    ``analyses.layer_graphs``)."""
+    device = lq.native[0].device
+    if (route, device) not in _verified and out and not capturing(device):
         ref = explicit_products(lq, set(out), max_elements=lq.max_elements)
-        if all([check_agreement(f"attention layer {lq.layer}: {name}", value, ref[name]) for name, value in out.items()]):
-            _verified.add(("attention", q.device))
+        if all([check_agreement(f"{route} layer {lq.layer}: {name}", value, ref[name]) for name, value in out.items()]):
+            _verified.add((route, device))
     return out
 
 

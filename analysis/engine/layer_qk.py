@@ -243,7 +243,8 @@ class LayerQK:
     needs: frozenset = frozenset()
     """Products of the attention weights the analyses will read (computed together, once)."""
     method: str = "explicit"
-    """``explicit``: weights in blocks; ``fused``: one-hot V through the fused kernel when that suffices."""
+    """``explicit``: weights in blocks; ``fused``: one-hot V through the fused kernel when that suffices;
+    ``flash``: FlashAttention (causal, GPU); ``padded``: the Triton kernels (bidirectional, right padding, GPU)."""
     value: torch.Tensor | None = None
     """(B, H_kv, T, d_h) float32 value, for the ``output`` product."""
     max_elements: int | None = None
@@ -332,6 +333,11 @@ class LayerQK:
                 flash = aw.FLASH | (aw.TRITON if self.triton else frozenset())
                 self._cache.update(aw.flash_products(self, todo & flash))
                 todo -= flash
+            elif self.method == "padded":  # bidirectional, right padding, the Triton kernels on
+                from actlake.analysis.engine.kernels import padded_products  # imports triton, there only
+
+                self._cache.update(padded_products(self, todo & aw.PADDED))
+                todo -= aw.PADDED
             if not todo:
                 pass
             elif self.method == "fused" and not todo & aw.EXPLICIT_ONLY:
@@ -345,5 +351,6 @@ class LayerQK:
         cut = lambda t: None if t is None else t[rows]
         return LayerQK(self.layer, self.query[rows], self.key[rows], self.scaling, self.batch.select(rows),
                        cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin), None, self.needs,
-                       "explicit" if self.method == "flash" else self.method, cut(self.value), self.max_elements)
+                       "explicit" if self.method in ("flash", "padded") else self.method, cut(self.value),
+                       self.max_elements)
 

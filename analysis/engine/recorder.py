@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from actlake.analysis.engine.attention_weights import EXPLICIT_ONLY, flash_applies
+from actlake.analysis.engine.attention_weights import EXPLICIT_ONLY, flash_applies, padded_applies
 from actlake.analysis.engine.capture import LayerInputs, attention_modules
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
@@ -152,6 +152,8 @@ class AttentionRecorder:
         method = self.method
         if method == "auto" and not any_bad and flash_applies(query, batch):
             method = "flash"
+        elif method == "auto" and not any_bad and self.triton and padded_applies(query, batch):
+            method = "padded"
         elif method == "auto":
             method = "fused" if query.device.type == "cuda" and not self.needs & EXPLICIT_ONLY else "explicit"
         # the kernel's output can come from our weights only when they are the model's: no token left out
@@ -160,7 +162,7 @@ class AttentionRecorder:
                    and bool(self.needs) and not any_bad)
         lq = LayerQK(layer, q, k, scaling, batch, needs=self.needs | ({"output"} if replace else frozenset()),
                      method=method, value=f32(value) if replace and method == "explicit" else None,
-                     native=(query, t["key"], value), triton=self.triton and method == "flash")
+                     native=(query, t["key"], value), triton=self.triton and method in ("flash", "padded"))
         with tf32_when_exact(query):
             if self.mass is not None:
                 self.mass.add_layer(lq)

@@ -113,6 +113,72 @@ def test_the_kernels_serve_cuda_workers_only():
         triton_kernels_on(True, cpu)
 
 
+BIDIRECTIONAL = [  # (lengths of the windows, heads, head size, dtype); T = the longest
+    ([37, 30, 1], 12, 64, torch.bfloat16),  # BERT-base's heads; a window of one token; T < one tile
+    ([70, 64, 3], 12, 32, torch.float16),   # MiniLM's heads; two tiles, the second partly padding
+    ([128, 0, 100], 4, 32, torch.bfloat16),  # a row of padding only (no valid token); whole tiles
+    ([5, 2], 2, 16, torch.float32),          # shorter than the smallest tile
+    ([19, 19], 2, 8, torch.float16),         # heads narrower than tl.dot's 16 (tiny test models)
+]
+
+
+def _encoder_layer(lengths, H, dh, dtype, seed=3):
+    """A bidirectional layer over right-padded windows (LayerQK with 16-bit ``native`` q and k), five random
+    key categories, and its float64 brute force: every product of METHODS.md §2-4 from the weights."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    q = (torch.randn(B, H, T, dh, generator=g) * 1.5).to(DEVICE, dtype)
+    k = (torch.randn(B, H, T, dh, generator=g) * 1.5 + 0.5 * torch.randn(B, H, T, 1, generator=g)).to(DEVICE, dtype)
+    valid = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+    onehot = one_hot(torch.randint(0, 5, (B, T), generator=g), 5, valid)
+    scale = dh ** -0.5
+    lq = LayerQK(0, q.float(), k.float(), scale, BatchInfo(valid.to(DEVICE), False, onehot.to(DEVICE), onehot.to(DEVICE)),
+                 native=(q, k, None), method="padded", triton=True)
+    qd, kd, v = q.double().cpu(), k.double().cpu(), valid.bool()
+    pair = v[:, None, None, :] & v[:, None, :, None]  # (B, 1, T, T) valid query and valid key
+
+    def weights(keys):
+        logits = (qd @ keys.transpose(-1, -2) * scale).masked_fill(~pair, float("-inf"))
+        return torch.nan_to_num(torch.softmax(logits, -1))  # rows without a valid key: zero
+
+    alpha = weights(kd)
+    norms = kd.norm(dim=-1)  # (B, H, T)
+    mean = (norms * v[:, None]).sum(-1, keepdim=True) / v.sum(-1).clamp(min=1)[:, None, None]
+    alpha_kn = weights(kd * torch.where(norms > 0, mean / norms, 1.0)[..., None])
+    cats = onehot.double()
+    m_minus_n = torch.arange(T)[:, None] - torch.arange(T)[None, :] + T - 1
+    distance = torch.zeros(H, 2 * T - 1, dtype=torch.float64).index_add_(
+        1, m_minus_n.reshape(-1), alpha.sum(0).reshape(H, -1))
+    want = {"mass": alpha @ cats[:, None], "mass_keynorm": alpha_kn @ cats[:, None],
+            "weighted_qsum": alpha.transpose(-1, -2) @ (qd * v[:, None, :, None]), "distance": distance}
+    return lq, want
+
+
+@pytest.mark.parametrize("lengths,H,dh,dtype", BIDIRECTIONAL)
+def test_bidirectional_kernels_equal_the_float64_brute_force(lengths, H, dh, dtype):
+    """The encoder route (``padded_products``): masses by key category, key-normalised masses, weighted query
+    sums and the distance profile, against float64 weights of the same 16-bit q and k."""
+    from actlake.analysis.engine import kernels
+
+    lq, want = _encoder_layer(lengths, H, dh, dtype)
+    kernels._verified.discard(("bidirectional attention", DEVICE))
+    got = {name: lq.product(name) for name in ("mass", "mass_keynorm", "weighted_qsum", "distance")}
+    assert ("bidirectional attention", DEVICE) in kernels._verified  # checked against explicit weights once
+    half = {torch.float16: 2e-3, torch.bfloat16: 1e-5 if DEVICE.type == "cpu" else 8e-3}.get(dtype, 1e-5)
+    for name, value in got.items():
+        ref = want[name]
+        assert value.shape == ref.shape, name
+        tol = (half if name in ("mass", "mass_keynorm", "weighted_qsum") else 1e-5) if DEVICE.type == "cpu" else 1e-2
+        torch.testing.assert_close(value.double().cpu(), ref, rtol=tol, atol=tol * max(ref.abs().max().item(), 1.0),
+                                   msg=name)
+    # identities: a valid query's masses sum to 1 (0 without a valid key), and so do its weights over distances
+    n_valid = torch.tensor(lengths, dtype=torch.float64)
+    sums = got["mass"].double().cpu().sum(-1)  # (B, H, T)
+    expect = (torch.arange(max(lengths))[None] < n_valid[:, None]).double()[:, None].expand_as(sums)
+    torch.testing.assert_close(sums, expect, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got["distance"].cpu().sum(1), n_valid.sum().expand(H), rtol=1e-3, atol=1e-3)
+
+
 def _hidden(L1=3, B=3, T=50, d=70, dtype=torch.bfloat16, seed=2):
     """Hidden states (outlier dimensions included) with padding, role and type8 ids, as add_hidden sees them."""
     g = torch.Generator().manual_seed(seed)
@@ -175,16 +241,24 @@ from triton.compiler import ASTSource
 from actlake.analysis.engine import kernels
 
 CASES = [
-    ("_distance_tiles", "bf16", dict(BLOCK=64, HEAD_DIM=64, D_PAD=64, DOT_F32=False)),
-    ("_distance_tiles", "fp16", dict(BLOCK=32, HEAD_DIM=160, D_PAD=256, DOT_F32=False)),
-    ("_weighted_qsum_rows", "bf16", dict(BLOCK=64, HEAD_DIM=80, D_PAD=128, DOT_F32=False)),
-    ("_weighted_qsum_rows", "fp16", dict(BLOCK=32, HEAD_DIM=256, D_PAD=256, DOT_F32=False)),
+    ("_distance_tiles", "bf16", dict(BLOCK=64, HEAD_DIM=64, D_PAD=64, DOT_F32=False, CAUSAL=True)),
+    ("_distance_tiles", "fp16", dict(BLOCK=32, HEAD_DIM=160, D_PAD=256, DOT_F32=False, CAUSAL=True)),
+    ("_weighted_qsum_rows", "bf16", dict(BLOCK=64, HEAD_DIM=80, D_PAD=128, DOT_F32=False, CAUSAL=True)),
+    ("_weighted_qsum_rows", "fp16", dict(BLOCK=32, HEAD_DIM=256, D_PAD=256, DOT_F32=False, CAUSAL=True)),
+    # the bidirectional route (encoders): MiniLM's and BERT's head sizes
+    ("_distance_tiles", "bf16", dict(BLOCK=64, HEAD_DIM=32, D_PAD=32, DOT_F32=False, CAUSAL=False)),
+    ("_weighted_qsum_rows", "bf16", dict(BLOCK=64, HEAD_DIM=64, D_PAD=64, DOT_F32=False, CAUSAL=False)),
+    ("_category_mass_rows", "bf16", dict(BLOCK=64, HEAD_DIM=32, D_PAD=32, C_PAD=16, DOT_F32=False, CAUSAL=False,
+                                         SCALED=False)),
+    ("_category_mass_rows", "fp16", dict(BLOCK=64, HEAD_DIM=64, D_PAD=64, C_PAD=16, DOT_F32=False, CAUSAL=False,
+                                         SCALED=True)),
     ("_group_moments_tiles", "bf16", dict(S=4, BR=64, BD=64)),
     ("_group_moments_tiles", "fp32", dict(S=4, BR=64, BD=64)),
 ]
 for kernel, dtype, consts in CASES:
     fn = getattr(kernels, kernel)
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "x_ptr": dtype, "lse_ptr": "fp32", "valid_ptr": "fp32",
+                "ks_ptr": "fp32", "cat_ptr": "fp32",
                 "ids_ptr": "i32", "out_ptr": "fp64" if kernel == "_group_moments_tiles" else "fp32"}
     signature = {a: "constexpr" if a in consts else ("*" + pointers[a] if a in pointers else
                  "fp32" if a == "scale_log2e" else "i32") for a in fn.arg_names}
@@ -207,4 +281,4 @@ def test_kernels_compile_for_an_h100():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     run = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("compiled") == 6
+    assert run.stdout.count("compiled") == 10
