@@ -1,4 +1,4 @@
-"""What actlake may call a table, and the name of a reduced table's partials."""
+"""What actlake may call a table, the name of a reduced table's partials and of its rows by source."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ TABLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 
 PARTIAL_SUFFIX = "_partial"
 """A commit group's partial of an analysis's reduced table ``t`` is table ``t + PARTIAL_SUFFIX``."""
+
+
+BY_SOURCE_SUFFIX = "_by_source"
+"""With ``analyses.by_source``: a reduced table or view ``t`` by its name holds the rows over every document,
+``t + BY_SOURCE_SUFFIX`` every source label's rows and those (``actlake sql``, ``open_run``)."""
+SOURCE = "source"
+"""The column of a reduced table that names the document source its rows are over."""
+ALL_SOURCES = "*"
+"""The ``source`` of the rows over every document."""
 
 
 def is_table_name(name: str) -> bool:

@@ -78,7 +78,7 @@ class AttentionByDistance(OneTable, SumStats):
 
         df = con.execute(f"""
             SELECT layer, distance, sum(attn_sum) / sum(n_pairs) AS mean_attention FROM attention_by_distance
-            WHERE source = '*' AND n_pairs > 0 AND abs(distance) <= {SHOWN_DISTANCE} GROUP BY layer, distance ORDER BY layer, distance
+            WHERE n_pairs > 0 AND abs(distance) <= {SHOWN_DISTANCE} GROUP BY layer, distance ORDER BY layer, distance
         """).df()
         c = alt.Chart(df).mark_line().encode(
             x=alt.X("distance:Q", title=f"relative position m - n (query minus key), |m - n| <= {SHOWN_DISTANCE}"),

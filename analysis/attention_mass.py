@@ -77,7 +77,7 @@ class AttentionMass(OneTable, SumStats):
 
         df = con.execute("""
             SELECT layer, key_category, avg(mean_mass) AS mean_mass FROM attention_mass_by_key
-            WHERE source = '*' GROUP BY layer, key_category ORDER BY layer
+            GROUP BY layer, key_category ORDER BY layer
         """).df()
         c = alt.Chart(df).mark_bar().encode(
             x=alt.X("layer:O", title="layer"),
@@ -103,6 +103,6 @@ def first_token_mass(con):
     when the tokenizer adds none."""
     return con.execute("""
         SELECT layer, head, mean_mass FROM attention_mass_by_key
-        WHERE source = '*' AND key_category = 'bos' AND n_queries > 0 AND mass > 0 ORDER BY layer, head
+        WHERE key_category = 'bos' AND n_queries > 0 AND mass > 0 ORDER BY layer, head
     """).df()
 

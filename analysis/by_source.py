@@ -4,8 +4,10 @@ With ``analyses.by_source`` a worker batches each source's windows apart (one la
 :func:`~actlake.batching.make_batches`), so a batch's statistics belong to one label and any analysis,
 built-in or custom, is split by source without knowing it: :class:`BySource` keeps ``{label: Analysis}``
 and merges label by label. Every statistics table (partials and reduced) has a leading ``source`` column:
-the label, or :data:`ALL` without ``by_source``; the reduced tables of a ``by_source`` run also hold the
-rows ``source = '*'``, every label merged, equal to a run without it (up to float64 rounding).
+the label, or ``'*'`` (:data:`~actlake.tables.ALL_SOURCES`) without ``by_source``; the reduced tables of a
+``by_source`` run also hold the rows ``source = '*'``, every label merged: a run without it (whose batches
+differ, so up to the rounding of the model's dtype). ``actlake sql`` shows a reduced table or view by its
+name with the ``'*'`` rows only, and every label's under ``<name>_by_source`` (:mod:`~actlake.storage.sql`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from actlake.errors import ConfigError
-
-ALL = "*"
-"""The ``source`` of rows over every document (reserved: no corpus label may be it under ``by_source``)."""
-SOURCE = "source"
+from actlake.tables import ALL_SOURCES as ALL
+from actlake.tables import SOURCE
 
 
 class BySource:

@@ -238,7 +238,7 @@ class Contributions(OneTable, SumStats):
         layers = contribution_layers(con)
         df = con.execute(f"""
             SELECT layer, head, dim, key_category, sum(contribution_sum) / sum(n_pairs) AS mean_c
-            FROM contributions WHERE source = '*' AND query_category = 'all' AND n_pairs > 0 AND layer IN ({", ".join(map(str, layers))})
+            FROM contributions WHERE query_category = 'all' AND n_pairs > 0 AND layer IN ({", ".join(map(str, layers))})
             GROUP BY layer, head, dim, key_category ORDER BY layer, head, dim, key_category
         """).df()
         c = alt.Chart(df).mark_circle(size=10, opacity=0.6).encode(
@@ -266,7 +266,7 @@ def table1_html(con) -> str:
     layers = contribution_layers(con)
     rows = con.execute(f"""
         SELECT layer, dim, key_category, sum(contribution_sum) / nullif(sum(n_pairs), 0) AS mean_c
-        FROM contributions WHERE source = '*' AND query_category = 'all' AND dim IN ({", ".join(map(str, dims))})
+        FROM contributions WHERE query_category = 'all' AND dim IN ({", ".join(map(str, dims))})
           AND layer IN ({", ".join(map(str, layers))})
         GROUP BY layer, dim, key_category ORDER BY layer, dim, key_category
     """).fetchall()

@@ -135,8 +135,7 @@ class DimMoments(OneTable, Analysis):
         import altair as alt
 
         df = con.execute(f"""
-            SELECT layer, dim, mean, robust_z, abs(robust_z) > {OUTLIER_Z} AS outlier FROM outliers
-            WHERE source = '*' ORDER BY layer, dim
+            SELECT layer, dim, mean, robust_z, abs(robust_z) > {OUTLIER_Z} AS outlier FROM outliers ORDER BY layer, dim
         """).df()
         means = alt.Chart(df).mark_circle(size=12).encode(
             x=alt.X("dim:Q", title="dimension"),
@@ -150,7 +149,7 @@ class DimMoments(OneTable, Analysis):
         if dims:
             df = con.execute(f"""
                 SELECT layer, dim, category, mean FROM dim_moments
-                WHERE source = '*' AND scheme = 'role' AND dim IN ({", ".join(map(str, dims))}) AND count > 0 ORDER BY layer
+                WHERE scheme = 'role' AND dim IN ({", ".join(map(str, dims))}) AND count > 0 ORDER BY layer
             """).df()
             c = alt.Chart(df).mark_line(point=True).encode(
                 x=alt.X("layer:O", title="layer"), y=alt.Y("mean:Q", title="mean value"),
@@ -174,7 +173,7 @@ def massive_activations_html(con, top: int = MASSIVE_TOP) -> str:
 
     rows = con.execute(f"""
         SELECT layer, category, rank, dim, mean, max_abs, share FROM massive_activations
-        WHERE source = '*' AND scheme = 'role' AND rank <= {int(top)} ORDER BY layer, category, rank
+        WHERE scheme = 'role' AND rank <= {int(top)} ORDER BY layer, category, rank
     """).fetchall()
     cats = [c for c in SCHEMES["role"] if any(r[1] == c for r in rows)]
     cells: dict = {}
@@ -278,6 +277,6 @@ class BatchMoments:
 def top_outlier_dims(con, k: int = 3) -> list[int]:
     """The k dimensions with the largest |robust z| in any layer."""
     rows = con.execute(f"""
-        SELECT dim FROM outliers WHERE source = '*' AND robust_z IS NOT NULL GROUP BY dim ORDER BY max(abs(robust_z)) DESC LIMIT {k}
+        SELECT dim FROM outliers WHERE robust_z IS NOT NULL GROUP BY dim ORDER BY max(abs(robust_z)) DESC LIMIT {k}
     """).fetchall()
     return [r[0] for r in rows]

@@ -108,7 +108,7 @@ class Geometry(OneTable, SumStats):
             SELECT layer, key_category, sum(k_norm_sum) / sum(n_pairs) AS mean_k_norm,
                    sum(q_norm_sum) / sum(n_pairs) AS mean_q_norm, sum(cos_sum) / sum(n_pairs) AS mean_cos,
                    sum(mass) / sum(n_queries) AS mass, sum(mass_keynorm) / sum(n_queries) AS mass_keynorm
-            FROM attention_geometry WHERE source = '*' AND n_pairs > 0 GROUP BY layer, key_category ORDER BY layer
+            FROM attention_geometry WHERE n_pairs > 0 GROUP BY layer, key_category ORDER BY layer
         """).df()
         base = alt.Chart(df).encode(x=alt.X("layer:O", title="layer"), color=alt.Color("key_category:N", title="key category"))
         norms = alt.hconcat(

@@ -18,7 +18,7 @@ from actlake.analysis.protocol import PRODUCTS, SITES, Analysis, Producer, Shard
 from actlake.analysis.residual_norms import ResidualNorms
 from actlake.analysis.tokens import Tokens
 from actlake.errors import AnalysisFailed, ConfigError
-from actlake.tables import PARTIAL_SUFFIX, is_table_name
+from actlake.tables import BY_SOURCE_SUFFIX, PARTIAL_SUFFIX, is_table_name
 
 
 def builtin() -> dict[str, type[Analysis]]:
@@ -81,9 +81,9 @@ def check_table_names(cfg) -> None:
     seen: dict[str, str] = {}
     for cls, _ in enabled(cfg) + shard_tables(cfg):
         for table in cls.tables:
-            if not is_table_name(table) or table.endswith(PARTIAL_SUFFIX):
+            if not is_table_name(table) or table.endswith((PARTIAL_SUFFIX, BY_SOURCE_SUFFIX)):
                 raise ConfigError(f"analyses: {cls.name!r} names a table {table!r}: use lower-case letters, digits and "
-                                  "underscores, a letter first, not ending in _partial")
+                                  f"underscores, a letter first, not ending in {PARTIAL_SUFFIX} or {BY_SOURCE_SUFFIX}")
             if table in seen:
                 raise ConfigError(f"analyses: {seen[table]!r} and {cls.name!r} both write a table {table!r}")
             seen[table] = cls.name

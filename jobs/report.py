@@ -65,7 +65,7 @@ def _nonfinite(con) -> str:
     for table, what in NONFINITE:
         if table not in have:
             continue
-        rows = con.execute(f"SELECT layer, max(nonfinite_tokens) FROM {table} WHERE source = '*' GROUP BY layer ORDER BY layer").fetchall()
+        rows = con.execute(f"SELECT layer, max(nonfinite_tokens) FROM {table} GROUP BY layer ORDER BY layer").fetchall()
         bad = [(layer, int(n)) for layer, n in rows if n]
         parts.append(f"{what}s: " + ("0 in every layer" if not bad else ", ".join(f"{what} {l}: {n}" for l, n in bad)))
     return "; ".join(parts)
@@ -164,23 +164,24 @@ def headline_frames(con, series: str = "run") -> list:
     from actlake.analysis.dim_moments import OUTLIER_Z  # loads torch: imported when used
 
     have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    rows = "source <> '*'" if series == "source" else "source = '*'"
+    by = "_by_source" if series == "source" else ""  # a view by its name: every document's rows only
+    rows = "source <> '*' AND " if series == "source" else ""
     norms = ("SELECT d.source AS series, r.layer, avg(r.norm) AS value FROM residual_norms r JOIN documents d "
              "USING (doc_id) GROUP BY ALL ORDER BY ALL" if series == "source" else
              f"SELECT {series} AS series, layer, avg(norm) AS value FROM residual_norms GROUP BY ALL ORDER BY ALL")
     charts = [
         ("residual_norms", "residual_norms", "Residual-stream norm by layer (mean)", "mean ||h||", norms),
-        ("attention_mass_by_key", "first_token_mass",
+        (f"attention_mass_by_key{by}", "first_token_mass",
          "Attention mass on the leading special token ([CLS] or BOS) by layer, mean over heads", "mass on it",
-         f"SELECT {series} AS series, layer, avg(mean_mass) AS value FROM attention_mass_by_key WHERE {rows} "
-         "AND key_category = 'bos' GROUP BY ALL ORDER BY ALL"),
-        ("massive_activations", "massive_activations",
+         f"SELECT {series} AS series, layer, avg(mean_mass) AS value FROM attention_mass_by_key{by} WHERE {rows}"
+         "key_category = 'bos' GROUP BY ALL ORDER BY ALL"),
+        (f"massive_activations{by}", "massive_activations",
          "Share of [CLS]/BOS's mean squared norm in its largest dimension, by layer", "share (top dimension)",
-         f"SELECT {series} AS series, layer, share AS value, dim FROM massive_activations WHERE {rows} "
-         "AND scheme = 'role' AND category = 'bos' AND rank = 1 ORDER BY ALL"),
-        ("outliers", "outliers", f"Outlier dimensions by layer (|robust z| > {OUTLIER_Z:g})", "dimensions",
+         f"SELECT {series} AS series, layer, share AS value, dim FROM massive_activations{by} WHERE {rows}"
+         "scheme = 'role' AND category = 'bos' AND rank = 1 ORDER BY ALL"),
+        (f"outliers{by}", "outliers", f"Outlier dimensions by layer (|robust z| > {OUTLIER_Z:g})", "dimensions",
          f"SELECT {series} AS series, layer, count(*) FILTER (WHERE abs(robust_z) > {OUTLIER_Z}) AS value "
-         f"FROM outliers WHERE {rows} GROUP BY ALL ORDER BY ALL"),
+         f"FROM outliers{by} WHERE {rows}true GROUP BY ALL ORDER BY ALL"),
     ]
     out = []
     for view, slug, title, y, sql in charts:
@@ -237,9 +238,9 @@ def sweep_blocks(con) -> list:
 
 
 def source_labels(con) -> list[str]:
-    """The source labels of a run's statistics (``analyses.by_source``; none without it)."""
+    """The source labels of a run's statistics (``analyses.by_source``: the ``_by_source`` tables; none without it)."""
     have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    table = next((t for t in ("dim_moments", "attention_mass") if t in have), None)
+    table = next((t for t in ("dim_moments_by_source", "attention_mass_by_source") if t in have), None)
     if table is None:
         return []
     return [r[0] for r in con.execute(f"SELECT DISTINCT source FROM {table} WHERE source <> '*' ORDER BY 1").fetchall()]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -21,11 +22,12 @@ from actlake.config import JobConfig, resolve_model_path
 from actlake.config_base import looks_local
 from actlake.errors import ModelLoadError
 from actlake.hashing import file_sha256
-from actlake.storage.layout import CHECKPOINTS_DIR, SWEEP_RECORD, write_json_atomic
+from actlake.storage.layout import CHECKPOINTS_DIR, SWEEP_RECORD, sweep_checkpoints, write_json_atomic
 
 log = logging.getLogger("actlake.sweep")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
-"""Files whose bytes are a model's weights (names included in the digest, configs and tokenizers not)."""
+WEIGHTS = re.compile(r"(.*\.safetensors|pytorch_model.*\.bin|tf_model.*\.h5|flax_model.*\.msgpack)")
+"""Files whose bytes are a model's weights, as ``from_pretrained`` names them (in the digest with their names;
+configs, tokenizers and a trainer's optimizer, scheduler and RNG states are not)."""
 
 
 def checkpoint_config(cfg: JobConfig, c) -> JobConfig:
@@ -36,23 +38,30 @@ def checkpoint_config(cfg: JobConfig, c) -> JobConfig:
     return cfg.model_copy(update={"model": model, "output": output})
 
 
-def weights_digest(cfg: JobConfig, c) -> str:
-    """sha256 over a checkpoint's weight files (each file's name and sha256, in name order): equal digests
-    are byte-identical weights. A local folder is read here; a hub model's files are not downloaded: the
-    hub's own sha256 of each (LFS) file is used."""
+def weights_digest(cfg: JobConfig, c, known: dict | None = None) -> tuple[str, dict]:
+    """(sha256 over a checkpoint's weight files, each file's name and sha256 in name order; per local file
+    [size, mtime_ns, sha256]): equal digests are byte-identical weights. A local folder's files are read here,
+    except those ``known`` (the last sweep's record) gives with the same size and modification time; a hub
+    model's are not downloaded: the hub's own sha256 of each (LFS) file is used, at the revision it is loaded at."""
     name = c.path if c.path is not None else cfg.model.name_or_path
+    files: dict = {}
     if c.path is not None and (looks_local(name) or name.startswith("package:")):
         folder = Path(resolve_model_path(name))
-        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
-        digests = [(p.relative_to(folder).as_posix(), file_sha256(p)) for p in files]
-    else:
-        digests = _hub_digests(name, c.revision if c.path is None else cfg.model.revision, c.name)
+        for p in sorted(p for p in folder.rglob("*") if p.is_file() and WEIGHTS.fullmatch(p.name)):
+            rel, st = p.relative_to(folder).as_posix(), p.stat()
+            old = (known or {}).get(rel)
+            same = isinstance(old, list) and len(old) == 3 and old[:2] == [st.st_size, st.st_mtime_ns]
+            files[rel] = [st.st_size, st.st_mtime_ns, old[2] if same else file_sha256(p)]
+        digests = [(rel, meta[2]) for rel, meta in files.items()]
+    else:  # loaded as checkpoint_config says: a path at no revision, a revision of name_or_path
+        digests = _hub_digests(name, c.revision, c.name)
     if not digests:
-        raise ModelLoadError(f"model.checkpoints: {c.name} ({name}): no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+        raise ModelLoadError(f"model.checkpoints: {c.name} ({name}): no weight files (*.safetensors, "
+                             "pytorch_model*.bin, tf_model*.h5, flax_model*.msgpack)")
     h = hashlib.sha256()
     for rel, digest in digests:
         h.update(f"{rel}\0{digest}\n".encode())
-    return h.hexdigest()
+    return h.hexdigest(), files
 
 
 def _hub_digests(repo: str, revision: str | None, label: str) -> list[tuple[str, str]]:
@@ -65,7 +74,7 @@ def _hub_digests(repo: str, revision: str | None, label: str) -> list[tuple[str,
         raise ModelLoadError(f"model.checkpoints: {label}: cannot read the weight files' sha256 of {repo} at "
                              f"revision {revision} from the hub ({type(e).__name__}: {e})") from None
     return sorted((s.rfilename, s.lfs.sha256 if s.lfs else (s.blob_id or "")) for s in info.siblings
-                  if s.rfilename.endswith(WEIGHT_SUFFIXES))
+                  if WEIGHTS.fullmatch(s.rfilename.rsplit("/", 1)[-1]))
 
 
 def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None):
@@ -75,8 +84,9 @@ def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = 
 
     t0 = time.perf_counter()
     rows, results = [], []
+    before = {r["checkpoint"]: r.get("files") for r in sweep_checkpoints(cfg.run_dir) or []}  # a rerun's
     for i, c in enumerate(cfg.model.checkpoints):
-        digest = weights_digest(cfg, c)
+        digest, files = weights_digest(cfg, c, before.get(c.name))
         same_as = next((r["checkpoint"] for r in rows if r["sha256"] == digest), None)
         if same_as is not None:
             log.warning("checkpoint %s has byte-identical weights to %s (sha256 %s): its statistics are %s's; the "
@@ -84,7 +94,7 @@ def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = 
         log.info("checkpoint %d/%d: %s (%s)", i + 1, len(cfg.model.checkpoints), c.name, c.path or c.revision)
         results.append(run_job(checkpoint_config(cfg, c), address, report=False, on_shard=on_shard))
         rows.append({"checkpoint": c.name, "step": c.step, "path": c.path, "revision": c.revision,
-                     "sha256": digest, "same_as": same_as})
+                     "sha256": digest, "same_as": same_as, "files": files})
     write_json_atomic(cfg.run_dir / SWEEP_RECORD, {"checkpoints": rows})  # last: a sweep is opened once complete
     totals = sweep_totals([r.totals for r in results], time.perf_counter() - t0)
     totals["checkpoints"] = rows

@@ -34,7 +34,7 @@ def quickstart_headline(runs: Path) -> str:
 
 BY_SOURCE_SQL = """SELECT source, round(avg(mean_mass) FILTER (WHERE layer BETWEEN 1 AND 4), 3) AS cls_mass_1_4,
        round(avg(mean_mass) FILTER (WHERE layer = 5), 3) AS cls_mass_5
-FROM attention_mass_by_key WHERE key_category = 'bos' GROUP BY source ORDER BY cls_mass_1_4 DESC"""
+FROM attention_mass_by_key_by_source WHERE key_category = 'bos' GROUP BY source ORDER BY cls_mass_1_4 DESC"""
 """Mass on [CLS] per source (``analyses.by_source``): docs/findings.md and the README's tour."""
 
 
@@ -42,7 +42,8 @@ def by_source(runs: Path) -> str:
     rows = actlake.query(runs / "quickstart", BY_SOURCE_SQL).to_pylist()
     cells = [f"| {r['source']}{' (every document)' if r['source'] == '*' else ''} | {r['cls_mass_1_4']:.3f} | "
              f"{r['cls_mass_5']:.3f} |" for r in rows]
-    top, low = rows[0], rows[-1]
+    labelled = [r for r in rows if r["source"] != "*"]
+    top, low = labelled[0], labelled[-1]
     return "\n".join([
         f"- **By source** (`analyses.by_source`, on in the quick start): the sink is strongest on {top['source']} "
         f"({top['cls_mass_1_4']:.3f} of each query's attention on [CLS], layers 1–4) and weakest on {low['source']} "

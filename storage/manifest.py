@@ -145,6 +145,13 @@ def recorded_views(layout: RunLayout) -> dict[str, tuple[str, str]] | None:
 _AGGREGATE = re.compile(r"part-0(-[0-9a-f]{12})?\.parquet")
 
 
+def reduced_tables(layout: RunLayout) -> set[str]:
+    """The tables the reduce record of the run's plan names (none for a training run or without a record)."""
+    run = read_run(layout)
+    record = reduce_record(layout, run.get("plan_hash")) if table_specs(run, layout.run_json) is None else None
+    return set((record or {}).get("files") or {})
+
+
 def aggregate_path(layout: RunLayout, source, table: str, path: str):
     """A recorded aggregate file path, which must be one actlake writes for that table."""
     parts = path.split("/")

@@ -87,6 +87,11 @@ class CommitPolicy:
     """Commit once the group's partials would be at most this fraction of the bytes of its shards' tables."""
 
 
+def _sets(stats: dict | None) -> int:
+    """Sets of statistics in a group's ``{name: BySource}`` (one per source label each; at least 1)."""
+    return max(1, max((len(getattr(s, "parts", (0,))) for s in (stats or {}).values()), default=1))
+
+
 @dataclass
 class Group:
     """A worker's shards since its last commit, with their statistics merged (on the model's device)."""
@@ -107,21 +112,22 @@ class Group:
             self._add(shard_id, files, summary, stats)
 
     def _add(self, shard_id: int, files: dict, summary: dict, stats: dict) -> None:
+        if self.stats is None:
+            if self.partial_bytes is None:  # per set of statistics: by_source keeps one per source label
+                self.partial_bytes = sum(t.nbytes for s in stats.values() for t in s.to_tables().values()) / _sets(stats)
+            merged = stats
+        else:  # merged first: a merge that fails (analyses.max_sources) leaves the shard out of the group
+            merged = {name: self.stats[name].merge(part) for name, part in stats.items()}
+        self.stats = merged
         self.shards[shard_id] = {"files": files, "summary": summary}
         self.table_bytes += sum(m["bytes"] for m in files.values())
-        if self.stats is None:
-            self.stats = stats
-            if self.partial_bytes is None:
-                self.partial_bytes = sum(t.nbytes for s in stats.values() for t in s.to_tables().values())
-        else:
-            self.stats = {name: self.stats[name].merge(part) for name, part in stats.items()}
 
     def due(self) -> bool:
         if not self.shards:
             return False
         if time.monotonic() - self.started >= self.policy.max_seconds:
             return True
-        return (self.partial_bytes or 0) <= self.policy.partial_fraction * self.table_bytes
+        return (self.partial_bytes or 0) * _sets(self.stats) <= self.policy.partial_fraction * self.table_bytes
 
     def commit(self) -> list[int]:
         """Write the partials, then the record (last); the shard ids now complete. Afterwards the group

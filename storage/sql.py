@@ -20,9 +20,11 @@ import weakref
 from pathlib import Path
 
 from actlake.errors import QueryError, StorageError
+from actlake.tables import ALL_SOURCES as ALL
+from actlake.tables import BY_SOURCE_SUFFIX, SOURCE
 from actlake.fs import arrow, location
 from actlake.storage.layout import CHECKPOINTS_DIR, RunLayout, sweep_checkpoints
-from actlake.storage.manifest import committed_files, is_table_name, recorded_views
+from actlake.storage.manifest import committed_files, is_table_name, read_run, recorded_views, reduced_tables
 from actlake.storage.readonly_fs import ReadOnlyFiles, url
 from actlake.storage.sql_process import MAX_TEMP_SIZE  # one default for open_run and actlake sql
 from actlake.storage.verified import verify_files
@@ -183,11 +185,33 @@ class _Run:
             raise StorageError(f"{self.layout.root}: no committed tables (has a job finished a shard here?)")
         self.files = [f for fs in files.values() for f in fs]
         self.tables = {t: _view_sql(fs) for t, fs in files.items()}
+        labelled = self._over_every_document(reduced_tables(self.layout) & set(files), files)
         self.views = {}
         for name, (source, sql) in derived_views(self.layout).items():
             if source in self.tables and name not in self.tables:
                 _check_view(self.layout, name, sql)
                 self.views[name] = _without_terminator(sql)
+        if labelled:  # analyses.by_source: each view again over every label's rows
+            ctes = [(t, labelled[t]) for t in labelled] + list(self.views.items())
+            for i, (name, sql) in enumerate(list(self.views.items())):
+                self.views[name + BY_SOURCE_SUFFIX] = _with_ctes(ctes[: len(labelled) + i], sql)
+
+    def _over_every_document(self, reduced: set, files: dict) -> dict:
+        """Make each reduced table's name hold its rows over every document (``source = '*'``) and, in a
+        ``by_source`` run, ``<table>_by_source`` every label's rows too; returns those tables' full SELECTs. A
+        table reduced before the column existed is every document's: it gets ``source = '*'``."""
+        split = bool(((read_run(self.layout).get("config") or {}).get("analyses") or {}).get("by_source"))
+        labelled = {}
+        for t in sorted(reduced):
+            if SOURCE not in _file_schema(files[t][0]).names:
+                self.tables[t] = f"SELECT {_quote(ALL)} AS {SOURCE}, * FROM ({self.tables[t]})"
+                continue
+            if split and not is_table_name(t + BY_SOURCE_SUFFIX) or t + BY_SOURCE_SUFFIX in self.tables:
+                raise StorageError(f"{self.layout.root}: table {t!r} has no free name for its rows by source")
+            if split:
+                labelled[t] = self.tables[t + BY_SOURCE_SUFFIX] = self.tables[t]
+            self.tables[t] = f"SELECT * FROM ({self.tables[t]}) WHERE {SOURCE} = {_quote(ALL)}"
+        return labelled
 
     @property
     def name(self) -> str:
@@ -200,8 +224,15 @@ class _Run:
             return self.tables[name]
         views = list(self.views)
         before = list(self.tables.items()) + [(v, self.views[v]) for v in views[: views.index(name)]]
-        ctes = ", ".join(f"{_ident(n)} AS (\n{sql}\n)" for n, sql in before)
-        return f"WITH {ctes} SELECT * FROM (\n{self.views[name]}\n)"
+        return _with_ctes(before, self.views[name])
+
+
+def _with_ctes(ctes: list[tuple[str, str]], sql: str) -> str:
+    """``sql`` with ``ctes`` (name, SELECT) as common table expressions: its table names bound to them."""
+    if not ctes:
+        return sql
+    listed = ", ".join(f"{_ident(n)} AS (\n{q}\n)" for n, q in ctes)
+    return f"WITH {listed} SELECT * FROM (\n{sql}\n)"
 
 
 def _side_by_side(con, runs: list[_Run], column: str = "run") -> list[str]:

@@ -256,16 +256,19 @@ def distance_profile(q, k, lse, validf, scale: float, causal: bool = True) -> to
     n_diag = n_blocks if causal else 2 * n_blocks - 1
     tiles = torch.empty(B, H, n_diag, BL, BL, dtype=torch.float32, device=q.device)
     _launch(_distance_tiles, tiles, q, k, lse, validf, scale, causal, n_diag)
-    # tile P's entry (i, j) (query i, key j once transposed) is at m - n = D * BL + i - j, D its block
-    # diagonal; diagonal_sums_from gives, per tile, the sums at c = i - j + BL - 1: profile index D * BL + c + T - BL
+    # tile P's entry (i, j) (query i, key j once transposed) is at m - n = D * BL + i - j, D = P + first its block
+    # diagonal; diagonal_sums_from gives, per tile, the sums at c = i - j + BL - 1, which lie at position
+    # f = P * BL + c of ``flat`` (the tiles' two halves overlap by a block) and at profile index f + off
     by_query = tiles.sum(0).transpose(-1, -2).reshape(H * n_diag, BL, BL)
-    span = diagonal_sums_from(by_query).view(H, n_diag * (2 * BL - 1))
+    span = diagonal_sums_from(by_query).view(H, n_diag, 2 * BL - 1)
+    flat = span.new_zeros(H, (n_diag + 1) * BL)
+    flat[:, : n_diag * BL] += span[..., :BL].reshape(H, -1)
+    flat[:, BL:] += torch.nn.functional.pad(span[..., BL:], (0, 1)).reshape(H, -1)
     first = 0 if causal else -(n_blocks - 1)
-    index = ((torch.arange(n_diag, device=q.device)[:, None] + first) * BL
-             + torch.arange(2 * BL - 1, device=q.device)[None, :] + T - BL).reshape(-1)
-    inside = (index >= 0) & (index < 2 * T - 1)  # the rest lies beyond the window: zero weight
+    off = first * BL + T - BL  # slices with host integers: no read-back (a layer graph may be recording)
     out = span.new_zeros(H, 2 * T - 1)
-    out.index_add_(1, index[inside], span[:, inside])
+    lo, hi = max(0, off), min(2 * T - 1, flat.shape[1] + off)  # profile indices the tiles cover
+    out[:, lo:hi] = flat[:, lo - off : hi - off]
     return out
 
 

@@ -36,8 +36,10 @@ def _corpus(sample_corpus: Path, out: Path, keep=lambda source: True) -> Path:
 
 
 def _rows(run_dir, table: str, source: str):
-    """(key columns, float columns) of a table's rows of one source, in key order."""
+    """(key columns, float columns) of a table's (or view's) rows of one source, in key order: by its name
+    for every document, ``<table>_by_source`` for a label."""
     con = open_run(run_dir)
+    table = table if source == "*" else f"{table}_by_source"
     cols = con.execute(f"SELECT column_name, data_type FROM information_schema.columns WHERE table_name = '{table}'"
                        " ORDER BY ordinal_position").fetchall()
     keys = [c for c, t in cols if t not in ("DOUBLE", "FLOAT") and c not in ("source", "rank")]  # rank: ties may flip
@@ -69,9 +71,15 @@ def test_each_source_equals_a_run_over_its_documents_and_star_equals_a_plain_run
     corpus = _corpus(sample_corpus, tmp_path / "all")
     split = _run(model, corpus, tmp_path / "split", **{"analyses.by_source": True})
     plain = _run(model, corpus, tmp_path / "plain")
-    labels = sorted(r[0] for r in open_run(split.run_dir).execute("SELECT DISTINCT source FROM attention_mass").fetchall())
+    con = open_run(split.run_dir)
+    labels = sorted(r[0] for r in con.execute("SELECT DISTINCT source FROM attention_mass_by_source").fetchall())
     assert len(labels) == 4 and "*" in labels  # three sources and every document
-    assert {r[0] for r in open_run(plain.run_dir).execute("SELECT DISTINCT source FROM dim_moments").fetchall()} == {"*"}
+    for name in STATISTICS + VIEWS:  # by its name, a table or view holds the rows over every document
+        assert {r[0] for r in con.execute(f"SELECT DISTINCT source FROM {name}").fetchall()} == {"*"}, name
+    con.close()
+    plain_con = open_run(plain.run_dir)
+    assert not plain_con.execute("SELECT * FROM information_schema.tables WHERE table_name LIKE '%_by_source'").fetchall()
+    plain_con.close()
     for what in STATISTICS + VIEWS:  # other batches (not split by source): the model's float32 values round otherwise
         _same(split.run_dir, "*", plain.run_dir, "*", what, rtol=1e-6)
     one = labels[1]
@@ -80,7 +88,7 @@ def test_each_source_equals_a_run_over_its_documents_and_star_equals_a_plain_run
         _same(split.run_dir, one, alone.run_dir, "*", what, rtol=1e-6)
     # the sums add up: the three sources' valid queries are every document's
     n = open_run(split.run_dir).execute(
-        "SELECT source = '*', sum(n_queries) FROM attention_mass GROUP BY ALL ORDER BY ALL").fetchall()
+        "SELECT source = '*', sum(n_queries) FROM attention_mass_by_source GROUP BY ALL ORDER BY ALL").fetchall()
     assert n[0][1] == n[1][1] > 0
     _report_draws_a_line_per_source(split.run_dir, [x for x in labels if x != "*"])
 
@@ -96,7 +104,8 @@ def _report_draws_a_line_per_source(run_dir, labels) -> None:
     drawn = {slug: chart.data for slug, _, chart in comparison_blocks(con, series="source")}["by_source_first_token_mass"]
     assert sorted(set(drawn.source)) == labels
     for label in set(drawn.source):
-        own = con.execute("SELECT layer, avg(mean_mass) FROM attention_mass_by_key WHERE source = ? AND key_category = 'bos' "
+        own = con.execute("SELECT layer, avg(mean_mass) FROM attention_mass_by_key_by_source WHERE source = ? "
+                          "AND key_category = 'bos' "
                           "GROUP BY layer ORDER BY layer", [label]).fetchall()
         line = drawn[drawn.source == label]
         np.testing.assert_allclose(line.value.to_numpy(), [v for _, v in own], rtol=1e-12)
