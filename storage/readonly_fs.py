@@ -10,6 +10,9 @@ closed by ``enable_external_access = false``, and DuckDB's own S3 access (httpfs
 from __future__ import annotations
 
 import datetime
+import io
+import os
+import threading
 
 from fsspec.spec import AbstractFileSystem
 
@@ -51,7 +54,8 @@ class ReadOnlyFiles(AbstractFileSystem):
     def _open(self, path, mode="rb", **kwargs):
         if mode != "rb":
             raise PermissionError(f"{self._strip_protocol(path)}: read-only (mode {mode!r} refused)")
-        return self.files[self._listed(path)].open("rb")
+        p = self._listed(path)
+        return PositionalReader(self.files[p].open("rb"), self.info(p)["size"])
 
     def info(self, path, **kwargs):
         p = self._listed(path)
@@ -69,3 +73,46 @@ class ReadOnlyFiles(AbstractFileSystem):
         raise PermissionError("read-only file system")
 
     rm = rm_file = _rm = rmdir = mv = cp_file = copy = put_file = pipe_file = touch = mkdir = makedirs = _refuse
+
+
+class PositionalReader(io.RawIOBase):
+    """A read-only file whose position is each thread's own, every read a positional one (``pread``; a pyarrow
+    file's ``read_at``). DuckDB reads a Parquet file's row groups from several threads through one handle, as a
+    seek and then a read: on one shared position another thread's seek could land between the two, and the
+    read return another part of the file (seen on an object store: "don't know what type")."""
+
+    def __init__(self, f, size: int):
+        super().__init__()
+        self._f, self._size, self._local = f, size, threading.local()
+        self._fd = None if hasattr(f, "read_at") else f.fileno()  # pyarrow's positional read, else pread
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return getattr(self._local, "pos", 0)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.tell(), io.SEEK_END: self._size}[whence]
+        self._local.pos = max(0, base + offset)
+        return self._local.pos
+
+    def read(self, size: int = -1) -> bytes:
+        pos = self.tell()
+        n = max(0, self._size - pos) if size is None or size < 0 else min(size, max(0, self._size - pos))
+        data = os.pread(self._fd, n, pos) if self._fd is not None else bytes(self._f.read_at(n, pos))
+        self._local.pos = pos + len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()

@@ -17,7 +17,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def _start_job(cfg: Path, cwd: Path, env: dict) -> tuple[subprocess.Popen, list[str]]:
     """``actlake run cfg`` in a subprocess, returned once it dispatches shards (its stderr lines so far)."""
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-m", "actlake.jobs.cli", "run", str(cfg)], cwd=cwd, text=True,
+    # as a terminal starts it: Ctrl-C's signal handled by default, also when this suite runs in the background
+    # of a non-interactive shell (which ignores SIGINT in its background jobs, and an ignored signal is inherited)
+    start = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "os.execv(sys.executable, [sys.executable, '-m', 'actlake.jobs.cli', 'run', sys.argv[1]])")
+    proc = subprocess.Popen([sys.executable, "-c", start, str(cfg)], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env, PYTHONPATH=str(root)))
     seen = []
     deadline = time.monotonic() + 240

@@ -54,3 +54,44 @@ def test_local_glob_and_atomic_write(tmp_path):
     assert glob(str(tmp_path / "**" / "*.jsonl")) == [str(tmp_path / n) for n in ("a/1.jsonl", "a/2.jsonl", "b.jsonl")]
     write_atomic(tmp_path / "x" / "y.json", b"1")
     assert (tmp_path / "x" / "y.json").read_bytes() == b"1" and [p.name for p in (tmp_path / "x").iterdir()] == ["y.json"]
+
+
+@pytest.mark.parametrize("kind", ["local", "pyarrow"])
+def test_the_read_only_files_keep_a_position_per_thread(tmp_path, kind):
+    """DuckDB reads row groups of one file from several threads through one handle, as seek-then-read: another
+    thread's seek between the two must not move this thread's read (it did, on an object store)."""
+    import threading
+
+    import pyarrow.fs as pafs
+
+    from actlake.storage.readonly_fs import PositionalReader
+
+    path = tmp_path / "blob"
+    data = bytes(range(256)) * 64
+    path.write_bytes(data)
+    f = path.open("rb") if kind == "local" else pafs.LocalFileSystem().open_input_file(str(path))
+    reader = PositionalReader(f, len(data))
+    sought, moved = threading.Event(), threading.Event()
+    got = {}
+
+    def first():
+        reader.seek(100)
+        sought.set()
+        moved.wait(10)  # the other thread has sought elsewhere meanwhile
+        got["first"] = reader.read(50)
+
+    def second():
+        sought.wait(10)
+        reader.seek(9000)
+        moved.set()
+        got["second"] = reader.read(30)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == {"first": data[100:150], "second": data[9000:9030]}
+    reader.seek(-4, 2)
+    assert reader.read() == data[-4:] and reader.tell() == len(data)
+    reader.close()
