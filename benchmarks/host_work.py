@@ -14,7 +14,8 @@ outside the lock, while the next shard computes) is printed apart. Models and ba
 
 Then the stages a GPU worker with read-ahead runs on a second thread while its first launches the model's
 kernels: tokenising --docs sample documents one call per record (actlake before) and a run of records per call
-(now), ``read_shard`` on them as a jsonl shard, writing one batch's shard tables, committing the statistics.
+(now), ``read_shard`` on them as a jsonl shard (in the thread, then in a ``ReaderProcess`` as
+``resources.read_in_process`` has it: the thread only waits for the result), writing one batch's shard tables, committing the statistics.
 Each alone, and beside a thread of small torch operations that stands in for the compute thread (a torch
 operation lets go of the interpreter lock while it runs, as a kernel launch does, and must take it back to go
 on): printed, each stage's time both ways and the operations thread's speed meanwhile as a share of its speed
@@ -176,9 +177,12 @@ def beside_compute(ex, result, args) -> None:
                 documents_windows(tok, texts[i:i + read.TOKENIZE_EVERY], cfg)
                 for i in range(0, len(texts), read.TOKENIZE_EVERY)],
             "read_shard (JSON lines, tokenising, windows)": lambda: ex.read_shard(shard),
+            "read_shard in a ReaderProcess (read_in_process)": lambda: reader.read(shard),
             "writing one batch's shard tables": write,
             "committing its statistics (one group)": commit,
         }
+        reader = read.ReaderProcess(ex.cfg.to_dict(), tok)
+        reader.read(shard)  # started, its tokenizer warm
         _, idle = _beside_operations(lambda: time.sleep(0.5))
         print(f"the second thread's stages on {len(texts)} documents (best of {args.rounds + 1}), alone and beside a "
               f"thread of small torch operations ({idle:,.0f} per second alone):")
@@ -188,6 +192,7 @@ def beside_compute(ex, result, args) -> None:
             beside, rate = min(t for t, _ in tries), max(r for _, r in tries)  # each the best of the rounds
             print(f"  {name:<46} {alone:9.1f} ms alone, {beside * 1e3:9.1f} ms beside it "
                   f"(operations at {rate / idle:.2f} of their speed)")
+        reader.close()
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ class Extractor:
         self.stream = capture.HiddenStream(lm.model, lm.family)  # likewise
         self.oom_splits = 0
         self.tokenizing = threading.Lock()
+        self.reader = None
+        """A :class:`~actlake.jobs.read.ReaderProcess` that reads shards instead of this process, or None."""
         self.analyses = enabled(cfg)  # (class, options) per enabled analysis
         tables = shard_tables(cfg)
         self.producers = [c for c, _ in self.analyses + tables]
@@ -68,7 +70,10 @@ class Extractor:
                               cfg.tokenization.max_length, lm.device)
 
     def read_shard(self, shard: Shard):
-        """The reading stage (:func:`~actlake.jobs.read.read_shard`): windows, documents, rejects."""
+        """The reading stage (:func:`~actlake.jobs.read.read_shard`, here or in :attr:`reader`): windows,
+        documents, rejects."""
+        if self.reader is not None:
+            return self.reader.read(shard)
         return read_shard(shard, self.cfg, self.lm.tokenizer, self.tokenizing)
 
     def new_stats(self) -> dict:

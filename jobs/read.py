@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 from actlake.batching import Window, document_windows, documents_windows
@@ -81,3 +82,51 @@ class _Reading:
 
     def _reject(self, record: int, reason: str, detail: str) -> None:
         self.rejects.append({"file": self.shard.path, "record": record, "reason": reason, "detail": detail})
+
+
+class ReaderProcess:
+    """Reads shards in a process of its own (``resources.read_in_process``), so that parsing, decompressing
+    and tokenising the next shard do not take the interpreter lock from the thread that drives the model.
+
+    One spawned process per worker, holding the worker's tokenizer (pickled to it once) and config; a call
+    hands it a shard and waits for the shard's windows, documents and rejects, which are what
+    :func:`read_shard` in the worker would return (a test compares the tables). Its errors (a CorpusError
+    naming the file) come back as they were raised there. It exits with the worker: it watches its parent."""
+
+    def __init__(self, cfg_dict: dict, tokenizer):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn, never fork: the worker holds CUDA and threads a forked child would inherit broken
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_start_reader, initargs=(cfg_dict, tokenizer, os.getpid()))
+
+    def read(self, shard: Shard):
+        return self.pool.submit(_read_in_reader, shard).result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+_reader: dict = {}
+"""In the reader process: its config and tokenizer (set once by :func:`_start_reader`)."""
+
+
+def _start_reader(cfg_dict: dict, tokenizer, parent: int) -> None:
+    from actlake.config import parse_config
+
+    _reader.update(cfg=parse_config(cfg_dict), tokenizer=tokenizer, lock=threading.Lock())
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="actlake-reader-parent").start()
+
+
+def _exit_with(parent: int) -> None:
+    """Exit when the worker that started this process is gone (killed workers do not shut their pools down)."""
+    import time
+
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _read_in_reader(shard: Shard):
+    return read_shard(shard, _reader["cfg"], _reader["tokenizer"], _reader["lock"])

@@ -80,6 +80,13 @@ def read_ahead(cfg: JobConfig, gpus: float) -> bool:
     return gpus > 0 if r is None else bool(r)
 
 
+def read_in_process(cfg: JobConfig, gpus: float) -> bool:
+    """Whether a worker reads its shards in a process of its own (``resources.read_in_process``; default: with
+    read-ahead, which is what lets that process work while the model runs)."""
+    r = cfg.resources.read_in_process
+    return read_ahead(cfg, gpus) if r is None else bool(r)
+
+
 def worker_options(cfg: JobConfig, cpus: float, gpus: float) -> dict:
     """Ray actor options of one ShardWorker: CPUs, GPUs, memory (``resources.memory_per_worker_gb``), restarts.
     The object-store variables travel as the actor's argument, not as a runtime_env (see ``jobs/ray_env.py``)."""
@@ -296,7 +303,8 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         env = store_env(local=not (address or os.environ.get("RAY_ADDRESS")))
         counter = counter_actor()
         workers = [ShardWorker.options(**worker_options(cfg, cpus, gpus)).remote(cfg.to_dict(), str(layout.root), phash,
-                                                                               threads, code, env, counter)
+                                                                               threads, code, env, counter,
+                                                                               read_in_process(cfg, gpus))
                    for _ in range(n)]
         log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus, gpus,
                  f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb else "unreserved")

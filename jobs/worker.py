@@ -87,11 +87,12 @@ class ShardWorker:
     while the other is read and tokenised, so the device does not wait for the CPU between shards."""
 
     def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None,
-                 store_env: dict | None = None, counter=None):
+                 store_env: dict | None = None, counter=None, read_in_process: bool = False):
         """``store_env``: the driver's object-store variables (:func:`actlake.jobs.ray_env.store_env`), set in
         this process before any store is opened. An argument, never a ``runtime_env``: Ray writes a
         runtime_env's variables in plain text to its agent's log. ``counter``: the job's
-        :class:`~actlake.jobs.progress.BatchCounter` actor, told of every finished batch."""
+        :class:`~actlake.jobs.progress.BatchCounter` actor, told of every finished batch. ``read_in_process``:
+        shards are read by a :class:`~actlake.jobs.read.ReaderProcess` (``resources.read_in_process``)."""
         os.environ.update(store_env or {})
         import torch
 
@@ -107,6 +108,10 @@ class ShardWorker:
         self.layout = RunLayout(location(run_dir))
         self.group = Group(self.layout, plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
+        if read_in_process:
+            from actlake.jobs.read import ReaderProcess  # loads torch (batching): imported when used
+
+            self.extractor.reader = ReaderProcess(cfg_dict, self.extractor.lm.tokenizer)
         self.compute = threading.Lock()  # the model runs one shard at a time, also when two are in hand
         self.pid = os.getpid()
         self.counter = counter
@@ -151,6 +156,8 @@ class ShardWorker:
     def close(self) -> None:
         """Remove this worker's offload folder (``model.offload_folder``); called before the actor is killed."""
         self.extractor.lm.close()
+        if self.extractor.reader is not None:
+            self.extractor.reader.close()
 
     def get_pid(self) -> int:
         return self.pid

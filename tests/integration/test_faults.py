@@ -81,7 +81,8 @@ def test_killed_workers_leave_the_same_tables_and_readers_see_whole_shards(minil
     cfg = job_config(minilm_path, sample_corpus, tmp_path,
                      **{"corpus.max_docs": 20, "sharding.docs_per_shard": 2, "resources.max_retries": 6,
                         "sharding.commit_seconds": 2.0,  # groups of a few shards: kills land before and after commits
-                        "resources.read_ahead": True})  # two shards in hand: both go back to the queue
+                        "resources.read_ahead": True,  # two shards in hand: both go back to the queue
+                        "resources.read_in_process": True})  # read by a process of each worker's own
     kills, seen, reader_errors = [], [], []
     done = threading.Event()
     rng = random.Random(7)

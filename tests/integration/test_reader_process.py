@@ -1,0 +1,83 @@
+"""Reading shards in a process of the worker's own (``resources.read_in_process``): the same windows,
+documents and rejects as reading in the worker, the same errors, and no process left behind by a killed
+worker. (A whole job with it equals a clean run: ``test_faults.py``.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import zstandard
+
+from actlake.errors import CorpusError
+from actlake.jobs.plan import make_plan
+from actlake.jobs.read import ReaderProcess, read_shard
+from tests.conftest import job_config
+
+pytestmark = pytest.mark.integration
+
+
+def _corpus(folder):
+    """Two files: prose, code, a line that is not JSON and a record without text (rejects), an empty text."""
+    folder.mkdir()
+    lines = [json.dumps({"text": f"Document {i}: " + "def f(x):\n    return x * 2  # twice\n" * (i % 4 + 1),
+                         "meta": {"pile_set_name": "Code" if i % 2 else "Prose"}}) for i in range(30)]
+    lines[7], lines[12], lines[20] = "{not json", json.dumps({"meta": {}}), json.dumps({"text": ""})
+    for k in range(2):
+        (folder / f"part{k}.jsonl.zst").write_bytes(zstandard.compress("\n".join(lines[k::2]).encode() + b"\n"))
+    return folder
+
+
+def test_a_reader_process_reads_what_the_worker_would(tiny_models, tmp_path):
+    from transformers import AutoTokenizer
+
+    corpus = _corpus(tmp_path / "corpus")
+    cfg = job_config(tiny_models["gpt2"], corpus, tmp_path / "runs", **{"sharding.docs_per_shard": 4,
+                                                                         "tokenization.max_length": 16})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["gpt2"])
+    shards = make_plan(cfg)
+    reader = ReaderProcess(cfg.to_dict(), tokenizer)
+    try:
+        here = [read_shard(s, cfg, tokenizer, threading.Lock()) for s in shards]
+        there = [reader.read(s) for s in shards]
+        assert there == here
+        assert sum(len(r) for _, _, r in there) == 3 and sum(len(w) for w, _, _ in there) > len(shards)
+        # a file changed since the plan: the reader's CorpusError, naming the file, as the worker would raise it
+        changed = shards[0].path
+        os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
+        with pytest.raises(CorpusError, match="since the run planned it") as e:
+            reader.read(shards[0])
+        assert changed in str(e.value)
+    finally:
+        reader.close()
+
+
+def test_the_reader_process_exits_with_a_killed_worker(tiny_models, tmp_path):
+    """A worker killed by Ray (SIGKILL) never shuts its pool down: the reader notices its parent is gone."""
+    import psutil
+
+    cfg = job_config(tiny_models["gpt2"], _corpus(tmp_path / "corpus"), tmp_path / "runs").to_dict()
+    script = textwrap.dedent(f"""
+        import json, os, signal
+        from transformers import AutoTokenizer
+        from actlake.jobs.read import ReaderProcess
+        reader = ReaderProcess(json.loads({json.dumps(cfg)!r}), AutoTokenizer.from_pretrained({str(tiny_models["gpt2"])!r}))
+        reader.pool.submit(os.getpid).result()
+        (child,) = reader.pool._processes
+        print(child, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert done.returncode == -9, done.stderr
+    child = int(done.stdout.split()[-1])
+    deadline = time.time() + 15
+    while time.time() < deadline and psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.2)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
