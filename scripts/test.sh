@@ -10,4 +10,6 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
 fi
 export PATH="$PWD/.venv/bin:$PATH"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_DISABLE_USAGE_STATS=1
-exec .venv/bin/python -m pytest -q --durations=15 "$@"
+# two test processes (ACTLAKE_TEST_PROCESSES), each file kept in one of them: module fixtures (the quick
+# start's run, a Ray head) are made once; each process has its own embedded Ray
+exec .venv/bin/python -m pytest -q --durations=15 -n "${ACTLAKE_TEST_PROCESSES:-2}" --dist loadfile "$@"
