@@ -4,7 +4,7 @@
 
 reads ``RUNS/quickstart`` (``bash scripts/quickstart.sh``) and ``RUNS/lm-quick`` + ``RUNS/predictor-quick``
 (``bash scripts/predictive_quick.sh``) and rewrites the blocks between ``<!-- NAME:start -->`` and
-``<!-- NAME:end -->`` it knows; ``--check`` only says whether they are current (exit 1 if not). A block
+``<!-- NAME:end -->`` it knows (in docs/findings.md, and the README's tour answers); ``--check`` only says whether they are current (exit 1 if not). A block
 whose runs are missing is left as it is.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import actlake
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = ROOT / "docs" / "findings.md"
+PAGES = (ROOT / "docs" / "findings.md", ROOT / "README.md")
 
 
 def quickstart_headline(runs: Path) -> str:
@@ -54,6 +54,40 @@ def by_source(runs: Path) -> str:
         *[f"  {c}" for c in cells]])
 
 
+MASSIVE_SQL = """SELECT layer, dim, mean, max_abs, share FROM massive_activations
+WHERE scheme = 'role' AND category = 'bos' AND rank = 1 ORDER BY layer"""
+"""The largest dimension on [CLS] per layer (the ``massive_activations`` view): docs/findings.md and the README."""
+
+
+def massive(runs: Path) -> str:
+    rows = actlake.query(runs / "quickstart", MASSIVE_SQL).to_pylist()
+    sink = [r for r in rows if 1 <= r["layer"] <= 4]
+    dims = sorted({r["dim"] for r in sink})
+    cells = [f"  | {r['layer']} | {r['dim']} | {r['mean']:.2f} | {r['max_abs']:.2f} | {r['share']:.2f} |" for r in rows]
+    return "\n".join([
+        f"- **What drives the sink** (the `massive_activations` view, which ranks dimensions within each token role): "
+        f"on [CLS], in layers 1–4, dimension {' and '.join(map(str, dims))} holds "
+        f"{min(r['mean'] for r in sink):.1f} to {max(r['mean'] for r in sink):.1f} "
+        f"({min(r['share'] for r in sink):.2f}–{max(r['share'] for r in sink):.2f} of [CLS]'s squared norm); the "
+        "all-token `outliers` ranking never shows it, [CLS] being under 1 % of tokens. The README's query:",
+        "",
+        "  | layer | dim | mean on [CLS] | max \\|value\\| | share of [CLS]'s ‖h‖² |",
+        "  |---|---|---|---|---|",
+        *cells])
+
+
+def tour_answers(runs: Path) -> str:
+    """The README's answers to its two tour questions (by source, what drives the sink)."""
+    run = runs / "quickstart"
+    src = [r for r in actlake.query(run, BY_SOURCE_SQL).to_pylist() if r["source"] != "*"]
+    sink = [r for r in actlake.query(run, MASSIVE_SQL).to_pylist() if 1 <= r["layer"] <= 4]
+    (dim,) = {r["dim"] for r in sink} if len({r["dim"] for r in sink}) == 1 else ("/".join(str(r["dim"]) for r in sink),)
+    return (f"On the sample, {src[0]['source']} puts {src[0]['cls_mass_1_4']:.3f} of each query's attention on [CLS] "
+            f"(layers 1–4), {src[-1]['source']} {src[-1]['cls_mass_1_4']:.3f}; dimension {dim} holds "
+            f"{100 * min(r['share'] for r in sink):.0f}–{100 * max(r['share'] for r in sink):.0f} % of [CLS]'s squared "
+            "norm there, a value the all-token `outliers` ranking never shows ([Findings](docs/findings.md)).")
+
+
 def predictive(runs: Path) -> str:
     lm = json.loads((runs / "lm-quick" / "summary.json").read_text())
     pred = runs / "predictor-quick"
@@ -84,6 +118,8 @@ def predictive(runs: Path) -> str:
 
 BLOCKS = {"quickstart-headline": (quickstart_headline, ("quickstart",)),
           "by-source": (by_source, ("quickstart",)),
+          "massive": (massive, ("quickstart",)),
+          "tour-answers": (tour_answers, ("quickstart",)),
           "predictive-measured": (predictive, ("lm-quick", "predictor-quick"))}
 
 
@@ -92,23 +128,26 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default=str(ROOT / "runs"))
     p.add_argument("--check", action="store_true")
     args = p.parse_args(argv)
-    runs, text = Path(args.runs), PAGE.read_text()
+    runs = Path(args.runs)
+    texts = {page: page.read_text() for page in PAGES}
     stale = []
     for name, (make, needs) in BLOCKS.items():
         if not all((runs / r / "summary.json").is_file() for r in needs):
             print(f"{name}: skipped (no {', '.join(needs)} under {runs})", file=sys.stderr)
             continue
-        head, rest = text.split(f"<!-- {name}:start -->")
+        (page,) = [p for p, t in texts.items() if f"<!-- {name}:start -->" in t]
+        head, rest = texts[page].split(f"<!-- {name}:start -->")
         old, tail = rest.split(f"<!-- {name}:end -->")
         new = f"\n{make(runs)}\n"
         if old != new:
             stale.append(name)
-        text = f"{head}<!-- {name}:start -->{new}<!-- {name}:end -->{tail}"
+        texts[page] = f"{head}<!-- {name}:start -->{new}<!-- {name}:end -->{tail}"
     if args.check:
         print("stale: " + ", ".join(stale) if stale else "current")
         return 1 if stale else 0
-    PAGE.write_text(text)
-    print(f"updated {PAGE}" + (f" ({', '.join(stale)})" if stale else " (no change)"))
+    for page, text in texts.items():
+        page.write_text(text)
+    print(f"updated {', '.join(p.name for p in PAGES)}" + (f" ({', '.join(stale)})" if stale else " (no change)"))
     return 0
 
 

@@ -6,6 +6,7 @@ command it prints, the five-minute tour, and the S3 walkthrough against a local 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,8 @@ def test_the_five_minute_tour(quickstart):
     assert "robust_z" not in outliers and " z " in outliers
     by_source = _bash(ACTIVATE + command("tour-by-source")).stdout
     assert all(label in by_source for label in ("PythonSource", "Licenses", "│ *")), by_source
+    massive = _bash(ACTIVATE + command("tour-massive")).stdout
+    assert "share_of_norm2" in massive and sum(ln.startswith("│") for ln in massive.splitlines()) == 2 + 7, massive
     for code in (command("tour-python"), command("querying-python")):
         shown = subprocess.run([str(BIN / "python"), "-c", code], cwd=ROOT, env=_env(), capture_output=True,
                                text=True, timeout=300)
@@ -87,9 +90,12 @@ def test_the_five_minute_tour(quickstart):
 
 
 def test_the_s3_walkthrough_against_a_local_server(quickstart):
-    """docs/cluster.md's walkthrough: moto's server, the sample corpus uploaded, the default job on s3://."""
+    """docs/cluster.md's walkthrough: moto's server, one file of the sample corpus uploaded, the default job
+    on s3://."""
     out = _bash("trap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + command("s3-walkthrough"), timeout=1800).stdout
-    local = _bash(f"{BIN / 'actlake'} sql runs/quickstart 'SELECT count(*) AS tokens, count(DISTINCT doc_id) AS "
-                  "documents FROM tokens'").stdout
-    assert local.strip().splitlines()[-2] in out  # the same counts from the object store as from the local run
+    counts = "SELECT count(*) AS tokens, count(DISTINCT doc_id) AS documents FROM tokens"
+    of_file_00 = counts + " WHERE doc_id IN (SELECT doc_id FROM documents WHERE file LIKE '%/00.jsonl.zst')"
+    local = _bash(f"{BIN / 'actlake'} sql runs/quickstart {shlex.quote(of_file_00)}").stdout
+    assert local.strip().splitlines()[-2] in out  # the object store's run of file 00 = the local run's rows of it
+    assert out.strip().splitlines()[-2] not in _bash(f"{BIN / 'actlake'} sql runs/quickstart {shlex.quote(counts)}").stdout
     (ROOT / "s3job.yaml").unlink()
