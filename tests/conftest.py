@@ -19,6 +19,14 @@ if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through T
 FAMILIES = ("bert", "gpt2", "gpt_neox", "llama")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files holding long end-to-end tests (the ``slow`` mark) first, each file's tests kept together and in
+    order: with the suite split over processes a file at a time (scripts/test.sh), the short files then fill
+    in at the end instead of one long file running alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def _bpe_tokenizer(out: Path, bos_prefix: bool):
     """A byte-level BPE tokenizer trained on local text (no downloads)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -20,7 +20,7 @@ from actlake.jobs.run import run_job
 from tests.conftest import job_config
 from tests.integration.test_faults import assert_same, snapshot
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SETTINGS = {"corpus.max_docs": 16, "sharding.docs_per_shard": 4}
 TABLES = ("documents", "tokens", "residual_norms", "dim_moments", "contributions", "attention_mass")
