@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -9,6 +10,8 @@ from actlake.batching import Window, document_windows, documents_windows
 from actlake.corpus.fingerprint import check_stat
 from actlake.corpus.readers import Reject, iter_range
 from actlake.jobs.plan import Shard
+
+log = logging.getLogger("actlake.read")
 
 TOKENIZE_EVERY = 64
 """Documents tokenised per tokenizer call (:func:`~actlake.batching.documents_windows`)."""
@@ -94,15 +97,32 @@ class ReaderProcess:
     naming the file) come back as they were raised there. It exits with the worker: it watches its parent."""
 
     def __init__(self, cfg_dict: dict, tokenizer):
+        self.cfg_dict, self.tokenizer = cfg_dict, tokenizer
+        self.starting = threading.Lock()
+        self.pool = self._start()
+
+    def _start(self):
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         # spawn, never fork: the worker holds CUDA and threads a forked child would inherit broken
-        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_start_reader, initargs=(cfg_dict, tokenizer, os.getpid()))
+        return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_reader,
+                                   initargs=(self.cfg_dict, self.tokenizer, os.getpid()))
 
     def read(self, shard: Shard):
-        return self.pool.submit(_read_in_reader, shard).result()
+        """The shard's windows, documents and rejects. A reader process that died (killed for memory) is
+        replaced once per call, with a warning, and the shard read again."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        pool = self.pool
+        try:
+            return pool.submit(_read_in_reader, shard).result()
+        except BrokenProcessPool:
+            with self.starting:  # two threads may find it broken: one new process
+                if self.pool is pool:
+                    log.warning("the reader process died; starting another and reading shard %d again", shard.shard_id)
+                    self.pool = self._start()
+            return self.pool.submit(_read_in_reader, shard).result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -47,6 +48,11 @@ def test_a_reader_process_reads_what_the_worker_would(tiny_models, tmp_path):
         here = [read_shard(s, cfg, tokenizer, threading.Lock()) for s in shards]
         there = [reader.read(s) for s in shards]
         assert there == here
+        # a reader killed (for memory, say) is replaced and the shard read again
+        (child,) = reader.pool._processes
+        os.kill(child, signal.SIGKILL)
+        time.sleep(0.5)
+        assert reader.read(shards[1]) == here[1] and child not in reader.pool._processes
         assert sum(len(r) for _, _, r in there) == 3 and sum(len(w) for w, _, _ in there) > len(shards)
         # a file changed since the plan: the reader's CorpusError, naming the file, as the worker would raise it
         changed = shards[0].path
