@@ -64,17 +64,26 @@ def previous_aggregates(layout: RunLayout) -> set:
         return set()  # nothing, or nothing we wrote: leave it
 
 
+COUNTS = ("docs", "windows", "tokens", "padded_tokens", "oom_splits", "cut_docs")
+"""The counts a shard's summary holds and a job's totals add up."""
+
+
+def add_counts(rows: list[dict], keys: tuple[str, ...] = COUNTS) -> dict:
+    """``keys`` and the rejects by reason summed over ``rows`` (shard summaries, or the totals of a sweep's
+    jobs), with the padded fraction."""
+    out: dict = {k: 0 for k in keys} | {"rejects": {}}
+    for r in rows:
+        for k in keys:
+            out[k] += r.get(k) or 0
+        for reason, n in r.get("rejects", {}).items():
+            out["rejects"][reason] = out["rejects"].get(reason, 0) + n
+    out["padded_fraction"] = out["padded_tokens"] / max(1, out["tokens"])
+    return out
+
+
 def totals_of(summaries: list[dict]) -> dict:
     """The job's totals over the shards' summaries."""
-    totals: dict = {"shards": len(summaries), "docs": 0, "windows": 0, "tokens": 0, "padded_tokens": 0, "oom_splits": 0,
-                    "cut_docs": 0, "rejects": {}}
-    for s in summaries:
-        for k in ("docs", "windows", "tokens", "padded_tokens", "oom_splits", "cut_docs"):
-            totals[k] += s.get(k, 0)
-        for reason, n in s["rejects"].items():
-            totals["rejects"][reason] = totals["rejects"].get(reason, 0) + n
-    totals["padded_fraction"] = totals["padded_tokens"] / max(1, totals["tokens"])
-    return totals
+    return {"shards": len(summaries)} | add_counts(summaries)
 
 
 def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses, verify_files: bool = True,

@@ -109,12 +109,8 @@ def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = 
 
 def sweep_totals(totals: list[dict], wall: float) -> dict:
     """The checkpoints' job totals added up (documents, windows, tokens: once per checkpoint)."""
-    out: dict = {"rejects": {}, "wall_seconds": wall}
-    for t in totals:
-        for k in ("shards", "docs", "windows", "tokens", "padded_tokens", "oom_splits", "cut_docs", "tokens_run"):
-            out[k] = out.get(k, 0) + (t.get(k) or 0)
-        for reason, n in t.get("rejects", {}).items():
-            out["rejects"][reason] = out["rejects"].get(reason, 0) + n
-    out["padded_fraction"] = out["padded_tokens"] / max(1, out["tokens"])
+    from actlake.jobs.reduce import COUNTS, add_counts  # loads the analyses (torch): imported when used
+
+    out = {"wall_seconds": wall} | add_counts(totals, ("shards",) + COUNTS + ("tokens_run",))
     out["tokens_per_second"] = out["tokens_run"] / wall if out["tokens_run"] else None
     return out
