@@ -111,7 +111,8 @@ class ReaderProcess:
 
     def read(self, shard: Shard):
         """The shard's windows, documents and rejects. A reader process that died (killed for memory) is
-        replaced once per call, with a warning, and the shard read again."""
+        replaced once per call, with a warning, and the shard read again; dying again raises
+        BrokenProcessPool, on which the worker exits as one killed while reading (its shards requeued)."""
         from concurrent.futures.process import BrokenProcessPool
 
         pool = self.pool
@@ -149,4 +150,11 @@ def _exit_with(parent: int) -> None:
 
 
 def _read_in_reader(shard: Shard):
-    return read_shard(shard, _reader["cfg"], _reader["tokenizer"], _reader["lock"])
+    from actlake.errors import ActlakeError, CorpusError
+
+    try:
+        return read_shard(shard, _reader["cfg"], _reader["tokenizer"], _reader["lock"])
+    except ActlakeError:  # picklable, as every error of the package
+        raise
+    except Exception as e:  # one the worker could not unpickle would come back as a dead reader
+        raise CorpusError(f"{shard.path}: {type(e).__name__}: {e}") from None

@@ -120,12 +120,19 @@ class ShardWorker:
         """Run one shard; ``committed``: the shard ids this call committed (its group's, when due or ``last``).
         An exception raised by an analysis's code is an AnalysisFailed naming it, file, line and method, its
         traceback logged here (the job's log)."""
+        from concurrent.futures.process import BrokenProcessPool
+
         import psutil
 
         shard = Shard(**shard_dict)
         on_batch = None if self.counter is None else (lambda docs, tokens: self.counter.add.remote(docs, tokens))
         with self._analyses_named():
-            summary = self.extractor.process(shard, self.layout, self.group, self.compute, on_batch)
+            try:
+                summary = self.extractor.process(shard, self.layout, self.group, self.compute, on_batch)
+            except BrokenProcessPool:  # the reader died twice on this shard: die as a worker killed while reading
+                log.error("the reader process died twice reading shard %d; the worker exits, its shards are "
+                          "requeued", shard.shard_id)
+                os._exit(1)
             with self.group.lock:
                 committed = self.group.commit() if last or self.group.due() else []
         release_free_memory()

@@ -69,7 +69,8 @@ def massive(runs: Path) -> str:
         f"on [CLS], in layers 1–4, dimension {' and '.join(map(str, dims))} holds "
         f"{min(r['mean'] for r in sink):.1f} to {max(r['mean'] for r in sink):.1f} "
         f"({min(r['share'] for r in sink):.2f}–{max(r['share'] for r in sink):.2f} of [CLS]'s squared norm); the "
-        "all-token `outliers` ranking never shows it, [CLS] being under 1 % of tokens. The README's query:",
+        "all-token `outliers` ranking never shows it, [CLS] being under 1 % of tokens. The README's query, with the "
+        "largest |value| too:",
         "",
         "  | layer | dim | mean on [CLS] | max \\|value\\| | share of [CLS]'s ‖h‖² |",
         "  |---|---|---|---|---|",
@@ -81,7 +82,7 @@ def tour_answers(runs: Path) -> str:
     run = runs / "quickstart"
     src = [r for r in actlake.query(run, BY_SOURCE_SQL).to_pylist() if r["source"] != "*"]
     sink = [r for r in actlake.query(run, MASSIVE_SQL).to_pylist() if 1 <= r["layer"] <= 4]
-    (dim,) = {r["dim"] for r in sink} if len({r["dim"] for r in sink}) == 1 else ("/".join(str(r["dim"]) for r in sink),)
+    dim = " / ".join(map(str, sorted({r["dim"] for r in sink})))
     return (f"On the sample, {src[0]['source']} puts {src[0]['cls_mass_1_4']:.3f} of each query's attention on [CLS] "
             f"(layers 1–4), {src[-1]['source']} {src[-1]['cls_mass_1_4']:.3f}; dimension {dim} holds "
             f"{100 * min(r['share'] for r in sink):.0f}–{100 * max(r['share'] for r in sink):.0f} % of [CLS]'s squared "

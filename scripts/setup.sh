@@ -9,10 +9,10 @@ PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # done before with this pyproject.toml and these extras, or any extras when none are asked for (the install
 # is editable: code changes need nothing; remove .venv/.actlake-setup-* to install again)
-key="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
-stamp=".venv/.actlake-setup-$key-${extras:-none}-${TORCH_SPEC:-default}"
+key="$( (cat pyproject.toml scripts/setup.sh; echo "${TORCH_SPEC:-}") | sha256sum | cut -c1-16)"
+stamp=".venv/.actlake-setup-$key-${extras:-none}"
 [ -f "$stamp" ] && exit 0
-[ -z "$extras" ] && compgen -G ".venv/.actlake-setup-$key-*-${TORCH_SPEC:-default}" >/dev/null && exit 0
+[ -z "$extras" ] && compgen -G ".venv/.actlake-setup-$key-*" >/dev/null && exit 0
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
 if [ -n "$extras" ]; then "${pip[@]}" install -e ".[$extras]"; else "${pip[@]}" install -e .; fi

@@ -217,6 +217,21 @@ def s3_server():
         filesystem.cache_clear()
 
 
+def own_processes(marker: str) -> list[int]:
+    """Pids of this test process's descendants (its Ray's workers among them) whose command line holds
+    ``marker``: never a process of the other test process (scripts/test.sh runs two) or its Ray."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if marker in " ".join(p.cmdline()):
+                out.append(p.pid)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return out
+
+
 def drop_commits(run_dir, shard_ids) -> set[int]:
     """Delete the commit records covering ``shard_ids``, as if their worker had died before committing;
     returns every shard those records covered (all of them run again)."""

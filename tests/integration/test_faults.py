@@ -20,7 +20,7 @@ import zstandard
 from actlake.errors import ActlakeError, StorageError
 from actlake.jobs.run import run_job
 from actlake.storage.sql import open_run
-from tests.conftest import job_config
+from tests.conftest import job_config, own_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -65,14 +65,7 @@ def clean(minilm_path, sample_corpus, tmp_path_factory, ray_local):
 
 
 def _shard_workers():
-    import psutil
-
-    procs = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ShardWorker" in cmd:
-            procs.append(p.info["pid"])
-    return procs
+    return own_processes("ShardWorker")
 
 
 def test_killed_workers_leave_the_same_tables_and_readers_see_whole_shards(minilm_path, sample_corpus, tmp_path, clean,

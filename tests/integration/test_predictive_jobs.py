@@ -26,7 +26,7 @@ from actlake.jobs.run import run_job
 from actlake.jobs.lm.config import LMConfig
 from actlake.jobs.predictor.config import PredictorJobConfig
 from actlake.storage.sql import open_run
-from tests.conftest import job_config
+from tests.conftest import job_config, own_processes
 from tests.integration.browser import CHROMIUM, open_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -113,10 +113,7 @@ def _trainer_args(state):
 
 
 def _ray_train_workers() -> list[int]:
-    import psutil
-
-    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
-            if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
+    return own_processes("RayTrainWorker")
 
 
 def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ray_local, capsys):
