@@ -77,6 +77,86 @@ def massive(runs: Path) -> str:
         *cells])
 
 
+OUTLIERS_SQL = """SELECT layer, string_agg(dim || ' (' || printf('%+.0f', robust_z) || ')', ', ' ORDER BY abs(robust_z) DESC)
+         FILTER (WHERE abs(robust_z) > 5) AS dims, max(abs(robust_z)) AS top_z, max(abs(mean)) AS top_mean
+FROM outliers GROUP BY layer ORDER BY layer"""
+"""Seed 001's outlier dimensions per hidden state: robust z beyond ±5 (the ``outliers`` view)."""
+
+
+def outliers(runs: Path) -> str:
+    run = runs / "quickstart"
+    rows = actlake.query(run, OUTLIERS_SQL).to_pylist()
+    norms = [r["n"] for r in actlake.query(run, "SELECT layer, avg(norm) AS n FROM residual_norms GROUP BY layer"
+                                            ).to_pylist()]
+    d = actlake.query(run, "SELECT count(DISTINCT dim) AS d FROM outliers").to_pylist()[0]["d"]
+    none = "none (largest \\|z\\| {:.0f})"
+    cells = [f"  | {r['layer']} | {r['dims'] or none.format(r['top_z'])} |" for r in rows]
+    return "\n".join([
+        "- **Outlier dimensions** (seed 001; the `outliers` view, robust z beyond ±5, largest |z| first): every "
+        f"per-dimension mean lies within ±{max(r['top_mean'] for r in rows):.1f}, against mean residual norms of "
+        f"{min(norms):.0f}–{max(norms):.0f} over {d} dimensions.",
+        "",
+        "  | hidden state | dimensions (robust z) |",
+        "  |---|---|",
+        *cells])
+
+
+MASS_SQL = """SELECT layer, key_category, 100 * avg(mean_mass) AS pct FROM attention_mass_by_key GROUP BY ALL"""
+"""Percent of each query's attention per key category and layer, averaged over heads (seed 001's Fig. 2)."""
+
+
+def attention_mass(runs: Path) -> str:
+    run = runs / "quickstart"
+    pct = {(r["layer"], r["key_category"]): r["pct"] for r in actlake.query(run, MASS_SQL).to_pylist()}
+    share = actlake.query(run, "SELECT 100.0 * count(*) FILTER (WHERE role = 'bos') / count(*) AS pct FROM tokens"
+                          ).to_pylist()[0]["pct"]
+    layers = sorted({layer for layer, _ in pct})
+    sink = [pct[(layer, "bos")] for layer in layers if 1 <= layer <= 4]
+    last, first = layers[-1], layers[0]
+
+    def span(values, digits=0):
+        return f"{min(values):.{digits}f}–{max(values):.{digits}f}"
+
+    return (f"- **Attention mass** (Fig. 2): [CLS] draws {span(sink)} % of every query's attention in layers 1–4 "
+            f"({pct[(last, 'bos')]:.0f} % in layer {last}, {pct[(first, 'bos')]:.0f} % in layer {first}): "
+            f"{span([v / share for v in sink])} times its share of tokens. [SEP] gets "
+            f"{span([pct[(layer, 'eos')] for layer in layers], 1)} % and punctuation about its share "
+            f"({span([pct[(layer, c)] for layer in layers for c in ('period', 'comma')])} %). In this model the sink is "
+            "[CLS], not [SEP] as in seed 001's BERT-base.")
+
+
+GEOMETRY_SQL = """SELECT layer, key_category, sum(k_norm_sum) / sum(n_pairs) AS k_norm, sum(cos_sum) / sum(n_pairs) AS cos,
+       avg(mass / n_queries) AS mass, avg(mass_keynorm / n_queries) AS mass_keynorm
+FROM attention_geometry GROUP BY ALL"""
+"""Per layer and key category, over heads: mean key norm and cos(q, k) over pairs, mass as computed and with every
+key at its sequence's mean norm (seed 002)."""
+
+
+def norm_or_angle(runs: Path) -> str:
+    g = {(r["layer"], r["key_category"]): r for r in actlake.query(runs / "quickstart", GEOMETRY_SQL).to_pylist()}
+    layers = sorted({layer for layer, _ in g})
+    mid = [layer for layer in layers if 1 <= layer <= 4]
+    others = sorted({c for _, c in g} - {"bos"})
+
+    def span(values, digits=1, sign=""):
+        lo, hi = sorted(values, key=abs)[0], sorted(values, key=abs)[-1]
+        return f"{lo:{sign}.{digits}f} to {hi:{sign}.{digits}f}" if sign else f"{min(values):.{digits}f}–{max(values):.{digits}f}"
+
+    def shift(layer):
+        return f"{g[(layer, 'bos')]['mass']:.2f} → {g[(layer, 'bos')]['mass_keynorm']:.2f}"
+
+    helped = [layer for layer in layers if g[(layer, "bos")]["mass_keynorm"] < g[(layer, "bos")]["mass"]]
+    raised = [layer for layer in mid if g[(layer, "bos")]["mass_keynorm"] > g[(layer, "bos")]["mass"]]
+    return (f"- **Norm or angle** (seed 002): in layers 1–4 [CLS] keys are *shorter* than ordinary ones (mean ‖k‖ "
+            f"{span([g[(la, 'bos')]['k_norm'] for la in mid])} against {span([g[(la, 'other')]['k_norm'] for la in mid])}) "
+            f"and point towards the queries (mean cos(q, k) {span([g[(la, 'bos')]['cos'] for la in mid], 2, '+')}, "
+            f"against {span([g[(la, c)]['cos'] for la in mid for c in others], 2, '+')} for every other category). "
+            "Rescaling every key to its sequence's mean norm *raises* [CLS]'s share in layers "
+            f"{', '.join(map(str, raised))} ({'; '.join(f'layer {la}: {shift(la)}' for la in raised)}): the sink is "
+            f"direction, and key norms work against it. Only in layers {' and '.join(map(str, helped))} is [CLS] "
+            f"helped by its key norm ({', '.join(shift(la) for la in helped)} when normalised).")
+
+
 def tour_answers(runs: Path) -> str:
     """The README's answers to its two tour questions (by source, what drives the sink)."""
     run = runs / "quickstart"
@@ -119,6 +199,9 @@ def predictive(runs: Path) -> str:
 
 BLOCKS = {"quickstart-headline": (quickstart_headline, ("quickstart",)),
           "by-source": (by_source, ("quickstart",)),
+          "outliers": (outliers, ("quickstart",)),
+          "attention-mass": (attention_mass, ("quickstart",)),
+          "norm-or-angle": (norm_or_angle, ("quickstart",)),
           "massive": (massive, ("quickstart",)),
           "tour-answers": (tour_answers, ("quickstart",)),
           "predictive-measured": (predictive, ("lm-quick", "predictor-quick"))}
