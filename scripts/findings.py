@@ -101,6 +101,17 @@ def outliers(runs: Path) -> str:
         *cells])
 
 
+def span(values, digits: int) -> str:
+    """``lo–hi`` of ``values``."""
+    return f"{min(values):.{digits}f}–{max(values):.{digits}f}"
+
+
+def signed_span(values, digits: int = 2) -> str:
+    """``+a to +b`` of same-signed ``values``, the smallest magnitude first."""
+    lo, hi = min(values, key=abs), max(values, key=abs)
+    return f"{lo:+.{digits}f} to {hi:+.{digits}f}"
+
+
 MASS_SQL = """SELECT layer, key_category, 100 * avg(mean_mass) AS pct FROM attention_mass_by_key GROUP BY ALL"""
 """Percent of each query's attention per key category and layer, averaged over heads (seed 001's Fig. 2)."""
 
@@ -114,14 +125,11 @@ def attention_mass(runs: Path) -> str:
     sink = [pct[(layer, "bos")] for layer in layers if 1 <= layer <= 4]
     last, first = layers[-1], layers[0]
 
-    def span(values, digits=0):
-        return f"{min(values):.{digits}f}–{max(values):.{digits}f}"
-
-    return (f"- **Attention mass** (Fig. 2): [CLS] draws {span(sink)} % of every query's attention in layers 1–4 "
+    return (f"- **Attention mass** (Fig. 2): [CLS] draws {span(sink, 0)} % of every query's attention in layers 1–4 "
             f"({pct[(last, 'bos')]:.0f} % in layer {last}, {pct[(first, 'bos')]:.0f} % in layer {first}): "
-            f"{span([v / share for v in sink])} times its share of tokens. [SEP] gets "
+            f"{span([v / share for v in sink], 0)} times its share of tokens. [SEP] gets "
             f"{span([pct[(layer, 'eos')] for layer in layers], 1)} % and punctuation about its share "
-            f"({span([pct[(layer, c)] for layer in layers for c in ('period', 'comma')])} %). In this model the sink is "
+            f"({span([pct[(layer, c)] for layer in layers for c in ('period', 'comma')], 0)} %). In this model the sink is "
             "[CLS], not [SEP] as in seed 001's BERT-base.")
 
 
@@ -138,19 +146,15 @@ def norm_or_angle(runs: Path) -> str:
     mid = [layer for layer in layers if 1 <= layer <= 4]
     others = sorted({c for _, c in g} - {"bos"})
 
-    def span(values, digits=1, sign=""):
-        lo, hi = sorted(values, key=abs)[0], sorted(values, key=abs)[-1]
-        return f"{lo:{sign}.{digits}f} to {hi:{sign}.{digits}f}" if sign else f"{min(values):.{digits}f}–{max(values):.{digits}f}"
-
     def shift(layer):
         return f"{g[(layer, 'bos')]['mass']:.2f} → {g[(layer, 'bos')]['mass_keynorm']:.2f}"
 
     helped = [layer for layer in layers if g[(layer, "bos")]["mass_keynorm"] < g[(layer, "bos")]["mass"]]
     raised = [layer for layer in mid if g[(layer, "bos")]["mass_keynorm"] > g[(layer, "bos")]["mass"]]
     return (f"- **Norm or angle** (seed 002): in layers 1–4 [CLS] keys are *shorter* than ordinary ones (mean ‖k‖ "
-            f"{span([g[(la, 'bos')]['k_norm'] for la in mid])} against {span([g[(la, 'other')]['k_norm'] for la in mid])}) "
-            f"and point towards the queries (mean cos(q, k) {span([g[(la, 'bos')]['cos'] for la in mid], 2, '+')}, "
-            f"against {span([g[(la, c)]['cos'] for la in mid for c in others], 2, '+')} for every other category). "
+            f"{span([g[(la, 'bos')]['k_norm'] for la in mid], 1)} against {span([g[(la, 'other')]['k_norm'] for la in mid], 1)}) "
+            f"and point towards the queries (mean cos(q, k) {signed_span([g[(la, 'bos')]['cos'] for la in mid])}, "
+            f"against {signed_span([g[(la, c)]['cos'] for la in mid for c in others])} for every other category). "
             "Rescaling every key to its sequence's mean norm *raises* [CLS]'s share in layers "
             f"{', '.join(map(str, raised))} ({'; '.join(f'layer {la}: {shift(la)}' for la in raised)}): the sink is "
             f"direction, and key norms work against it. Only in layers {' and '.join(map(str, helped))} is [CLS] "
