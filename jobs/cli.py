@@ -6,6 +6,7 @@ must start without loading torch, transformers, Ray or the training jobs."""
 from __future__ import annotations
 
 import argparse
+import glob
 import logging
 import os
 import re
@@ -19,6 +20,11 @@ from actlake.errors import ActlakeError, AnalysisFailed
 EXAMPLE_SQL = "SELECT layer, round(avg(norm), 2) AS mean_norm FROM residual_norms GROUP BY layer ORDER BY layer"
 EXAMPLE_TOKENS_SQL = ("SELECT source, count(*) AS tokens, round(avg(surprisal), 3) AS mean_surprisal "
                       "FROM tokens GROUP BY source ORDER BY source")
+EXAMPLE_SWEEP_SQL = ("SELECT layer, step, round(avg(norm), 2) AS mean_norm FROM residual_norms JOIN checkpoints "
+                     "USING (checkpoint) GROUP BY ALL ORDER BY layer, step")
+EXAMPLE_SWEEP_TOKENS_SQL = ("SELECT step, source, round(avg(surprisal), 3) AS mean_surprisal FROM tokens JOIN checkpoints "
+                            "USING (checkpoint) GROUP BY ALL ORDER BY source, step")
+"""The example a job prints: a sweep's (``model.checkpoints``) keeps its checkpoints apart."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -173,7 +179,10 @@ def _cmd_run(args) -> int:
     if os.path.isdir(act):
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(act) for f in fs)
         print(f"store:   activation store {size / 2**20:,.1f} MiB on disk ({act})")
-    example = EXAMPLE_SQL if os.path.isdir(os.path.join(res.run_dir, "tables", "residual_norms")) else EXAMPLE_TOKENS_SQL
+    sweep = bool(t.get("checkpoints"))
+    runs = glob.glob(os.path.join(glob.escape(str(res.run_dir)), "checkpoints", "*")) if sweep else [res.run_dir]
+    norms = any(os.path.isdir(os.path.join(r, "tables", "residual_norms")) for r in runs)
+    example = [[EXAMPLE_TOKENS_SQL, EXAMPLE_SQL], [EXAMPLE_SWEEP_TOKENS_SQL, EXAMPLE_SWEEP_SQL]][sweep][norms]
     print(f"\nexample: {command_prefix()} sql {shlex.quote(str(res.run_dir))} {shlex.quote(example)}")
     _show(query(res.run_dir, example))
     return 0

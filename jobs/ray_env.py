@@ -40,6 +40,35 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
     return True
 
 
+_held: list[bool] | None = None
+"""Inside :func:`holding_ray`: whether a job in the block started Ray (it is shut down when the block ends)."""
+
+
+def release_ray() -> None:
+    """What a job that started Ray calls when it is done: ``ray.shutdown()``, or inside :func:`holding_ray`, at
+    the block's end."""
+    import ray
+
+    if _held is not None:
+        _held[0] = True
+    else:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def holding_ray():
+    """Jobs run in this block share the Ray the first of them starts (a sweep's checkpoints: one embedded Ray,
+    not one per checkpoint); none is started when none needs one."""
+    global _held
+    outer, _held = _held, [False]
+    try:
+        yield
+    finally:
+        started, _held = _held[0], outer
+        if started:
+            release_ray()
+
+
 @contextlib.contextmanager
 def _single_machine_ray():
     """Let ``ray.init(_node_ip_address="127.0.0.1")`` keep the loopback address.

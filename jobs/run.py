@@ -17,7 +17,7 @@ from actlake.fs import ObjectPath, location, remove_tree
 from actlake.jobs.dispatch import Dispatcher
 from actlake.jobs.plan import plan_hash, plan_with_inputs
 from actlake.jobs.progress import Progress, counter_actor
-from actlake.jobs.ray_env import init_ray, store_env
+from actlake.jobs.ray_env import init_ray, release_ray, store_env
 from actlake.jobs.reduce import reduce_run
 from actlake.jobs.report import build_report
 from actlake.provenance import provenance
@@ -336,4 +336,4 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         return summaries
     finally:
         if started:
-            ray.shutdown()
+            release_ray()

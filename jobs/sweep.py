@@ -80,21 +80,23 @@ def _hub_digests(repo: str, revision: str | None, label: str) -> list[tuple[str,
 def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None):
     """Run every checkpoint's job in order (each resumes what it finished before), then write the sweep's
     record and report; returns a :class:`~actlake.jobs.run.RunResult` over all of them."""
+    from actlake.jobs.ray_env import holding_ray
     from actlake.jobs.run import RunResult, run_job
 
     t0 = time.perf_counter()
     rows, results = [], []
     before = {r["checkpoint"]: r.get("files") for r in sweep_checkpoints(cfg.run_dir) or []}  # a rerun's
-    for i, c in enumerate(cfg.model.checkpoints):
-        digest, files = weights_digest(cfg, c, before.get(c.name))
-        same_as = next((r["checkpoint"] for r in rows if r["sha256"] == digest), None)
-        if same_as is not None:
-            log.warning("checkpoint %s has byte-identical weights to %s (sha256 %s): its statistics are %s's; the "
-                        "checkpoints table flags it (same_as)", c.name, same_as, digest[:12], same_as)
-        log.info("checkpoint %d/%d: %s (%s)", i + 1, len(cfg.model.checkpoints), c.name, c.path or c.revision)
-        results.append(run_job(checkpoint_config(cfg, c), address, report=False, on_shard=on_shard))
-        rows.append({"checkpoint": c.name, "step": c.step, "path": c.path, "revision": c.revision,
-                     "sha256": digest, "same_as": same_as, "files": files})
+    with holding_ray():  # one Ray for every checkpoint (started by the first with shards to run)
+        for i, c in enumerate(cfg.model.checkpoints):
+            digest, files = weights_digest(cfg, c, before.get(c.name))
+            same_as = next((r["checkpoint"] for r in rows if r["sha256"] == digest), None)
+            if same_as is not None:
+                log.warning("checkpoint %s has byte-identical weights to %s (sha256 %s): its statistics are %s's; "
+                            "the checkpoints table flags it (same_as)", c.name, same_as, digest[:12], same_as)
+            log.info("checkpoint %d/%d: %s (%s)", i + 1, len(cfg.model.checkpoints), c.name, c.path or c.revision)
+            results.append(run_job(checkpoint_config(cfg, c), address, report=False, on_shard=on_shard))
+            rows.append({"checkpoint": c.name, "step": c.step, "path": c.path, "revision": c.revision,
+                         "sha256": digest, "same_as": same_as, "files": files})
     write_json_atomic(cfg.run_dir / SWEEP_RECORD, {"checkpoints": rows})  # last: a sweep is opened once complete
     totals = sweep_totals([r.totals for r in results], time.perf_counter() - t0)
     totals["checkpoints"] = rows
