@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from actlake.config import BatchingConfig, TokenizationConfig
+from actlake.errors import ConfigError
 
 CHARS_PER_TOKEN_CAP = 32
 """Text beyond (tokens needed x this) is never tokenized: bounds work on huge documents."""
@@ -22,22 +23,28 @@ class Window:
     source: str
 
 
-def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
-    """The special tokens the tokenizer puts before and after one sequence ([CLS] ... [SEP], BOS ..., none)."""
+def special_affixes(tokenizer, prepend_bos: bool = False) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after one sequence ([CLS] ... [SEP], BOS ..., none);
+    ``prepend_bos`` (``tokenization.prepend_bos``): its BOS token first when it puts no special token first."""
     cached = getattr(tokenizer, "_actlake_affixes", None)
-    if cached is not None:
-        return cached
-    probe = "hello world"
-    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
-    for i in range(len(full) - len(plain) + 1):
-        if full[i : i + len(plain)] == plain:
-            affixes = (full[:i], full[i + len(plain):])
-            break
-    else:  # pragma: no cover - a tokenizer that rewrites the text when adding specials
-        affixes = ([], [])
-    tokenizer._actlake_affixes = affixes
-    return affixes
+    if cached is None:
+        probe = "hello world"
+        plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+        for i in range(len(full) - len(plain) + 1):
+            if full[i : i + len(plain)] == plain:
+                cached = (full[:i], full[i + len(plain):])
+                break
+        else:  # pragma: no cover - a tokenizer that rewrites the text when adding specials
+            cached = ([], [])
+        tokenizer._actlake_affixes = cached
+    prefix, suffix = cached
+    if prepend_bos and not prefix:
+        if tokenizer.bos_token_id is None:
+            raise ConfigError(f"'tokenization.prepend_bos': the tokenizer of {tokenizer.name_or_path} has no BOS "
+                              "token to put first (set it to false)")
+        prefix = [tokenizer.bos_token_id, *prefix]
+    return prefix, suffix
 
 
 def document_windows(tokenizer, text: str, cfg: TokenizationConfig) -> tuple[list[list[int]], bool]:
@@ -51,7 +58,7 @@ def documents_windows(tokenizer, texts: list[str], cfg: TokenizationConfig) -> l
     encodes a list with the interpreter lock released, where one call per document holds it for most of
     its time: beside a thread that launches the model's kernels (a GPU worker reading ahead), per-document
     calls hold it and starve that thread (``benchmarks/host_work.py``)."""
-    prefix, suffix = special_affixes(tokenizer)
+    prefix, suffix = special_affixes(tokenizer, cfg.prepend_bos)
     body = cfg.max_length - len(prefix) - len(suffix)
     step = body - cfg.stride
     n_max = 1 if cfg.overflow == "truncate" else cfg.max_windows_per_doc

@@ -119,6 +119,8 @@ class TokenizationConfig(Section):
     """Cap on windows per document when splitting (bounds work on huge documents)."""
     min_tokens: int = 2
     """Windows with fewer content tokens are dropped."""
+    prepend_bos: bool = False
+    """Put the tokenizer's BOS token first in every window when the tokenizer itself puts no special token first (Pythia's and GPT-2's put none; BERT's [CLS] and Llama's BOS stay as they are), as TransformerLens does by default: the first position is then a ``bos`` token, the one the attention-sink statistics (key category ``bos``) measure. A tokenizer without a BOS token is an error naming this key."""
 
 class ShardingConfig(Section):
     docs_per_shard: int = 64
@@ -241,6 +243,8 @@ class JobConfig(ConfigRoot.with_defaults(name="job")):
             d["model"].pop("checkpoints")
         if not d["analyses"]["by_source"]:  # off, the tables hold what they held before it (and a source column,
             d["analyses"].pop("by_source")  # which partials written before it lack: they read as source '*')
+        if not d["tokenization"]["prepend_bos"]:  # off, the windows are those made before the key existed
+            d["tokenization"].pop("prepend_bos")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     @property

@@ -150,18 +150,20 @@ def foreign(path: Path, identity: dict | None) -> str | None:
     return None
 
 
-def verified_checkpoints(root: Path, steps: list[int], identity: dict | None) -> list[tuple[int, Path]]:
+def verified_checkpoints(root: Path, steps: list[int], identity: dict | None,
+                         remedy: str = "train the run again without --analysis-only") -> list[tuple[int, Path]]:
     """The checkpoints of ``steps`` under ``root``, each whole (its manifest) and this run's (its identity);
-    a TrainingError naming the first that is missing, damaged or foreign. For readers of a finished run."""
+    a TrainingError naming the first that is missing, damaged or foreign, and ``remedy``. For readers of a
+    finished run."""
     have = dict(list_checkpoints(root))
     out = []
     for step in steps:
         if step not in have:
-            raise TrainingError(f"{checkpoint_path(root, step)}: missing (a checkpoint the analysis reads); train the "
-                                "run again without --analysis-only, or delete the trial's checkpoints")
+            raise TrainingError(f"{checkpoint_path(root, step)}: missing (a checkpoint kept for this run's readers); "
+                                f"{remedy}, or delete the trial's checkpoints")
         problem = foreign(have[step], identity) or checkpoint_problem(have[step])
         if problem:
-            raise TrainingError(f"{problem}; delete it and train the run again without --analysis-only")
+            raise TrainingError(f"{problem}; delete it and {remedy}")
         out.append((step, have[step]))
     return out
 

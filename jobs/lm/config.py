@@ -37,6 +37,8 @@ class LMTrainingConfig(TrainingLoop.with_defaults(steps=1200, batch_size=16, lr=
     """Tokens per training window."""
     eval_fraction: float = 0.05
     """Documents held out for evaluation (chosen by a hash of the document number)."""
+    snapshots: int = 0
+    """Models kept for a checkpoint sweep, log-spaced over the steps (step 0, the initial weights, and the last included): each a ``save_pretrained`` folder with the tokenizer, ``RUN/snapshots/step-STEP``, listed in ``summary.json``; name them in ``model.checkpoints`` (``configs/lm_quick_sweep.yaml``). 0: only the final model."""
 
 class LMConfig(TrainJob.with_defaults(name="lm")):
     corpus: CorpusConfig
@@ -53,6 +55,8 @@ class LMConfig(TrainJob.with_defaults(name="lm")):
             err(("training", "seq_len"), f"must be at least 8, got {t.seq_len}")
         if not 0 < t.eval_fraction < 0.5:
             err(("training", "eval_fraction"), f"must be in (0, 0.5), got {t.eval_fraction}")
+        if t.snapshots == 1 or t.snapshots < 0:
+            err(("training", "snapshots"), f"must be 0 (none) or at least 2 (the first and the last step), got {t.snapshots}")
         if self.tokenizer.path is None and self.tokenizer.vocab_size < 300:
             err(("tokenizer", "vocab_size"), "must be at least 300 (256 bytes + merges + specials)")
         if self.tokenizer.vocab_size > MAX_VOCAB:

@@ -23,6 +23,7 @@ from actlake.storage.checkpoints import (
     foreign,
     latest_checkpoint,
     prepare_checkpoints,
+    verified_checkpoints,
 )
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.lock import holds_run_dir
@@ -70,23 +71,34 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     problem = foreign(ck, identity) or checkpoint_problem(ck)
     if problem:
         raise TrainingError(f"the final checkpoint: {problem}")
-    final = layout.root / "model"
-    tmp = layout.root / ".model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(ck / "model", tmp)
-    for f in (data / "tokenizer").iterdir():
-        shutil.copy(f, tmp / f.name)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    final = _export(ck, data / "tokenizer", layout.root / "model")
+    snapshots = [{"step": s, "path": str(_export(c, data / "tokenizer", layout.root / "snapshots" / f"step-{s}"))}
+                 for s, c in verified_checkpoints(layout.root / "checkpoints" / TRIAL, lm.snapshot_steps(cfg.training),
+                                                  identity, "train again")]
+    if snapshots:
+        print(f"train-lm: {len(snapshots)} snapshots for a checkpoint sweep in {layout.root / 'snapshots'} (steps "
+              f"{', '.join(str(s['step']) for s in snapshots)})", flush=True)
     import torch
 
     curve = torch.load(ck / "trainer_state.pt", weights_only=False)["curve"]
-    summary = {"model": str(final), "step": step, **sizes, "wall_seconds": time.perf_counter() - t0,
-               "last": curve[-1] if curve else None,
+    summary = {"model": str(final), "step": step, "snapshots": snapshots, **sizes,
+               "wall_seconds": time.perf_counter() - t0, "last": curve[-1] if curve else None,
                "provenance": provenance(json.loads(layout.run_json.read_text()).get("inputs"))}
     write_json_atomic(layout.summary_json, summary)
     _write_curve(layout, curve)
     return summary
+
+
+def _export(checkpoint: Path, tokenizer: Path, dest: Path) -> Path:
+    """A checkpoint's model with the tokenizer beside it, as ``dest`` (a ``from_pretrained`` folder), replaced whole."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(checkpoint / "model", tmp)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, tmp / f.name)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
 
 
 def _check_inputs(cfg: LMConfig, layout: RunLayout) -> dict:

@@ -21,6 +21,7 @@ from actlake.hashing import unit_hash
 from actlake.jobs.lm.config import LMConfig
 from actlake.jobs.train_loop import ModelLoop
 from actlake.jobs.training import warmup_cosine_lr
+from actlake.storage.checkpoints import log_spaced_steps
 
 log = logging.getLogger("actlake.lm")
 
@@ -148,6 +149,7 @@ class LMLoop(ModelLoop):
         self.cfg = parse_config(config["job"], where="train-lm config", root=LMConfig)
         t = self.t = self.cfg.training
         self.steps, self.eval_every, self.checkpoint_every = t.steps, t.eval_every, t.checkpoint_every
+        self.keep_steps = frozenset(snapshot_steps(t))
         data = Path(config["data"])
         self.tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
         self.train, held = np.load(data / "train.npy"), np.load(data / "eval.npy")
@@ -160,6 +162,10 @@ class LMLoop(ModelLoop):
         from transformers import GPTNeoXForCausalLM
 
         return GPTNeoXForCausalLM.from_pretrained(folder)
+
+    def begin(self, resumed: bool) -> None:
+        if not resumed and 0 in self.keep_steps and self.rank == 0:  # the initial weights, for a sweep from step 0
+            self.checkpoint(0)
 
     def adamw_options(self) -> dict:
         return {"lr": self.t.lr, "weight_decay": self.t.weight_decay, "betas": (0.9, 0.95)}
@@ -192,6 +198,11 @@ class LMLoop(ModelLoop):
     def describe(self, row: dict) -> str:
         return (f"train loss {row['train_loss']:.3f}, held-out loss {row['eval_loss']:.3f} "
                 f"(perplexity {math.exp(row['eval_loss']):.1f})")
+
+
+def snapshot_steps(t) -> list[int]:
+    """The steps whose models train-lm keeps (``training.snapshots``, log-spaced, 0 and the last included)."""
+    return log_spaced_steps(t.steps, t.snapshots) if t.snapshots else []
 
 
 def train_loop(config: dict) -> None:

@@ -270,19 +270,30 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
         "tokenizer": {"vocab_size": 400},
         "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
         "training": {"steps": 60, "batch_size": 8, "seq_len": 32, "lr": 0.003, "warmup_steps": 5, "eval_every": 20,
-                     "checkpoint_every": 20, "eval_fraction": 0.2},
+                     "checkpoint_every": 20, "eval_fraction": 0.2, "snapshots": 3},
         "output": {"dir": str(tmp_path), "run_id": "lm"}, "resources": {"num_workers": 1, "cpus_per_worker": 1}},
         root=LMConfig)
     res = train_lm(cfg)
     model = AutoModelForCausalLM.from_pretrained(res["model"])
     tok = AutoTokenizer.from_pretrained(res["model"])
     assert model.config.model_type == "gpt_neox" and len(tok) == model.config.vocab_size == 400
+    # training.snapshots: log-spaced models with the tokenizer, for a sweep; step 0 is the initial weights
+    assert [s["step"] for s in res["snapshots"]] == [0, 7, 60]
+    snaps = {s["step"]: AutoModelForCausalLM.from_pretrained(s["path"]).state_dict() for s in res["snapshots"]}
+    assert all(AutoTokenizer.from_pretrained(s["path"]).get_vocab() == tok.get_vocab() for s in res["snapshots"])
+    from actlake.jobs.lm.loop import build_model
+
+    initial = build_model(cfg, 400, tok).state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(snaps[60][name], value) and torch.equal(snaps[0][name], initial[name]), name
+    assert not all(torch.equal(snaps[7][n], snaps[0][n]) for n in initial)
+    assert not all(torch.equal(snaps[7][n], snaps[60][n]) for n in initial)
     curve = open_run(Path(tmp_path) / "lm").execute("SELECT step, eval_loss FROM lm_curve ORDER BY step").fetchall()
     assert [s for s, _ in curve] == [20, 40, 60]
     assert curve[-1][1] < np.log(400) - 0.5  # well below the uniform-prediction loss
     run = Path(tmp_path) / "lm"
     ck = run / "checkpoints" / "lm"
-    assert [s for s, _ in latest_two(ck)] == [40, 60] == [s for s, _ in list_checkpoints(ck)]  # the previous checkpoint is kept as a fallback
+    assert [s for s, _ in list_checkpoints(ck)] == [0, 7, 40, 60]  # the snapshots', and the previous one as a fallback
     assert not any((run / "_ray_train").iterdir())  # Ray Train's own state is not left behind
     (ck / ".tmp-00000080-deadbeef").mkdir()  # left by a worker killed while checkpointing
     again = train_lm(cfg)  # a rerun resumes at the last step: nothing more to train, same model
@@ -301,17 +312,11 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
     again_curve = open_run(run).execute("SELECT step, eval_loss FROM lm_curve ORDER BY step").fetchall()
     assert [s for s, _ in again_curve] == [s for s, _ in curve]
     np.testing.assert_allclose([v for _, v in again_curve], [v for _, v in curve], rtol=1e-5)
-    for _, path in latest_two(ck):  # nothing usable: one line naming a file, before Ray starts
+    for _, path in list_checkpoints(ck):  # nothing usable: one line naming a file, before Ray starts
         (path / "trainer_state.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(TrainingError, match="no usable checkpoint") as e:
         train_lm(cfg)
     assert "trainer_state.pt" in str(e.value) and "\n" not in str(e.value)
-
-
-def latest_two(root: Path):
-    from actlake.storage.checkpoints import list_checkpoints
-
-    return list_checkpoints(root)[-2:]
 
 
 def test_train_lm_refuses_to_resume_on_a_changed_corpus(tmp_path, ray_local):

@@ -46,6 +46,30 @@ def test_documents_tokenised_together_get_the_windows_each_gets_alone(kind, mini
     assert together[0][0] == together[5][0] == []  # the empty texts
 
 
+def test_prepend_bos_puts_the_bos_token_first_only_where_the_tokenizer_puts_no_special_token_first(minilm_path, tmp_path):
+    """tokenization.prepend_bos: a GPT-2/Pythia-style tokenizer (nothing first) gets its BOS before each window,
+    inside max_length; one that already starts with a special token ([CLS], BOS) is unchanged; none to put: an error."""
+    from transformers import AutoTokenizer
+
+    from actlake.errors import ConfigError
+    from tests.conftest import _bpe_tokenizer
+
+    text = " ".join(f"word{i}" for i in range(60))
+    on, off = (TokenizationConfig(max_length=16, max_windows_per_doc=50, prepend_bos=b) for b in (True, False))
+    plain = _bpe_tokenizer(tmp_path / "plain", False)
+    ids = plain(text, add_special_tokens=False)["input_ids"]
+    assert document_windows(plain, text, off)[0][0] == ids[:16]
+    ws = document_windows(plain, text, on)[0]
+    assert all(w[0] == plain.bos_token_id and len(w) == 16 for w in ws[:-1])
+    assert [t for w in ws for t in w[1:]] == ids  # 15-token bodies, every token once
+    for tok in (_bpe_tokenizer(tmp_path / "bos", True), AutoTokenizer.from_pretrained(minilm_path)):
+        assert document_windows(tok, text, on) == document_windows(tok, text, off)
+    plain.bos_token = None
+    plain._actlake_affixes = None
+    with pytest.raises(ConfigError, match=r"^'tokenization.prepend_bos': the tokenizer of .* has no BOS token"):
+        document_windows(plain, text, on)
+
+
 def test_batches_respect_budget_and_pad_little():
     windows = [Window(i, 0, list(range(5 + (i * 37) % 60)), "s") for i in range(200)]
     cfg = BatchingConfig(max_tokens=256, max_batch_size=16)

@@ -253,12 +253,14 @@ def test_the_layer_graphs_default_keeps_run_ids():
 
 
 def test_by_source_and_checkpoints_off_keep_run_ids_and_bad_checkpoints_are_named():
-    """analyses.by_source / max_sources and model.checkpoints came after runs were made: off (their defaults)
+    """analyses.by_source / max_sources, model.checkpoints and tokenization.prepend_bos came after runs were made: off (their defaults)
     they hash as before, so those runs keep their ids and resume; a sweep's checkpoint needs a path or a
     revision and a label of its own."""
     base = parse_config({"name": "j"}).run_id  # at 81bbc5b, before the keys, this config's id was the same
     assert parse_config({"name": "j", "analyses": {"by_source": False, "max_sources": 5}}).run_id == base
     assert parse_config({"name": "j", "analyses": {"by_source": True}}).run_id != base
+    assert parse_config({"name": "j", "tokenization": {"prepend_bos": False}}).run_id == base  # so does prepend_bos
+    assert parse_config({"name": "j", "tokenization": {"prepend_bos": True}}).run_id != base
     with pytest.raises(ConfigError, match=r"model.checkpoints.1.*path .* or revision"):
         parse_config({"name": "j", "model": {"checkpoints": [{"path": "/tmp"}, {"step": 3}]}})
     with pytest.raises(ConfigError, match=r"label 'step-3' .* another checkpoint has it"):
