@@ -2,8 +2,8 @@
 
     python scripts/findings.py [--runs runs] [--check]
 
-reads ``RUNS/quickstart`` (``bash scripts/quickstart.sh``) and ``RUNS/lm-quick`` + ``RUNS/predictor-quick``
-(``bash scripts/predictive_quick.sh``) and rewrites the blocks between ``<!-- NAME:start -->`` and
+reads ``RUNS/quickstart`` (``bash scripts/quickstart.sh``), ``RUNS/lm-quick`` + ``RUNS/predictor-quick``
+(``bash scripts/predictive_quick.sh``) and ``RUNS/lm-quick-sweep`` (the README's tour) and rewrites the blocks between ``<!-- NAME:start -->`` and
 ``<!-- NAME:end -->`` it knows (in docs/findings.md, and the README's tour answers); ``--check`` only says whether they are current (exit 1 if not). A block
 whose runs are missing is left as it is.
 """
@@ -102,8 +102,9 @@ def outliers(runs: Path) -> str:
 
 
 def span(values, digits: int) -> str:
-    """``lo–hi`` of ``values``."""
-    return f"{min(values):.{digits}f}–{max(values):.{digits}f}"
+    """``lo–hi`` of ``values`` (one value where both round to it)."""
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def signed_span(values, digits: int = 2) -> str:
@@ -173,6 +174,44 @@ def tour_answers(runs: Path) -> str:
             "norm there, a value the all-token `outliers` ranking never shows ([Findings](docs/findings.md)).")
 
 
+SWEEP_SQL = """SELECT layer, step, avg(mean_mass) AS mass FROM attention_mass_by_key JOIN checkpoints USING (checkpoint)
+WHERE key_category = 'bos' GROUP BY ALL ORDER BY 1, 2"""
+"""Mass on the first token per layer and snapshot of the quick LM (the README's sweep query, unrounded)."""
+
+
+def _sweep(runs: Path) -> tuple[dict, list[int], list[int]]:
+    rows = actlake.query(runs / "lm-quick-sweep", SWEEP_SQL).to_pylist()
+    mass = {(r["layer"], r["step"]): r["mass"] for r in rows}
+    return mass, sorted({r["layer"] for r in rows}), sorted({r["step"] for r in rows})
+
+
+def sweep_answers(runs: Path) -> str:
+    """The README's answers to its sweep and side-by-side questions: when the quick LM's first-token mass rises
+    above its step-0 value, and how far it is from MiniLM's [CLS] sink."""
+    mass, layers, steps = _sweep(runs)
+    base = [mass[(la, steps[0])] for la in layers]
+    grown = [la for la in layers if mass[(la, steps[-1])] >= 1.5 * mass[(la, steps[0])]]
+    first = {la: next(s for s in steps if mass[(la, s)] >= 1.5 * mass[(la, steps[0])]) for la in grown}
+    cls = [r["cls_mass_1_4"] for r in actlake.query(runs / "quickstart", BY_SOURCE_SQL).to_pylist() if r["source"] == "*"]
+    rest = [la for la in layers if la not in grown]
+    when = sorted(set(first.values()))
+    return (f"On the sample, the quick LM's first token gets {span(base, 3)} of each query's attention in every layer at "
+            f"step 0 (attention about uniform over the window). Layers {' and '.join(map(str, grown))} reach "
+            f"{span([mass[(la, steps[-1])] for la in grown], 3)} by step {steps[-1]}, passing 1.5 times step 0 at step "
+            f"{' and '.join(map(str, when))}; layers {' and '.join(map(str, rest))} stay at "
+            f"{span([mass[(la, steps[-1])] for la in rest], 3)}. MiniLM's [CLS] gets {cls[0]:.3f} in layers 1–4 (the "
+            "side-by-side query): 800 steps of a 4-layer LM give the start of a sink, not one "
+            "([Findings](docs/findings.md)).")
+
+
+def sweep_table(runs: Path) -> str:
+    mass, layers, steps = _sweep(runs)
+    return "\n".join([
+        "| layer | " + " | ".join(f"step {s}" for s in steps) + " |",
+        "|---|" + "---|" * len(steps),
+        *[f"| {la} | " + " | ".join(f"{mass[(la, s)]:.3f}" for s in steps) + " |" for la in layers]])
+
+
 def predictive(runs: Path) -> str:
     lm = json.loads((runs / "lm-quick" / "summary.json").read_text())
     pred = runs / "predictor-quick"
@@ -208,7 +247,9 @@ BLOCKS = {"quickstart-headline": (quickstart_headline, ("quickstart",)),
           "norm-or-angle": (norm_or_angle, ("quickstart",)),
           "massive": (massive, ("quickstart",)),
           "tour-answers": (tour_answers, ("quickstart",)),
-          "predictive-measured": (predictive, ("lm-quick", "predictor-quick"))}
+          "predictive-measured": (predictive, ("lm-quick", "predictor-quick")),
+          "sweep-answers": (sweep_answers, ("lm-quick-sweep", "quickstart")),
+          "sweep-table": (sweep_table, ("lm-quick-sweep",))}
 
 
 def main(argv=None) -> int:
@@ -220,7 +261,7 @@ def main(argv=None) -> int:
     texts = {page: page.read_text() for page in PAGES}
     stale = []
     for name, (make, needs) in BLOCKS.items():
-        if not all((runs / r / "summary.json").is_file() for r in needs):
+        if not all((runs / r / "summary.json").is_file() or (runs / r / "sweep.json").is_file() for r in needs):
             print(f"{name}: skipped (no {', '.join(needs)} under {runs})", file=sys.stderr)
             continue
         (page,) = [p for p, t in texts.items() if f"<!-- {name}:start -->" in t]
