@@ -162,6 +162,31 @@ def norm_or_angle(runs: Path) -> str:
             f"helped by its key norm ({', '.join(shift(la) for la in helped)} when normalised).")
 
 
+CONTRIB_SQL = """SELECT layer, dim, key_category, avg(mean_contribution) AS c FROM contributions_mean
+WHERE query_category = 'all' AND dim IN (SELECT dim FROM outliers WHERE rank <= 2) GROUP BY ALL"""
+"""Mean contribution of the top outlier dimensions to a key's score, per layer and key category, over heads."""
+
+
+def contributions(runs: Path) -> str:
+    run = runs / "quickstart"
+    top = {(r["layer"], r["rank"]): r["dim"] for r in actlake.query(run, "SELECT layer, dim, rank FROM outliers "
+                                                                          "WHERE rank <= 2").to_pylist()}
+    c = {(r["layer"], r["dim"], r["key_category"]): r["c"] for r in actlake.query(run, CONTRIB_SQL).to_pylist()}
+    last = max(layer for layer, _, _ in c)
+    d1, d2, late = top[(1, 1)], top[(1, 2)], top[(last, 1)]
+    start = last
+    while (start - 1, 1) in top and top[(start - 1, 1)] == late:
+        start -= 1
+    span_of = range(start, last + 1)
+    loud = [c[(la, late, k)] for la in span_of for k in ("eos", "period", "comma")]
+    return (f"- **Contributions** (Table 1; `contributions_mean`, the largest outlier dimensions of `outliers`): they "
+            f"lower the scores of ordinary keys and leave [CLS]'s alone: in layer 1 dim {d1} adds "
+            f"{c[(1, d1, 'other')]:+.1f} to an ordinary key's score and {c[(1, d1, 'eos')]:+.1f} to [SEP]'s but "
+            f"{c[(1, d1, 'bos')]:+.2f} to [CLS]'s; dim {d2} {c[(1, d2, 'other')]:+.1f} against {c[(1, d2, 'bos')]:+.2f}. "
+            f"From layer {start} dim {late} adds to every key, most to [SEP] and punctuation ({signed_span(loud, 1)}) and "
+            f"least to [CLS] ({signed_span([c[(la, late, 'bos')] for la in span_of], 1)}).")
+
+
 def tour_answers(runs: Path) -> str:
     """The README's answers to its two tour questions (by source, what drives the sink)."""
     run = runs / "quickstart"
@@ -245,6 +270,7 @@ BLOCKS = {"quickstart-headline": (quickstart_headline, ("quickstart",)),
           "outliers": (outliers, ("quickstart",)),
           "attention-mass": (attention_mass, ("quickstart",)),
           "norm-or-angle": (norm_or_angle, ("quickstart",)),
+          "contributions": (contributions, ("quickstart",)),
           "massive": (massive, ("quickstart",)),
           "tour-answers": (tour_answers, ("quickstart",)),
           "predictive-measured": (predictive, ("lm-quick", "predictor-quick")),
