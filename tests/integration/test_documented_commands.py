@@ -5,35 +5,16 @@ command it prints, the five-minute tour, and the S3 walkthrough against a local 
 
 from __future__ import annotations
 
-import os
-import re
 import shlex
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.documented import ROOT, command
+from tests.documented import BIN, ROOT, command
+from tests.documented import new_shell as _bash
+from tests.documented import new_shell_env as _env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-BIN = Path(sys.executable).parent
-
-
-def _env() -> dict:
-    """A new terminal's environment: the venv's folder off the PATH, no venv active."""
-    path = ":".join(p for p in os.environ.get("PATH", "/usr/bin:/bin").split(":") if Path(p) != BIN)
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    return env | {"PATH": path or "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                  "RAY_DISABLE_USAGE_STATS": "1"}
-
-
-def _bash(script: str, timeout: int = 900, **kwargs) -> subprocess.CompletedProcess:
-    done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + script], cwd=kwargs.pop("cwd", ROOT), env=_env(),
-                          capture_output=True, text=True, timeout=timeout, **kwargs)
-    assert done.returncode == 0, f"{script}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
-    return done
 
 
 @pytest.fixture(scope="module")
@@ -88,45 +69,6 @@ def test_the_five_minute_tour(quickstart):
     assert page.is_file()
     tried = _bash(ACTIVATE + command("tour-try")).stdout
     assert "attention_entropy: " in tried and "attention_entropy_mean: " in tried
-
-
-def test_the_tour_s_sweep_and_runs_side_by_side(quickstart, tmp_path):
-    """The tour's last block as printed, in a folder of its own (a reader's runs/lm-quick stays as it is), with the
-    train-lm config scaled down to a tiny LM (the same steps, so the same snapshots the sweep config names) and a
-    48-document sample; the side-by-side query reads a copy of the quick start's run."""
-    import shutil
-
-    import yaml
-
-    from actlake.corpus.sample import write_sample
-    from actlake.storage.sql import query
-
-    write_sample(tmp_path / "data" / "sample", n_docs=48, n_files=2)
-    (tmp_path / "configs").mkdir()
-    shutil.copy(ROOT / "configs" / "lm_quick_sweep.yaml", tmp_path / "configs")
-    lm = yaml.safe_load((ROOT / "configs" / "lm_quick.yaml").read_text())
-    lm["tokenizer"]["vocab_size"] = 300
-    lm["model"] = {"hidden_size": 16, "num_layers": 2, "num_heads": 2, "intermediate_size": 32}
-    lm["training"].update(batch_size=2, seq_len=16, warmup_steps=5, eval_every=400, checkpoint_every=400)
-    lm["resources"]["cpus_per_worker"] = 1
-    (tmp_path / "lm_tiny.yaml").write_text(yaml.safe_dump(lm))
-    shutil.copytree(ROOT / "runs" / "quickstart", tmp_path / "runs" / "quickstart")
-    out = _bash(f"source {ROOT}/.venv/bin/activate\n" + command("tour-sweep").replace("configs/lm_quick.yaml", "lm_tiny.yaml"),
-                cwd=tmp_path).stdout
-    assert "train-lm: 7 snapshots" in out and "(every one's weights differ)" in out
-    (table,) = [t for t in out.split("┌") if re.search(r"│\s*layer\s*│\s*step\s*│\s*mass_on_first", t)]
-    sweep = {(int(a), int(b)) for a, b in re.findall(r"^│\s*(\d+)\s*│\s*(\d+)\s*│\s*[\d.]+\s*│$", table, re.M)}
-    assert sweep == {(layer, step) for layer in (0, 1) for step in (0, 2, 8, 27, 85, 262, 800)}, out
-    side = re.findall(r"^│\s*(quickstart|step-800)\s*│\s*(\d+)\s*│\s*([\d.]+)\s*│$", out, re.M)
-    assert sorted((run, int(layer)) for run, layer, _ in side) == sorted(
-        [("quickstart", layer) for layer in range(6)] + [("step-800", layer) for layer in range(2)]), out
-    own = query(tmp_path / "runs" / "quickstart", "SELECT layer, round(avg(mean_mass), 3) AS m FROM attention_mass_by_key "
-                "WHERE key_category = 'bos' GROUP BY ALL").to_pylist()
-    assert {(int(la), float(m)) for run, la, m in side if run == "quickstart"} == {(r["layer"], r["m"]) for r in own}
-    tokens = query(tmp_path / "runs" / "lm-quick-sweep" / "checkpoints" / "step-800",
-                   "SELECT count(*) FILTER (WHERE role = 'bos') AS bos, count(*) FILTER (WHERE role = 'bos' AND position = 0) "
-                   "AS first, count(DISTINCT (doc_id, window_index)) AS windows FROM tokens").to_pylist()[0]
-    assert tokens["bos"] == tokens["first"] == tokens["windows"] > 0  # prepend_bos: the BOS first in every window
 
 
 def test_the_s3_walkthrough_against_a_local_server(quickstart):
