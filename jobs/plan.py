@@ -10,7 +10,8 @@ from typing import Optional
 from actlake.config import JobConfig, resolve_corpus_files
 from actlake.corpus.fingerprint import file_exists, file_fingerprint, hf_fingerprint
 from actlake.corpus.index import INDEX_DIR, index_files, load_points
-from actlake.corpus.readers import HF_STREAM, MAX_LINE_BYTES, Entry, file_format, load_hf, load_hf_stream
+from actlake.corpus.readers import (HF_STREAM, MAX_LINE_BYTES, Entry, column_labels, file_format, load_hf,
+                                    load_hf_stream)
 from actlake.fs import location, write_atomic
 
 
@@ -172,3 +173,19 @@ def plan_hash(cfg: JobConfig, shards: list[Shard]) -> str:
     ranges = [{k: v for k, v in asdict(s).items() if k not in STAT_FIELDS} for s in shards]
     payload = json.dumps({"config": cfg.content_hash(), "shards": ranges}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def planned_labels(cfg: JobConfig, shards: list[Shard]) -> set[str]:
+    """The source labels of the planned records that can be listed before Ray starts: Parquet files' and a
+    Hugging Face dataset's source column (:func:`~actlake.corpus.readers.column_labels`); jsonl records'
+    labels are known once a worker parses them, and it checks them (``analyses.max_sources``)."""
+    spans: dict[tuple[str, str], list[int]] = {}
+    for s in shards:
+        if s.fmt in ("parquet", "hf"):
+            lo, hi = spans.get((s.path, s.fmt), [s.start, s.end])
+            spans[(s.path, s.fmt)] = [min(lo, s.start), max(hi, s.end)]
+    labels: set[str] = set()
+    for (path, fmt), (start, end) in spans.items():
+        labels |= column_labels(path, fmt, cfg.corpus.source_field, start, end, cfg.corpus.hf_split) or set()
+    return labels
+

@@ -15,7 +15,7 @@ from actlake.corpus.readers import HF_STREAM
 from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
 from actlake.fs import ObjectPath, location, remove_tree
 from actlake.jobs.dispatch import Dispatcher
-from actlake.jobs.plan import plan_hash, plan_with_inputs
+from actlake.jobs.plan import plan_hash, plan_with_inputs, planned_labels
 from actlake.jobs.progress import Progress, counter_actor
 from actlake.jobs.ray_env import init_ray, release_ray, store_env
 from actlake.jobs.reduce import reduce_run
@@ -238,6 +238,10 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     shards, inputs = plan_with_inputs(cfg)
     if not shards:
         raise ActlakeError("the corpus has no documents: nothing to do")
+    if cfg.analyses.by_source:  # too many labels: one error before Ray, where the source column can be listed
+        from actlake.analysis.by_source import check_labels  # loads torch: imported when used
+
+        check_labels(planned_labels(cfg, shards), cfg.analyses.max_sources)
     phash = plan_hash(cfg, shards)
     with run_lock(layout.root):  # from here on, one job at a time per run directory
         return _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_shard, t0)

@@ -411,6 +411,44 @@ def load_hf_stream(name: str, split: str):
         raise CorpusError(f"hf dataset {name!r} (split {split!r}): cannot open for streaming ({type(e).__name__}: {e})") from None
 
 
+def column_labels(path: str, fmt: str, source_field: str, start: int, end: int, hf_split: str = "train") -> set[str] | None:
+    """The source labels of records ``start <= index < end`` of a Parquet file or a Hugging Face dataset, as the
+    readers label them (``str`` of the value, ``unknown`` where missing), from the source column alone: cheap
+    before Ray starts (``analyses.max_sources``). None for a jsonl file (its labels are known once parsed)
+    and for a column whose values cannot be listed this way."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    top, *rest = source_field.split(".")
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            with (open_file(path) if is_url(path) else open(path, "rb")) as f:
+                pf = pq.ParquetFile(f)
+                if top not in pf.schema_arrow.names:
+                    return {"unknown"} if end > start else set()
+                column = pf.read(columns=[top]).column(top).slice(start, max(0, end - start))
+        elif fmt == "hf":
+            ds = load_hf(path, hf_split)
+            if top not in ds.column_names:
+                return {"unknown"} if end > start else set()
+            column = ds.select_columns([top]).with_format("arrow")[start:min(end, len(ds))].column(top)
+        else:
+            return None
+        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        for part in rest:  # meta.pile_set_name: a struct's field
+            if not pa.types.is_struct(column.type) or column.type.get_field_index(part) < 0:
+                return {"unknown"} if len(column) else set()
+            column = pc.struct_field(column, part)
+        values = pc.unique(column).to_pylist()
+    except CorpusError:
+        raise
+    except Exception:  # noqa: BLE001 - a type unique() cannot list (lists, maps): the workers check the labels
+        return None
+    return {"unknown" if v is None else str(v) for v in values}
+
+
 def count_records(path: str, fmt: str) -> int:
     """Number of records in a file (one pass; Parquet reads only the footer)."""
     if fmt == "parquet":

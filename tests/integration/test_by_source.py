@@ -116,3 +116,22 @@ def test_more_source_labels_than_max_sources_is_one_error_naming_the_key(tiny_mo
     corpus = _corpus(sample_corpus, tmp_path / "all")
     with pytest.raises(ConfigError, match=r"analyses.max_sources: the corpus has at least 3 source labels .* = 2"):
         _run(tiny_models["bert"], corpus, tmp_path / "run", **{"analyses.by_source": True, "analyses.max_sources": 2})
+
+
+def test_a_parquet_corpus_with_too_many_labels_is_refused_before_ray(tiny_models, tmp_path):
+    """Parquet (and Hugging Face datasets): the labels are listed from the source column at planning, so the
+    error comes before Ray starts and before the run folder exists; within max_docs' rows only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": f"document number {i}", "meta": {"pile_set_name": s}} for i, s in enumerate("ABCAB")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet", row_group_size=2)
+    over = {"corpus.paths": [str(tmp_path / "c.parquet")], "analyses.by_source": True, "analyses.max_sources": 2}
+    cfg = job_config(tiny_models["bert"], tmp_path, tmp_path / "out", **over)
+    with pytest.raises(ConfigError, match=r"^analyses.max_sources: the corpus has at least 3 source labels \(A, B, C\)"):
+        run_job(cfg)
+    assert not (tmp_path / "out" / cfg.run_id).exists()
+    from actlake.jobs.plan import plan_with_inputs, planned_labels
+
+    two = job_config(tiny_models["bert"], tmp_path, tmp_path / "out", **over, **{"corpus.max_docs": 2})
+    assert planned_labels(two, plan_with_inputs(two)[0]) == {"A", "B"}

@@ -242,6 +242,30 @@ def test_an_index_counts_records_as_the_readers_do(tmp_path):
                 assert data[off:].split(b"\n")[0] == data.split(b"\n")[k * every]
 
 
+def test_source_labels_listed_from_the_column_are_the_readers_labels(tmp_path):
+    """analyses.max_sources is checked before Ray from the source column alone (column_labels): the labels of a
+    row range equal those the reader gives the same rows (nested field, a missing struct, null, a number), for
+    Parquet and a Hugging Face dataset saved to disk; jsonl has none to list."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actlake.corpus.readers import column_labels
+
+    metas = [{"pile_set_name": "A"}, None, {"pile_set_name": "B"}, {"pile_set_name": None}, {"pile_set_name": "C"},
+             {"pile_set_name": "A"}]
+    rows = [{"text": f"text {i}", "meta": m, "n": i % 2} for i, m in enumerate(metas)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet", row_group_size=4)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    for path, fmt in ((str(tmp_path / "c.parquet"), "parquet"), (str(tmp_path / "hf"), "hf")):
+        for field in ("meta.pile_set_name", "n", "absent", "meta.absent"):
+            for start, end in ((0, 6), (2, 5), (5, 6), (3, 3)):
+                read = {r.source for r in iter_items(path, fmt, start, end, "text", field)}
+                assert column_labels(path, fmt, field, start, end) == read, (fmt, field, start, end)
+    assert column_labels(str(tmp_path / "c.parquet"), "parquet", "meta.pile_set_name", 0, 6) == {"A", "B", "C", "unknown"}
+    assert column_labels("x.jsonl", "jsonl", "meta.pile_set_name", 0, 6) is None
+
+
 def test_parquet_reads_only_the_row_groups_of_its_range(tmp_path):
     """2,000 rows in row groups of 100: a range near the end decodes at most two row groups, and its
     records equal a plain read of the whole table."""
