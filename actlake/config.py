@@ -174,7 +174,7 @@ class AnalysesConfig(Section):
     by_source: bool = False
     """Every statistics table (dim_moments, attention_mass, contributions, attention_geometry, attention_by_distance, custom ones) by corpus subset: its rows per document source label (``meta.pile_set_name`` or ``corpus.source_field``) in its ``source`` column, plus the rows ``source = '*'`` over every document, equal to a run without it. Each batch then holds one source's windows, and each worker keeps one set of statistics per source. false: only the ``'*'`` rows."""
     max_sources: int = 32
-    """With ``by_source``: the most source labels a job may have (memory and partial files grow with their number); a corpus with more is an error naming this key and the labels seen: before Ray starts for Parquet files and Hugging Face datasets (their source column is listed at planning), at the first shard or commit group that sees them for jsonl (a record's label is known once it is parsed) and streamed datasets."""
+    """With ``by_source``: the most source labels a job may have (memory and partial files grow with their number); a corpus with more is an error naming this key and the labels seen: before Ray starts for Parquet files and Hugging Face datasets (their source column is listed at planning, rows without text included), at the first shard or commit group that sees them for jsonl (a record's label is known once it is parsed) and streamed datasets."""
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 

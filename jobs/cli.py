@@ -20,10 +20,10 @@ from actlake.errors import ActlakeError, AnalysisFailed
 EXAMPLE_SQL = "SELECT layer, round(avg(norm), 2) AS mean_norm FROM residual_norms GROUP BY layer ORDER BY layer"
 EXAMPLE_TOKENS_SQL = ("SELECT source, count(*) AS tokens, round(avg(surprisal), 3) AS mean_surprisal "
                       "FROM tokens GROUP BY source ORDER BY source")
-EXAMPLE_SWEEP_SQL = ("SELECT layer, step, round(avg(norm), 2) AS mean_norm FROM residual_norms JOIN checkpoints "
-                     "USING (checkpoint) GROUP BY ALL ORDER BY layer, step")
-EXAMPLE_SWEEP_TOKENS_SQL = ("SELECT step, source, round(avg(surprisal), 3) AS mean_surprisal FROM tokens JOIN checkpoints "
-                            "USING (checkpoint) GROUP BY ALL ORDER BY source, step")
+EXAMPLE_SWEEP_SQL = ("SELECT layer, checkpoint, step, round(avg(norm), 2) AS mean_norm FROM residual_norms JOIN checkpoints "
+                     "USING (checkpoint) GROUP BY layer, checkpoint, step, ordinal ORDER BY layer, ordinal")
+EXAMPLE_SWEEP_TOKENS_SQL = ("SELECT source, checkpoint, step, round(avg(surprisal), 3) AS mean_surprisal FROM tokens JOIN "
+                            "checkpoints USING (checkpoint) GROUP BY source, checkpoint, step, ordinal ORDER BY source, ordinal")
 """The example a job prints: a sweep's (``model.checkpoints``) keeps its checkpoints apart."""
 
 

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 
-from actlake.batching import Window, document_windows, documents_windows
+from actlake.batching import Window, document_windows, documents_windows, special_affixes
 from actlake.corpus.fingerprint import check_stat
 from actlake.corpus.readers import Reject, iter_range
 from actlake.jobs.plan import Shard
@@ -46,7 +46,8 @@ class _Reading:
 
     def __init__(self, shard: Shard, cfg, tokenizer, tokenizing: threading.Lock):
         self.shard, self.cfg, self.tokenizer, self.tokenizing = shard, cfg, tokenizer, tokenizing
-        self.windows: list[Window] = []
+        special_affixes(tokenizer, cfg.tokenization.prepend_bos)  # a setting the tokenizer cannot meet: the job's error,
+        self.windows: list[Window] = []                           # not a tokenizer_error reject per record
         self.docs, self.rejects = [], []
 
     def add(self, items: list) -> None:

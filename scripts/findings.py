@@ -216,16 +216,17 @@ def sweep_answers(runs: Path) -> str:
     mass, layers, steps = _sweep(runs)
     base = [mass[(la, steps[0])] for la in layers]
     grown = [la for la in layers if mass[(la, steps[-1])] >= 1.5 * mass[(la, steps[0])]]
-    first = {la: next(s for s in steps if mass[(la, s)] >= 1.5 * mass[(la, steps[0])]) for la in grown}
-    cls = [r["cls_mass_1_4"] for r in actlake.query(runs / "quickstart", BY_SOURCE_SQL).to_pylist() if r["source"] == "*"]
     rest = [la for la in layers if la not in grown]
-    when = sorted(set(first.values()))
+    first = sorted({next(s for s in steps if mass[(la, s)] >= 1.5 * mass[(la, steps[0])]) for la in grown})
+    cls = [r["cls_mass_1_4"] for r in actlake.query(runs / "quickstart", BY_SOURCE_SQL).to_pylist() if r["source"] == "*"]
+    names = lambda ls: " and ".join(map(str, ls))  # noqa: E731
+    grew = (f"Layers {names(grown)} reach {span([mass[(la, steps[-1])] for la in grown], 3)} by step {steps[-1]}, "
+            f"passing 1.5 times step 0 at step {names(first)}" if grown else "No layer reaches 1.5 times step 0")
+    stayed = (f"; layers {names(rest)} end at {span([mass[(la, steps[-1])] for la in rest], 3)} (at most "
+              f"{span([max(mass[(la, s)] for s in steps) for la in rest], 3)} on the way)" if rest else "")
     return (f"On the sample, the quick LM's first token gets {span(base, 3)} of each query's attention in every layer at "
-            f"step 0 (attention about uniform over the window). Layers {' and '.join(map(str, grown))} reach "
-            f"{span([mass[(la, steps[-1])] for la in grown], 3)} by step {steps[-1]}, passing 1.5 times step 0 at step "
-            f"{' and '.join(map(str, when))}; layers {' and '.join(map(str, rest))} stay at "
-            f"{span([mass[(la, steps[-1])] for la in rest], 3)}. MiniLM's [CLS] gets {cls[0]:.3f} in layers 1–4 (the "
-            "side-by-side query): 800 steps of a 4-layer LM give the start of a sink, not one "
+            f"step 0 (attention about uniform over the window). {grew}{stayed}. MiniLM's [CLS] gets {cls[0]:.3f} on "
+            f"average over layers 1–4: {steps[-1]} steps of a {len(layers)}-layer LM give the start of a sink, not one "
             "([Findings](docs/findings.md)).")
 
 

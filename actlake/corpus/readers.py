@@ -413,12 +413,10 @@ def load_hf_stream(name: str, split: str):
 
 def column_labels(path: str, fmt: str, source_field: str, start: int, end: int, hf_split: str = "train") -> set[str] | None:
     """The source labels of records ``start <= index < end`` of a Parquet file or a Hugging Face dataset, as the
-    readers label them (``str`` of the value, ``unknown`` where missing), from the source column alone: cheap
-    before Ray starts (``analyses.max_sources``). None for a jsonl file (its labels are known once parsed)
-    and for a column whose values cannot be listed this way."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
+    readers label them (``str`` of the value, ``unknown`` where missing), from the source column alone (a Parquet
+    file's row groups that hold the range): cheap before Ray starts (``analyses.max_sources``). Rows the reader
+    will reject (no text) count too: the text column is not read. None for a jsonl file (its labels are known
+    once parsed) and for a column whose values cannot be listed this way."""
     top, *rest = source_field.split(".")
     try:
         if fmt == "parquet":
@@ -428,25 +426,37 @@ def column_labels(path: str, fmt: str, source_field: str, start: int, end: int, 
                 pf = pq.ParquetFile(f)
                 if top not in pf.schema_arrow.names:
                     return {"unknown"} if end > start else set()
-                column = pf.read(columns=[top]).column(top).slice(start, max(0, end - start))
-        elif fmt == "hf":
+                labels, first = set(), 0
+                for g in range(pf.metadata.num_row_groups):
+                    n = pf.metadata.row_group(g).num_rows
+                    if first + n > start and first < end:
+                        lo, hi = max(start, first) - first, min(end, first + n) - first
+                        labels |= _labels(pf.read_row_group(g, columns=[top]).column(top).slice(lo, hi - lo), rest)
+                    first += n
+                return labels
+        if fmt == "hf":
             ds = load_hf(path, hf_split)
             if top not in ds.column_names:
                 return {"unknown"} if end > start else set()
-            column = ds.select_columns([top]).with_format("arrow")[start:min(end, len(ds))].column(top)
-        else:
-            return None
-        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-        for part in rest:  # meta.pile_set_name: a struct's field
-            if not pa.types.is_struct(column.type) or column.type.get_field_index(part) < 0:
-                return {"unknown"} if len(column) else set()
-            column = pc.struct_field(column, part)
-        values = pc.unique(column).to_pylist()
+            return _labels(ds.select_columns([top]).with_format("arrow")[start:min(end, len(ds))].column(top), rest)
     except CorpusError:
         raise
     except Exception:  # noqa: BLE001 - a type unique() cannot list (lists, maps): the workers check the labels
         return None
-    return {"unknown" if v is None else str(v) for v in values}
+    return None
+
+
+def _labels(column, fields: list[str]) -> set[str]:
+    """The distinct labels of an Arrow column, or of its struct field ``fields`` (``meta`` -> ``pile_set_name``)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    for part in fields:
+        if not pa.types.is_struct(column.type) or column.type.get_field_index(part) < 0:
+            return {"unknown"} if len(column) else set()
+        column = pc.struct_field(column, part)
+    return {"unknown" if v is None else str(v) for v in pc.unique(column).to_pylist()}
 
 
 def count_records(path: str, fmt: str) -> int:

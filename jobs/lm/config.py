@@ -46,6 +46,12 @@ class LMConfig(TrainJob.with_defaults(name="lm")):
     model: LMArchConfig
     training: LMTrainingConfig
 
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        if not d["training"]["snapshots"]:  # off, a run hashes, and resumes, as before the key existed
+            d["training"].pop("snapshots")
+        return d
+
     def check(self, err) -> None:
         t, m = self.training, self.model
         if m.hidden_size % m.num_heads:

@@ -68,6 +68,18 @@ def test_prepend_bos_puts_the_bos_token_first_only_where_the_tokenizer_puts_no_s
     plain._actlake_affixes = None
     with pytest.raises(ConfigError, match=r"^'tokenization.prepend_bos': the tokenizer of .* has no BOS token"):
         document_windows(plain, text, on)
+    # reading a shard: the job's error, not a tokenizer_error reject for every record
+    import threading
+
+    from actlake.config import parse_config
+    from actlake.corpus.sample import write_sample
+    from actlake.jobs.plan import Shard
+    from actlake.jobs.read import read_shard
+
+    (path,) = [p for p in write_sample(tmp_path / "corpus", n_docs=4, n_files=1) if str(p).endswith(".jsonl")]
+    cfg = parse_config({"name": "j", "corpus": {"paths": [str(path)]}, "tokenization": {"prepend_bos": True}})
+    with pytest.raises(ConfigError, match=r"^'tokenization.prepend_bos'"):
+        read_shard(Shard(0, str(path), "jsonl", 0, 4, 0), cfg, plain, threading.Lock())
 
 
 def test_batches_respect_budget_and_pad_little():

@@ -267,3 +267,18 @@ def test_by_source_and_checkpoints_off_keep_run_ids_and_bad_checkpoints_are_name
         parse_config({"name": "j", "model": {"checkpoints": [{"revision": "a", "step": 3}, {"revision": "b", "step": 3}]}})
     with pytest.raises(ConfigError, match=r"analyses.max_sources.*at least 1"):
         parse_config({"name": "j", "analyses": {"max_sources": 0}})
+
+
+def test_train_lm_snapshots_off_keep_run_ids_and_settings():
+    """training.snapshots came after train-lm runs were made: off (0) it is left out of the config (its hash, the
+    run id, the settings a resumed run is checked against), so those runs resume; on, it is another run."""
+    from actlake.jobs.lm.config import LMConfig
+
+    def lm(**training):
+        return parse_config({"name": "lm", "corpus": {"paths": ["x.jsonl"]}, "training": training}, root=LMConfig)
+
+    assert "snapshots" not in lm().to_dict()["training"] and "snapshots" not in lm(snapshots=0).to_dict()["training"]
+    assert lm().to_dict() == lm(snapshots=0).to_dict() and lm().run_id == lm(snapshots=0).run_id
+    assert lm(snapshots=7).to_dict()["training"]["snapshots"] == 7 and lm(snapshots=7).run_id != lm().run_id
+    with pytest.raises(ConfigError, match=r"training.snapshots.*at least 2"):
+        lm(snapshots=1)
