@@ -188,4 +188,3 @@ def planned_labels(cfg: JobConfig, shards: list[Shard]) -> set[str]:
     for (path, fmt), (start, end) in spans.items():
         labels |= column_labels(path, fmt, cfg.corpus.source_field, start, end, cfg.corpus.hf_split) or set()
     return labels
-
