@@ -6,7 +6,6 @@ must start without loading torch, transformers, Ray or the training jobs."""
 from __future__ import annotations
 
 import argparse
-import glob
 import logging
 import os
 import re
@@ -179,10 +178,10 @@ def _cmd_run(args) -> int:
     if os.path.isdir(act):
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(act) for f in fs)
         print(f"store:   activation store {size / 2**20:,.1f} MiB on disk ({act})")
-    sweep = bool(t.get("checkpoints"))
-    runs = glob.glob(os.path.join(glob.escape(str(res.run_dir)), "checkpoints", "*")) if sweep else [res.run_dir]
-    norms = any(os.path.isdir(os.path.join(r, "tables", "residual_norms")) for r in runs)
-    example = [[EXAMPLE_TOKENS_SQL, EXAMPLE_SQL], [EXAMPLE_SWEEP_TOKENS_SQL, EXAMPLE_SWEEP_SQL]][sweep][norms]
+    if cfg.model.checkpoints:
+        example = EXAMPLE_SWEEP_SQL if cfg.analyses.residual_norms else EXAMPLE_SWEEP_TOKENS_SQL
+    else:
+        example = EXAMPLE_SQL if cfg.analyses.residual_norms else EXAMPLE_TOKENS_SQL
     print(f"\nexample: {command_prefix()} sql {shlex.quote(str(res.run_dir))} {shlex.quote(example)}")
     _show(query(res.run_dir, example))
     return 0

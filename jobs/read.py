@@ -46,8 +46,9 @@ class _Reading:
 
     def __init__(self, shard: Shard, cfg, tokenizer, tokenizing: threading.Lock):
         self.shard, self.cfg, self.tokenizer, self.tokenizing = shard, cfg, tokenizer, tokenizing
-        special_affixes(tokenizer, cfg.tokenization.prepend_bos)  # a setting the tokenizer cannot meet: the job's error,
-        self.windows: list[Window] = []                           # not a tokenizer_error reject per record
+        # a setting the tokenizer cannot meet (prepend_bos without a BOS) is the job's error, not a reject per record
+        special_affixes(tokenizer, cfg.tokenization.prepend_bos)
+        self.windows: list[Window] = []
         self.docs, self.rejects = [], []
 
     def add(self, items: list) -> None:

@@ -425,7 +425,7 @@ def column_labels(path: str, fmt: str, source_field: str, start: int, end: int, 
             with (open_file(path) if is_url(path) else open(path, "rb")) as f:
                 pf = pq.ParquetFile(f)
                 if top not in pf.schema_arrow.names:
-                    return {"unknown"} if end > start else set()
+                    return _labels(None, rest, end - start)
                 labels, first = set(), 0
                 for g in range(pf.metadata.num_row_groups):
                     n = pf.metadata.row_group(g).num_rows
@@ -437,7 +437,7 @@ def column_labels(path: str, fmt: str, source_field: str, start: int, end: int, 
         if fmt == "hf":
             ds = load_hf(path, hf_split)
             if top not in ds.column_names:
-                return {"unknown"} if end > start else set()
+                return _labels(None, rest, min(end, len(ds)) - start)
             return _labels(ds.select_columns([top]).with_format("arrow")[start:min(end, len(ds))].column(top), rest)
     except CorpusError:
         raise
@@ -446,15 +446,18 @@ def column_labels(path: str, fmt: str, source_field: str, start: int, end: int, 
     return None
 
 
-def _labels(column, fields: list[str]) -> set[str]:
-    """The distinct labels of an Arrow column, or of its struct field ``fields`` (``meta`` -> ``pile_set_name``)."""
+def _labels(column, fields: list[str], rows: int | None = None) -> set[str]:
+    """The distinct labels of an Arrow column, or of its struct field ``fields`` (``meta`` -> ``pile_set_name``);
+    ``column`` None: the file has no such column, and its ``rows`` rows are ``unknown``."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    if column is None:
+        return {"unknown"} if rows > 0 else set()
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     for part in fields:
         if not pa.types.is_struct(column.type) or column.type.get_field_index(part) < 0:
-            return {"unknown"} if len(column) else set()
+            return _labels(None, [], len(column))
         column = pc.struct_field(column, part)
     return {"unknown" if v is None else str(v) for v in pc.unique(column).to_pylist()}
 
