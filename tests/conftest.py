@@ -13,6 +13,9 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# before torch is imported: OpenMP threads that spin between parallel regions take the cores that the other
+# test process and every Ray worker wait for (the embedded Ray's workers get it too: jobs/ray_env.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through Triton's interpreter, which
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be chosen before triton is first imported
 
@@ -137,8 +140,10 @@ def ray_local():
     """One embedded Ray for the whole session (jobs reuse an initialised Ray)."""
     import ray
 
+    from actlake.jobs.ray_env import local_worker_env
+
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": local_worker_env()})
     yield ray
     ray.shutdown()
 

@@ -261,14 +261,18 @@ def listeners():
             out.append({"ip": c.laddr.ip, "port": c.laddr.port, "type": int(c.type), "process": name})
     return out
 
-result = {}
+import os
+result, waits = {}, {}
 for dashboard in (False, True):
+    if dashboard:
+        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"  # a user's own setting reaches the workers
     assert init_ray(None, dashboard=dashboard)
-    ray.get(ray.remote(lambda: 1).remote())  # a worker process is up too
+    waits[str(dashboard)] = ray.get(ray.remote(lambda: os.environ.get("OMP_WAIT_POLICY")).remote())  # a worker is up
     time.sleep(8)  # agents and monitors open their ports after start-up
     result[str(dashboard)] = listeners()
     ray.shutdown()
 print("RESULT " + json.dumps(result))
+print("WAITS " + json.dumps(waits))
 """
 
 
@@ -282,14 +286,17 @@ def test_the_embedded_ray_is_new_and_listens_on_loopback_only(own_ray_env):
     """``init_ray(None)`` (and with the dashboard, as the training jobs start it) starts its own Ray even
     where Ray's temp folder names a cluster (``ray start``'s record, here a dead one, as a killed test
     leaves it), and every TCP listener and bound UDP socket of the driver and every process Ray started is
-    on 127.0.0.1 / ::1."""
+    on 127.0.0.1 / ::1. Its workers' OpenMP threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE)
+    unless the user set the variable."""
+    own_ray_env = {k: v for k, v in own_ray_env.items() if k != "OMP_WAIT_POLICY"}  # tests/conftest.py sets it
     record = Path(own_ray_env["RAY_TMPDIR"], "ray", "ray_current_cluster")
     record.parent.mkdir()
     record.write_text("192.0.2.1:6379")  # TEST-NET-1: nobody answers
     proc = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=300,
                           env=own_ray_env, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1].split("\n", 1)[0])
+    assert json.loads(proc.stdout.split("WAITS ", 1)[1]) == {"False": "PASSIVE", "True": "ACTIVE"}
     for dashboard, socks in result.items():
         names = " ".join(s["process"] for s in socks)
         assert "gcs_server" in names and "raylet" in names, (dashboard, socks)
