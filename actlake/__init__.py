@@ -27,8 +27,8 @@ __all__ = [
 
 def open_run(run_dir, **kwargs):
     """Open a run directory as a read-only DuckDB connection (see ``actlake.storage.sql.open_run``)."""
-    from actlake.storage.sql import (
-        open_run as _open_run,  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+    from actlake.storage.sql import (  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+        open_run as _open_run,
     )
 
     return _open_run(run_dir, **kwargs)
@@ -36,8 +36,8 @@ def open_run(run_dir, **kwargs):
 
 def open_runs(run_dirs, **kwargs):
     """Open several runs side by side: every view gains a leading column ``run`` (see ``actlake.storage.sql.open_runs``)."""
-    from actlake.storage.sql import (
-        open_runs as _open_runs,  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+    from actlake.storage.sql import (  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+        open_runs as _open_runs,
     )
 
     return _open_runs(run_dirs, **kwargs)
@@ -45,8 +45,8 @@ def open_runs(run_dirs, **kwargs):
 
 def query(run_dir, sql, **kwargs):
     """Run one read-only SQL statement over a run and return a pyarrow Table."""
-    from actlake.storage.sql import (
-        query as _query,  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+    from actlake.storage.sql import (  # actlake.storage.sql imports this module; loads pyarrow: imported when used
+        query as _query,
     )
 
     return _query(run_dir, sql, **kwargs)

@@ -9,6 +9,7 @@ Attention itself is read through the transformers attention interface (see
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from actlake.errors import ModelLoadError
@@ -95,12 +96,10 @@ def onloaded(module):
     """Context in which ``module``'s parameters hold their values on the device the module runs on, also
     when accelerate offloaded them (``device_map`` with CPU or disk offload keeps them on the meta device
     outside the module's forward pass). A plain context for any other module."""
-    import contextlib
-
     hook = getattr(module, "_hf_hook", None)
     if hook is None or not getattr(hook, "offload", False):
         return contextlib.nullcontext()
-    from accelerate.utils import align_module_device
+    from accelerate.utils import align_module_device  # loads accelerate, torch: imported when used
 
     return align_module_device(module)
 

@@ -8,6 +8,7 @@ line, raised before Ray starts (the machinery is in :mod:`actlake.config_base`).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -425,8 +426,6 @@ def resolve_custom_paths(cfg: "JobConfig", err) -> None:
 def resolve_model_path(name_or_path: str) -> str:
     """Turn ``package:MODULE/subdir`` into a folder of this machine; check a local folder is a model's."""
     if name_or_path.startswith(PACKAGE_PREFIX):
-        import importlib.util
-
         spec_text = name_or_path[len(PACKAGE_PREFIX):]
         module, _, sub = spec_text.partition("/")
         spec = importlib.util.find_spec(module)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import types
 import typing
 from typing import Literal
@@ -58,8 +59,6 @@ def looks_local(name: str) -> bool:
     """Whether a model or dataset name is a local folder rather than a hub id (``org/name``) or a
     ``package:MODULE/subdir`` reference: it starts with ``.``, ``/`` or ``~``, exists here, or has more
     than one ``/``."""
-    import os
-
     return not name.startswith(PACKAGE_PREFIX) and (
         name.startswith((".", "/", "~")) or os.path.exists(name) or name.count("/") > 1)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +43,6 @@ class LoadedModel:
 
     def close(self) -> None:
         """Remove this worker's offload folder, if any (the model cannot run afterwards)."""
-        import shutil
-
         if self.offload_folder:
             shutil.rmtree(self.offload_folder, ignore_errors=True)
 
@@ -73,8 +74,6 @@ ACCELERATE_HINT = "pip install accelerate  (or reinstall actlake: it depends on 
 def require_accelerate(cfg: ModelConfig) -> None:
     """ConfigError naming ``model.device_map`` and the install command when it is set and accelerate
     (which places the layers) is missing; call it before starting Ray."""
-    import importlib.util
-
     if cfg.device_map and importlib.util.find_spec("accelerate") is None:
         raise ConfigError(f"model.device_map: {cfg.device_map!r} needs the accelerate package, which is not installed "
                           f"here: {ACCELERATE_HINT}")
@@ -97,9 +96,6 @@ def _placement_kwargs(cfg: ModelConfig) -> dict:
     """from_pretrained's ``device_map`` / ``max_memory`` / ``offload_folder`` for this config. Without
     ``model.device_map``: the whole model onto its GPU, or nothing on a CPU. The offload folder is a fresh
     subfolder per worker."""
-    import tempfile
-
-
     if not cfg.device_map:
         device = pick_device(cfg)
         # straight onto the GPU as each tensor is read, never the whole model in host memory first
@@ -136,7 +132,12 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
     ``lm_head``: also load the causal-LM head (``AutoModelForCausalLM``; the base model is then its
     ``base_model``); None: when the family is causal. True for a non-causal family is an error.
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import (  # loads transformers: imported when used
+        AutoConfig,
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+    )
 
     try:
         path = resolve_model_path(cfg.name_or_path)

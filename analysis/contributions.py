@@ -233,7 +233,7 @@ class Contributions(OneTable, SumStats):
 
     @classmethod
     def charts(cls, con) -> list:
-        import altair as alt
+        import altair as alt  # loads altair: imported when used
 
         layers = contribution_layers(con)
         df = con.execute(f"""

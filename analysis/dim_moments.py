@@ -7,6 +7,7 @@ left out of the moments.
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,7 +133,7 @@ class DimMoments(OneTable, Analysis):
 
     @classmethod
     def charts(cls, con) -> list:
-        import altair as alt
+        import altair as alt  # loads altair: imported when used
 
         df = con.execute(f"""
             SELECT layer, dim, mean, robust_z, abs(robust_z) > {OUTLIER_Z} AS outlier FROM outliers ORDER BY layer, dim
@@ -169,8 +170,6 @@ MASSIVE_TOP = 2
 def massive_activations_html(con, top: int = MASSIVE_TOP) -> str:
     """The report's section on massive activations: per layer and token role, the ``top`` dimensions by |mean|
     (view ``massive_activations``) with their mean, largest |value| and share of the role's mean squared norm."""
-    import html
-
     rows = con.execute(f"""
         SELECT layer, category, rank, dim, mean, max_abs, share FROM massive_activations
         WHERE scheme = 'role' AND rank <= {int(top)} ORDER BY layer, category, rank

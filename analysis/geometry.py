@@ -102,7 +102,7 @@ class Geometry(OneTable, SumStats):
 
     @classmethod
     def charts(cls, con) -> list:
-        import altair as alt
+        import altair as alt  # loads altair: imported when used
 
         df = con.execute("""
             SELECT layer, key_category, sum(k_norm_sum) / sum(n_pairs) AS mean_k_norm,

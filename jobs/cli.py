@@ -12,6 +12,11 @@ import re
 import shlex
 import shutil
 import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 
 from actlake.errors import ActlakeError, AnalysisFailed
@@ -146,7 +151,7 @@ def command_prefix() -> str:
 
 def _show(table) -> None:
     """Print an Arrow table as DuckDB draws one (the jobs' summaries; ``actlake sql`` streams its own)."""
-    import duckdb
+    import duckdb  # loads duckdb: imported when used
 
     duckdb.from_arrow(table).show(max_rows=200, max_width=200)
 
@@ -188,7 +193,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_try_analysis(args) -> int:
-    import yaml
+    import yaml  # loads yaml: imported when used
 
     from actlake.jobs.try_analysis import texts_from, try_analysis  # per command (start-up)
 
@@ -248,8 +253,6 @@ def _cmd_report(args) -> int:
     from actlake.jobs.report import build_comparison, build_report  # per command (start-up)
 
     if args.compare:
-        import warnings
-
         out = args.out or "compare-" + "-vs-".join(Path(r.rstrip("/")).name for r in args.run_dir)
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always")
@@ -306,9 +309,6 @@ def _cmd_sql(args) -> int:
 def _cmd_corpus_index(args) -> int:
     """Plan the job's corpus (records counted, entry points and seekable copies built, cached in
     output.dir) and print per file its records and shards, and the seconds it took."""
-    import time
-    from collections import Counter
-
     from actlake.config import load_config  # per command (start-up)
     from actlake.jobs.plan import make_plan  # per command (start-up)
 
@@ -402,8 +402,6 @@ def error_line(e: BaseException) -> str:
     """One line for any failure: an ActlakeError's own message (also when Ray wraps it in a RayTaskError);
     anything else as its type, message and where it was raised, with the whole traceback written to a
     log file that the line names."""
-    import traceback
-
     cause = e
     while not isinstance(cause, ActlakeError) and getattr(cause, "cause", None) is not None:  # RayTaskError
         cause = cause.cause
@@ -419,10 +417,6 @@ def error_line(e: BaseException) -> str:
 
 def _write_traceback(e: BaseException | str) -> str:
     """A file in $TMPDIR holding ``e``'s traceback (or the text ``e``); its path."""
-    import tempfile
-    import time
-    import traceback
-
     fd, path = tempfile.mkstemp(prefix=f"actlake-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log")
     with os.fdopen(fd, "w") as f:
         f.write(e if isinstance(e, str) else "".join(traceback.format_exception(e)))

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from actlake.batching import Window, document_windows, documents_windows, special_affixes
+from actlake.config import parse_config
 from actlake.corpus.fingerprint import check_stat
 from actlake.corpus.readers import Reject, iter_range
+from actlake.errors import ActlakeError, CorpusError
 from actlake.jobs.plan import Shard
 
 log = logging.getLogger("actlake.read")
@@ -104,9 +110,6 @@ class ReaderProcess:
         self.pool = self._start()
 
     def _start(self):
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
         # spawn, never fork: the worker holds CUDA and threads a forked child would inherit broken
         return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_reader,
                                    initargs=(self.cfg_dict, self.tokenizer, os.getpid()))
@@ -115,8 +118,6 @@ class ReaderProcess:
         """The shard's windows, documents and rejects. A reader process that died (killed for memory) is
         replaced once per call, with a warning, and the shard read again; dying again raises
         BrokenProcessPool, on which the worker exits as one killed while reading (its shards requeued)."""
-        from concurrent.futures.process import BrokenProcessPool
-
         pool = self.pool
         try:
             return pool.submit(_read_in_reader, shard).result()
@@ -136,24 +137,18 @@ _reader: dict = {}
 
 
 def _start_reader(cfg_dict: dict, tokenizer, parent: int) -> None:
-    from actlake.config import parse_config
-
     _reader.update(cfg=parse_config(cfg_dict), tokenizer=tokenizer, lock=threading.Lock())
     threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="actlake-reader-parent").start()
 
 
 def _exit_with(parent: int) -> None:
     """Exit when the worker that started this process is gone (killed workers do not shut their pools down)."""
-    import time
-
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(0)
 
 
 def _read_in_reader(shard: Shard):
-    from actlake.errors import ActlakeError, CorpusError
-
     try:
         return read_shard(shard, _reader["cfg"], _reader["tokenizer"], _reader["lock"])
     except ActlakeError:  # picklable, as every error of the package

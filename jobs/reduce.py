@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from actlake.analysis.by_source import BySource
 from actlake.analysis.registry import failure
 from actlake.errors import ConfigError, StorageError
@@ -54,9 +56,6 @@ def model_dtype(layout: RunLayout, summaries: list[dict]) -> str | None:
 
 def previous_aggregates(layout: RunLayout) -> set:
     """The files the last reduce record names (unique names in an object store, replaced by a new reduce)."""
-    import json
-
-
     try:
         files = json.loads((layout.complete / REDUCE_RECORD).read_text())["files"]
         return {aggregate_path(layout, "reduce record", t, m["path"]) for t, m in files.items()}

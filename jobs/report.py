@@ -9,17 +9,19 @@ from __future__ import annotations
 import html
 import json
 import os
+import shutil
+import uuid
 from pathlib import Path
 
 from actlake.errors import StorageError
 from actlake.fs import ObjectPath, location, write_atomic
-from actlake.storage.layout import RunLayout
+from actlake.storage.layout import RunLayout, sweep_checkpoints
 
 
 def _blocks(con, analyses) -> list:
     """Report blocks ((slug, title, Altair chart) or HTML) of the residual norms and of every analysis
     whose tables exist, in the order of their positions."""
-    import altair as alt
+    import altair as alt  # loads altair: imported when used
 
     alt.data_transformers.disable_max_rows()
     have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
@@ -38,7 +40,7 @@ def _blocks(con, analyses) -> list:
 
 
 def _residual_norms_chart(con):
-    import altair as alt
+    import altair as alt  # loads altair: imported when used
 
     df = con.execute("""
         SELECT layer, avg(norm) AS mean, quantile_cont(norm, 0.1) AS p10, quantile_cont(norm, 0.5) AS median,
@@ -103,7 +105,6 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     included); default the built-in ones. ``actlake report`` never imports code named in a run folder.
     """
     from actlake.analysis.registry import builtin  # loads pyarrow, torch: imported when used
-    from actlake.storage.layout import sweep_checkpoints
 
     if sweep_checkpoints(location(run_dir)) is not None:
         return build_sweep_report(run_dir)
@@ -194,7 +195,7 @@ def headline_frames(con, series: str = "run") -> list:
 
 def comparison_blocks(con, series: str = "run") -> list:
     """(slug, title, chart) per headline statistic (:func:`headline_frames`), a line per ``series`` over the layers."""
-    import altair as alt
+    import altair as alt  # loads altair: imported when used
 
     alt.data_transformers.disable_max_rows()
     blocks = []
@@ -211,7 +212,7 @@ def comparison_blocks(con, series: str = "run") -> list:
 def sweep_blocks(con) -> list:
     """A checkpoint sweep's report: each headline statistic against the training step (the checkpoint's place
     in the sweep where it has no step), a line per layer; then the checkpoints table, copies flagged."""
-    import altair as alt
+    import altair as alt  # loads altair: imported when used
 
     alt.data_transformers.disable_max_rows()
     points = con.execute("SELECT checkpoint, ordinal, step, sha256, same_as FROM checkpoints ORDER BY ordinal").df()
@@ -249,8 +250,8 @@ def source_labels(con) -> list[str]:
 def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
     """Write ``report/report.html`` from ``blocks`` — (slug, title, altair chart) or raw HTML strings —
     and ``report/<slug>.png`` per chart, titled; the page inlines Vega and needs no network."""
-    import altair as alt
-    import vl_convert as vlc
+    import altair as alt  # loads altair: imported when used
+    import vl_convert as vlc  # loads vl_convert: imported when used
 
     files: dict[str, bytes] = {}
     sections, specs = [], {}
@@ -288,9 +289,6 @@ def _replace_report(layout: RunLayout, files: dict[str, bytes]) -> None:
     """Put ``files`` in ``report/`` as a whole: on a disk they are written to a new folder that then takes
     the old one's place, so a failed write (a full disk) keeps the previous report and names the folder;
     in an object store each file is one PUT, the page last."""
-    import shutil
-    import uuid
-
 
     if isinstance(layout.report, ObjectPath):
         for name in sorted(files, key=lambda n: n == "report.html"):

@@ -9,7 +9,9 @@ object store mount), as with any Ray job.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -24,8 +26,6 @@ log = logging.getLogger("actlake.submit")
 
 def stage_package(dest: Path) -> Path:
     """Copy the importable ``actlake`` package (with jobs/analysis/storage) into ``dest/actlake``."""
-    import importlib.util
-
     pkg = dest / "actlake"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     # the package's folder, looked up rather than imported: ``actlake/__init__.py`` is the top layer
@@ -54,8 +54,6 @@ def absolute_config(cfg: JobConfig) -> dict:
 
 def auth_token() -> str | None:
     """Ray's cluster token: RAY_AUTH_TOKEN, the file at RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token."""
-    import os
-
     if os.environ.get("RAY_AUTH_TOKEN"):
         return os.environ["RAY_AUTH_TOKEN"].strip()
     path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
@@ -64,7 +62,7 @@ def auth_token() -> str | None:
 
 def client(address: str):
     """A Jobs API client that sends the cluster token when one is known (Ray token authentication)."""
-    from ray.job_submission import JobSubmissionClient
+    from ray.job_submission import JobSubmissionClient  # loads ray: imported when used
 
     token = auth_token()
     headers = {"Authorization": f"Bearer {token}"} if token else None

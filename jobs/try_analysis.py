@@ -65,7 +65,7 @@ def try_analysis(target: str, texts: list[str], model: str = DEFAULT_MODEL, path
 
 def _views(producers, tables: dict[str, pa.Table]) -> dict[str, pa.Table]:
     """The producers' declared views, over ``tables`` in an in-memory DuckDB."""
-    import duckdb
+    import duckdb  # loads duckdb: imported when used
 
     con = duckdb.connect()
     try:

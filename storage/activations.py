@@ -9,6 +9,9 @@ sampled by a hash of (seed, doc_id, window_index), so the sample does not depend
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 
 from actlake.errors import ConfigError, StorageError
@@ -60,9 +63,6 @@ def verify_store(root) -> dict:
     Returns ``{"fingerprint", "plan_hash", "files"}``: a hash of the plan and of every committed
     activation file's path, rows and bytes, and those files as ``(path, record entry)``. Raises
     StorageError naming the missing or changed shards and files."""
-    import hashlib
-    import json
-
     from actlake.storage.shards import committed  # loads pyarrow: imported when used
 
     layout = RunLayout(location(root))
@@ -91,7 +91,7 @@ def check_store_values(files: list, layers: list[int] | None = None, max_shown: 
     ``layers``: only these layers' rows must be finite (None: all). Returns the rows checked and the
     stored windows as ``{(doc_id, window_index)}``; raises StorageError naming the file, or the
     first rows with NaN/inf (file, row, doc_id/window/position/layer)."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # loads pyarrow: imported when used
 
     from actlake.storage.parquet_io import verify_parquet  # loads pyarrow: imported when used
 

@@ -10,6 +10,7 @@ second driver is not refused (commit records still keep every row exactly once).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -27,7 +28,7 @@ LOCK_FILE = ".lock"
 def run_lock(root):
     """Hold the run directory ``root`` (created if needed) for the ``with`` block; a StorageError naming
     the holder when another job holds it."""
-    import fcntl
+    import fcntl  # POSIX only: imported when used
 
     if isinstance(root, ObjectPath):
         yield
@@ -62,8 +63,6 @@ def _holder(path: Path) -> str:
 
 def holds_run_dir(job):
     """Decorator of a job function ``job(cfg, ...)``: it runs holding ``cfg.run_dir`` (:func:`run_lock`)."""
-    import functools
-
     @functools.wraps(job)
     def locked(cfg, *args, **kwargs):
         with run_lock(cfg.run_dir):

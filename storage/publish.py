@@ -60,7 +60,7 @@ def published(layout: RunLayout) -> dict[str, list[str]] | None:
 
 @contextlib.contextmanager
 def _turn(layout: RunLayout):
-    import fcntl
+    import fcntl  # POSIX only: imported when used
 
     Path(layout.complete).mkdir(parents=True, exist_ok=True)
     fd = os.open(Path(layout.complete) / ".published.lock", os.O_RDWR | os.O_CREAT, 0o644)

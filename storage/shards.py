@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -59,8 +60,6 @@ class ShardFiles:
     def publish(self) -> dict[str, dict]:
         """Move the staged files into their tables (a disk; in an object store they are there); the files' records."""
         if not self.layout.remote:
-            import os
-
             for table, meta in self.files.items():
                 dest = self.layout.shard_file(table, self.shard_id)
                 dest.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ import os
 import re
 import shutil
 import tempfile
+import threading
+import warnings
 import weakref
 from pathlib import Path
 
@@ -61,7 +63,7 @@ def _first_line(e: Exception) -> str:
 
 def _parse(sql: str) -> list:
     """DuckDB's own parse of ``sql`` into statements."""
-    import duckdb
+    import duckdb  # loads duckdb: imported when used
 
     try:
         return duckdb.extract_statements(sql)
@@ -92,7 +94,7 @@ def check_statement(sql: str) -> None:
 
 
 def _file_schema(path):
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # loads pyarrow: imported when used
 
     try:
         fs, key = arrow(path)
@@ -106,7 +108,7 @@ def _fixed_size_casts(files: list[Path]) -> list[str]:
 
     Reads every file's footer, so a committed file that is not Parquet is named before any query.
     """
-    import pyarrow as pa
+    import pyarrow as pa  # loads pyarrow: imported when used
 
     out = {}
     for path in files:
@@ -131,7 +133,7 @@ def _view_sql(files: list[Path]) -> str:
 
 def _connect(private: str, memory_limit: str, threads: int | None, max_temp_size: str):
     """An empty read-only DuckDB database in ``private``, spilling into ``private/spill``."""
-    import duckdb
+    import duckdb  # loads duckdb: imported when used
 
     db = os.path.join(private, "empty.duckdb")
     duckdb.connect(db).close()
@@ -167,7 +169,7 @@ def _check_view(layout: RunLayout, name: str, sql: str) -> None:
 def _without_terminator(sql: str) -> str:
     """One statement without its closing semicolon and what follows it (comments), so that it can stand in a
     subquery; a statement that check_statement passed."""
-    import duckdb
+    import duckdb  # loads duckdb: imported when used
 
     tokens = [(at, kind) for at, kind in duckdb.tokenize(sql) if kind != duckdb.token_type.comment]
     if tokens and sql[tokens[-1][0]] == ";":
@@ -283,7 +285,7 @@ def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_t
     """(connection, cleanup, notes): the locked connection of :func:`open_run` (one run folder) or of
     :func:`open_runs` (a list of them), a callable that closes it and removes its folder, and the lines naming
     the tables and views left out."""
-    import duckdb
+    import duckdb  # loads duckdb: imported when used
 
     side_by_side = isinstance(run_dirs, (list, tuple))  # else one run: a path, a URL or an ObjectPath
     column, sweep = "run", None if side_by_side else sweep_checkpoints(location(run_dirs))
@@ -347,8 +349,6 @@ def open_runs(run_dirs: list, memory_limit: str = "2GB", threads: int | None = N
     """Several runs side by side: :func:`open_run`'s connection, where each table and view holds every run's rows
     under a leading column ``run`` (the run folder's name). A table or view is offered only where every run has
     it with the same columns; a warning names each one left out and why."""
-    import warnings
-
     con, _, notes = _open(list(run_dirs), memory_limit, threads, max_temp_size)
     for note in notes:
         warnings.warn(note, stacklevel=2)
@@ -358,9 +358,7 @@ def open_runs(run_dirs: list, memory_limit: str = "2GB", threads: int | None = N
 def query(run_dir, sql: str, timeout_s: float = 60.0, **kwargs):
     """Run one read-only statement over a run (a list of run folders: side by side, as :func:`open_runs`); returns a
     pyarrow Table."""
-    import threading
-
-    import duckdb
+    import duckdb  # loads duckdb: imported when used
 
     check_statement(sql)
     con, cleanup, _ = _open(run_dir, **kwargs)

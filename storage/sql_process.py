@@ -50,7 +50,7 @@ def run_sql(run_dir: str | list[str], sql: str, fmt: str, output: str | None, ti
     child process and write its rows to standard output (or ``output`` for Parquet) in ``fmt``; the lines naming
     views left out go to standard error. QueryError/StorageError for what failed, the time limit or the memory cap."""
 
-    import psutil
+    import psutil  # loads psutil: imported when used
 
     cap = memory_bytes(memory_limit) + HEADROOM
     job = {"run_dir": [str(r) for r in run_dir] if isinstance(run_dir, list) else str(run_dir), "sql": sql, "fmt": fmt, "output": output, "memory_limit": memory_limit,
@@ -114,7 +114,7 @@ def _raise(code: int, stderr: str, memory_limit: str) -> None:
 
 def _flat(batch):
     """``batch`` with nested columns (list, struct, map) as JSON text, which CSV can hold."""
-    import pyarrow as pa
+    import pyarrow as pa  # loads pyarrow: imported when used
 
     for i, f in enumerate(batch.schema):
         if pa.types.is_nested(f.type):
@@ -127,11 +127,11 @@ def _flat(batch):
 
 def _write(reader, fmt: str, output: str | None) -> None:
     """Stream ``reader``'s batches to standard output (or ``output``) in ``fmt``."""
-    import pyarrow as pa
+    import pyarrow as pa  # loads pyarrow: imported when used
 
     out = sys.stdout.buffer
     if fmt == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # loads pyarrow: imported when used
 
         tmp, rows = f"{output}.part-{os.getpid()}", 0
         try:
@@ -145,7 +145,7 @@ def _write(reader, fmt: str, output: str | None) -> None:
                 os.unlink(tmp)
         out.write(f"wrote {rows} rows to {output}\n".encode())
     elif fmt == "csv":
-        import pyarrow.csv as pacsv
+        import pyarrow.csv as pacsv  # loads pyarrow: imported when used
 
         writer = None
         for batch in reader:
@@ -161,7 +161,7 @@ def _write(reader, fmt: str, output: str | None) -> None:
         for batch in reader:
             out.write("".join(json.dumps(row, default=str) + "\n" for row in batch.to_pylist()).encode())
     else:
-        import duckdb
+        import duckdb  # loads duckdb: imported when used
 
         head, total = [], 0
         for batch in reader:
@@ -178,7 +178,7 @@ def _write(reader, fmt: str, output: str | None) -> None:
 
 def _child(job: dict) -> int:
     try:
-        import duckdb
+        import duckdb  # loads duckdb: imported when used
 
         from actlake.storage.sql import (  # actlake.storage.sql imports this module; loads pyarrow: imported when used
             _first_line,

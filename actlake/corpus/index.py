@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from typing import Iterator
 
 from actlake.corpus.readers import count_records, decoded_chunks, is_url, long_line
@@ -128,7 +130,7 @@ def _write_frames(pieces: Iterator[list[bytes]], dest, points: list[int]) -> Non
     """Write each piece as one zstd frame of ``dest`` (atomically), appending each frame's offset to
     ``points``. On a disk: a temporary file renamed into place. In an object store: one streamed
     upload (the object appears when it completes); if writing fails, the object is deleted."""
-    import zstandard
+    import zstandard  # loads zstandard: imported when used
 
 
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True)
@@ -172,9 +174,6 @@ def load_points(index_file: str) -> dict:
 def index_files(jobs: list[tuple[str, str, int, str, int]], out_dir: str, workers: int) -> list[dict]:
     """:func:`build_index` for each ``(path, fmt, every, content_hash, max_line)``, in a pool of ``workers``
     processes (0: one per CPU core) when there is more than one file and enough bytes to be worth it."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     workers = min(len(jobs), workers or os.cpu_count() or 1)
     size = sum(_size(p) for p, fmt, *_ in jobs if fmt != "parquet")
     if workers <= 1 or size < PARALLEL_MIN_BYTES:

@@ -26,6 +26,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from actlake.errors import ConfigError, CorpusError
+
 MAX_CHARS = 6000
 
 
@@ -66,7 +68,7 @@ def docstrings() -> Iterator[str]:
 
 def pydoc_topics() -> Iterator[str]:
     try:
-        from pydoc_data.topics import topics
+        from pydoc_data.topics import topics  # 0.7 MB of text, absent from some Pythons: imported when used
     except ImportError:
         return
     for key in sorted(topics):
@@ -129,7 +131,7 @@ def machine_documents(n_docs: int) -> list[dict]:
 
 def build_bundle(path: str | os.PathLike = BUNDLE, n_docs: int = BUNDLE_DOCS) -> str:
     """Write this machine's documents as the bundle; returns the sha256 of its jsonl (set BUNDLE_SHA256 to it)."""
-    import zstandard
+    import zstandard  # loads zstandard: imported when used
 
     data = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in machine_documents(n_docs)).encode("utf-8")
     Path(path).write_bytes(zstandard.ZstdCompressor(level=19).compress(data))
@@ -138,16 +140,12 @@ def build_bundle(path: str | os.PathLike = BUNDLE, n_docs: int = BUNDLE_DOCS) ->
 
 def sample_documents(n_docs: int) -> list[dict]:
     """The first ``n_docs`` shipped documents (at most :data:`BUNDLE_DOCS`)."""
-    import zstandard
-
-    from actlake.errors import ConfigError
+    import zstandard  # loads zstandard: imported when used
 
     if not 1 <= n_docs <= BUNDLE_DOCS:
         raise ConfigError(f"--docs: the sample corpus has 1 to {BUNDLE_DOCS:,} documents, not {n_docs:,}")
     data = zstandard.ZstdDecompressor().decompress(BUNDLE.read_bytes(), max_output_size=64 << 20)
     if hashlib.sha256(data).hexdigest() != BUNDLE_SHA256:
-        from actlake.errors import CorpusError
-
         raise CorpusError(f"{BUNDLE}: its contents differ from the shipped sample corpus (sha256); reinstall actlake")
     return [json.loads(line) for line in data.decode("utf-8").splitlines()[:n_docs]]
 
@@ -159,7 +157,7 @@ def _files(n_files: int) -> list[str]:
 def write_sample(out_dir: str | os.PathLike, n_docs: int = 400, n_files: int = 2) -> list[Path]:
     """Write ``n_files`` Pile-format shards as ``.jsonl`` and ``.jsonl.zst`` (documents dealt round-robin), then
     ``SAMPLE.json``; return the written corpus files."""
-    import zstandard
+    import zstandard  # loads zstandard: imported when used
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -187,8 +185,6 @@ def check_sample(out_dir: str | os.PathLike, n_docs: int = 400, n_files: int = 2
     """True when ``out_dir`` holds exactly the sample these arguments write (its files' sha256 as recorded);
     False when it holds none or another sample actlake wrote (write it again). A folder with files that are
     not a sample's is a ConfigError naming it: nothing of it is overwritten."""
-    from actlake.errors import ConfigError
-
     out = Path(out_dir)
     if not out.is_dir():
         return False

@@ -248,8 +248,8 @@ def flash_products(lq, names) -> dict:
             o = flash(q.half(), k16, onehot[:, None].expand(B, H, T, dh), 0.0, True, False, scale=scale)[0]
             out["mass_keynorm"] = o[..., :C].float() * valid
     if kernels:  # the weights again, tile by tile, from the log-sum-exp of a forward call above
-        from actlake.analysis.engine.kernels import (
-            layer_products,  # imports triton, installed only where kernels run; kernels imports this module
+        from actlake.analysis.engine.kernels import (  # kernels imports this module: imported when used
+            layer_products,  # imports triton, installed only where kernels run
         )
 
         out.update(layer_products(lq, kernels, lse))

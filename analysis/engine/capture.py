@@ -43,7 +43,7 @@ class Recorder(Protocol):
 def _base_kernel(name: str, module) -> Callable:
     if name == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # loads transformers: imported when used
 
     return ALL_ATTENTION_FUNCTIONS[name]
 
@@ -72,8 +72,11 @@ def _make_wrapper(base: str) -> Callable:
 
 def register() -> None:
     """Register the wrapping attention implementations (idempotent)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
+    from transformers.masking_utils import (  # loads transformers: imported when used
+        ALL_MASK_ATTENTION_FUNCTIONS,
+        AttentionMaskInterface,
+    )
+    from transformers.modeling_utils import AttentionInterface  # loads transformers: imported when used
 
     for base in ("sdpa", "eager"):
         name = PREFIX + base

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from actlake.analysis.engine.attention_weights import diagonal_sums_from, explicit_products
+from actlake.analysis.engine.attention_weights import diagonal_sums_from, explicit_products, key_norm_scale
 from actlake.errors import AnalysisError
 
 LOG2E = 1.4426950408889634
@@ -326,8 +326,6 @@ def padded_products(lq, names) -> dict:
     the masses by key category first, whose pass gives the rows' log-sum-exp, then the weighted query sums and
     the distance profile rebuilt tile by tile from it. No T x T matrix and no float32 copy of q and k. The
     first call on each device in a process is checked against explicit weights (:func:`_checked_once`)."""
-    from actlake.analysis.engine.attention_weights import key_norm_scale
-
     q, k, _ = lq.native
     validf, cats, scale = lq.batch.validf, lq.key_onehot, float(lq.scaling)
     out, lse = {}, None

@@ -23,6 +23,7 @@ import threading
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from actlake.analysis.engine.device import accumulate
 from actlake.errors import AnalysisError
@@ -127,7 +128,7 @@ class LayerReplay:
         return run
 
     def _fx(self, body) -> Callable:
-        from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.fx.experimental.proxy_tensor import make_fx  # torch.fx tracing (CPU only): imported when used
 
         names = [k for k, v in self.static.items() if v is not None]
         values = [self.static[k] for k in names]
@@ -190,8 +191,6 @@ class _NoHostTraffic:
     REFUSED = ("aten._local_scalar_dense", "aten.lift_fresh", "aten.lift_fresh_copy")
 
     def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         refused = self.REFUSED
 
         class Mode(TorchDispatchMode):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 from actlake.config import CorpusConfig, resolve_corpus_files
@@ -70,9 +71,6 @@ class LMConfig(TrainJob.with_defaults(name="lm")):
                 "small LM on a corpus has use for far fewer)")
 
     def check_files(self) -> None:
-        from pathlib import Path
-
-
         resolve_corpus_files(self)
         if self.tokenizer.path is not None and not Path(self.tokenizer.path).is_dir():
             raise ConfigError(f"{self.source_file}: 'tokenizer.path': no tokenizer folder at {self.tokenizer.path}")

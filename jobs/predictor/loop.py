@@ -49,7 +49,7 @@ class PredictorLoop(TrainLoop):
     """One layer's trial: ``config`` has job (PredictorJobConfig as dict), layer and model_heads."""
 
     def __init__(self, config: dict):
-        import torch
+        import torch  # loads torch: imported when used
 
         from actlake.jobs.predictor.model import fit_standardisation  # loads torch: imported when used
         from actlake.storage.sql import open_run  # loads pyarrow: imported when used
@@ -78,7 +78,7 @@ class PredictorLoop(TrainLoop):
         self.trainer = PredictorTrainer(cfg, *self.standardisation, seed=self.job.predictor.seed, device=self.device)
 
     def resume(self, folder: Path) -> int:
-        import torch
+        import torch  # loads torch: imported when used
 
         self.start()
         state = torch.load(folder / STATE_FILE, weights_only=False)
@@ -103,7 +103,7 @@ class PredictorLoop(TrainLoop):
         return f"eval MSE {row['mse']:.4g}, R2 {row['r2']:.3f}"
 
     def save(self, folder: Path, done: int) -> None:
-        import torch
+        import torch  # loads torch: imported when used
 
         torch.save({"trainer": self.trainer.state_dict(), "curve": self.curve, "resumes": self.resumes}, folder / STATE_FILE)
 
@@ -122,7 +122,7 @@ def train_loop(config: dict) -> None:
 def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarray, run_dir: Path,
                  resumes: list[int], res) -> None:
     """Final evaluation tables (from ``res``, the evaluation at the last step) and probes of one layer."""
-    import pyarrow as pa
+    import pyarrow as pa  # loads pyarrow: imported when used
 
     from actlake.storage.parquet_io import write_parquet_atomic  # loads pyarrow: imported when used
 
@@ -157,7 +157,7 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
 
 
 def _token_table(meta, ev, norms, surprisal):
-    import pyarrow as pa
+    import pyarrow as pa  # loads pyarrow: imported when used
 
     rows, cols = np.nonzero(np.isfinite(norms))
     return pa.table({
@@ -171,7 +171,7 @@ def _token_table(meta, ev, norms, surprisal):
 
 def last_position_features(trainer, h, valid) -> dict[str, np.ndarray]:
     """h, ĥ, r and [ĥ, r] at the last real position of every window: name -> (N, F)."""
-    import torch
+    import torch  # loads torch: imported when used
 
     pred = trainer.predict(torch.from_numpy(h), torch.from_numpy(valid))  # (N, T-1, d): ĥ of positions 1..T-1
     last = valid.sum(1) - 1  # (N,) index of the last real token (>= 1 for windows of 2+ tokens)

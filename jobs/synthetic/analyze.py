@@ -32,7 +32,7 @@ TABLES = ("factored_dimension", "factored_fit", "factor_overlap", "belief_scatte
 
 def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
     """Pooled final-residual activations (N*(L-1), D) and their positions (1 .. L-1)."""
-    import torch
+    import torch  # loads torch: imported when used
 
     from actlake.jobs.synthetic.models import final_residual, with_bos  # loads torch: imported when used
 
@@ -86,8 +86,8 @@ def token_rows(data: dict) -> list[dict]:
 
 def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -> dict:
     """Measure every kept checkpoint of one trial and the random-init band; write its tables."""
-    import pyarrow as pa
-    import torch
+    import pyarrow as pa  # loads pyarrow: imported when used
+    import torch  # loads torch: imported when used
 
     from actlake.jobs.synthetic import factored as F  # loads pyarrow, scipy, sklearn: imported when used
     from actlake.jobs.synthetic.models import build_model, load_model  # loads torch: imported when used
@@ -147,7 +147,7 @@ def _scatter_rows(step: int, beliefs: list[np.ndarray], preds: list[np.ndarray],
 def analyze_run(cfg, run_dir: Path, cpus: float = 1) -> list[dict]:
     """One Ray task per trial; returns each trial's reference dimensions. Every checkpoint the tasks read is
     checked first, here: present, whole (its manifest) and this run's (its identity)."""
-    import ray
+    import ray  # loads ray: imported when used
 
 
     steps = log_spaced_steps(cfg.training.steps, cfg.training.n_checkpoints)

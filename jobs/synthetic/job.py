@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +46,6 @@ def _prepare(cfg: SyntheticConfig, layout: RunLayout) -> None:
 def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool = True,
                   analyze: bool | None = None, report: bool | None = None) -> SyntheticResult:
     """Train every trial (resuming), then analyse the checkpoints and render the report."""
-    import shutil
-
-
     t0 = time.perf_counter()
     layout = RunLayout(cfg.run_dir)
     _prepare(cfg, layout)
@@ -70,7 +68,7 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
             analyze_run(cfg, layout.root, cpus=r.cpus_per_worker)
     finally:
         if started:
-            import ray
+            import ray  # loads ray: imported when used
 
             ray.shutdown()
     report_path = None

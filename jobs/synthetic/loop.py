@@ -84,7 +84,7 @@ class SyntheticLoop(ModelLoop):
                 self.checkpoint(0)
 
     def train_step(self, step: int) -> float:
-        import torch
+        import torch  # loads torch: imported when used
 
         from actlake.jobs.synthetic.models import logits, with_bos  # loads torch: imported when used
 
@@ -99,7 +99,7 @@ class SyntheticLoop(ModelLoop):
         return loss.item()
 
     def _eval_loss(self) -> float:
-        import torch
+        import torch  # loads torch: imported when used
 
         from actlake.jobs.synthetic.models import logits, with_bos  # loads torch: imported when used
 
@@ -130,7 +130,7 @@ def train_loop(config: dict) -> None:
 
 
 def _write_curve(run_dir: Path, trial: str, curve: list[dict]) -> None:
-    import pyarrow as pa
+    import pyarrow as pa  # loads pyarrow: imported when used
 
 
     table = pa.Table.from_pylist(curve, schema=pa.schema([("step", pa.int64()), ("train_loss", pa.float64()),
