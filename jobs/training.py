@@ -55,11 +55,18 @@ class Resources:
     use_gpu: bool = False
     """One GPU per worker."""
 
+HEALTH_CHECK, HEALTH_CHECK_SECONDS = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
+"""How often Ray Train's controller polls its workers, unless set: it learns that the loop returned at the next
+poll, and Ray's default (2 s) cost every trial 4-5 s after its loop had finished (a trial whose loop returns at
+once: 12.0-12.4 s from submission to result with the default, 7.7-7.8 s polling every 0.2 s; 2026-11-26)."""
+
+
 def _fit(trial: Trial, run_dir: str, resources: Resources) -> dict:
-    import ray.train
-    from ray.train.torch import TorchTrainer
+    import ray.train  # loads ray: imported when used
+    from ray.train.torch import TorchTrainer  # loads ray, torch: imported when used
 
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # workers keep the job's working directory (relative paths)
+    os.environ.setdefault(HEALTH_CHECK, HEALTH_CHECK_SECONDS)  # read by the controller fit() starts
     cfg = dict(trial.config, trial=trial.name, run_dir=run_dir, cpus_per_worker=resources.cpus_per_worker)
     trainer_name = f"{trial.name}-{uuid.uuid4().hex[:6]}"
     trainer = TorchTrainer(
@@ -83,7 +90,7 @@ def _fit(trial: Trial, run_dir: str, resources: Resources) -> dict:
 
 def run_trials(trials: list[Trial], run_dir: Path, resources: Resources) -> dict[str, dict]:
     """Run every trial (in parallel as far as the cluster's CPUs/GPUs allow); last metrics per trial."""
-    import ray
+    import ray  # loads ray: imported when used
 
     names = [t.name for t in trials]
     if len(set(names)) != len(names):
@@ -138,7 +145,7 @@ def check_fits(resources: Resources, nodes: list[dict]) -> None:
 def concurrent_trials(resources: Resources) -> int:
     """Trials whose worker groups fit in the cluster at once (at least 1), so none waits for resources
     until Ray Train's start-up timeout."""
-    import ray
+    import ray  # loads ray: imported when used
 
     total = ray.cluster_resources()
     fit = int(total.get("CPU", 1) // max(resources.cpus_per_worker * resources.num_workers, 1e-9))
@@ -149,8 +156,8 @@ def concurrent_trials(resources: Resources) -> int:
 
 def worker_setup(config: dict):
     """In a training loop: threads, the worker's rank and device. Returns (rank, world_size, device)."""
-    import ray.train
-    import torch
+    import ray.train  # loads ray: imported when used
+    import torch  # loads torch: imported when used
 
     torch.set_num_threads(max(1, int(config.get("cpus_per_worker", 1))))
     ctx = ray.train.get_context()
