@@ -49,12 +49,16 @@ TICK_S = 2.0
 
 class Dispatcher:
     def __init__(self, workers: list, max_retries: int, on_done=lambda summary: None, slots: int = 1,
-                 committed=lambda: {}, on_ran=lambda summary: None, on_tick=lambda: None, tick_s: float | None = None):
+                 committed=lambda: {}, on_ran=lambda summary: None, on_tick=lambda: None, tick_s: float | None = None,
+                 target=None):
         """``slots``: shards each worker holds at once (2: it reads one while the model runs the other).
         ``committed()``: {shard id: summary} of the shards the store's records hold now (asked when a
         worker dies: it may have committed its group and died before saying so). ``on_done(summary)``:
         a shard is committed; ``on_ran(summary)``: a shard's work is done (its group may commit later);
-        ``on_tick()``: called every ``tick_s`` seconds while shards run (progress)."""
+        ``on_tick()``: called every ``tick_s`` seconds while shards run (progress). ``target``: sent with every
+        call (:class:`~actlake.jobs.worker.Target`: the job a worker kept from another job, or restarted, takes on)."""
+        self.extra = () if target is None else (target,)
+        self.deaths = 0  # workers that died during the run
         self.on_ran, self.on_tick, self.tick_s = on_ran, on_tick, TICK_S if tick_s is None else tick_s
         self.workers = list(workers)
         self.max_retries = max_retries
@@ -77,12 +81,12 @@ class Dispatcher:
         while True:
             while self.idle and self.queue:
                 w, s = self.idle.popleft(), self.queue.popleft()
-                self.in_flight[w.process.remote(asdict(s), not self.queue)] = ("shard", w, s)
+                self.in_flight[w.process.remote(asdict(s), not self.queue, *self.extra)] = ("shard", w, s)
             if not self.queue:  # nothing left to hand out: idle workers commit what they hold
                 busy = {_key(x) for kind, x, _ in self.in_flight.values() if kind == "shard"}
                 for w in {_key(w): w for w in self.idle if self.open.get(_key(w)) and _key(w) not in busy}.values():
                     self.idle.remove(w)
-                    self.in_flight[w.flush.remote()] = ("flush", w, None)
+                    self.in_flight[w.flush.remote(*self.extra)] = ("flush", w, None)
             if not self.queue and not any(kind != "ping" for kind, _, _ in self.in_flight.values()):
                 break  # all committed (a worker still restarting is not waited for)
             if self.alive == 0 or not self.in_flight:
@@ -141,6 +145,7 @@ class Dispatcher:
     def _worker_died(self, w, s) -> None:
         """The worker died (under shard ``s``, or committing): requeue ``s`` and the shards of its open group,
         which died with it; ping the worker until it is back."""
+        self.deaths += 1
         self._requeue(([s] if s is not None else []) + self.open.pop(_key(w), []), "its worker died")
         self._ping(w)
 

@@ -15,6 +15,7 @@ from actlake.corpus.readers import HF_STREAM
 from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
 from actlake.fs import ObjectPath, location, remove_tree
 from actlake.jobs.dispatch import Dispatcher
+from actlake.jobs.kept_workers import keep, kept_key, take_kept
 from actlake.jobs.plan import plan_hash, plan_with_inputs, planned_labels
 from actlake.jobs.progress import Progress, counter_actor
 from actlake.jobs.ray_env import init_ray, release_ray, store_env
@@ -296,20 +297,24 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
     one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
     import ray
 
-    from actlake.jobs.worker import ShardWorker  # loads ray: imported when used
+    from actlake.jobs.worker import ShardWorker, Target  # loads ray: imported when used
 
     started = init_ray(address)
     try:
         n, cpus, gpus, threads = _worker_shape(cfg)
-        code = ray.put(custom_code(cfg))
+        files = custom_code(cfg)
+        code = ray.put(files) if files else {}  # a kept worker outlives this job's references: no code, none
         n = min(n, len(pending))
         retries = cfg.resources.max_retries
         env = store_env(local=not (address or os.environ.get("RAY_ADDRESS")))
         counter = counter_actor()
-        workers = [ShardWorker.options(**worker_options(cfg, cpus, gpus)).remote(cfg.to_dict(), str(layout.root), phash,
-                                                                               threads, code, env, counter,
-                                                                               read_in_process(cfg, gpus))
-                   for _ in range(n)]
+        target = Target(cfg.to_dict(), str(layout.root), phash, counter, read_in_process(cfg, gpus))
+        options = worker_options(cfg, cpus, gpus)
+        key = kept_key(cfg, options, threads, env)
+        workers = take_kept(key, n)
+        workers += [ShardWorker.options(**options).remote(target.cfg_dict, target.run_dir, phash, threads, code, env,
+                                                          counter, target.read_in_process)
+                    for _ in range(n - len(workers))]
         log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus, gpus,
                  f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb else "unreserved")
         streamed = any(s.fmt == HF_STREAM for s in pending)  # its shards' record counts are unknown
@@ -323,16 +328,19 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         def stored() -> dict:
             return {sid: dict(e["summary"], shard_id=sid) for sid, e in committed(layout, phash).shards.items()}
 
+        dispatcher = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored, on_ran=progress.shard_ran,
+                                on_tick=lambda: progress.tick(ray.get(counter.totals.remote())), target=target)
+        kept = []
         try:
-            summaries, failures = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored,
-                                             on_ran=progress.shard_ran,
-                                             on_tick=lambda: progress.tick(ray.get(counter.totals.remote()))).run(pending)
+            summaries, failures = dispatcher.run(pending)
             progress.tick(ray.get(counter.totals.remote()))
             if cfg.model.offload_folder:
                 _close_workers(workers)
-        finally:  # also when the driver fails: no actor outlives the job
+            if not failures and not dispatcher.deaths:  # a restarted worker has used some of its restarts
+                kept = keep(key, workers)
+        finally:  # also when the driver fails: no actor outlives the job (or the sweep that keeps it)
             progress.close()
-            for w in workers + [counter]:
+            for w in [w for w in workers if w not in kept] + [counter]:
                 ray.kill(w)
         if failures:
             check_inputs_after_failure(layout, inputs or {}, len(failures))

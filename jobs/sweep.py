@@ -80,13 +80,14 @@ def _hub_digests(repo: str, revision: str | None, label: str) -> list[tuple[str,
 def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None):
     """Run every checkpoint's job in order (each resumes what it finished before), then write the sweep's
     record and report; returns a :class:`~actlake.jobs.run.RunResult` over all of them."""
+    from actlake.jobs.kept_workers import keeping_workers
     from actlake.jobs.ray_env import holding_ray
     from actlake.jobs.run import RunResult, run_job
 
     t0 = time.perf_counter()
     rows, results = [], []
     before = {r["checkpoint"]: r.get("files") for r in sweep_checkpoints(cfg.run_dir) or []}  # a rerun's
-    with holding_ray():  # one Ray for every checkpoint (started by the first with shards to run)
+    with holding_ray(), keeping_workers():  # one Ray for every checkpoint, and its workers serve the next checkpoint
         for i, c in enumerate(cfg.model.checkpoints):
             digest, files = weights_digest(cfg, c, before.get(c.name))
             same_as = next((r["checkpoint"] for r in rows if r["sha256"] == digest), None)

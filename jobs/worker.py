@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
 import ray
 
@@ -79,6 +80,22 @@ def install_code(files: dict, origins: list[str] = ()) -> dict[str, str]:
 log = logging.getLogger("actlake.worker")
 
 
+@dataclass(frozen=True)
+class Target:
+    """The job a worker serves: sent with every call, so that a worker kept for the next job (a sweep's next
+    checkpoint) or restarted by Ray with the arguments it was first made with takes on the job it is called for."""
+
+    cfg_dict: dict
+    run_dir: str
+    plan_hash: str
+    counter: object = None
+    read_in_process: bool = False
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.run_dir, self.plan_hash
+
+
 @ray.remote
 class ShardWorker:
     """Runs the shards the dispatcher hands it and commits them a group at a time
@@ -94,36 +111,63 @@ class ShardWorker:
         :class:`~actlake.jobs.progress.BatchCounter` actor, told of every finished batch. ``read_in_process``:
         shards are read by a :class:`~actlake.jobs.read.ReaderProcess` (``resources.read_in_process``)."""
         os.environ.update(store_env or {})
-        import torch
-
-        from actlake.jobs.extract import Extractor  # loads pyarrow, torch: imported when used
-        from actlake.model import load_model  # loads torch: imported when used
-        from actlake.storage.shards import CommitPolicy, Group  # loads pyarrow: imported when used
+        import torch  # loads torch: imported when used
 
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         keep_freed_heap()
-        self.cfg = parse_config(cfg_dict)
-        self.shipped = install_code(code or {}, [str(c.path) for c in self.cfg.analyses.custom if c.path])
-        self.layout = RunLayout(location(run_dir))
-        self.group = Group(self.layout, plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
+        self.shipped = install_code(code or {}, [str(c.path) for c in parse_config(cfg_dict).analyses.custom if c.path])
+        self.compute = threading.Lock()  # the model runs one shard at a time, also when two are in hand
+        self.aiming = threading.Lock()  # one retarget at a time (two shards may arrive at once)
+        self.pid = os.getpid()
+        self.extractor = None
+        self._aim(Target(cfg_dict, run_dir, plan_hash, counter, read_in_process))
+
+    def _aim(self, target: "Target") -> None:
+        """Take on ``target``'s job: its config, run directory, plan and progress counter, and its model, loaded
+        after the previous job's is freed (a sweep's next checkpoint reuses this process, not the weights)."""
+        from actlake.jobs.extract import Extractor  # loads pyarrow, torch: imported when used
+        from actlake.model import load_model  # loads torch: imported when used
+        from actlake.storage.shards import CommitPolicy, Group  # loads pyarrow: imported when used
+
+        if self.extractor is not None:
+            self.close()
+            self.extractor = None
+            release_free_memory()
+            import torch  # loads torch: imported when used
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self.target = target.key
+        self.cfg = parse_config(target.cfg_dict)
+        self.layout = RunLayout(location(target.run_dir))
+        self.group = Group(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
-        if read_in_process:
+        if target.read_in_process:
             from actlake.jobs.read import ReaderProcess  # loads torch (batching): imported when used
 
-            self.extractor.reader = ReaderProcess(cfg_dict, self.extractor.lm.tokenizer)
-        self.compute = threading.Lock()  # the model runs one shard at a time, also when two are in hand
-        self.pid = os.getpid()
-        self.counter = counter
+            self.extractor.reader = ReaderProcess(target.cfg_dict, self.extractor.lm.tokenizer)
+        self.counter = target.counter
 
-    def process(self, shard_dict: dict, last: bool = False) -> dict:
-        """Run one shard; ``committed``: the shard ids this call committed (its group's, when due or ``last``).
-        An exception raised by an analysis's code is an AnalysisFailed naming it, file, line and method, its
-        traceback logged here (the job's log)."""
+    def _on(self, target: "Target | None") -> None:
+        """Before a call of a job's dispatcher: take on its job if this worker holds another (it served the job
+        before, in a sweep, or Ray restarted it with the arguments it was first made with)."""
+        if target is None:
+            return
+        with self.aiming:
+            if target.key != self.target:
+                log.info("worker %d: now on run %s", self.pid, target.run_dir)
+                self._aim(target)
+
+    def process(self, shard_dict: dict, last: bool = False, target: "Target | None" = None) -> dict:
+        """Run one shard of ``target``'s job; ``committed``: the shard ids this call committed (its group's, when
+        due or ``last``). An exception raised by an analysis's code is an AnalysisFailed naming it, file, line and
+        method, its traceback logged here (the job's log)."""
         from concurrent.futures.process import BrokenProcessPool
 
-        import psutil
+        import psutil  # loads psutil: imported when used
 
+        self._on(target)
         shard = Shard(**shard_dict)
         on_batch = None if self.counter is None else (lambda docs, tokens: self.counter.add.remote(docs, tokens))
         with self._analyses_named():
@@ -140,8 +184,9 @@ class ShardWorker:
         return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed,
                     node_id=ray.get_runtime_context().get_node_id())
 
-    def flush(self) -> list[int]:
+    def flush(self, target: "Target | None" = None) -> list[int]:
         """Commit the open group now; the shard ids committed."""
+        self._on(target)
         with self._analyses_named():
             return self.group.commit()
 

@@ -61,17 +61,7 @@ def test_a_sweep_flags_the_copy_and_each_checkpoint_equals_a_run_on_it(series, s
     assert rows[0][3] == rows[2][3] != rows[1][3]
     for label in ("step-10", "step-20"):  # each checkpoint's rows are a single-model run's
         alone = run_job(job_config(series[label], sample_corpus, tmp_path / f"alone-{label}", **over))
-        own = open_run(alone.run_dir)
-        for table in STATISTICS + ("tokens", "outliers"):
-            mine = con.execute(f"SELECT * EXCLUDE (checkpoint) FROM {table} WHERE checkpoint = '{label}' ORDER BY ALL").df()
-            theirs = own.execute(f"SELECT * FROM {table} ORDER BY ALL").df()
-            assert list(mine.columns) == list(theirs.columns) and len(mine) == len(theirs) > 0, table
-            for col in mine.columns:
-                if mine[col].dtype.kind == "f":
-                    np.testing.assert_allclose(mine[col], theirs[col], rtol=1e-12, atol=1e-12, err_msg=f"{table}.{col}")
-                else:
-                    assert mine[col].tolist() == theirs[col].tolist(), f"{table}.{col}"
-        own.close()
+        _assert_checkpoint_is_run(con, label, alone.run_dir)
     copies = con.execute("SELECT count(*) FROM (SELECT * EXCLUDE (checkpoint) FROM attention_mass WHERE checkpoint = "
                          "'step-0' EXCEPT SELECT * EXCLUDE (checkpoint) FROM attention_mass WHERE checkpoint = 'step-20')"
                          ).fetchall()[0][0]
@@ -89,3 +79,43 @@ def test_a_sweep_flags_the_copy_and_each_checkpoint_equals_a_run_on_it(series, s
     assert steps == {0, 10}, shown.stdout  # the copy (step 20, same_as step-0) is left out, as the query says
     assert main(["run", str(path), "--run-id", "sweep", "--no-report"]) == 0  # a rerun: every checkpoint resumes
     assert "(0 of 6 shards ran)" in capsys.readouterr().out
+
+
+def _assert_checkpoint_is_run(con, label: str, run_dir) -> None:
+    """The sweep's rows of checkpoint ``label`` (``con``: the sweep opened) equal the run's in ``run_dir``."""
+    own = open_run(run_dir)
+    for table in STATISTICS + ("tokens", "outliers"):
+        mine = con.execute(f"SELECT * EXCLUDE (checkpoint) FROM {table} WHERE checkpoint = '{label}' ORDER BY ALL").df()
+        theirs = own.execute(f"SELECT * FROM {table} ORDER BY ALL").df()
+        assert list(mine.columns) == list(theirs.columns) and len(mine) == len(theirs) > 0, table
+        for col in mine.columns:
+            if mine[col].dtype.kind == "f":
+                np.testing.assert_allclose(mine[col], theirs[col], rtol=1e-12, atol=1e-12, err_msg=f"{table}.{col}")
+            else:
+                assert mine[col].tolist() == theirs[col].tolist(), f"{table}.{col}"
+    own.close()
+
+
+def test_a_sweep_keeps_its_workers_and_a_restarted_one_serves_the_checkpoint_it_is_called_for(series, sample_corpus,
+                                                                                              tmp_path, ray_local):
+    """The first checkpoint's worker process serves the second; killed there after a shard, Ray restarts it with
+    the arguments it was made with (the first checkpoint's), and the shards it runs then are still the second's:
+    that checkpoint's rows equal a run on it alone."""
+    import os
+    import signal
+
+    over = {"corpus.max_docs": 12, "sharding.docs_per_shard": 4, "sharding.commit_seconds": 0.001,
+            "resources.max_retries": 2}
+    points = [{"path": str(series[label]), "step": int(label.split("-")[1])} for label in ("step-0", "step-10")]
+    cfg = job_config(series["step-0"], sample_corpus, tmp_path / "runs", **over, **{"model.checkpoints": points})
+    pids = []
+
+    def kill_after_the_second_checkpoint_s_first_shard(summary):
+        pids.append(summary["pid"])
+        if len(pids) == 4:  # 3 shards per checkpoint
+            os.kill(summary["pid"], signal.SIGKILL)
+
+    run_job(cfg, on_shard=kill_after_the_second_checkpoint_s_first_shard)
+    assert len(set(pids[:4])) == 1 and pids[-1] != pids[0], pids  # one process for both; then its restart
+    alone = run_job(job_config(series["step-10"], sample_corpus, tmp_path / "alone", **over))
+    _assert_checkpoint_is_run(open_run(cfg.run_dir), "step-10", alone.run_dir)
