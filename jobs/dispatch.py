@@ -27,7 +27,7 @@ log = logging.getLogger("actlake.dispatch")
 
 
 def _is_worker_death(exc: Exception) -> bool:
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayActorError  # loads ray: imported when used
 
     return isinstance(exc, RayActorError)
 
@@ -38,7 +38,7 @@ def _key(worker) -> str:
 
 def _is_temporary(exc: Exception) -> bool:
     """The actor is restarting (it will answer again), as opposed to dead for good."""
-    from ray.exceptions import ActorUnavailableError
+    from ray.exceptions import ActorUnavailableError  # loads ray: imported when used
 
     return isinstance(exc, ActorUnavailableError)
 
@@ -68,7 +68,7 @@ class Dispatcher:
 
     def run(self, shards: list) -> tuple[list[dict], list[str]]:
         """Run and commit every shard; return (summaries, failure messages)."""
-        import ray
+        import ray  # loads ray: imported when used
 
         self.idle, self.queue = deque(w for w in self.workers for _ in range(self.slots)), deque(shards)
         self.attempts: Counter = Counter()

@@ -36,8 +36,8 @@ class BatchCounter:
 def counter_actor():
     """A :class:`BatchCounter` actor that takes no CPU of the workers' and lives on the driver's node: the driver
     reads it every tick, so a worker node lost mid-job must not take it along (the job would end with it)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    import ray  # loads ray: imported when used
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # loads ray: imported when used
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return ray.remote(num_cpus=0)(BatchCounter).options(scheduling_strategy=here).remote()
@@ -48,7 +48,7 @@ class Progress:
     ``shards``: shards to run; ``skipped``: shards committed by an earlier run."""
 
     def __init__(self, total_docs: int | None, shards: int, skipped: int = 0, stream=None):
-        from tqdm import tqdm
+        from tqdm import tqdm  # loads tqdm: imported when used
 
         self.shards, self.skipped, self.ran, self.start = shards, skipped, 0, time.monotonic()
         self.docs = self.tokens = 0

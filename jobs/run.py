@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,7 +46,7 @@ def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
     """(workers, cpus each, gpus each, torch threads) from the config and the cluster. A worker that no
     node could hold (more GPUs or memory than any node has) is an error naming the key, not a job that
     waits for ever."""
-    import ray
+    import ray  # loads ray: imported when used
 
     r = cfg.resources
     res = ray.cluster_resources()
@@ -102,10 +105,6 @@ def worker_options(cfg: JobConfig, cpus: float, gpus: float) -> dict:
 def ensure_output_dir(path) -> None:
     """Create ``output.dir`` if needed; a one-line StorageError naming it when it is not a writable folder
     (in an object store: when a probe object cannot be written and removed)."""
-    import tempfile
-    import uuid
-
-
     if isinstance(path, ObjectPath):
         probe = path / f".actlake-write-test-{uuid.uuid4().hex[:8]}"
         try:
@@ -164,7 +163,7 @@ def check_inputs_after_failure(layout: RunLayout, inputs: dict, n_failed: int) -
 
 def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
     """Print the store's size per token and an upper bound for the documents about to run."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # loads transformers: imported when used
 
     from actlake.analysis.activation_sample import bytes_per_token, resolve_layers  # loads torch: imported when used
 
@@ -182,8 +181,6 @@ def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
 
 def import_custom_analyses(cfg: JobConfig) -> None:
     """Let the driver import the modules of ``analyses.custom[].path`` (as the workers can, through Ray)."""
-    import sys
-
     for c in cfg.analyses.custom:
         if c.path:
             parent = str(Path(c.path).parent)
@@ -223,7 +220,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     ``on_shard(summary)`` is called in the driver after each shard commits (summary includes the
     worker's resident memory after the shard, ``worker_rss_mb``)."""
     if cfg.model.checkpoints:  # a sweep: this job once per checkpoint
-        from actlake.jobs.sweep import run_sweep
+        from actlake.jobs.sweep import run_sweep  # actlake.jobs.sweep imports this module: imported when used
 
         return run_sweep(cfg, address, report, on_shard)
     from actlake.analysis.registry import check_table_names, enabled  # loads torch: imported when used
@@ -283,7 +280,7 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
 
 def _close_workers(workers) -> None:
     """Let each live worker remove its offload folder before it is killed (a dead one's stays behind)."""
-    import ray
+    import ray  # loads ray: imported when used
 
     for w in workers:
         try:
@@ -295,7 +292,7 @@ def _close_workers(workers) -> None:
 def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs=None) -> list[dict]:
     """Run ``pending`` shards on fresh actors; return their summaries. Raises if any shard failed:
     one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
-    import ray
+    import ray  # loads ray: imported when used
 
     from actlake.jobs.worker import ShardWorker, Target  # loads ray: imported when used
 

@@ -22,6 +22,9 @@ from actlake.config import JobConfig, resolve_model_path
 from actlake.config_base import looks_local
 from actlake.errors import ModelLoadError
 from actlake.hashing import file_sha256
+from actlake.jobs.kept_workers import keeping_workers
+from actlake.jobs.ray_env import holding_ray
+from actlake.jobs.report import build_report
 from actlake.storage.layout import CHECKPOINTS_DIR, SWEEP_RECORD, sweep_checkpoints, write_json_atomic
 
 log = logging.getLogger("actlake.sweep")
@@ -66,7 +69,7 @@ def weights_digest(cfg: JobConfig, c, known: dict | None = None) -> tuple[str, d
 
 def _hub_digests(repo: str, revision: str | None, label: str) -> list[tuple[str, str]]:
     """(file, sha256) of a hub model's weight files at ``revision``, from the hub's file metadata."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # loads huggingface_hub: imported when used
 
     try:
         info = HfApi().model_info(repo, revision=revision, files_metadata=True)
@@ -80,9 +83,7 @@ def _hub_digests(repo: str, revision: str | None, label: str) -> list[tuple[str,
 def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None):
     """Run every checkpoint's job in order (each resumes what it finished before), then write the sweep's
     record and report; returns a :class:`~actlake.jobs.run.RunResult` over all of them."""
-    from actlake.jobs.kept_workers import keeping_workers
-    from actlake.jobs.ray_env import holding_ray
-    from actlake.jobs.run import RunResult, run_job
+    from actlake.jobs.run import RunResult, run_job  # actlake.jobs.run imports this module: imported when used
 
     t0 = time.perf_counter()
     rows, results = [], []
@@ -103,8 +104,6 @@ def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = 
     totals["checkpoints"] = rows
     report_path = None
     if cfg.output.report if report is None else report:
-        from actlake.jobs.report import build_report
-
         report_path = str(build_report(cfg.run_dir))
     return RunResult(str(cfg.run_dir), sum(r.shards_total for r in results), sum(r.shards_run for r in results),
                      totals, time.perf_counter() - t0, report_path)

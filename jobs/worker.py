@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import logging
 import os
+import sys
+import tempfile
 import threading
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
@@ -31,8 +37,6 @@ def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 3
     returned beyond ``trim_threshold``; :func:`release_free_memory` still hands everything free back
     after each shard. True when glibc took both settings.
     """
-    import ctypes
-
     try:
         libc = ctypes.CDLL("libc.so.6")
         took_mmap = bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold))
@@ -45,9 +49,6 @@ def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 3
 def release_free_memory() -> None:
     """Hand freed heap back to the OS between shards (glibc keeps it otherwise, and the resident
     set creeps up with the many tensor shapes of length-bucketed batches)."""
-    import ctypes
-    import gc
-
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -59,10 +60,6 @@ def install_code(files: dict, origins: list[str] = ()) -> dict[str, str]:
     """Write the custom analyses' code (``{relative path: bytes}``) to a private folder on sys.path. Returns
     {path written: the driver's path of that file} for ``origins`` (``analyses.custom[].path``), so errors
     name the files their authors know."""
-    import sys
-    import tempfile
-    from pathlib import Path
-
     if not files:
         return {}
     root = Path(tempfile.mkdtemp(prefix="actlake-custom-"))
@@ -123,7 +120,7 @@ class ShardWorker:
         self.extractor = None
         self._aim(Target(cfg_dict, run_dir, plan_hash, counter, read_in_process))
 
-    def _aim(self, target: "Target") -> None:
+    def _aim(self, target: Target) -> None:
         """Take on ``target``'s job: its config, run directory, plan and progress counter, and its model, loaded
         after the previous job's is freed (a sweep's next checkpoint reuses this process, not the weights)."""
         from actlake.jobs.extract import Extractor  # loads pyarrow, torch: imported when used
@@ -149,7 +146,7 @@ class ShardWorker:
             self.extractor.reader = ReaderProcess(target.cfg_dict, self.extractor.lm.tokenizer)
         self.counter = target.counter
 
-    def _on(self, target: "Target | None") -> None:
+    def _on(self, target: Target | None) -> None:
         """Before a call of a job's dispatcher: take on its job if this worker holds another (it served the job
         before, in a sweep, or Ray restarted it with the arguments it was first made with)."""
         if target is None:
@@ -159,12 +156,10 @@ class ShardWorker:
                 log.info("worker %d: now on run %s", self.pid, target.run_dir)
                 self._aim(target)
 
-    def process(self, shard_dict: dict, last: bool = False, target: "Target | None" = None) -> dict:
+    def process(self, shard_dict: dict, last: bool = False, target: Target | None = None) -> dict:
         """Run one shard of ``target``'s job; ``committed``: the shard ids this call committed (its group's, when
         due or ``last``). An exception raised by an analysis's code is an AnalysisFailed naming it, file, line and
         method, its traceback logged here (the job's log)."""
-        from concurrent.futures.process import BrokenProcessPool
-
         import psutil  # loads psutil: imported when used
 
         self._on(target)
@@ -184,7 +179,7 @@ class ShardWorker:
         return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed,
                     node_id=ray.get_runtime_context().get_node_id())
 
-    def flush(self, target: "Target | None" = None) -> list[int]:
+    def flush(self, target: Target | None = None) -> list[int]:
         """Commit the open group now; the shard ids committed."""
         self._on(target)
         with self._analyses_named():
