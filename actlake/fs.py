@@ -295,7 +295,6 @@ def file_sizes(folder) -> dict[str, int]:
     it: one listing, whatever the number of files (one request per 1,000 objects on S3)."""
     if isinstance(folder, ObjectPath):
         return folder.sizes()
-
     out = {}
     for dirpath, _, names in os.walk(folder):  # does not follow links to folders
         rel = os.path.relpath(dirpath, folder)
@@ -354,8 +353,8 @@ def open_input(path):
 def stat(path) -> tuple[int, int]:
     """(size in bytes, modification time in ns) of a local or object-store file."""
     p = location(path)
-    st = p.stat() if isinstance(p, ObjectPath) else os.stat(p)
-    return st.st_size, st.st_mtime_ns
+    info = p.stat() if isinstance(p, ObjectPath) else os.stat(p)
+    return info.st_size, info.st_mtime_ns
 
 
 def glob(pattern: str) -> list[str]:

@@ -16,7 +16,7 @@ import logging
 log = logging.getLogger("actlake.run")
 
 _kept: dict | None = None
-"""Inside :func:`keeping_workers`: idle workers by :func:`kept_key`; None outside."""
+"""Inside :func:`keeping_workers`: idle workers (with their process ids) by :func:`kept_key`; None outside."""
 
 
 @contextlib.contextmanager
@@ -32,7 +32,7 @@ def keeping_workers():
     finally:
         if outer is None:
             left, _kept = _kept, None
-            _kill([w for ws in left.values() for w in ws])
+            _kill([w for ws in left.values() for w, _ in ws])
 
 
 def kept_key(cfg, options: dict, threads: int, env: dict) -> tuple | None:
@@ -43,23 +43,38 @@ def kept_key(cfg, options: dict, threads: int, env: dict) -> tuple | None:
 
 
 def take_kept(key: tuple | None, n: int) -> list:
-    """Up to ``n`` kept workers for ``key``; kept workers of other shapes are killed (their CPUs and GPUs are
-    the new job's)."""
+    """Up to ``n`` kept workers for ``key``, each still the process it was when kept (one that died or was
+    restarted meanwhile is killed: a restart has used up one of its retries); kept workers of other shapes are
+    killed (their CPUs and GPUs are the new job's)."""
+    import ray  # loads ray: imported when used
+
     if _kept is None or not _kept:
         return []
     mine = _kept.pop(key, []) if key is not None else []
-    _kill([w for ws in _kept.values() for w in ws] + mine[n:])
+    _kill([w for ws in _kept.values() for w, _ in ws] + [w for w, _ in mine[n:]])
     _kept.clear()
-    if mine[:n]:
-        log.info("reusing %d worker(s) of the previous job", len(mine[:n]))
-    return mine[:n]
+    live = []
+    for w, pid in mine[:n]:
+        try:
+            same = ray.get(w.get_pid.remote(), timeout=60) == pid
+        except Exception:  # noqa: BLE001 - dead or unreachable: a fresh worker replaces it
+            same = False
+        (live if same else []).append(w)
+        if not same:
+            _kill([w])
+    if live:
+        log.info("reusing %d worker(s) of the previous job", len(live))
+    return live
 
 
 def keep(key: tuple | None, workers: list) -> list:
     """Keep ``workers`` for the next job inside :func:`keeping_workers`; the workers kept."""
+    import ray  # loads ray: imported when used
+
     if _kept is None or key is None:
         return []
-    _kept.setdefault(key, []).extend(workers)
+    pids = ray.get([w.get_pid.remote() for w in workers])
+    _kept.setdefault(key, []).extend(zip(workers, pids))
     return list(workers)
 
 

@@ -237,7 +237,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     if not shards:
         raise ActlakeError("the corpus has no documents: nothing to do")
     if cfg.analyses.by_source:  # too many labels: one error before Ray, where the source column can be listed
-        from actlake.analysis.by_source import check_labels  # loads torch: imported when used
+        from actlake.analysis.by_source import check_labels  # loads pyarrow: imported when used
 
         check_labels(planned_labels(cfg, shards), cfg.analyses.max_sources)
     phash = plan_hash(cfg, shards)
@@ -294,7 +294,7 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
     one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
     import ray  # loads ray: imported when used
 
-    from actlake.jobs.worker import ShardWorker, Target  # loads ray: imported when used
+    from actlake.jobs.worker import ShardWorker, Target  # loads ray, torch: imported when used
 
     started = init_ray(address)
     try:
@@ -304,31 +304,32 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         n = min(n, len(pending))
         retries = cfg.resources.max_retries
         env = store_env(local=not (address or os.environ.get("RAY_ADDRESS")))
+        streamed = any(s.fmt == HF_STREAM for s in pending)  # its shards' record counts are unknown
+        progress = Progress(None if streamed else sum(s.end - s.start for s in pending), len(pending),
+                            skipped=total - len(pending))
         counter = counter_actor()
         target = Target(cfg.to_dict(), str(layout.root), phash, counter, read_in_process(cfg, gpus))
         options = worker_options(cfg, cpus, gpus)
         key = kept_key(cfg, options, threads, env)
-        workers = take_kept(key, n)
-        workers += [ShardWorker.options(**options).remote(target.cfg_dict, target.run_dir, phash, threads, code, env,
-                                                          counter, target.read_in_process)
-                    for _ in range(n - len(workers))]
-        log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus, gpus,
-                 f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb else "unreserved")
-        streamed = any(s.fmt == HF_STREAM for s in pending)  # its shards' record counts are unknown
-        progress = Progress(None if streamed else sum(s.end - s.start for s in pending), len(pending),
-                            skipped=total - len(pending))
+        workers, kept = take_kept(key, n), []
+        try:  # from here on every worker held is killed or kept, whatever happens
+            workers += [ShardWorker.options(**options).remote(target.cfg_dict, target.run_dir, phash, threads, code,
+                                                              env, counter, target.read_in_process)
+                        for _ in range(n - len(workers))]
+            log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus,
+                     gpus, f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb
+                     else "unreserved")
 
-        def done(summary):
-            if on_shard:
-                on_shard(summary)
+            def done(summary):
+                if on_shard:
+                    on_shard(summary)
 
-        def stored() -> dict:
-            return {sid: dict(e["summary"], shard_id=sid) for sid, e in committed(layout, phash).shards.items()}
+            def stored() -> dict:
+                return {sid: dict(e["summary"], shard_id=sid) for sid, e in committed(layout, phash).shards.items()}
 
-        dispatcher = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored, on_ran=progress.shard_ran,
-                                on_tick=lambda: progress.tick(ray.get(counter.totals.remote())), target=target)
-        kept = []
-        try:
+            dispatcher = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored,
+                                    on_ran=progress.shard_ran, target=target,
+                                    on_tick=lambda: progress.tick(ray.get(counter.totals.remote())))
             summaries, failures = dispatcher.run(pending)
             progress.tick(ray.get(counter.totals.remote()))
             if cfg.model.offload_folder:

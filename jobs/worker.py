@@ -135,7 +135,7 @@ class ShardWorker:
 
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        self.target = target.key
+        self.target = None  # until the new model is loaded: a failed load is tried again by the next call
         self.cfg = parse_config(target.cfg_dict)
         self.layout = RunLayout(location(target.run_dir))
         self.group = Group(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
@@ -145,6 +145,7 @@ class ShardWorker:
 
             self.extractor.reader = ReaderProcess(target.cfg_dict, self.extractor.lm.tokenizer)
         self.counter = target.counter
+        self.target = target.key
 
     def _on(self, target: Target | None) -> None:
         """Before a call of a job's dispatcher: take on its job if this worker holds another (it served the job
@@ -155,6 +156,7 @@ class ShardWorker:
             if target.key != self.target:
                 log.info("worker %d: now on run %s", self.pid, target.run_dir)
                 self._aim(target)
+            self.counter = target.counter  # the same run dispatched again (a redispatch) has a new counter
 
     def process(self, shard_dict: dict, last: bool = False, target: Target | None = None) -> dict:
         """Run one shard of ``target``'s job; ``committed``: the shard ids this call committed (its group's, when

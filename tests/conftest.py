@@ -8,14 +8,16 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# before torch is imported (libgomp reads it once, when torch loads it): OpenMP threads that spin between parallel
+# regions take the cores that the other test process and every Ray worker wait for (the embedded Ray's workers
+# get it too: jobs/ray_env.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402 - after OMP_WAIT_POLICY
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-# before torch is imported: OpenMP threads that spin between parallel regions take the cores that the other
-# test process and every Ray worker wait for (the embedded Ray's workers get it too: jobs/ray_env.py)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through Triton's interpreter, which
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be chosen before triton is first imported
 

@@ -119,3 +119,22 @@ def test_a_sweep_keeps_its_workers_and_a_restarted_one_serves_the_checkpoint_it_
     assert len(set(pids[:4])) == 1 and pids[-1] != pids[0], pids  # one process for both; then its restart
     alone = run_job(job_config(series["step-10"], sample_corpus, tmp_path / "alone", **over))
     _assert_checkpoint_is_run(open_run(cfg.run_dir), "step-10", alone.run_dir)
+
+
+def test_a_checkpoint_whose_model_cannot_load_fails_with_the_load_error_on_a_kept_worker(series, sample_corpus, tmp_path,
+                                                                                         ray_local):
+    """The first checkpoint's worker is kept for the second, whose weights are damaged: every shard of the second
+    fails with the loading error itself (the worker tries the load again for each), not with a worker that
+    half took on the new job."""
+    from actlake.errors import ActlakeError
+
+    broken = Path(shutil.copytree(series["step-10"], tmp_path / "broken"))
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    over = {"corpus.max_docs": 8, "sharding.docs_per_shard": 4}
+    points = [{"path": str(series["step-0"]), "step": 0}, {"path": str(broken), "step": 10}]
+    cfg = job_config(series["step-0"], sample_corpus, tmp_path / "runs", **over, **{"model.checkpoints": points})
+    with pytest.raises(ActlakeError, match=r"2 shard\(s\) failed") as e:
+        run_job(cfg)
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 2 and all("NoneType" not in ln for ln in lines), str(e.value)
+    assert all("safetensors" in ln.lower() or "model" in ln.lower() for ln in lines), str(e.value)
