@@ -150,6 +150,18 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def kept_workers(ray_local):
+    """A module's in-process jobs share their worker processes (``keeping_workers``, as a sweep's checkpoints do):
+    each job loads its own model into the previous job's worker, which saves the worker's start (about 4.5 s:
+    a process importing torch and transformers) per job. Used by modules whose jobs only compare tables; the
+    workers left are killed when the module ends, so the next module finds every CPU free."""
+    from actlake.jobs.kept_workers import keeping_workers
+
+    with keeping_workers():
+        yield
+
+
 @pytest.fixture
 def own_ray_env():
     """Environment for a subprocess that starts its own Ray: no RAY_ADDRESS, and a private Ray temp folder

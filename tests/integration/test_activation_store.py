@@ -11,7 +11,7 @@ from actlake.storage.activations import read_windows
 from actlake.storage.sql import open_run
 from tests.conftest import job_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kept_workers")]
 
 LIGHT = {"analyses.contributions": False, "analyses.geometry": False, "analyses.attention_by_distance": False,
          "analyses.weighted_contributions": False, "corpus.max_docs": 8}

@@ -15,6 +15,8 @@ from actlake.jobs.run import run_job
 from actlake.storage.sql import open_run
 from tests.conftest import job_config
 
+pytestmark = pytest.mark.usefixtures("kept_workers")
+
 STATISTICS = ("dim_moments", "attention_mass", "contributions", "attention_geometry", "attention_by_distance")
 VIEWS = ("outliers", "massive_activations", "attention_mass_by_key", "contributions_mean")
 

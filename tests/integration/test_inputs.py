@@ -19,7 +19,7 @@ from actlake.jobs.cli import main
 from actlake.storage.sql import open_run
 from tests.conftest import committed_ids, drop_commits, job_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("kept_workers")]
 
 LIGHT = {"analyses.contributions": False, "analyses.geometry": False, "analyses.attention_by_distance": False,
          "analyses.residual_norms": False, "corpus.max_docs": None}

@@ -14,7 +14,7 @@ from actlake.jobs.run import run_job
 from actlake.storage.sql import open_run
 from tests.conftest import FAMILIES, job_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("kept_workers")]
 
 
 def _reference(model_path, con):

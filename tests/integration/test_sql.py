@@ -13,7 +13,7 @@ from actlake.jobs.run import run_job
 from actlake.storage.sql import query
 from tests.conftest import job_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kept_workers")]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from actlake.jobs.run import run_job
 from actlake.storage.sql import open_run, query
 from tests.conftest import job_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kept_workers")]
 
 SECRET = "actlake-secret-7f3a9c"
 """Content of a file outside the run; no query may return it."""
