@@ -13,6 +13,11 @@ import time
 from pathlib import Path
 
 
+def _stage(what: str) -> None:
+    """A line the test quotes if this process hangs."""
+    print(f"node_loss_job: {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
+
 def main(cfg_path: str, out_path: str) -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -24,8 +29,11 @@ def main(cfg_path: str, out_path: str) -> None:
     try:
         _run(cfg, cluster, out_path)
     finally:
+        _stage("ray.shutdown")
         ray.shutdown()
+        _stage("cluster.shutdown")
         cluster.shutdown()
+        _stage("done")
 
 
 def _run(cfg, cluster, out_path: str) -> None:
@@ -35,6 +43,7 @@ def _run(cfg, cluster, out_path: str) -> None:
 
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
+    _stage("nodes up")
     ray.init(address=cluster.address)
     result: dict = {"removed_after_shards": None}
 
@@ -43,12 +52,16 @@ def _run(cfg, cluster, out_path: str) -> None:
         while len(list(complete.glob("group-*.json"))) < 2:
             time.sleep(0.1)
         result["removed_after_shards"] = len(list(complete.glob("group-*.json")))
+        _stage(f"removing a node after {result['removed_after_shards']} groups")
         cluster.remove_node(nodes[1])
+        _stage("node removed")
 
     remover = threading.Thread(target=remove_a_node, daemon=True)
     remover.start()
     try:
+        _stage("job starts")
         res = run_job(cfg)
+        _stage("job returned")
         result.update(shards_total=res.shards_total, shards_run=res.shards_run)
     finally:
         remover.join(timeout=60)
@@ -60,6 +73,7 @@ def _run(cfg, cluster, out_path: str) -> None:
         time.sleep(0.5)
     result.update(cpu_available=avail, cpu_total=total, alive_nodes=sum(n["Alive"] for n in ray.nodes()))
     Path(out_path).write_text(json.dumps(result))
+    _stage("result written")
 
 
 if __name__ == "__main__":
