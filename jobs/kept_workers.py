@@ -59,8 +59,9 @@ def take_kept(key: tuple | None, n: int) -> list:
             same = ray.get(w.get_pid.remote(), timeout=60) == pid
         except Exception:  # noqa: BLE001 - dead or unreachable: a fresh worker replaces it
             same = False
-        (live if same else []).append(w)
-        if not same:
+        if same:
+            live.append(w)
+        else:
             _kill([w])
     if live:
         log.info("reusing %d worker(s) of the previous job", len(live))

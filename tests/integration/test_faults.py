@@ -297,7 +297,7 @@ def test_removing_a_node_mid_job_leaves_the_same_tables(minilm_path, sample_corp
         proc = subprocess.run([sys.executable, "-m", "tests.integration.node_loss_job", str(cfg_file), str(out_file)],
                               check=False, cwd=root, capture_output=True, text=True, timeout=300, env=own_ray_env)
     except subprocess.TimeoutExpired as e:  # say where it hung: the job's stage lines and Ray's last words
-        err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
         stages = [line for line in err.splitlines() if line.startswith("node_loss_job:")]
         commits = len(list((Path(cfg.run_dir) / "_complete").glob("group-*.json")))
         pytest.fail(f"the node-loss job hung: stages {stages}, {commits} groups committed, result written: "
