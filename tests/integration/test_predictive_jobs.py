@@ -65,17 +65,29 @@ def _predictor_cfg(store, out: Path, run_id: str, **predictor):
     return parse_config(_predictor_data(store, out, run_id, **predictor), root=PredictorJobConfig)
 
 
-def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_local):
+CURVE = {"steps": 160, "checkpoint_every": 20, "eval_every": 40}
+"""The predictor settings of the finished run below and of the killed run compared with it."""
+
+
+@pytest.fixture(scope="module")
+def finished(store, tmp_path_factory, ray_local) -> dict:
+    """A predictor run to its end, with probes and its report: its metrics are checked against scikit-learn and
+    SciPy, and a killed run of the same settings against its curve."""
+    from actlake.jobs.predictor.job import run_predictor_job
+
+    return run_predictor_job(_predictor_cfg(store, tmp_path_factory.mktemp("predictor"), "finished", **CURVE))
+
+
+def test_predictor_job_metrics_equal_sklearn_and_scipy(store, finished):
     from scipy.stats import spearmanr
     from sklearn.metrics import r2_score
 
-    from actlake.jobs.predictor.model import PredictorTrainer
-    from actlake.jobs.predictor.job import run_predictor_job
-    from actlake.storage.checkpoints import latest_checkpoint
     from actlake.jobs.predictor.loop import held_out
+    from actlake.jobs.predictor.model import PredictorTrainer
     from actlake.storage.activations import read_windows
+    from actlake.storage.checkpoints import latest_checkpoint
 
-    res = run_predictor_job(_predictor_cfg(store, tmp_path, "metrics"))
+    res = finished
     if CHROMIUM:  # Figures 1-6 draw offline in a real browser
         seen = open_report(res["report"])
         assert seen["errors"] == [] and len(seen["charts"]) == 6 and min(seen["marks"]) > 3
@@ -83,7 +95,7 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, tmp_path, ray_loca
     con = open_run(res["run_dir"])
     for layer in (1, 2):
         summary = con.execute("SELECT r2, spearman, steps FROM predictor_summary WHERE layer = ?", [layer]).fetchall()[0]
-        assert summary[2] == 60
+        assert summary[2] == CURVE["steps"]
         toks = con.execute("SELECT residual_norm, surprisal, position FROM predictor_tokens WHERE layer = ?",
                            [layer]).fetchnumpy()
         assert summary[1] == pytest.approx(spearmanr(toks["residual_norm"], toks["surprisal"]).statistic, abs=1e-9)
@@ -116,12 +128,12 @@ def _ray_train_workers() -> list[int]:
     return own_processes("RayTrainWorker")
 
 
-def test_killed_predictor_worker_resumes_with_the_same_curve(store, tmp_path, ray_local, capsys):
+def test_killed_predictor_worker_resumes_with_the_same_curve(store, finished, tmp_path, ray_local, capsys):
     from actlake.errors import StorageError
     from actlake.jobs.predictor.job import run_predictor_job
 
-    kw = {"steps": 160, "checkpoint_every": 20, "eval_every": 40}
-    clean = run_predictor_job(_without_probes(_predictor_cfg(store, tmp_path, "clean", **kw)))
+    kw = CURVE
+    clean = finished  # the same settings, run to the end without a kill (its probes leave the curve as it is)
     copy = Path(shutil.copytree(store, tmp_path / "store"))  # the same store, changed below
     cfg = _without_probes(_predictor_cfg(copy, tmp_path, "killed", **kw))
     ck = Path(cfg.run_dir) / "checkpoints"
