@@ -40,11 +40,20 @@ def _data(out: Path, **extra) -> dict:
         "resources": {"num_workers": 1, "cpus_per_worker": 1}, **extra}
 
 
-def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
+@pytest.fixture(scope="module")
+def mess3(tmp_path_factory, ray_local):
+    """The short Mess3 run, trained, analysed and reported: checked below, the clean curve a resumed copy of it
+    must give, and another run's checkpoints for a run to refuse (each Ray Train trial saved costs about 17
+    CPU-seconds of start and stop: docs/benchmarks.md)."""
     from actlake.jobs.synthetic.job import run_synthetic
+
+    return run_synthetic(_cfg(tmp_path_factory.mktemp("mess3")))
+
+
+def test_short_mess3_run_learns_and_is_analysed(mess3):
     from actlake.storage.checkpoints import list_checkpoints, log_spaced_steps
 
-    res = run_synthetic(_cfg(tmp_path))
+    res = mess3
     assert Path(res.report).is_file()
     con = open_run(res.run_dir)
     curve = con.execute("SELECT step, eval_loss, optimal_loss FROM training_curves ORDER BY step").fetchall()
@@ -77,24 +86,25 @@ def test_short_mess3_run_learns_and_is_analysed(tmp_path, ray_local):
         assert all(u.startswith("file://") for u in seen["requests"])
 
 
-def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local, capsys):
+def test_rerun_resumes_and_a_changed_process_is_refused(mess3, tmp_path, ray_local, capsys):
     import shutil
 
     import yaml
 
-    from actlake.jobs.cli import main
     from actlake.errors import StorageError
+    from actlake.jobs.cli import main
     from actlake.jobs.synthetic.job import run_synthetic
     from actlake.storage.checkpoints import list_checkpoints
 
-    cfg = _cfg(tmp_path, analysis={"enabled": False})
-    run_synthetic(cfg, report=False)
+    cfg = _cfg(tmp_path, analysis={"enabled": False})  # the same training as the module's run (analysis aside)
+    shutil.copytree(mess3.run_dir, cfg.run_dir)
     q = "SELECT step, train_loss, eval_loss FROM training_curves ORDER BY step"
     clean = open_run(cfg.run_dir).execute(q).fetchall()
     # as a worker killed right after step 0 leaves it: only the step-0 checkpoint
     for step, path in list_checkpoints(Path(cfg.run_dir) / "checkpoints" / "transformer"):
         if step:
             shutil.rmtree(path)
+    tables = {p: p.read_bytes() for p in (Path(cfg.run_dir) / "tables").rglob("*") if p.is_file()}
     # issue 18.3: --analysis-only refuses an unfinished run (one line, before Ray starts)
     config = tmp_path / "syn.yaml"
     config.write_text(yaml.safe_dump(_data(tmp_path, analysis={"enabled": False})))
@@ -103,7 +113,7 @@ def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local, cap
     err = _stderr_lines(capsys)
     assert len(err) == 1 and "training is unfinished (transformer at step 0 of 150)" in err[0], err
     assert f"actlake train-synthetic {config}` without --analysis-only" in err[0]
-    assert not (Path(cfg.run_dir) / "tables" / "factored_dimension").exists()
+    assert {p: p.read_bytes() for p in (Path(cfg.run_dir) / "tables").rglob("*") if p.is_file()} == tables
     # issue 18.2: resuming with another world size is refused
     with pytest.raises(StorageError, match=r"resources\.num_workers \(1 -> 2\)"):
         run_synthetic(_cfg(tmp_path, analysis={"enabled": False}, resources={"num_workers": 2, "cpus_per_worker": 1}),
@@ -122,9 +132,10 @@ def test_rerun_resumes_and_a_changed_process_is_refused(tmp_path, ray_local, cap
         run_synthetic(changed, report=False)
 
 
-def test_analysis_only_and_resume_take_only_this_runs_whole_checkpoints(tmp_path, ray_local, capsys):
+def test_analysis_only_and_resume_take_only_this_runs_whole_checkpoints(mess3, tmp_path, ray_local, capsys):
     """Issue 31, item 2: --analysis-only after a middle checkpoint is deleted or an older one damaged, and a
-    resume onto checkpoints copied from another run (another seed), each stop in one line naming the folder."""
+    resume onto checkpoints copied from another run (the module's: other training settings), each stop in one
+    line naming the folder."""
     import shutil
 
     import yaml
@@ -142,10 +153,9 @@ def test_analysis_only_and_resume_take_only_this_runs_whole_checkpoints(tmp_path
         path.write_text(yaml.safe_dump(data))
         return path
 
-    a, b = job(0, "a"), job(1, "b")
-    for cfg in (a, b):
-        assert main(["train-synthetic", str(cfg), "--no-analysis"]) == 0
-    ck_a, ck_b = tmp_path / "runs" / "a" / "checkpoints" / "transformer", tmp_path / "runs" / "b" / "checkpoints" / "transformer"
+    a = job(0, "a")
+    assert main(["train-synthetic", str(a), "--no-analysis"]) == 0
+    ck_a, ck_b = tmp_path / "runs" / "a" / "checkpoints" / "transformer", Path(mess3.run_dir) / "checkpoints" / "transformer"
     steps = [s for s, _ in list_checkpoints(ck_a)]
     assert main(["train-synthetic", str(a), "--analysis-only"]) == 0
     capsys.readouterr()
