@@ -4,10 +4,10 @@
 
 Runs ``--trials`` trials one after another through :func:`actlake.jobs.training.run_trials` (as every training
 job does), each with a loop that reports once and returns, on an embedded Ray of 2 CPUs. A thread samples
-every process's CPU times every 0.1 s; a process's CPU-seconds are its last sample minus its first (processes
-that lived between two samples are missed, so the totals are a floor). Prints the wall time of each trial and
-the CPU-seconds per trial by process kind (Ray's process titles, such as ``ray::TrainController``), the
-sampler's own process included."""
+every process's CPU times every 0.1 s; a process's CPU-seconds are its last sample minus its CPU time when the
+trials began (zero for one started later). A process that lived between two samples is missed, and so may be
+a process's last 0.1 s: the totals are a floor. Prints the wall time of each trial and the CPU-seconds per
+trial by process kind (Ray's process titles, such as ``ray::TrainController``), the sampler's process included."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class CpuSampler:
     """CPU-seconds of every process, by kind, from periodic samples."""
 
     def __init__(self, every_s: float = 0.1):
-        self.every_s, self.first, self.last, self.kinds = every_s, {}, {}, {}
+        self.every_s, self.last, self.kinds = every_s, {}, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -52,7 +52,6 @@ class CpuSampler:
                 kind = (cmd[0].split(".")[0] if cmd[0].startswith("ray::")
                         else " ".join(c.rsplit("/", 1)[-1] for c in cmd[:2]))
                 self.kinds[key] = max(self.kinds.get(key, ""), kind, key=_naming)
-                self.first.setdefault(key, cpu.user + cpu.system)
                 self.last[key] = cpu.user + cpu.system
             time.sleep(self.every_s)
 
@@ -65,10 +64,11 @@ class CpuSampler:
         self._thread.join()
 
     def by_kind(self, since: dict) -> Counter:
-        """CPU-seconds since the snapshot ``since`` (processes already there count from it)."""
+        """CPU-seconds since the snapshot ``since`` of :attr:`last`: a process in it counts from it, one started
+        later from its start."""
         out: Counter = Counter()
         for key, cpu in self.last.items():
-            out[self.kinds[key].strip()[:40]] += cpu - since.get(key, self.first[key])
+            out[self.kinds[key].strip()[:40]] += cpu - since.get(key, 0.0)
         return out
 
 

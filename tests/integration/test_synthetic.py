@@ -43,7 +43,7 @@ def _data(out: Path, **extra) -> dict:
 @pytest.fixture(scope="module")
 def mess3(tmp_path_factory, ray_local):
     """The short Mess3 run, trained, analysed and reported: checked below, the clean curve a resumed copy of it
-    must give, and another run's checkpoints for a run to refuse (each Ray Train trial saved costs about 20
+    must give, and another run's checkpoints for a run to refuse (each Ray Train trial saved costs 12 to 22
     CPU-seconds of start and stop: docs/benchmarks.md)."""
     from actlake.jobs.synthetic.job import run_synthetic
 
