@@ -281,10 +281,12 @@ def _checkpoints_sql(rows: list[dict]) -> str:
     return f"SELECT {cast} FROM (VALUES {values}) AS v({', '.join(_ident(c) for c, _ in CHECKPOINT_COLUMNS)})"
 
 
-def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_temp_size: str = MAX_TEMP_SIZE):
+def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_temp_size: str = MAX_TEMP_SIZE,
+          tmp_dir: str | None = None):
     """(connection, cleanup, notes): the locked connection of :func:`open_run` (one run folder) or of
     :func:`open_runs` (a list of them), a callable that closes it and removes its folder, and the lines naming
-    the tables and views left out."""
+    the tables and views left out. ``tmp_dir``: where its private folder is made (the system's temporary
+    folder by default; ``actlake sql`` passes one its parent process removes, also when it kills the query)."""
     import duckdb  # loads duckdb: imported when used
 
     side_by_side = isinstance(run_dirs, (list, tuple))  # else one run: a path, a URL or an ObjectPath
@@ -297,7 +299,7 @@ def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_t
         raise StorageError("no run to open")
     every = [f for r in runs for f in r.files]
     verify_files(every)  # page checksums, once per version of a file (storage/verified.py)
-    private = tempfile.mkdtemp(prefix="actlake-duckdb-")
+    private = tempfile.mkdtemp(prefix="actlake-duckdb-", dir=tmp_dir)
     try:
         con = _connect(private, memory_limit, threads, max_temp_size)
     except BaseException:

@@ -20,10 +20,13 @@ The child reports a failure as one line ``KIND<TAB>message`` on its standard err
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -50,11 +53,22 @@ def run_sql(run_dir: str | list[str], sql: str, fmt: str, output: str | None, ti
     child process and write its rows to standard output (or ``output`` for Parquet) in ``fmt``; the lines naming
     views left out go to standard error. QueryError/StorageError for what failed, the time limit or the memory cap."""
 
+    cap = memory_bytes(memory_limit) + HEADROOM
+    # the child's DuckDB folder and spills: removed here, also when the child was killed at a limit
+    scratch = tempfile.mkdtemp(prefix="actlake-query-")
+    try:
+        _run_child(run_dir, sql, fmt, output, timeout_s, memory_limit, max_temp_size, cap, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_child(run_dir, sql: str, fmt: str, output: str | None, timeout_s: float, memory_limit: str,
+               max_temp_size: str, cap: int, scratch: str) -> None:
     import psutil  # loads psutil: imported when used
 
-    cap = memory_bytes(memory_limit) + HEADROOM
-    job = {"run_dir": [str(r) for r in run_dir] if isinstance(run_dir, list) else str(run_dir), "sql": sql, "fmt": fmt, "output": output, "memory_limit": memory_limit,
-           "max_temp_size": max_temp_size}
+    job = {"run_dir": [str(r) for r in run_dir] if isinstance(run_dir, list) else str(run_dir), "sql": sql,
+           "fmt": fmt, "output": output, "memory_limit": memory_limit, "max_temp_size": max_temp_size,
+           "tmp_dir": scratch}
     proc = subprocess.Popen([sys.executable, "-m", "actlake.storage.sql_process"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     err: list[bytes] = []
@@ -75,9 +89,12 @@ def run_sql(run_dir: str | list[str], sql: str, fmt: str, output: str | None, ti
             except psutil.NoSuchProcess:
                 pass
             time.sleep(POLL_S)
-    except BaseException:  # a limit, or Ctrl-C: the child goes too
+    except BaseException:  # a limit, or Ctrl-C: the child goes too, and the Parquet it was writing
         proc.kill()
         proc.wait()
+        if output:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_part_path(output, proc.pid))
         raise
     finally:
         for t in relays:
@@ -89,6 +106,11 @@ def run_sql(run_dir: str | list[str], sql: str, fmt: str, output: str | None, ti
             print(f"actlake: note: {line.partition(chr(9))[2]}", file=sys.stderr)
     if proc.returncode:
         _raise(proc.returncode, stderr, memory_limit)
+
+
+def _part_path(output: str, pid: int) -> str:
+    """Where the child with ``pid`` writes the Parquet output before renaming it to ``output``."""
+    return f"{output}.part-{pid}"
 
 
 def _relay(src, dest) -> None:
@@ -133,7 +155,7 @@ def _write(reader, fmt: str, output: str | None) -> None:
     if fmt == "parquet":
         import pyarrow.parquet as pq  # loads pyarrow: imported when used
 
-        tmp, rows = f"{output}.part-{os.getpid()}", 0
+        tmp, rows = _part_path(output, os.getpid()), 0
         try:
             with pq.ParquetWriter(tmp, reader.schema, compression="zstd") as w:
                 for batch in reader:
@@ -187,7 +209,8 @@ def _child(job: dict) -> int:
         )
 
         check_statement(job["sql"])
-        con, _, notes = _open(job["run_dir"], memory_limit=job["memory_limit"], max_temp_size=job["max_temp_size"])
+        con, _, notes = _open(job["run_dir"], memory_limit=job["memory_limit"], max_temp_size=job["max_temp_size"],
+                              tmp_dir=job["tmp_dir"])
         for note in notes:
             sys.stderr.write(f"note\t{' '.join(note.split())}\n")
         try:

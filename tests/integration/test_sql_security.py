@@ -378,23 +378,49 @@ def test_links_out_of_the_run_are_refused(run, cwd, tmp_path, case):
         query(run, "SELECT count(*) FROM dim_moments")
 
 
-def test_the_time_limit_holds_inside_one_long_operator(run, cwd, capsys):
+@pytest.fixture
+def system_tmp(tmp_path, monkeypatch) -> Path:
+    """The system's temporary folder, private to the test (``tempfile`` and the ``TMPDIR`` of children)."""
+    import tempfile
+
+    d = tmp_path / "system-tmp"
+    d.mkdir()
+    monkeypatch.setenv("TMPDIR", str(d))
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def test_the_time_limit_holds_inside_one_long_operator(run, cwd, system_tmp, tmp_path, capsys):
     """``list_sort`` of 50 million numbers ran 128 s past ``--timeout 2``: DuckDB sees an interrupt only
-    between operators. The command line's query process is killed at the limit (issue 31, item 3)."""
+    between operators. The command line's query process is killed at the limit (issue 31, item 3); its
+    DuckDB folder and the Parquet it was writing go with it (they stayed in the temporary folder before)."""
     import time
 
     t0 = time.monotonic()
     assert main(["sql", str(run), "SELECT len(list_sort(range(50000000))) AS n", "--timeout", "2"]) == 2
     assert time.monotonic() - t0 < 15
     assert capsys.readouterr().err.strip().splitlines()[-1] == "actlake: error: query stopped after the 2s time limit"
+    assert list(system_tmp.iterdir()) == []
 
 
-def test_the_memory_limit_is_enforced_by_the_process(run, cwd, capsys):
+def test_a_query_stopped_while_writing_parquet_leaves_no_part_file(run, cwd, system_tmp, tmp_path, capsys):
+    """Rows streaming into ``-o`` when the time limit kills the query process: its partial file went with it
+    only when the process cleaned up itself, and a killed one cannot."""
+    out = tmp_path / "rows.parquet"
+    assert main(["sql", str(run), "SELECT i, repeat('x', 1000) AS s FROM range(100000000000) t(i)",
+                 "--format", "parquet", "-o", str(out), "--timeout", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "actlake: error: query stopped after the 4s time limit"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("rows")] == []
+    assert list(system_tmp.iterdir()) == []
+
+
+def test_the_memory_limit_is_enforced_by_the_process(run, cwd, system_tmp, capsys):
     """The same query reached 7.97 GB of resident memory under the documented 2 GB limit."""
     assert main(["sql", str(run), "SELECT len(list_sort(range(50000000))) AS n", "--timeout", "120",
                  "--memory-limit", "256MB"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "actlake: error: query stopped: it needed more memory than the 256MB limit (--memory-limit)")
+    assert list(system_tmp.iterdir()) == []
 
 
 def test_a_large_result_is_streamed_not_held(run, tmp_path):
