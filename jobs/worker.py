@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import hashlib
 import logging
 import os
+import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -24,6 +27,8 @@ from actlake.jobs.plan import Shard
 from actlake.storage.layout import RunLayout
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+log = logging.getLogger("actlake.worker")
 
 
 def keep_freed_heap(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
@@ -57,24 +62,61 @@ def release_free_memory() -> None:
 
 
 def install_code(files: dict, origins: list[str] = ()) -> dict[str, str]:
-    """Write the custom analyses' code (``{relative path: bytes}``) to a private folder on sys.path. Returns
+    """Put the custom analyses' code (``{relative path: bytes}``) on sys.path, in :func:`code_folder`. Returns
     {path written: the driver's path of that file} for ``origins`` (``analyses.custom[].path``), so errors
     name the files their authors know."""
     if not files:
         return {}
-    root = Path(tempfile.mkdtemp(prefix="actlake-custom-"))
+    root = code_folder(files)
     tops = {Path(o).name: Path(o).parent for o in origins if o}
     written = {str(root / rel): str(tops[Path(rel).parts[0]] / rel) for rel in files if Path(rel).parts[0] in tops}
-    for rel, data in files.items():
-        target = (root / rel).resolve()
-        if root not in target.parents:
-            raise ValueError(f"custom code path escapes its folder: {rel}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
     sys.path.insert(0, str(root))
     return written
 
-log = logging.getLogger("actlake.worker")
+
+def code_folder(files: dict) -> Path:
+    """A folder in the system's temporary folder holding exactly ``files``, named by their digest and shared by
+    this user's workers on the machine: every job's workers leave one folder per version of the code, not one
+    each (a worker is killed, never asked to clean up). Written whole in a new folder that is then renamed
+    into place; a folder of that name holding anything else (a cleaner removed files from it) is not used:
+    the worker gets a private copy, and a warning says why."""
+    digest = hashlib.sha256()
+    for rel in sorted(files):
+        digest.update(rel.encode() + b"\0" + hashlib.sha256(files[rel]).digest())
+    shared = Path(tempfile.gettempdir()).resolve() / f"actlake-custom-{os.getuid()}-{digest.hexdigest()[:24]}"
+    if _holds(shared, files):
+        return shared
+    new = Path(tempfile.mkdtemp(prefix="actlake-custom-new-", dir=shared.parent))
+    for rel, data in files.items():
+        target = (new / rel).resolve()
+        if new not in target.parents:
+            shutil.rmtree(new, ignore_errors=True)
+            raise ValueError(f"custom code path escapes its folder: {rel}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    with contextlib.suppress(OSError):  # another worker's copy was renamed first, or a stale folder is there
+        new.rename(shared)
+    if _holds(shared, files):
+        if new.exists():
+            shutil.rmtree(new, ignore_errors=True)
+        return shared
+    log.warning("%s holds other files than this job's custom code; using a private copy in %s", shared, new)
+    return new
+
+
+def _holds(folder: Path, files: dict) -> bool:
+    """Whether ``folder`` is this user's, writable by no one else, and holds exactly ``files`` (and the bytecode
+    Python compiled from them)."""
+    try:
+        st = folder.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return False
+        present = {str(p.relative_to(folder)) for p in folder.rglob("*")
+                   if (p.is_file() or p.is_symlink()) and "__pycache__" not in p.parts}  # Python's own bytecode
+        return present == set(files) and all((folder / rel).read_bytes() == data for rel, data in files.items())
+    except OSError:
+        return False
+
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""Custom-analysis code shipped to workers lands in one folder per version of the code, shared by a user's
+workers on a machine: a killed worker (every worker, at the end of a job) left a folder of its own in the
+temporary folder before, one per worker per job."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from actlake.jobs.worker import code_folder
+
+FILES = {"mine/__init__.py": b"", "mine/counts.py": b"WHO = 'counts v1'\n"}
+
+
+@pytest.fixture
+def system_tmp(tmp_path, monkeypatch):
+    d = tmp_path / "system-tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _contents(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_one_folder_per_version_of_the_code(system_tmp):
+    first = code_folder(FILES)
+    assert code_folder(dict(FILES)) == first  # a second worker, a second job
+    assert _contents(first) == FILES
+    changed = code_folder({**FILES, "mine/counts.py": b"WHO = 'counts v2'\n"})
+    assert changed != first and _contents(changed)["mine/counts.py"] == b"WHO = 'counts v2'\n"
+    assert sorted(p.name for p in system_tmp.iterdir()) == sorted([first.name, changed.name])
+    assert oct(first.stat().st_mode & 0o777) == oct(0o700)
+
+
+def test_the_bytecode_python_writes_there_does_not_unshare_it(system_tmp):
+    folder = code_folder(FILES)
+    subprocess.run([sys.executable, "-c", "import mine.counts"], cwd=folder, check=True,
+                   env={"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"})
+    assert any(p.suffix == ".pyc" for p in folder.rglob("*"))
+    assert code_folder(FILES) == folder
+
+
+def test_a_damaged_shared_folder_is_not_used(system_tmp, caplog):
+    shared = code_folder(FILES)
+    (shared / "mine" / "counts.py").write_bytes(b"WHO = 'edited'\n")  # or removed by a cleaner of old files
+    with caplog.at_level(logging.WARNING, logger="actlake.worker"):
+        private = code_folder(FILES)
+    assert private != shared and _contents(private) == FILES
+    assert f"{shared} holds other files than this job's custom code" in caplog.text
+
+
+def test_a_path_out_of_the_folder_is_refused_and_nothing_stays(system_tmp):
+    with pytest.raises(ValueError, match=r"custom code path escapes its folder: \.\./evil\.py"):
+        code_folder({"../evil.py": b"print('escaped')\n"})
+    assert list(system_tmp.iterdir()) == []
+    assert not (system_tmp.parent / "evil.py").exists()
