@@ -5,11 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from actlake.config import BatchingConfig, TokenizationConfig
 from actlake.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 CHARS_PER_TOKEN_CAP = 32
 """Text beyond (tokens needed x this) is never tokenized: bounds work on huge documents."""
@@ -98,6 +102,8 @@ def make_batches(windows: list[Window], cfg: BatchingConfig, by_source: bool = F
 
 def collate(batch: list[Window], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded (B, T) input ids and attention mask."""
+    import torch  # loads torch: imported when used (a shard's reader process tokenises without it)
+
     ids = right_padded([w.ids for w in batch], pad_id)
     lengths = torch.tensor([len(w.ids) for w in batch])
     mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
@@ -107,6 +113,8 @@ def collate(batch: list[Window], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
 def right_padded(rows: list[list[int]], fill: int) -> torch.Tensor:
     """(B, T) int64 tensor of the rows, each followed by ``fill`` up to the longest row's length T. One
     conversion of all the values at once (a tensor per row costs about 20 times as much per token)."""
+    import torch  # loads torch: imported when used
+
     lengths = np.fromiter(map(len, rows), np.int64, len(rows))
     T = int(lengths.max(initial=0))
     out = np.full((len(rows), T), fill, dtype=np.int64)

@@ -216,7 +216,7 @@ class ResourcesConfig(RayAddress):
     read_ahead: Optional[bool] = None
     """A worker holds two shards: it reads and tokenises the next while the model runs the current, and writes one's tables while the model runs the other. null: on for GPU workers (their device would otherwise wait for the CPU between shards), off on CPUs (where reading competes with the model for the same cores)."""
     read_in_process: Optional[bool] = None
-    """With read-ahead, the next shard is read (parsed, decompressed, tokenised) in a process of the worker's own, so that work does not hold the interpreter lock the thread driving the model needs to launch its kernels. null: on whenever read-ahead is on. On without read-ahead it still reads in that process, which then only adds the windows' pickling. The process holds about 0.3 GB of host memory (an interpreter with torch imported, then a shard), which ``memory_per_worker_gb`` should include."""
+    """With read-ahead, the next shard is read (parsed, decompressed, tokenised) in a process of the worker's own, so that work does not hold the interpreter lock the thread driving the model needs to launch its kernels. null: on whenever read-ahead is on. On without read-ahead it still reads in that process, which then only adds the windows' pickling. The process holds about 0.13 GB of host memory (an interpreter with the tokenizer, and Ray's modules, which a process spawned by a Ray worker imports again; no torch), plus a shard's windows, which ``memory_per_worker_gb`` should include."""
 
 class JobConfig(ConfigRoot.with_defaults(name="job")):
     model: ModelConfig

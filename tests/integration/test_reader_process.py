@@ -48,6 +48,9 @@ def test_a_reader_process_reads_what_the_worker_would(tiny_models, tmp_path):
         here = [read_shard(s, cfg, tokenizer, threading.Lock()) for s in shards]
         there = [reader.read(s) for s in shards]
         assert there == here
+        # it tokenises without torch (about 0.2 GB of memory and 1 s of start-up less)
+        loaded = "sorted({m.split('.')[0] for m in __import__('sys').modules} & {'torch', 'ray'})"
+        assert reader.pool.submit(eval, loaded).result() == []
         # a reader killed (for memory, say) is replaced and the shard read again
         (child,) = reader.pool._processes
         os.kill(child, signal.SIGKILL)
