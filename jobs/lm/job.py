@@ -57,16 +57,18 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
                                         "inputs": inputs, "world_size": r.num_workers})
     print(f"train-lm: {sizes['documents']:,} documents, {sizes['train']:,} training and {sizes['eval']:,} held-out "
           f"tokens, vocabulary {sizes['vocab_size']:,}", flush=True)
-    prepare_checkpoints(layout.root / "checkpoints" / TRIAL, identity)
-    started = init_ray(address or r.address, dashboard=True)
-    try:
-        run_trials([Trial(TRIAL, lm.train_loop, {"job": cfg.to_dict(), "data": str(data), "identity": identity})], layout.root,
-                   Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
-    finally:
-        if started:
-            import ray  # loads ray: imported when used
+    if prepare_checkpoints(layout.root / "checkpoints" / TRIAL, identity) == cfg.training.steps:
+        print(f"train-lm: trained to step {cfg.training.steps} already; nothing to train", flush=True)
+    else:
+        started = init_ray(address or r.address, dashboard=True)
+        try:
+            run_trials([Trial(TRIAL, lm.train_loop, {"job": cfg.to_dict(), "data": str(data), "identity": identity})],
+                       layout.root, Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
+        finally:
+            if started:
+                import ray  # loads ray: imported when used
 
-            ray.shutdown()
+                ray.shutdown()
     step, ck = latest_checkpoint(layout.root / "checkpoints" / TRIAL)
     problem = foreign(ck, identity) or checkpoint_problem(ck)
     if problem:

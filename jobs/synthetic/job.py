@@ -51,19 +51,31 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
     _prepare(cfg, layout)
     shutil.rmtree(layout.staging, ignore_errors=True)
     trials = [dict(t, identity=checkpoint_identity(cfg.config_hash, t["name"])) for t in cfg.trials()]
-    for t in trials:
-        prepare_checkpoints(layout.root / "checkpoints" / t["name"], t["identity"])
+    resumes = {t["name"]: prepare_checkpoints(layout.root / "checkpoints" / t["name"], t["identity"]) for t in trials}
     if not train:
         require_finished(layout.root, [t["name"] for t in trials], cfg.training.steps,
                          f"run `actlake train-synthetic {cfg.source_file}` without --analysis-only to finish it")
+    to_train = [t for t in trials if train and resumes[t["name"]] != cfg.training.steps]
+    if train and len(to_train) < len(trials):
+        log.info("trained to step %d already: %s", cfg.training.steps,
+                 ", ".join(t["name"] for t in trials if t not in to_train))
+    analysing = cfg.analysis.enabled if analyze is None else analyze
+    if to_train or analysing:
+        _on_ray(cfg, layout, trials, to_train, analysing, address)
+    return _finish(cfg, layout, trials, t0, report)
+
+
+def _on_ray(cfg: SyntheticConfig, layout: RunLayout, trials: list[dict], to_train: list[dict], analysing: bool,
+            address: str | None) -> None:
+    """Train the trials ``to_train`` (Ray Train), then analyse every trial's checkpoints if ``analysing``."""
     r = cfg.resources
-    started = init_ray(address or r.address, dashboard=True)
+    started = init_ray(address or r.address, dashboard=bool(to_train))  # Ray Train's controller needs the dashboard
     try:
-        if train:
-            log.info("training %d trial(s): %s", len(trials), ", ".join(t["name"] for t in trials))
-            run_trials([Trial(t["name"], train_loop, {"job": cfg.to_dict(), **t}) for t in trials], layout.root,
+        if to_train:
+            log.info("training %d trial(s): %s", len(to_train), ", ".join(t["name"] for t in to_train))
+            run_trials([Trial(t["name"], train_loop, {"job": cfg.to_dict(), **t}) for t in to_train], layout.root,
                        Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
-        if cfg.analysis.enabled if analyze is None else analyze:
+        if analysing:
             log.info("analysing the checkpoints of %d trial(s)", len(trials))
             analyze_run(cfg, layout.root, cpus=r.cpus_per_worker)
     finally:
@@ -71,6 +83,10 @@ def run_synthetic(cfg: SyntheticConfig, address: str | None = None, train: bool 
             import ray  # loads ray: imported when used
 
             ray.shutdown()
+
+
+def _finish(cfg: SyntheticConfig, layout: RunLayout, trials: list[dict], t0: float, report: bool | None) -> SyntheticResult:
+    """The report (when asked for and the analysis tables exist) and the summary."""
     report_path = None
     if (cfg.output.report if report is None else report) and (layout.tables / "factored_dimension").exists():
         report_path = str(build_synthetic_report(layout.root))

@@ -272,7 +272,7 @@ def _without_probes(cfg):
     return cfg
 
 
-def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ray_local, caplog):
+def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ray_local, caplog, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actlake.errors import StorageError
@@ -311,8 +311,11 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
     assert [s for s, _ in list_checkpoints(ck)] == [0, 7, 40, 60]  # the snapshots', and the previous one as a fallback
     assert not any((run / "_ray_train").iterdir())  # Ray Train's own state is not left behind
     (ck / ".tmp-00000080-deadbeef").mkdir()  # left by a worker killed while checkpointing
-    again = train_lm(cfg)  # a rerun resumes at the last step: nothing more to train, same model
-    assert again["step"] == 60
+    capsys.readouterr()
+    again = train_lm(cfg)  # a rerun finds the last step's checkpoint: no trial starts, the same model
+    assert again["step"] == 60 and "train-lm: trained to step 60 already; nothing to train" in capsys.readouterr().out
+    assert again["model"] == res["model"] and all(
+        torch.equal(v, model.state_dict()[n]) for n, v in AutoModelForCausalLM.from_pretrained(again["model"]).state_dict().items())
     assert not list(ck.glob(".tmp-*")) and not any((run / "_ray_train").iterdir())
     # issue 18.2: a resume with another world size (another effective batch) is refused before Ray starts
     two = cfg.model_copy(update={"resources": cfg.resources.model_copy(update={"num_workers": 2})})

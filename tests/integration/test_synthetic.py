@@ -3,6 +3,7 @@ Bayes-optimal loss, belief R² above the untrained model's), and the analysis ta
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def test_short_mess3_run_learns_and_is_analysed(mess3):
         assert all(u.startswith("file://") for u in seen["requests"])
 
 
-def test_rerun_resumes_and_a_changed_process_is_refused(mess3, tmp_path, ray_local, capsys):
+def test_rerun_resumes_and_a_changed_process_is_refused(mess3, tmp_path, ray_local, capsys, caplog):
     import shutil
 
     import yaml
@@ -125,8 +126,10 @@ def test_rerun_resumes_and_a_changed_process_is_refused(mess3, tmp_path, ray_loc
     np.testing.assert_allclose(np.array([r[2] for r in resumed]), np.array([r[2] for r in clean]), rtol=1e-5)
     before = (Path(cfg.run_dir) / "tables" / "training_curves").rglob("*.parquet")
     snap = {p: p.read_bytes() for p in before}
-    run_synthetic(cfg, report=False)  # every trial already at its last step: nothing retrained
+    with caplog.at_level(logging.INFO, logger="actlake.synthetic"):
+        run_synthetic(cfg, report=False)  # every trial already at its last step: no trial starts
     assert {p: p.read_bytes() for p in snap} == snap
+    assert "trained to step 150 already: transformer" in caplog.text and "training 1 trial" not in caplog.text
     changed = _cfg(tmp_path, analysis={"enabled": False}, process={"factors": [{"kind": "mess3", "x": 0.05}]})
     with pytest.raises(StorageError, match="different process"):
         run_synthetic(changed, report=False)
