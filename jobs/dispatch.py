@@ -5,7 +5,8 @@ group is due, with the last shard the queue holds, or when told to (``flush``) o
 to hand out. A shard is done when its group is committed. When a worker dies (killed, out of host
 memory, node removed), the shard it held and the uncommitted shards of its group go back to the
 front of the queue and run again on whichever worker is free, up to ``max_retries`` times each;
-the dead actor is pinged and rejoins the pool once Ray has restarted it. A shard that fails with
+the dead actor is pinged and rejoins the pool once Ray has restarted it. A shard waiting on a worker
+that is not up runs on a free one once nothing else is left (:meth:`Dispatcher._watch`). A shard that fails with
 an error of its own (a corrupt file) is not retried: that error is deterministic. A retried shard
 never duplicates rows: readers take only what accepted commit records name.
 """
@@ -45,6 +46,18 @@ def _is_temporary(exc: Exception) -> bool:
 
 TICK_S = 2.0
 """While shards run, progress is read this often (seconds)."""
+WATCH_S = 2.0
+"""How often the workers holding shards are looked up in Ray's actor table (:meth:`Dispatcher._watch`)."""
+
+
+def _actor_state(worker) -> tuple[str, int]:
+    """(state, restarts) of the worker's actor in Ray's actor table: ALIVE, RESTARTING, DEAD... It is read from
+    Ray's control store (about 2 ms), through Ray's own private accessor: the public ``ray.util.state`` needs the
+    dashboard, which jobs do not start."""
+    from ray._private import state  # loads ray: imported when used
+
+    info = state.actors(actor_id=_key(worker))
+    return info["State"], int(info["NumRestarts"])
 
 
 class Dispatcher:
@@ -78,6 +91,8 @@ class Dispatcher:
         self.early: set[int] = set()  # committed (by the worker's other slot) before their own result came back
         self.failures: list[str] = []
         self.alive, self.last_death, self.gone = len(self.workers), "", set()
+        self.restarts: dict[str, int] = {}  # worker -> restarts whose waiting shards were taken back (_watch)
+        self.watched_at = time.monotonic()
         while True:
             while self.idle and self.queue:
                 w, s = self.idle.popleft(), self.queue.popleft()
@@ -96,6 +111,7 @@ class Dispatcher:
                 break
             ready = ray.wait(list(self.in_flight), num_returns=1, timeout=self.tick_s)[0]
             self.on_tick()
+            self._watch()
             if not ready:
                 continue
             ref = ready[0]
@@ -148,6 +164,45 @@ class Dispatcher:
         self.deaths += 1
         self._requeue(([s] if s is not None else []) + self.open.pop(_key(w), []), "its worker died")
         self._ping(w)
+
+    def _watch(self) -> None:
+        """With nothing left to hand out and a worker free, take back the shards waiting on a worker that is not
+        up (looked up every :data:`WATCH_S` seconds in Ray's actor table).
+
+        A call sent to an actor that is not up waits for it: a worker being restarted, or not placed yet. That
+        may never come: a node lost while its worker was starting left the job waiting for good with every
+        other shard done, the restart finding no room while the surviving workers held the rest of the cluster.
+        Those shards run again on the free workers (a copy that runs after all commits a record that readers
+        refuse: the shard is committed already); a restarted worker's open group went with it; the worker's
+        slots come back when it answers."""
+        import ray  # loads ray: imported when used
+
+        if self.queue or not self.idle or time.monotonic() - self.watched_at < WATCH_S:
+            return
+        self.watched_at = time.monotonic()
+        holding: dict[str, list] = {}
+        for ref, (kind, w, _) in self.in_flight.items():
+            if kind == "shard":
+                holding.setdefault(_key(w), []).append(ref)
+        for key, refs in holding.items():
+            w = self.in_flight[refs[0]][1]
+            state, restarts = _actor_state(w)
+            if state == "ALIVE":
+                continue
+            lost = [self.in_flight.pop(ref)[2] for ref in refs]
+            for ref in refs:
+                ray.cancel(ref)  # still waiting for the worker: it need not run there
+            if restarts > self.restarts.get(key, 0):  # it died: so did its open group
+                self.restarts[key] = restarts
+                self.deaths += 1
+                lost += self.open.pop(key, [])
+            slots = len(refs) + sum(_key(x) == key for x in self.idle)
+            self.idle = deque(x for x in self.idle if _key(x) != key)
+            log.warning("%d shard(s) waiting on a worker that is not up (%s, %d restart(s)) go to the free workers",
+                        len(refs), state.lower(), restarts)
+            self._requeue(lost, f"its worker was not up ({state.lower()})")
+            for _ in range(slots):
+                self._ping(w)
 
     def _requeue(self, lost: list, why: str) -> None:
         """Shards a worker held uncommitted and no longer holds: done if the store has them (committed just

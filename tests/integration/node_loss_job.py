@@ -1,4 +1,6 @@
-"""Run one job on a 3-node ``ray.cluster_utils.Cluster`` and remove a worker node mid-job.
+"""Run one job on a 4-node ``ray.cluster_utils.Cluster`` (a head without CPUs, three 1-CPU nodes, a worker
+each) and lose two worker nodes: one as soon as the job has planned (its worker is starting, or not
+placed yet), one after two groups are committed (its worker is running a shard).
 
 Run as ``python -m tests.integration.node_loss_job CONFIG.json RESULT.json`` (its own process:
 the test session already holds an embedded Ray).
@@ -41,14 +43,18 @@ def _run(cfg, cluster, out_path: str) -> None:
 
     from actlake.jobs.run import run_job
 
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
     cluster.wait_for_nodes()
     _stage("nodes up")
     ray.init(address=cluster.address)
     result: dict = {"removed_after_shards": None}
 
-    def remove_a_node():
+    def remove_nodes():
         complete = Path(cfg.run_dir) / "_complete"
+        while not (Path(cfg.run_dir) / "run.json").exists():
+            time.sleep(0.05)
+        cluster.remove_node(nodes[2])
+        _stage("a node removed as the workers start")
         while len(list(complete.glob("group-*.json"))) < 2:
             time.sleep(0.1)
         result["removed_after_shards"] = len(list(complete.glob("group-*.json")))
@@ -56,7 +62,7 @@ def _run(cfg, cluster, out_path: str) -> None:
         cluster.remove_node(nodes[1])
         _stage("node removed")
 
-    remover = threading.Thread(target=remove_a_node, daemon=True)
+    remover = threading.Thread(target=remove_nodes, daemon=True)
     remover.start()
     try:
         _stage("job starts")

@@ -97,3 +97,23 @@ def test_a_commit_that_arrives_before_the_shards_own_result_counts_it_once(ray_l
     summaries, failures = Dispatcher([worker], max_retries=2, on_done=done.append, slots=2).run(_shards(2))
     assert failures == [] and sorted(s["shard_id"] for s in done) == [0, 1]
     ray.kill(worker)
+
+
+def test_shards_waiting_on_a_worker_that_never_comes_up_run_on_the_free_one(ray_local):
+    """A worker Ray cannot place (here: it asks for a resource no node has; on a cluster, a restart after its
+    node was lost, with no room left) never runs the shard sent to it; once the other worker has nothing
+    left, the shard is taken back and runs there (the job waited for good before)."""
+    done = []
+    up = ScriptedWorker.remote()
+    never = ScriptedWorker.options(resources={"no-such-node": 1}).remote()
+    out = []
+    run = threading.Thread(target=lambda: out.append(
+        Dispatcher([never, up], max_retries=2, on_done=done.append, tick_s=0.2).run(_shards(4))), daemon=True)
+    run.start()
+    run.join(300)  # a hang fails the test instead of the suite
+    assert not run.is_alive(), "the dispatcher still waits on the worker that is not up"
+    summaries, failures = out[0]
+    assert failures == [] and sorted(s["shard_id"] for s in done) == [0, 1, 2, 3]
+    assert sorted(s["shard_id"] for s in summaries) == [0, 1, 2, 3]
+    ray.kill(never)
+    ray.kill(up)
