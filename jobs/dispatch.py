@@ -51,12 +51,21 @@ WATCH_S = 2.0
 
 
 def _actor_state(worker) -> tuple[str, int]:
-    """(state, restarts) of the worker's actor in Ray's actor table: ALIVE, RESTARTING, DEAD... It is read from
-    Ray's control store (about 2 ms), through Ray's own private accessor: the public ``ray.util.state`` needs the
-    dashboard, which jobs do not start."""
+    """(state, restarts) of the worker's actor in Ray's actor table: ALIVE, RESTARTING, DEAD... A driver
+    connected through Ray Client (``ray://``) has no access to the table: there it is read by a task."""
+    import ray  # loads ray: imported when used
+
+    if ray.util.client.ray.is_connected():
+        return tuple(ray.get(ray.remote(num_cpus=0)(read_actor_state).remote(_key(worker))))
+    return read_actor_state(_key(worker))
+
+
+def read_actor_state(actor_id: str) -> tuple[str, int]:
+    """:func:`_actor_state` in a process of the cluster: read from Ray's control store (about 2 ms) through Ray's
+    own private accessor, the public ``ray.util.state`` needing the dashboard, which jobs do not start."""
     from ray._private import state  # loads ray: imported when used
 
-    info = state.actors(actor_id=_key(worker))
+    info = state.actors(actor_id=actor_id)
     return info["State"], int(info["NumRestarts"])
 
 

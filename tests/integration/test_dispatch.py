@@ -117,3 +117,17 @@ def test_shards_waiting_on_a_worker_that_never_comes_up_run_on_the_free_one(ray_
     assert sorted(s["shard_id"] for s in summaries) == [0, 1, 2, 3]
     ray.kill(never)
     ray.kill(up)
+
+
+def test_a_workers_state_reads_the_same_in_a_task_as_in_the_driver(ray_local):
+    """The lookup of :meth:`Dispatcher._watch` runs in a task for a driver on Ray Client (``ray://``)."""
+    from actlake.jobs.dispatch import read_actor_state
+
+    up = ScriptedWorker.remote()
+    never = ScriptedWorker.options(resources={"no-such-node": 1}).remote()
+    ray.get(up.get_pid.remote())
+    for worker, state in ((up, "ALIVE"), (never, "PENDING_CREATION")):
+        key = worker._actor_id.hex()
+        assert read_actor_state(key) == tuple(ray.get(ray.remote(num_cpus=0)(read_actor_state).remote(key))) == (state, 0)
+    ray.kill(never)
+    ray.kill(up)
