@@ -50,23 +50,29 @@ WATCH_S = 2.0
 """How often the workers holding shards are looked up in Ray's actor table (:meth:`Dispatcher._watch`)."""
 
 
-def _actor_state(worker) -> tuple[str, int]:
-    """(state, restarts) of the worker's actor in Ray's actor table: ALIVE, RESTARTING, DEAD... A driver
-    connected through Ray Client (``ray://``) has no access to the table: there it is read by a task."""
+def _actor_states(workers: list) -> dict[str, tuple[str, int]]:
+    """{worker: (state, restarts)} of the workers' actors in Ray's actor table (ALIVE, RESTARTING, DEAD...). A
+    driver connected through Ray Client (``ray://``) has no access to the table: there one task reads it."""
     import ray  # loads ray: imported when used
 
+    keys = [_key(w) for w in workers]
     if ray.util.client.ray.is_connected():
-        return tuple(ray.get(ray.remote(num_cpus=0)(read_actor_state).remote(_key(worker))))
-    return read_actor_state(_key(worker))
+        return ray.get(ray.remote(num_cpus=0)(read_actor_states).remote(keys), timeout=60)
+    return read_actor_states(keys)
 
 
-def read_actor_state(actor_id: str) -> tuple[str, int]:
-    """:func:`_actor_state` in a process of the cluster: read from Ray's control store (about 2 ms) through Ray's
-    own private accessor, the public ``ray.util.state`` needing the dashboard, which jobs do not start."""
+def read_actor_states(actor_ids: list[str]) -> dict[str, tuple[str, int]]:
+    """:func:`_actor_states` in a process of the cluster: read from Ray's control store (about 2 ms an actor)
+    through Ray's own private accessor, the public ``ray.util.state`` needing the dashboard, which jobs do not
+    start. An actor the table does not hold is left out."""
     from ray._private import state  # loads ray: imported when used
 
-    info = state.actors(actor_id=actor_id)
-    return info["State"], int(info["NumRestarts"])
+    out = {}
+    for actor_id in actor_ids:
+        info = state.actors(actor_id=actor_id)
+        if info:
+            out[actor_id] = (info["State"], int(info["NumRestarts"]))
+    return out
 
 
 class Dispatcher:
@@ -101,6 +107,8 @@ class Dispatcher:
         self.failures: list[str] = []
         self.alive, self.last_death, self.gone = len(self.workers), "", set()
         self.restarts: dict[str, int] = {}  # worker -> restarts whose waiting shards were taken back (_watch)
+        self.answered: set[str] = set()  # workers that returned a result: up at least once
+        self.finished: set[int] = set()  # shards counted done (on_done)
         self.watched_at = time.monotonic()
         while True:
             while self.idle and self.queue:
@@ -118,9 +126,11 @@ class Dispatcher:
                 self.failures += [f"shard {s.shard_id:05d} ({s.path}): no worker left to run it" for s in lost]
                 self.failures.append(f"the last worker failed with: {self.last_death}")
                 break
+            self._watch()  # before the wait: no result is in hand that it could take away
+            if self.queue and self.idle:
+                continue  # shards it took back: handed out now
             ready = ray.wait(list(self.in_flight), num_returns=1, timeout=self.tick_s)[0]
             self.on_tick()
-            self._watch()
             if not ready:
                 continue
             ref = ready[0]
@@ -137,12 +147,13 @@ class Dispatcher:
                 else:
                     self._shard_failed(w, s, e)
                 continue
+            self.answered.add(_key(w))
             if kind == "shard":
                 self.summaries[s.shard_id] = result
                 self.on_ran(result)
                 if s.shard_id in self.early:  # its group is already committed
                     self.early.discard(s.shard_id)
-                    self.on_done(result)
+                    self._done(result)
                 else:
                     self.open.setdefault(_key(w), []).append(s)
                 self._committed(w, result["committed"])
@@ -160,9 +171,16 @@ class Dispatcher:
         self.open[_key(w)] = [s for s in self.open.get(_key(w), []) if s.shard_id not in done]
         for sid in sorted(done):
             if sid in self.summaries:
-                self.on_done(self.summaries[sid])
+                self._done(self.summaries[sid])
             else:  # the worker's other slot: its result is on the way
                 self.early.add(sid)
+
+    def _done(self, summary: dict) -> None:
+        """A shard is committed: ``on_done`` once per shard (a copy taken back by :meth:`_watch` may still run
+        where it was sent and commit too, in a record readers refuse)."""
+        if summary["shard_id"] not in self.finished:
+            self.finished.add(summary["shard_id"])
+            self.on_done(summary)
 
     def _ping(self, w) -> None:
         self.in_flight[w.get_pid.remote()] = ("ping", w, None)
@@ -175,60 +193,76 @@ class Dispatcher:
         self._ping(w)
 
     def _watch(self) -> None:
-        """With nothing left to hand out and a worker free, take back the shards waiting on a worker that is not
-        up (looked up every :data:`WATCH_S` seconds in Ray's actor table).
+        """With nothing left to hand out and a worker free that has answered before, take back the shards
+        waiting on a worker that is not up (looked up at most every :data:`WATCH_S` seconds, while no result
+        comes in, in Ray's actor table).
 
-        A call sent to an actor that is not up waits for it: a worker being restarted, or not placed yet. That
-        may never come: a node lost while its worker was starting left the job waiting for good with every
-        other shard done, the restart finding no room while the surviving workers held the rest of the cluster.
-        Those shards run again on the free workers (a copy that runs after all commits a record that readers
-        refuse: the shard is committed already); a restarted worker's open group went with it; the worker's
+        A call sent to an actor that is not up waits for it: a worker still loading its model, being restarted,
+        or not placed yet. That may never come: a node lost while its worker was starting left the job waiting
+        for good with every other shard done, the restart finding no room while the surviving workers held the
+        rest of the cluster. The shards run on the free workers instead (a copy that runs where it was sent
+        after all commits a record that readers refuse: the shard is committed already); a taking from a worker
+        that never died does not count as a retry. A restarted worker's open group went with it. The worker's
         slots come back when it answers."""
         import ray  # loads ray: imported when used
 
-        if self.queue or not self.idle or time.monotonic() - self.watched_at < WATCH_S:
+        if (self.queue or not any(_key(x) in self.answered for x in self.idle)
+                or time.monotonic() - self.watched_at < WATCH_S):
             return
         self.watched_at = time.monotonic()
         holding: dict[str, list] = {}
         for ref, (kind, w, _) in self.in_flight.items():
             if kind == "shard":
                 holding.setdefault(_key(w), []).append(ref)
+        if not holding:
+            return
+        try:
+            states = _actor_states([self.in_flight[refs[0]][1] for refs in holding.values()])
+        except Exception as e:  # noqa: BLE001 - the lookup is an aid: the job goes on waiting as before
+            log.warning("could not read the workers' states from Ray (%s: %s)", type(e).__name__, e)
+            return
         for key, refs in holding.items():
-            w = self.in_flight[refs[0]][1]
-            state, restarts = _actor_state(w)
+            state, restarts = states.get(key, ("ALIVE", 0))
             if state == "ALIVE":
                 continue
+            w = self.in_flight[refs[0]][1]
             lost = [self.in_flight.pop(ref)[2] for ref in refs]
             for ref in refs:
                 ray.cancel(ref)  # still waiting for the worker: it need not run there
-            if restarts > self.restarts.get(key, 0):  # it died: so did its open group
+            died = restarts > self.restarts.get(key, 0) or state == "DEAD"
+            if died:  # so did its open group
                 self.restarts[key] = restarts
                 self.deaths += 1
                 lost += self.open.pop(key, [])
             slots = len(refs) + sum(_key(x) == key for x in self.idle)
             self.idle = deque(x for x in self.idle if _key(x) != key)
-            log.warning("%d shard(s) waiting on a worker that is not up (%s, %d restart(s)) go to the free workers",
-                        len(refs), state.lower(), restarts)
-            self._requeue(lost, f"its worker was not up ({state.lower()})")
+            (log.warning if died else log.info)(
+                "%d shard(s) waiting on a worker that is not up (%s, %d restart(s)) go to the free workers",
+                len(refs), state.lower(), restarts)
+            self._requeue(lost, f"its worker was not up ({state.lower()})", count=died)
             for _ in range(slots):
                 self._ping(w)
 
-    def _requeue(self, lost: list, why: str) -> None:
+    def _requeue(self, lost: list, why: str, count: bool = True) -> None:
         """Shards a worker held uncommitted and no longer holds: done if the store has them (committed just
-        before), else back to the front of the queue (up to ``max_retries`` times each)."""
+        before), else back to the front of the queue (up to ``max_retries`` times each; ``count``: this time
+        counts as one)."""
         stored = self.committed() if lost else {}
         for shard in [x for x in lost if x.shard_id in stored]:
             self.early.discard(shard.shard_id)
             self.summaries.setdefault(shard.shard_id, stored[shard.shard_id])
-            self.on_done(self.summaries[shard.shard_id])
+            self._done(self.summaries[shard.shard_id])
         for shard in reversed([x for x in lost if x.shard_id not in stored]):
-            self.attempts[shard.shard_id] += 1
+            self.attempts[shard.shard_id] += count
             if self.attempts[shard.shard_id] > self.max_retries:
                 self.failures.append(f"shard {shard.shard_id:05d} ({shard.path}): {why}, "
                                      f"{self.attempts[shard.shard_id]} times")
                 log.error("%s", self.failures[-1])
             else:
-                log.warning("shard %05d requeued (attempt %d): %s", shard.shard_id, self.attempts[shard.shard_id], why)
+                if count:
+                    log.warning("shard %05d requeued (attempt %d): %s", shard.shard_id, self.attempts[shard.shard_id], why)
+                else:
+                    log.info("shard %05d goes to another worker: %s", shard.shard_id, why)
                 self.queue.appendleft(shard)
 
     def _commit_failed(self, w, e: Exception) -> None:

@@ -121,13 +121,37 @@ def test_shards_waiting_on_a_worker_that_never_comes_up_run_on_the_free_one(ray_
 
 def test_a_workers_state_reads_the_same_in_a_task_as_in_the_driver(ray_local):
     """The lookup of :meth:`Dispatcher._watch` runs in a task for a driver on Ray Client (``ray://``)."""
-    from actlake.jobs.dispatch import read_actor_state
+    from actlake.jobs.dispatch import read_actor_states
 
     up = ScriptedWorker.remote()
     never = ScriptedWorker.options(resources={"no-such-node": 1}).remote()
     ray.get(up.get_pid.remote())
-    for worker, state in ((up, "ALIVE"), (never, "PENDING_CREATION")):
-        key = worker._actor_id.hex()
-        assert read_actor_state(key) == tuple(ray.get(ray.remote(num_cpus=0)(read_actor_state).remote(key))) == (state, 0)
+    keys = [up._actor_id.hex(), never._actor_id.hex(), "ff" * 16]  # the last: no such actor
+    here, there = read_actor_states(keys), ray.get(ray.remote(num_cpus=0)(read_actor_states).remote(keys))
+    assert here == there == {keys[0]: ("ALIVE", 0), keys[1]: ("PENDING_CREATION", 0)}
     ray.kill(never)
+    ray.kill(up)
+
+
+@ray.remote(max_restarts=0)
+class DyingWorker(ScriptedWorker.__ray_actor_class__):
+    def process(self, shard: dict, last: bool = False) -> dict:
+        time.sleep(1.0)  # the other worker is free by then, with nothing left to hand out
+        os._exit(1)
+
+
+def test_a_worker_dying_at_the_tail_with_another_free_is_counted_once(ray_local, monkeypatch):
+    """The shard of a worker that dies when nothing else is left runs on the free worker; its death reaches the
+    dispatcher both as the call's error and in Ray's actor table, looked up here at every tick: the job ended
+    with a KeyError when the lookup took the call's result away first."""
+    from actlake.jobs import dispatch
+
+    monkeypatch.setattr(dispatch, "WATCH_S", 0.0)
+    done = []
+    up, dying = ScriptedWorker.remote(), DyingWorker.remote()
+    ray.get([up.get_pid.remote(), dying.get_pid.remote()])
+    dispatcher = Dispatcher([dying, up], max_retries=2, on_done=done.append, tick_s=0.1)
+    summaries, failures = dispatcher.run(_shards(2))
+    assert failures == [] and sorted(s["shard_id"] for s in done) == [0, 1] and dispatcher.deaths == 1
+    assert sorted(s["shard_id"] for s in summaries) == [0, 1]
     ray.kill(up)
