@@ -75,48 +75,72 @@ def install_code(files: dict, origins: list[str] = ()) -> dict[str, str]:
 
 
 def code_folder(files: dict) -> Path:
-    """A folder in the system's temporary folder holding exactly ``files``, named by their digest and shared by
-    this user's workers on the machine: every job's workers leave one folder per version of the code, not one
-    each (a worker is killed, never asked to clean up). Written whole in a new folder that is then renamed
-    into place; a folder of that name holding anything else (a cleaner removed files from it) is not used:
-    the worker gets a private copy, and a warning says why."""
+    """A folder in the system's temporary folder holding ``files``, named by their digest and shared by this
+    user's workers on the machine: every job's workers leave one folder per version of the code, not one each
+    (a worker is killed, never asked to clean up). Made whole in a new folder renamed into place; a file of
+    it that a cleaner removed or anything changed is written again (atomically: the right bytes are the same
+    for every reader); files written beside them at run time (bytecode, an analysis's cache) are left alone.
+    A folder of that name that is not this user's alone is not used: the worker gets a private copy, and a
+    warning says why."""
     digest = hashlib.sha256()
     for rel in sorted(files):
         digest.update(rel.encode() + b"\0" + hashlib.sha256(files[rel]).digest())
     shared = Path(tempfile.gettempdir()).resolve() / f"actlake-custom-{os.getuid()}-{digest.hexdigest()[:24]}"
-    if _holds(shared, files):
-        return shared
-    new = Path(tempfile.mkdtemp(prefix="actlake-custom-new-", dir=shared.parent))
-    for rel, data in files.items():
-        target = (new / rel).resolve()
-        if new not in target.parents:
+    if not shared.exists():
+        new = _written(files, Path(tempfile.mkdtemp(prefix="actlake-custom-new-", dir=shared.parent)))
+        try:
+            new.rename(shared)
+        except OSError:  # another worker's copy was renamed first
             shutil.rmtree(new, ignore_errors=True)
-            raise ValueError(f"custom code path escapes its folder: {rel}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-    with contextlib.suppress(OSError):  # another worker's copy was renamed first, or a stale folder is there
-        new.rename(shared)
-    if _holds(shared, files):
-        if new.exists():
-            shutil.rmtree(new, ignore_errors=True)
-        return shared
-    log.warning("%s holds other files than this job's custom code; using a private copy in %s", shared, new)
-    return new
+    if not _ours(shared):
+        private = _written(files, Path(tempfile.mkdtemp(prefix="actlake-custom-")))
+        log.warning("%s is not this user's alone; using a private copy of the custom code in %s", shared, private)
+        return private
+    stale = [rel for rel, data in files.items() if not _same(shared / rel, data)]
+    if stale:
+        log.warning("%s: %s differed from the job's custom code; written again", shared, ", ".join(sorted(stale)))
+        _written({rel: files[rel] for rel in stale}, shared, made=False)
+    return shared
 
 
-def _holds(folder: Path, files: dict) -> bool:
-    """Whether ``folder`` is this user's, writable by no one else, and holds exactly ``files`` (and the bytecode
-    Python compiled from them)."""
+def _written(files: dict, root: Path, made: bool = True) -> Path:
+    """``root`` with ``files`` written into it, each whole (a temporary file renamed into place). A path out of
+    ``root`` is a ValueError; ``made``: ``root`` was made for them, and is removed when writing fails."""
+    try:
+        for rel, data in files.items():
+            target = (root / rel).resolve()
+            if root not in target.parents:
+                raise ValueError(f"custom code path escapes its folder: {rel}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, target)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)  # left only when writing failed
+    except BaseException:
+        if made:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    return root
+
+
+def _ours(folder: Path) -> bool:
+    """Whether ``folder`` is a folder of this user's that no one else may write in."""
     try:
         st = folder.lstat()
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            return False
-        present = {str(p.relative_to(folder)) for p in folder.rglob("*")
-                   if (p.is_file() or p.is_symlink()) and "__pycache__" not in p.parts}  # Python's own bytecode
-        return present == set(files) and all((folder / rel).read_bytes() == data for rel, data in files.items())
     except OSError:
         return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
+
+def _same(path: Path, data: bytes) -> bool:
+    try:
+        return path.read_bytes() == data
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -183,7 +207,7 @@ class ShardWorker:
         self.group = Group(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
         if target.read_in_process:
-            from actlake.jobs.read import ReaderProcess  # loads torch (batching): imported when used
+            from actlake.jobs.read import ReaderProcess  # loads transformers (the tokenizer): imported when used
 
             self.extractor.reader = ReaderProcess(target.cfg_dict, self.extractor.lm.tokenizer)
         self.counter = target.counter

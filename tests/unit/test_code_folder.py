@@ -38,21 +38,34 @@ def test_one_folder_per_version_of_the_code(system_tmp):
     assert oct(first.stat().st_mode & 0o777) == oct(0o700)
 
 
-def test_the_bytecode_python_writes_there_does_not_unshare_it(system_tmp):
+def test_files_written_there_at_run_time_do_not_unshare_it(system_tmp, caplog):
     folder = code_folder(FILES)
     subprocess.run([sys.executable, "-c", "import mine.counts"], cwd=folder, check=True,
                    env={"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"})
     assert any(p.suffix == ".pyc" for p in folder.rglob("*"))
-    assert code_folder(FILES) == folder
+    (folder / "mine" / "cache.json").write_text("{}")  # an analysis's own cache beside its module
+    with caplog.at_level(logging.WARNING, logger="actlake.worker"):
+        assert code_folder(FILES) == folder
+    assert caplog.text == "" and (folder / "mine" / "cache.json").exists()
 
 
-def test_a_damaged_shared_folder_is_not_used(system_tmp, caplog):
+def test_a_damaged_shared_folder_is_written_again(system_tmp, caplog):
     shared = code_folder(FILES)
-    (shared / "mine" / "counts.py").write_bytes(b"WHO = 'edited'\n")  # or removed by a cleaner of old files
+    (shared / "mine" / "counts.py").write_bytes(b"WHO = 'edited'\n")
+    (shared / "mine" / "__init__.py").unlink()  # removed by a cleaner of old files
+    with caplog.at_level(logging.WARNING, logger="actlake.worker"):
+        assert code_folder(FILES) == shared
+    assert _contents(shared) == FILES and len(list(system_tmp.iterdir())) == 1
+    assert f"{shared}: mine/__init__.py, mine/counts.py differed from the job's custom code; written again" in caplog.text
+
+
+def test_a_shared_folder_others_may_write_in_is_not_used(system_tmp, caplog):
+    shared = code_folder(FILES)
+    shared.chmod(0o777)
     with caplog.at_level(logging.WARNING, logger="actlake.worker"):
         private = code_folder(FILES)
     assert private != shared and _contents(private) == FILES
-    assert f"{shared} holds other files than this job's custom code" in caplog.text
+    assert f"{shared} is not this user's alone; using a private copy" in caplog.text
 
 
 def test_a_path_out_of_the_folder_is_refused_and_nothing_stays(system_tmp):
