@@ -71,6 +71,7 @@ def _run_child(run_dir, sql: str, fmt: str, output: str | None, timeout_s: float
            "tmp_dir": scratch}
     proc = subprocess.Popen([sys.executable, "-m", "actlake.storage.sql_process"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    part = output and _part_path(output, proc.pid)
     err: list[bytes] = []
     relays = [threading.Thread(target=_relay, args=(proc.stdout, sys.stdout.buffer), daemon=True),
               threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)]
@@ -89,14 +90,14 @@ def _run_child(run_dir, sql: str, fmt: str, output: str | None, timeout_s: float
             except psutil.NoSuchProcess:
                 pass
             time.sleep(POLL_S)
-    except BaseException:  # a limit, or Ctrl-C: the child goes too, and the Parquet it was writing
+    except BaseException:  # a limit, or Ctrl-C: the child goes too
         proc.kill()
         proc.wait()
-        if output:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(_part_path(output, proc.pid))
         raise
     finally:
+        if output and proc.returncode:  # killed here or by the system, or failed: the Parquet it was writing
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
         for t in relays:
             t.join(timeout=10)
         sys.stdout.flush()

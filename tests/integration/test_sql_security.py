@@ -406,11 +406,25 @@ def test_the_time_limit_holds_inside_one_long_operator(run, cwd, system_tmp, tmp
 def test_a_query_stopped_while_writing_parquet_leaves_no_part_file(run, cwd, system_tmp, tmp_path, capsys):
     """Rows streaming into ``-o`` when the time limit kills the query process: its partial file went with it
     only when the process cleaned up itself, and a killed one cannot."""
-    out = tmp_path / "rows.parquet"
-    assert main(["sql", str(run), "SELECT i, repeat('x', 1000) AS s FROM range(100000000000) t(i)",
-                 "--format", "parquet", "-o", str(out), "--timeout", "4"]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "actlake: error: query stopped after the 4s time limit"
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("rows")] == []
+    import threading
+
+    out, seen, stop = tmp_path / "rows.parquet", set(), threading.Event()
+
+    def watch():  # the part file the query writes, seen before the limit
+        while not stop.is_set():
+            seen.update(p.name for p in tmp_path.glob("rows.parquet.part-*"))
+            stop.wait(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert main(["sql", str(run), "SELECT i, repeat('x', 1000) AS s FROM range(100000000000) t(i)",
+                     "--format", "parquet", "-o", str(out), "--timeout", "8"]) == 2
+    finally:
+        stop.set()
+        watcher.join()
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "actlake: error: query stopped after the 8s time limit"
+    assert seen and [p.name for p in tmp_path.iterdir() if p.name.startswith("rows")] == []
     assert list(system_tmp.iterdir()) == []
 
 
