@@ -194,8 +194,8 @@ class Dispatcher:
 
     def _watch(self) -> None:
         """With nothing left to hand out and a worker free that has answered before, take back the shards
-        waiting on a worker that is not up (looked up at most every :data:`WATCH_S` seconds, while no result
-        comes in, in Ray's actor table).
+        waiting on a worker that is not up (looked up in Ray's actor table before the dispatcher waits, at
+        most every :data:`WATCH_S` seconds).
 
         A call sent to an actor that is not up waits for it: a worker still loading its model, being restarted,
         or not placed yet. That may never come: a node lost while its worker was starting left the job waiting
