@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-
 from typing import TYPE_CHECKING
 
 import numpy as np
