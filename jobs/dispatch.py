@@ -210,22 +210,21 @@ class Dispatcher:
                 or time.monotonic() - self.watched_at < WATCH_S):
             return
         self.watched_at = time.monotonic()
-        holding: dict[str, list] = {}
+        holding: dict[str, tuple] = {}  # worker -> (its handle, the refs of the shards it holds)
         for ref, (kind, w, _) in self.in_flight.items():
             if kind == "shard":
-                holding.setdefault(_key(w), []).append(ref)
+                holding.setdefault(_key(w), (w, []))[1].append(ref)
         if not holding:
             return
         try:
-            states = _actor_states([self.in_flight[refs[0]][1] for refs in holding.values()])
+            states = _actor_states([w for w, _ in holding.values()])
         except Exception as e:  # noqa: BLE001 - the lookup is an aid: the job goes on waiting as before
             log.warning("could not read the workers' states from Ray (%s: %s)", type(e).__name__, e)
             return
-        for key, refs in holding.items():
+        for key, (w, refs) in holding.items():
             state, restarts = states.get(key, ("ALIVE", 0))
             if state == "ALIVE":
                 continue
-            w = self.in_flight[refs[0]][1]
             lost = [self.in_flight.pop(ref)[2] for ref in refs]
             for ref in refs:
                 ray.cancel(ref)  # still waiting for the worker: it need not run there
