@@ -62,7 +62,7 @@ def _actor_states(workers: list) -> dict[str, tuple[str, int]]:
 
 
 def read_actor_states(actor_ids: list[str]) -> dict[str, tuple[str, int]]:
-    """:func:`_actor_states` in a process of the cluster: read from Ray's control store (about 2 ms an actor)
+    """:func:`_actor_states` in a process of the cluster: read from Ray's control store (one call an actor)
     through Ray's own private accessor, the public ``ray.util.state`` needing the dashboard, which jobs do not
     start. An actor the table does not hold is left out."""
     from ray._private import state  # loads ray: imported when used
