@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -16,6 +17,8 @@ from pathlib import Path
 from actlake.errors import StorageError
 from actlake.fs import ObjectPath, location, write_atomic
 from actlake.storage.layout import RunLayout, sweep_checkpoints
+
+log = logging.getLogger("actlake.report")
 
 
 def _blocks(con, analyses) -> list:
@@ -265,7 +268,7 @@ def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
         png = chart.properties(title=alt.TitleParams(title, anchor="start", limit=900)).to_dict()
         files[f"{slug}.png"] = vlc.vegalite_to_png(png, scale=1.5)
         sections.append(f"<section><h2>{html.escape(title)}</h2><div class='chart' id='chart-{slug}'></div></section>")
-    bundle = vlc.javascript_bundle().replace("</script>", "<\\/script>")
+    bundle = vega_bundle().replace("</script>", "<\\/script>")
     embed = "\n".join(
         f"vegaEmbed('#chart-{slug}', {json.dumps(spec)}, {{actions: false, renderer: 'svg'}})"
         f".catch(e => {{ console.error(e); document.getElementById('chart-{slug}').textContent = 'chart failed: ' + e; }});"
@@ -283,6 +286,29 @@ def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
     files["report.html"] = page.encode("utf-8")
     _replace_report(layout, files)
     return layout.report / "report.html"
+
+
+def vega_bundle() -> str:
+    """vl-convert's JavaScript bundle of Vega, Vega-Lite and vega-embed that the page inlines (about 0.9 MB).
+    vl-convert takes 1-2 s of CPU to build it, so it is kept per vl-convert version in actlake's cache folder
+    (:func:`~actlake.storage.verified.cache_dir`); where that folder cannot be written it is built each time."""
+    import vl_convert as vlc  # loads vl_convert: imported when used
+
+    from actlake.storage.verified import cache_dir
+
+    cached = cache_dir() / f"vega-bundle-{vlc.__version__}.js"
+    try:
+        text = cached.read_text(encoding="utf-8")
+        if text:
+            return text
+    except (OSError, ValueError):  # not there yet, or not text
+        pass
+    bundle = vlc.javascript_bundle()
+    try:
+        write_atomic(cached, bundle.encode("utf-8"))
+    except OSError as e:  # a read-only home
+        log.info("cannot keep the Vega bundle in %s (%s)", cached, e)
+    return bundle
 
 
 def _replace_report(layout: RunLayout, files: dict[str, bytes]) -> None:

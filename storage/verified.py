@@ -26,8 +26,13 @@ MAX_ENTRIES = 200_000
 """Files remembered at most (the oldest entries are dropped first)."""
 
 
+def cache_dir() -> Path:
+    """actlake's per-user cache folder: ``$XDG_CACHE_HOME/actlake`` (default ``~/.cache/actlake``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "actlake"
+
+
 def cache_file() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "actlake" / "verified.json"
+    return cache_dir() / "verified.json"
 
 
 def signature(path) -> list:

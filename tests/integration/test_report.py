@@ -74,3 +74,26 @@ def test_report_draws_the_sink_head_by_head_and_the_massive_activations(report_r
     for row, (_, t) in zip(rows, top.sort_values("layer").iterrows()):
         bos_cell = row.split("<td>")[2]  # after the layer, the first role: bos
         assert bos_cell.startswith(f"<b>{int(t.dim)}</b>: {t['mean']:.3g} ")
+
+
+def test_fig4_draws_each_dimensions_range_over_the_heads(report_run):
+    """Fig. 4's data: per (layer, dimension) the lowest, mean and highest over the heads of mean C_j over every
+    valid pair, recomputed from the raw sums; a row per (layer, dimension), not per head and key category."""
+    import numpy as np
+
+    from actlake import open_run
+    from actlake.analysis.contributions import contribution_layers, contribution_ranges
+
+    con = open_run(str(report_run.run_dir))
+    layers = contribution_layers(con)
+    raw = con.execute("SELECT layer, head, dim, contribution_sum, n_pairs FROM contributions "
+                      "WHERE query_category = 'all'").df()
+    drawn = contribution_ranges(con, layers)
+    d = con.execute("SELECT count(DISTINCT dim) FROM contributions").fetchall()[0][0]
+    con.close()
+    per_head = raw[raw.layer.isin(layers)].groupby(["layer", "head", "dim"])[["contribution_sum", "n_pairs"]].sum()
+    c = (per_head.contribution_sum / per_head.n_pairs).groupby(["layer", "dim"])
+    assert len(drawn) == len(layers) * d
+    for column, expected in (("lowest", c.min()), ("mean", c.mean()), ("highest", c.max())):
+        np.testing.assert_allclose(drawn.set_index(["layer", "dim"])[column].to_numpy(), expected.to_numpy(), rtol=1e-9)
+    assert (drawn.highest > drawn.lowest).any()  # the heads differ
