@@ -32,13 +32,19 @@ def url(path) -> str:
 
 
 class ReadOnlyFiles(AbstractFileSystem):
-    """Serves exactly ``files`` (absolute Paths or ObjectPaths), read-only."""
+    """Serves exactly ``files`` (absolute Paths or ObjectPaths), read-only.
+
+    A committed file is never written again (its name is unique), so its size and time are read once per
+    file system (one connection): DuckDB asks for them several times per open, each one a HEAD request on
+    an object store."""
 
     protocol = PROTOCOL
 
     def __init__(self, files, **kwargs):
         super().__init__(skip_instance_cache=True, **kwargs)
         self.files = {_key(f): f for f in files}
+        self._infos: dict[str, dict] = {}
+        self._infos_lock = threading.Lock()  # DuckDB calls from several threads
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -55,12 +61,18 @@ class ReadOnlyFiles(AbstractFileSystem):
         if mode != "rb":
             raise PermissionError(f"{self._strip_protocol(path)}: read-only (mode {mode!r} refused)")
         p = self._listed(path)
-        return PositionalReader(self.files[p].open("rb"), self.info(p)["size"])
+        return PositionalReader(lambda: self.files[p].open("rb"), self.info(p)["size"])
 
     def info(self, path, **kwargs):
         p = self._listed(path)
-        st = self.files[p].stat()
-        return {"name": p, "size": st.st_size, "type": "file", "mtime": st.st_mtime_ns / 1e9}
+        with self._infos_lock:
+            known = self._infos.get(p)
+        if known is None:
+            st = self.files[p].stat()
+            known = {"name": p, "size": st.st_size, "type": "file", "mtime": st.st_mtime_ns / 1e9}
+            with self._infos_lock:
+                self._infos[p] = known
+        return dict(known)
 
     def ls(self, path, detail=True, **kwargs):
         entry = self.info(path)
@@ -79,12 +91,24 @@ class PositionalReader(io.RawIOBase):
     """A read-only file whose position is each thread's own, every read a positional one (``pread``; a pyarrow
     file's ``read_at``). DuckDB reads a Parquet file's row groups from several threads through one handle, as a
     seek and then a read: on one shared position another thread's seek could land between the two, and the
-    read return another part of the file (seen on an object store: "don't know what type")."""
+    read return another part of the file (seen on an object store: "don't know what type").
 
-    def __init__(self, f, size: int):
+    ``open_file()`` opens the file at the first read: DuckDB opens a file whose footer it has cached
+    (``parquet_metadata_cache``) and reads nothing from it, and on an object store each open is a request."""
+
+    def __init__(self, open_file, size: int):
         super().__init__()
-        self._f, self._size, self._local = f, size, threading.local()
-        self._fd = None if hasattr(f, "read_at") else f.fileno()  # pyarrow's positional read, else pread
+        self._open_file, self._size, self._local = open_file, size, threading.local()
+        self._f = self._fd = None
+        self._opening = threading.Lock()
+
+    def _file(self):
+        with self._opening:
+            if self._f is None:
+                f = self._open_file()
+                self._fd = None if hasattr(f, "read_at") else f.fileno()  # pyarrow's positional read, else pread
+                self._f = f
+        return self._f
 
     def readable(self) -> bool:
         return True
@@ -103,7 +127,8 @@ class PositionalReader(io.RawIOBase):
     def read(self, size: int = -1) -> bytes:
         pos = self.tell()
         n = max(0, self._size - pos) if size is None or size < 0 else min(size, max(0, self._size - pos))
-        data = os.pread(self._fd, n, pos) if self._fd is not None else bytes(self._f.read_at(n, pos))
+        f = self._file()
+        data = os.pread(self._fd, n, pos) if self._fd is not None else bytes(f.read_at(n, pos))
         self._local.pos = pos + len(data)
         return data
 
@@ -113,6 +138,6 @@ class PositionalReader(io.RawIOBase):
         return len(data)
 
     def close(self) -> None:
-        if not self.closed:
+        if not self.closed and self._f is not None:
             self._f.close()
         super().close()

@@ -93,29 +93,42 @@ def check_statement(sql: str) -> None:
         raise QueryError(f"read-only: {kind} statements are not allowed (only SELECT and EXPLAIN SELECT)")
 
 
-def _file_schema(path):
+def _file_metadata(path):
+    """The Parquet footer of ``path`` (StorageError naming the file if it is not Parquet)."""
     import pyarrow.parquet as pq  # loads pyarrow: imported when used
 
     try:
         fs, key = arrow(path)
-        return pq.read_schema(key, filesystem=fs)
+        with fs.open_input_file(key) as f:
+            return pq.read_metadata(f)
     except Exception as e:
         raise StorageError(f"{path}: not a readable Parquet file ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _file_schema(path):
+    return _file_metadata(path).schema.to_arrow_schema()
 
 
 def _fixed_size_casts(files: list[Path]) -> list[str]:
     """Parquet has no fixed-size list; columns written as one (Arrow schema kept in the file) become FLOAT[d].
 
-    Reads every file's footer, so a committed file that is not Parquet is named before any query.
-    """
+    Reads every file's footer, so a committed file that is not Parquet is named before any query. A file with
+    no rows says nothing of d (an empty activation sample is written with d = 1); files of one table that
+    disagree on d are an error naming both."""
     import pyarrow as pa  # loads pyarrow: imported when used
 
-    out = {}
+    sizes: dict[str, tuple[int, object]] = {}
     for path in files:
-        for f in _file_schema(path):
+        meta = _file_metadata(path)
+        if meta.num_rows == 0:
+            continue
+        for f in meta.schema.to_arrow_schema():
             if pa.types.is_fixed_size_list(f.type) and f.type.list_size > 0:
-                out[f.name] = f'CAST({_ident(f.name)} AS FLOAT[{f.type.list_size}]) AS {_ident(f.name)}'
-    return list(out.values())
+                size, first = sizes.setdefault(f.name, (f.type.list_size, path))
+                if size != f.type.list_size:
+                    raise StorageError(f"{path}: column {f.name!r} holds vectors of {f.type.list_size} values, "
+                                       f"{first} of {size}")
+    return [f'CAST({_ident(name)} AS FLOAT[{size}]) AS {_ident(name)}' for name, (size, _) in sizes.items()]
 
 
 def _ident(name: str) -> str:
@@ -140,7 +153,8 @@ def _connect(private: str, memory_limit: str, threads: int | None, max_temp_size
     con = duckdb.connect(db, read_only=True)
     settings = {"temp_directory": os.path.join(private, "spill"), "max_temp_directory_size": max_temp_size,
                 "memory_limit": memory_limit, "autoinstall_known_extensions": "false",
-                "autoload_known_extensions": "false", "python_enable_replacements": "false"}
+                "autoload_known_extensions": "false", "python_enable_replacements": "false",
+                "parquet_metadata_cache": "true"}
     if threads:
         settings["threads"] = str(int(threads))
     for name, value in settings.items():

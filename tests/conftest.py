@@ -228,8 +228,9 @@ def job_config(model_path, corpus: Path, out_dir: Path, **overrides):
 def s3_server():
     """A real S3-compatible server (moto) on 127.0.0.1, with the standard AWS variables pointing at it.
 
-    Yields ``make_bucket(name) -> "s3://name"``. The variables are set for the whole session (workers
-    of the session's Ray get them from the job, which forwards the S3 settings; see actlake/jobs/ray_env.py)."""
+    Yields ``make_bucket(name) -> "s3://name"``, whose ``requests`` lists the server's requests as (method, path)
+    from every process. The variables are set for the whole session (workers of the session's Ray get them from
+    the job, which forwards the S3 settings; see actlake/jobs/ray_env.py)."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -237,6 +238,14 @@ def s3_server():
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    requests: list[tuple[str, str]] = []
+    app = server._server.app  # the WSGI application its HTTP server calls for every request
+
+    def recorded(environ, start_response):
+        requests.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")))
+        return app(environ, start_response)
+
+    server._server.app = recorded
     host, port = server.get_host_and_port()
     env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "actlake-test",
            "AWS_SECRET_ACCESS_KEY": "actlake-test-secret", "AWS_DEFAULT_REGION": "us-east-1",
@@ -249,6 +258,8 @@ def s3_server():
     def make_bucket(name: str) -> str:
         client.create_bucket(Bucket=name)
         return f"s3://{name}"
+
+    make_bucket.requests = requests
 
     try:
         yield make_bucket

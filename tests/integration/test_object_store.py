@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -60,9 +61,18 @@ def test_a_job_reads_and_writes_only_the_bucket(minilm_path, sample_corpus, corp
     assert "r1/run.json" in keys and any(k.startswith("_corpus_index/") for k in keys)
     assert not any(k.startswith("r1/_staging") for k in keys)  # no rename in a bucket, so nothing is staged
     # the CLI queries the run where it lies
+    del s3_server.requests[:]
     assert main(["sql", f"{runs}/r1", "SELECT count(*) AS n FROM tokens", "--format", "csv"]) == 0
     n = capsys.readouterr().out.strip().splitlines()[-1]
     assert int(n) == len(reference["tokens"])
+    # a HEAD request per read of a file (pyarrow's open) and at most three more (its checksum check's look,
+    # the run's reduce record's, and the connection's file system's first); DuckDB asks for a file's size and
+    # time many times per query: those are answered from the first (24-34 HEADs for 6-8 reads before)
+    heads, gets = ({path: n for (m, path), n in Counter(s3_server.requests).items() if m == method and
+                    path.endswith(".parquet")} for method in ("HEAD", "GET"))
+    files = {f"/runs-a/{k}" for k in keys if k.startswith("r1/tables/") and k.endswith(".parquet")}
+    assert set(heads) == set(gets) == files
+    assert all(heads[p] <= gets[p] + 3 for p in files), {p: (heads[p], gets[p]) for p in files}
     assert main(["report", f"{runs}/r1"]) == 0  # and its report, read and written there
     assert "r1/report/report.html" in location(runs).sizes() and list(tmp_path.iterdir()) == []
 

@@ -69,8 +69,14 @@ def test_the_read_only_files_keep_a_position_per_thread(tmp_path, kind):
     path = tmp_path / "blob"
     data = bytes(range(256)) * 64
     path.write_bytes(data)
-    f = path.open("rb") if kind == "local" else pafs.LocalFileSystem().open_input_file(str(path))
-    reader = PositionalReader(f, len(data))
+    opened = []
+
+    def open_file():
+        opened.append(path.open("rb") if kind == "local" else pafs.LocalFileSystem().open_input_file(str(path)))
+        return opened[-1]
+
+    reader = PositionalReader(open_file, len(data))
+    assert opened == []  # opened at the first read, not before
     sought, moved = threading.Event(), threading.Event()
     got = {}
 
@@ -94,4 +100,6 @@ def test_the_read_only_files_keep_a_position_per_thread(tmp_path, kind):
     assert got == {"first": data[100:150], "second": data[9000:9030]}
     reader.seek(-4, 2)
     assert reader.read() == data[-4:] and reader.tell() == len(data)
+    assert len(opened) == 1  # once, for both threads
     reader.close()
+    assert opened[0].closed
