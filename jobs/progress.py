@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 
 log = logging.getLogger("actlake.progress")
 
@@ -21,26 +23,66 @@ LOG_EVERY_S = 10.0
 
 
 class BatchCounter:
-    """Totals the workers add to, batch by batch (a Ray actor: :func:`counter_actor`)."""
+    """Totals the workers add to, batch by batch, per job (a Ray actor: :func:`job_counter`)."""
 
     def __init__(self):
-        self.docs, self.tokens, self.batches = 0.0, 0, 0
+        self.jobs: dict[str, tuple[float, int, int]] = {}
+
+    def add(self, job: str, docs: float, tokens: int) -> None:
+        d, t, b = self.jobs.get(job, (0.0, 0, 0))
+        self.jobs[job] = (d + docs, t + tokens, b + 1)
+
+    def totals(self, job: str) -> tuple[float, int, int]:
+        return self.jobs.get(job, (0.0, 0, 0))
+
+    def forget(self, job: str) -> None:
+        self.jobs.pop(job, None)
+
+
+@dataclass(frozen=True)
+class JobCounter:
+    """One job's totals in the driver's :class:`BatchCounter` (what a worker holds: a batch is one call it does
+    not wait for)."""
+
+    actor: object
+    job: str
 
     def add(self, docs: float, tokens: int) -> None:
-        self.docs, self.tokens, self.batches = self.docs + docs, self.tokens + tokens, self.batches + 1
+        self.actor.add.remote(self.job, docs, tokens)
 
     def totals(self) -> tuple[float, int, int]:
-        return self.docs, self.tokens, self.batches
+        import ray  # loads ray: imported when used
+
+        return ray.get(self.actor.totals.remote(self.job))
+
+    def close(self) -> None:
+        self.actor.forget.remote(self.job)
 
 
-def counter_actor():
-    """A :class:`BatchCounter` actor that takes no CPU of the workers' and lives on the driver's node: the driver
-    reads it every tick, so a worker node lost mid-job must not take it along (the job would end with it)."""
+_counter: tuple | None = None
+"""(Ray session, actor): the driver's :class:`BatchCounter`, made by the first job of its Ray session."""
+
+
+def job_counter() -> JobCounter:
+    """A new job's totals in the driver's :class:`BatchCounter` actor, which lives on the driver's node and takes no
+    CPU of the workers': the driver reads it every tick, so a worker node lost mid-job must not take it along
+    (the job would end with it). The jobs of one Ray session share the actor (a sweep's checkpoints, a notebook's
+    jobs): each one would otherwise start a Python process (about 0.7 CPU-seconds) to count its batches."""
     import ray  # loads ray: imported when used
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # loads ray: imported when used
 
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(num_cpus=0)(BatchCounter).options(scheduling_strategy=here).remote()
+    global _counter
+    ctx = ray.get_runtime_context()
+    session, job = (ctx.get_job_id(), ctx.get_node_id()), uuid.uuid4().hex
+    if _counter is not None and _counter[0] == session:
+        try:
+            ray.get(_counter[1].totals.remote(job), timeout=60)
+            return JobCounter(_counter[1], job)
+        except Exception:  # noqa: BLE001 - gone (killed, or its node lost): a new one
+            log.info("the progress counter is gone; starting another")
+    here = NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=False)
+    _counter = (session, ray.remote(num_cpus=0)(BatchCounter).options(scheduling_strategy=here).remote())
+    return JobCounter(_counter[1], job)
 
 
 class Progress:

@@ -20,7 +20,7 @@ from actlake.fs import ObjectPath, location, remove_tree
 from actlake.jobs.dispatch import Dispatcher
 from actlake.jobs.kept_workers import keep, kept_key, take_kept
 from actlake.jobs.plan import plan_hash, plan_with_inputs, planned_labels
-from actlake.jobs.progress import Progress, counter_actor
+from actlake.jobs.progress import Progress, job_counter
 from actlake.jobs.ray_env import init_ray, release_ray, store_env
 from actlake.jobs.reduce import reduce_run
 from actlake.jobs.report import build_report
@@ -307,7 +307,7 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         streamed = any(s.fmt == HF_STREAM for s in pending)  # its shards' record counts are unknown
         progress = Progress(None if streamed else sum(s.end - s.start for s in pending), len(pending),
                             skipped=total - len(pending))
-        counter = counter_actor()
+        counter = job_counter()
         target = Target(cfg.to_dict(), str(layout.root), phash, counter, read_in_process(cfg, gpus))
         options = worker_options(cfg, cpus, gpus)
         key = kept_key(cfg, options, threads, env)
@@ -329,16 +329,17 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
 
             dispatcher = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored,
                                     on_ran=progress.shard_ran, target=target,
-                                    on_tick=lambda: progress.tick(ray.get(counter.totals.remote())))
+                                    on_tick=lambda: progress.tick(counter.totals()))
             summaries, failures = dispatcher.run(pending)
-            progress.tick(ray.get(counter.totals.remote()))
+            progress.tick(counter.totals())
             if cfg.model.offload_folder:
                 _close_workers(workers)
             if not failures and not dispatcher.deaths:  # a restarted worker has used some of its restarts
                 kept = keep(key, workers)
         finally:  # also when the driver fails: no actor outlives the job (or the sweep that keeps it)
             progress.close()
-            for w in [w for w in workers if w not in kept] + [counter]:
+            counter.close()
+            for w in [w for w in workers if w not in kept]:
                 ray.kill(w)
         if failures:
             check_inputs_after_failure(layout, inputs or {}, len(failures))

@@ -171,7 +171,7 @@ class ShardWorker:
         """``store_env``: the driver's object-store variables (:func:`actlake.jobs.ray_env.store_env`), set in
         this process before any store is opened. An argument, never a ``runtime_env``: Ray writes a
         runtime_env's variables in plain text to its agent's log. ``counter``: the job's
-        :class:`~actlake.jobs.progress.BatchCounter` actor, told of every finished batch. ``read_in_process``:
+        :class:`~actlake.jobs.progress.JobCounter`, told of every finished batch. ``read_in_process``:
         shards are read by a :class:`~actlake.jobs.read.ReaderProcess` (``resources.read_in_process``)."""
         os.environ.update(store_env or {})
         import torch  # loads torch: imported when used
@@ -232,7 +232,7 @@ class ShardWorker:
 
         self._on(target)
         shard = Shard(**shard_dict)
-        on_batch = None if self.counter is None else (lambda docs, tokens: self.counter.add.remote(docs, tokens))
+        on_batch = None if self.counter is None else self.counter.add
         with self._analyses_named():
             try:
                 summary = self.extractor.process(shard, self.layout, self.group, self.compute, on_batch)

@@ -14,21 +14,27 @@ pytestmark = pytest.mark.integration
 
 def test_progress_moves_batch_by_batch_inside_a_shard(minilm_path, sample_corpus, tmp_path, ray_local, caplog,
                                                       monkeypatch):
+    """Two jobs one after the other, counted by one actor: the second's progress counts only its own batches."""
     from actlake.config import parse_config
     from actlake.jobs import dispatch, progress
     from actlake.jobs.run import run_job
 
     monkeypatch.setattr(dispatch, "TICK_S", 0.05)
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
-    cfg = parse_config({"name": "progress", "model": {"name_or_path": minilm_path},
-                        "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 16},
-                        "tokenization": {"max_length": 64, "max_windows_per_doc": 2}, "sharding": {"docs_per_shard": 16},
-                        "batching": {"max_tokens": 128},
-                        "analyses": {"contributions": False, "geometry": False, "residual_norms": False, "dim_moments": False},
-                        "output": {"dir": str(tmp_path / "runs"), "run_id": "p", "report": False},
-                        "resources": {"num_workers": 1, "cpus_per_worker": 1}})
+    data = {"name": "progress", "model": {"name_or_path": minilm_path},
+            "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 16},
+            "tokenization": {"max_length": 64, "max_windows_per_doc": 2}, "sharding": {"docs_per_shard": 16},
+            "batching": {"max_tokens": 128},
+            "analyses": {"contributions": False, "geometry": False, "residual_norms": False, "dim_moments": False},
+            "output": {"dir": str(tmp_path / "runs"), "run_id": "p", "report": False},
+            "resources": {"num_workers": 1, "cpus_per_worker": 1}}
     with caplog.at_level(logging.INFO, logger="actlake.progress"):
-        res = run_job(cfg)
+        first = run_job(parse_config(data | {"output": data["output"] | {"run_id": "p0"}}))
+        counter = progress._counter[1]
+        caplog.clear()
+        res = run_job(parse_config(data))
+    assert progress._counter[1] == counter  # the jobs of one Ray session count with one actor
+    assert res.totals["tokens"] == first.totals["tokens"]  # ... each job its own batches (checked below)
     lines = [r.getMessage() for r in caplog.records if r.name == "actlake.progress"]
     moving = [ln for ln in lines if ln.startswith("documents ")]
     done = [ln for ln in lines if ln.startswith("shard ")]
