@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,9 +29,13 @@ class BatchCounter:
     def __init__(self):
         self.jobs: dict[str, tuple[float, int, int]] = {}
 
+    def start(self, job: str) -> None:
+        self.jobs[job] = (0.0, 0, 0)
+
     def add(self, job: str, docs: float, tokens: int) -> None:
-        d, t, b = self.jobs.get(job, (0.0, 0, 0))
-        self.jobs[job] = (d + docs, t + tokens, b + 1)
+        if job in self.jobs:  # not a late batch of a job that has ended (Ray orders calls per caller only)
+            d, t, b = self.jobs[job]
+            self.jobs[job] = (d + docs, t + tokens, b + 1)
 
     def totals(self, job: str) -> tuple[float, int, int]:
         return self.jobs.get(job, (0.0, 0, 0))
@@ -61,6 +66,7 @@ class JobCounter:
 
 _counter: tuple | None = None
 """(Ray session, actor): the driver's :class:`BatchCounter`, made by the first job of its Ray session."""
+_counter_lock = threading.Lock()
 
 
 def job_counter() -> JobCounter:
@@ -74,15 +80,19 @@ def job_counter() -> JobCounter:
     global _counter
     ctx = ray.get_runtime_context()
     session, job = (ctx.get_job_id(), ctx.get_node_id()), uuid.uuid4().hex
-    if _counter is not None and _counter[0] == session:
-        try:
-            ray.get(_counter[1].totals.remote(job), timeout=60)
-            return JobCounter(_counter[1], job)
-        except Exception:  # noqa: BLE001 - gone (killed, or its node lost): a new one
-            log.info("the progress counter is gone; starting another")
-    here = NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=False)
-    _counter = (session, ray.remote(num_cpus=0)(BatchCounter).options(scheduling_strategy=here).remote())
-    return JobCounter(_counter[1], job)
+    with _counter_lock:
+        if _counter is not None and _counter[0] == session:
+            try:
+                ray.get(_counter[1].start.remote(job), timeout=60)
+                return JobCounter(_counter[1], job)
+            except Exception:  # noqa: BLE001 - gone (killed, or its node lost): a new one
+                log.info("the progress counter is gone; starting another")
+        here = NodeAffinitySchedulingStrategy(ctx.get_node_id(), soft=False)
+        _counter = (session, ray.remote(num_cpus=0)(BatchCounter).options(scheduling_strategy=here).remote())
+        # sent before the job's workers exist (their first batch follows the model's load); a batch that still
+        # came first would only be missing from the progress shown, never from the job
+        _counter[1].start.remote(job)
+        return JobCounter(_counter[1], job)
 
 
 class Progress:

@@ -336,11 +336,11 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
                 _close_workers(workers)
             if not failures and not dispatcher.deaths:  # a restarted worker has used some of its restarts
                 kept = keep(key, workers)
-        finally:  # also when the driver fails: no actor outlives the job (or the sweep that keeps it)
+        finally:  # also when the driver fails: no worker outlives the job (or the sweep that keeps it)
             progress.close()
-            counter.close()
             for w in [w for w in workers if w not in kept]:
                 ray.kill(w)
+            counter.close()  # the driver's counter stays for its next job
         if failures:
             check_inputs_after_failure(layout, inputs or {}, len(failures))
             raise ActlakeError(f"{len(failures)} shard(s) failed; rerun the same run id to retry them:\n  " + "\n  ".join(failures))

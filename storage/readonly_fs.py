@@ -34,9 +34,11 @@ def url(path) -> str:
 class ReadOnlyFiles(AbstractFileSystem):
     """Serves exactly ``files`` (absolute Paths or ObjectPaths), read-only.
 
-    A committed file is never written again (its name is unique), so its size and time are read once per
-    file system (one connection): DuckDB asks for them several times per open, each one a HEAD request on
-    an object store."""
+    In an object store a committed object is never written again (every write takes a new name), so its size
+    and time are read once per file system (one connection) and it is opened at the first read: DuckDB asks
+    for them several times per open, and opens files whose footers it has cached, each a request there. On a
+    disk a reduce replaces its tables' files under the same names: each open takes the file's size from the
+    opened file itself."""
 
     protocol = PROTOCOL
 
@@ -61,18 +63,28 @@ class ReadOnlyFiles(AbstractFileSystem):
         if mode != "rb":
             raise PermissionError(f"{self._strip_protocol(path)}: read-only (mode {mode!r} refused)")
         p = self._listed(path)
-        return PositionalReader(lambda: self.files[p].open("rb"), self.info(p)["size"])
+        f = self.files[p]
+        if isinstance(f, ObjectPath):
+            return PositionalReader(lambda: f.open("rb"), self.info(p)["size"])
+        handle = f.open("rb")
+        return PositionalReader(handle, os.fstat(handle.fileno()).st_size)
 
     def info(self, path, **kwargs):
         p = self._listed(path)
+        f = self.files[p]
+        if not isinstance(f, ObjectPath):
+            return self._entry(p, f.stat())
         with self._infos_lock:
             known = self._infos.get(p)
         if known is None:
-            st = self.files[p].stat()
-            known = {"name": p, "size": st.st_size, "type": "file", "mtime": st.st_mtime_ns / 1e9}
+            known = self._entry(p, f.stat())
             with self._infos_lock:
                 self._infos[p] = known
         return dict(known)
+
+    @staticmethod
+    def _entry(p: str, st) -> dict:
+        return {"name": p, "size": st.st_size, "type": "file", "mtime": st.st_mtime_ns / 1e9}
 
     def ls(self, path, detail=True, **kwargs):
         entry = self.info(path)
@@ -93,21 +105,29 @@ class PositionalReader(io.RawIOBase):
     seek and then a read: on one shared position another thread's seek could land between the two, and the
     read return another part of the file (seen on an object store: "don't know what type").
 
-    ``open_file()`` opens the file at the first read: DuckDB opens a file whose footer it has cached
-    (``parquet_metadata_cache``) and reads nothing from it, and on an object store each open is a request."""
+    ``f``: an open file, or a function that opens it, called at the first read (DuckDB opens a file whose
+    footer it has cached, ``parquet_metadata_cache``, and reads nothing from it: an object store's open is a
+    request)."""
 
-    def __init__(self, open_file, size: int):
+    def __init__(self, f, size: int):
         super().__init__()
-        self._open_file, self._size, self._local = open_file, size, threading.local()
-        self._f = self._fd = None
+        self._size, self._local = size, threading.local()
+        self._open_file, self._f, self._fd = (f, None, None) if callable(f) else (None, f, self._fd_of(f))
         self._opening = threading.Lock()
 
+    @staticmethod
+    def _fd_of(f) -> int | None:
+        return None if hasattr(f, "read_at") else f.fileno()  # pyarrow's positional read, else pread
+
     def _file(self):
-        with self._opening:
-            if self._f is None:
-                f = self._open_file()
-                self._fd = None if hasattr(f, "read_at") else f.fileno()  # pyarrow's positional read, else pread
-                self._f = f
+        if self._f is None:
+            with self._opening:
+                if self.closed:
+                    raise ValueError("I/O operation on closed file")
+                if self._f is None:
+                    f = self._open_file()
+                    self._fd = self._fd_of(f)
+                    self._f = f
         return self._f
 
     def readable(self) -> bool:
@@ -138,6 +158,7 @@ class PositionalReader(io.RawIOBase):
         return len(data)
 
     def close(self) -> None:
-        if not self.closed and self._f is not None:
-            self._f.close()
-        super().close()
+        with self._opening:
+            if not self.closed and self._f is not None:
+                self._f.close()
+            super().close()

@@ -118,17 +118,21 @@ def _fixed_size_casts(files: list[Path]) -> list[str]:
     import pyarrow as pa  # loads pyarrow: imported when used
 
     sizes: dict[str, tuple[int, object]] = {}
+    empty: dict[str, int] = {}  # a table of empty files only keeps what they say
     for path in files:
         meta = _file_metadata(path)
-        if meta.num_rows == 0:
-            continue
         for f in meta.schema.to_arrow_schema():
-            if pa.types.is_fixed_size_list(f.type) and f.type.list_size > 0:
-                size, first = sizes.setdefault(f.name, (f.type.list_size, path))
-                if size != f.type.list_size:
-                    raise StorageError(f"{path}: column {f.name!r} holds vectors of {f.type.list_size} values, "
-                                       f"{first} of {size}")
-    return [f'CAST({_ident(name)} AS FLOAT[{size}]) AS {_ident(name)}' for name, (size, _) in sizes.items()]
+            if not (pa.types.is_fixed_size_list(f.type) and f.type.list_size > 0):
+                continue
+            if meta.num_rows == 0:
+                empty[f.name] = min(empty.get(f.name, f.type.list_size), f.type.list_size)
+                continue
+            size, first = sizes.setdefault(f.name, (f.type.list_size, path))
+            if size != f.type.list_size:
+                raise StorageError(f"{path}: column {f.name!r} holds vectors of {f.type.list_size} values, "
+                                   f"{first} of {size}")
+    found = {name: size for name, (size, _) in sizes.items()} | {n: d for n, d in empty.items() if n not in sizes}
+    return [f'CAST({_ident(name)} AS FLOAT[{size}]) AS {_ident(name)}' for name, size in found.items()]
 
 
 def _ident(name: str) -> str:

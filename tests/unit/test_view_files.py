@@ -1,5 +1,5 @@
-"""How a table's view reads its committed files: fixed-size vectors as FLOAT[d] whatever file comes last, each
-file's size and time read once per connection."""
+"""How a table's view reads its committed files: fixed-size vectors as FLOAT[d] whatever file comes last; an
+object's size asked for once per connection, a local file's from the file opened."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def test_an_empty_file_does_not_decide_the_vector_size(tmp_path, empty_last):
     con.register_filesystem(ReadOnlyFiles(files))
     rows = con.execute(f"SELECT i, typeof(h), h FROM ({_view_sql(files)}) ORDER BY i").fetchall()
     assert rows == [(0, "FLOAT[4]", (1.0, 2.0, 3.0, 4.0)), (1, "FLOAT[4]", (5.0, 6.0, 7.0, 8.0))]
+    assert _fixed_size_casts([empty]) == ['CAST("h" AS FLOAT[1]) AS "h"']  # empty files only: still an array
 
 
 def test_files_of_one_table_with_different_vector_sizes_are_named(tmp_path):
@@ -40,12 +41,33 @@ def test_files_of_one_table_with_different_vector_sizes_are_named(tmp_path):
         _fixed_size_casts([a, b])
 
 
-def test_each_files_size_is_read_once_per_connection(tmp_path):
-    """DuckDB asks for a file's size and time several times per query (each a HEAD request on an object store);
-    a committed file never changes, so the file system answers from what it read first, and opens a file only
-    when DuckDB reads from it."""
-    path = _vectors(tmp_path / "a.parquet", [[1, 2]], 2)
+def test_an_objects_size_is_asked_for_once_and_it_is_opened_only_to_be_read(s3_server, tmp_path):
+    """DuckDB asks for a file's size and time several times per query and opens files whose footers it has
+    cached: on an object store (where a committed object is never written again) those cost one HEAD request
+    in all, and an open that reads nothing costs none."""
+    from actlake.fs import location
+
+    obj = location(s3_server("view-files")) / "t" / "part-0.parquet"
+    obj.write_bytes(_vectors(tmp_path / "a.parquet", [[1, 2]], 2).read_bytes())
+    files = ReadOnlyFiles([obj])
+    name = files._strip_protocol(_view_sql([obj]).split("'")[1])
+    del s3_server.requests[:]
+    infos = [files.info(name) for _ in range(5)] + [files.modified(name)]
+    reader = files.open(name, "rb")
+    assert s3_server.requests == [("HEAD", "/view-files/t/part-0.parquet")] and infos[0]["size"] > 0
+    reader.seek(-4, 2)
+    assert reader.read() == b"PAR1" and ("GET", "/view-files/t/part-0.parquet") in s3_server.requests
+    reader.close()
+
+
+def test_a_local_file_replaced_under_its_name_is_read_whole(tmp_path):
+    """On a disk a reduce replaces its tables' files under the same names: a connection's next open reads the
+    new file with its own size, not the size it saw before."""
+    path = _vectors(tmp_path / "part-0.parquet", [[1, 2]], 2)
     files = ReadOnlyFiles([path])
-    before = files.info(str(path))
-    path.write_bytes(b"x")  # not what a committed file does: shows the answer is the remembered one
-    assert files.info(str(path)) == before and before["size"] > 1
+    before = files.info(str(path))["size"]
+    _vectors(tmp_path / "new.parquet", [[1, 2], [3, 4], [5, 6]], 2).replace(path)
+    con = duckdb.connect()
+    con.register_filesystem(files)
+    assert files.info(str(path))["size"] != before
+    assert con.execute(f"SELECT count(*) FROM ({_view_sql([path])})").fetchall() == [(3,)]
