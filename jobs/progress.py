@@ -73,7 +73,7 @@ def job_counter() -> JobCounter:
     """A new job's totals in the driver's :class:`BatchCounter` actor, which lives on the driver's node and takes no
     CPU of the workers': the driver reads it every tick, so a worker node lost mid-job must not take it along
     (the job would end with it). The jobs of one Ray session share the actor (a sweep's checkpoints, a notebook's
-    jobs): each one would otherwise start a Python process (about 0.7 CPU-seconds) to count its batches."""
+    jobs): each one would otherwise start a Python process of its own to count its batches."""
     import ray  # loads ray: imported when used
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # loads ray: imported when used
 

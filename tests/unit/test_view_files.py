@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from actlake.errors import StorageError
-from actlake.storage.readonly_fs import ReadOnlyFiles
+from actlake.storage.readonly_fs import ReadOnlyFiles, url
 from actlake.storage.sql import _fixed_size_casts, _view_sql
 
 
@@ -49,8 +49,7 @@ def test_an_objects_size_is_asked_for_once_and_it_is_opened_only_to_be_read(s3_s
 
     obj = location(s3_server("view-files")) / "t" / "part-0.parquet"
     obj.write_bytes(_vectors(tmp_path / "a.parquet", [[1, 2]], 2).read_bytes())
-    files = ReadOnlyFiles([obj])
-    name = files._strip_protocol(_view_sql([obj]).split("'")[1])
+    files, name = ReadOnlyFiles([obj]), url(obj)
     del s3_server.requests[:]
     infos = [files.info(name) for _ in range(5)] + [files.modified(name)]
     reader = files.open(name, "rb")
