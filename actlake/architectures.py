@@ -1,18 +1,34 @@
-"""Architecture support, declared in one small place per family.
+"""Architecture support: every feature that changes what a number means, declared per family.
 
-A family says where a layer's query/key projections live and what enters them
-(x of METHODS.md: the layer input for post-LN BERT, the normalised input for
-pre-LN models), whether attention is causal, and how positions enter q and k.
-Attention itself is read through the transformers attention interface (see
-``actlake.analysis.engine.capture``), so q and k are always the tensors the model uses.
+A family says where a layer's blocks, attention module and key projection live, how the key rows sit in
+that projection's output (``qkv``), what happens to k between the projection and the kernel (a norm,
+a rotation of some layout), how the output logits are transformed (surprisal), and which features of a
+config it cannot model (refused by name). Attention is read through the transformers attention
+interface (:mod:`actlake.analysis.engine.capture`), so q and k are always the tensors the model uses;
+each worker's first batch checks the declaration against them (:mod:`actlake.analysis.engine.selfcheck`).
+
+Key path (METHODS.md §3): k_n = R_n(g ⊙ (x_n W_K + b_K) / r_n), r_n = rms(x_n W_K + b_K) with a key
+norm (per head or over all key heads, as the model's norm module does), r_n = 1 and g = 1 without.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from dataclasses import dataclass
 
-from actlake.errors import ModelLoadError
+from actlake.errors import ConfigError, ModelLoadError
+
+QKV = ("separate", "stacked", "per_head", "conv1d")
+"""Where k sits in the output of the module at ``Family.key``: the whole output (``separate``); rows
+[q (H d_h) | k (H_kv d_h) | v] (``stacked``); rows (head, [q | k | v], d_h) (``per_head``); GPT-2's Conv1D,
+columns [q | k | v] (``conv1d``)."""
+ROPE = (None, "half", "interleaved", "sin_cos_half")
+"""How positions rotate q and k: pairs (i, i + rot/2) with the model's (cos, sin) (``half``); pairs (2i, 2i+1)
+with (cos, sin) of full width (``interleaved``, Cohere); GPT-J's (sin, cos) of half width, interleaved
+(``sin_cos_half``)."""
+NO_INTERFACE = "attention computed outside the transformers attention interface (its q and k cannot be read)"
 
 
 @dataclass(frozen=True)
@@ -20,33 +36,139 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     """``config.model_type`` values this family covers."""
-    layers: str
+    layers: str = "layers"
     """Dotted path from the base model to the list of transformer blocks."""
-    attention: str
+    attention: str = "self_attn"
     """Dotted path from a block to the module that calls the attention interface."""
-    qk_projections: tuple[str, ...]
-    """Dotted paths from a block to the Q and K projections (one path when fused with V)."""
-    causal: bool
-    rotary: bool
-    """Positions enter q and k by rotation (RoPE; partial for GPT-NeoX)."""
+    key: str = "self_attn.k_proj"
+    """Dotted path from a block to the module whose input is x and whose output holds k."""
+    qkv: str = "separate"
+    """Layout of k in that output (:data:`QKV`); ``"stacked|per_head:multi_query"``: the first when the
+    config attribute after the colon is true, else the second."""
+    causal: bool = True
+    rope: str | None = "half"
+    """:data:`ROPE`."""
+    rope_layers: str | None = None
+    """Config attribute listing per layer whether RoPE is applied (1) or not (0), for NoPE layers."""
+    key_norm: str | None = None
+    """Dotted path from a block to an RMS-type norm applied to k before RoPE (q/k norm), or None."""
+    logits: tuple[str, ...] = ()
+    """Output-logit transforms, ``op:config_attribute`` in order: ``multiply``, ``divide``, ``softcap``."""
+    refuse_if: tuple[tuple[str, str], ...] = ()
+    """(config attribute, reason): a config that sets it truthy uses a feature not modelled here."""
+    refuse: str | None = None
+    """Why no config of this family can be analysed exactly (then nothing else is read)."""
+
+    def qkv_layout(self, config) -> str:
+        if "|" not in self.qkv:
+            return self.qkv
+        choices, _, attr = self.qkv.partition(":")
+        yes, no = choices.split("|")
+        return yes if getattr(config, attr, False) else no
+
+    def rope_on(self, config, layer: int) -> bool:
+        if self.rope is None:
+            return False
+        if self.rope_layers is None or getattr(config, self.rope_layers, None) is None:
+            return True
+        return bool(getattr(config, self.rope_layers)[layer])
 
 
 FAMILIES = (
-    Family("bert", ("bert", "roberta", "xlm-roberta"), "encoder.layer", "attention.self",
-           ("attention.self.query", "attention.self.key"), causal=False, rotary=False),
-    Family("gpt2", ("gpt2",), "h", "attn", ("attn.c_attn",), causal=True, rotary=False),
-    Family("gpt_neox", ("gpt_neox",), "layers", "attention", ("attention.query_key_value",), causal=True, rotary=True),
-    Family("llama", ("llama", "mistral", "qwen2"), "layers", "self_attn",
-           ("self_attn.q_proj", "self_attn.k_proj"), causal=True, rotary=True),
+    Family("bert", ("bert", "roberta", "xlm-roberta", "electra"), "encoder.layer", "attention.self",
+           "attention.self.key", causal=False, rope=None),
+    Family("distilbert", ("distilbert",), "transformer.layer", "attention", "attention.k_lin", causal=False, rope=None),
+    Family("modernbert", ("modernbert",), attention="attn", key="attn.Wqkv", qkv="stacked", causal=False),
+    Family("gpt2", ("gpt2",), "h", "attn", "attn.c_attn", qkv="conv1d", rope=None),
+    Family("gpt_bigcode", ("gpt_bigcode",), "h", "attn", "attn.c_attn", qkv="stacked|per_head:multi_query", rope=None),
+    Family("gpt_neox", ("gpt_neox",), attention="attention", key="attention.query_key_value", qkv="per_head"),
+    Family("gptj", ("gptj",), "h", "attn", "attn.k_proj", rope="sin_cos_half"),
+    Family("opt", ("opt",), "decoder.layers", rope=None),
+    Family("llama", ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "gemma", "olmo", "starcoder2")),
+    Family("smollm3", ("smollm3",), rope_layers="no_rope_layers"),
+    Family("granite", ("granite",), logits=("divide:logits_scaling",)),
+    Family("phi", ("phi",), refuse_if=(("qk_layernorm", "q/k LayerNorm (qk_layernorm: true)"),)),
+    Family("stablelm", ("stablelm",), refuse_if=(("qk_layernorm", "per-head q/k LayerNorm (qk_layernorm: true)"),)),
+    Family("phi3", ("phi3",), key="self_attn.qkv_proj", qkv="stacked"),
+    Family("cohere", ("cohere",), rope="interleaved", logits=("multiply:logit_scale",),
+           refuse_if=(("use_qk_norm", "q/k LayerNorm (use_qk_norm: true)"),)),
+    Family("gemma2", ("gemma2",), logits=("softcap:final_logit_softcapping",)),
+    Family("qk_norm", ("qwen3", "qwen3_moe", "olmo2", "olmoe", "olmo3"), key_norm="self_attn.k_norm"),
+    Family("gemma3", ("gemma3_text",), key_norm="self_attn.k_norm", logits=("softcap:final_logit_softcapping",)),
+    Family("no_interface", ("gpt_neo", "falcon", "bloom", "deberta-v2", "mpt", "codegen"), refuse=NO_INTERFACE),
+    Family("deepseek_v3", ("deepseek_v3", "deepseek_v2"), refuse="multi-head latent attention (keys from a compressed "
+           "latent through a norm and an up-projection) is not modelled yet"),
+    Family("gpt_oss", ("gpt_oss",), refuse="learned attention sinks (a per-head sink logit in the softmax) are not "
+           "modelled yet"),
+    Family("llama4_text", ("llama4_text",), refuse="chunked attention, NoPE layers with temperature tuning and complex "
+           "RoPE are not modelled yet"),
 )
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for f in FAMILIES if f.refuse is None for t in f.model_types)
 
 
 def family_for(model_type: str) -> Family:
     for fam in FAMILIES:
         if model_type in fam.model_types:
             return fam
-    known = ", ".join(t for f in FAMILIES for t in f.model_types)
-    raise ModelLoadError(f"model_type {model_type!r} is not supported yet (supported: {known})")
+    raise ModelLoadError(f"model_type {model_type!r} is not supported: actlake has no declaration of where its "
+                         f"attention's keys come from (supported: {', '.join(supported_model_types())}; "
+                         "docs/models.md)")
+
+
+def check_config(config, max_length: int | None = None) -> Family:
+    """The family of a transformers config, or a one-line ModelLoadError naming the model type and the feature
+    that is not modelled (a refused family, a refused config attribute, a sliding window shorter than
+    ``max_length``)."""
+    fam = family_for(config.model_type)
+    what = f"model_type {config.model_type!r}"
+    if fam.refuse:
+        raise ModelLoadError(f"{what} is not supported: {fam.refuse}")
+    for attr, reason in fam.refuse_if:
+        if getattr(config, attr, False):
+            raise ModelLoadError(f"{what} with {attr}: {getattr(config, attr)!r} is not supported: {reason} is not "
+                                 "modelled yet")
+    window = attention_window(config)
+    if max_length is not None and window is not None and max_length > window:
+        raise ModelLoadError(f"{what}: its attention window covers {window} tokens, shorter than tokenization.max_length "
+                             f"{max_length}; the attention statistics assume every earlier token is visible: set "
+                             f"tokenization.max_length: {window} or less")
+    return fam
+
+
+def attention_window(config) -> int | None:
+    """The fewest tokens (the query's own included) any layer's local attention lets a query see on one side,
+    or None when every layer sees the whole window."""
+    if getattr(config, "model_type", "") == "modernbert":
+        return config.local_attention // 2 + 1 if getattr(config, "local_attention", None) else None
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and not any("sliding" in str(t) for t in types):
+        return None
+    return int(window)
+
+
+def read_model_config(name_or_path: str, revision=None, trust_remote_code: bool = False):
+    """The transformers config of a model (no weights): ``config.json`` of a local folder through
+    ``AutoConfig.for_model``, a hub id through ``AutoConfig.from_pretrained``."""
+    from transformers import AutoConfig  # loads transformers: imported when used
+
+    try:
+        if os.path.isdir(name_or_path):
+            with open(os.path.join(name_or_path, "config.json")) as f:
+                data = json.load(f)
+            if "model_type" not in data:
+                raise ConfigError(f"model.name_or_path: {name_or_path}/config.json names no model_type")
+            family_for(data["model_type"])  # an unknown type: one line, before transformers parses anything
+        return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    except (ModelLoadError, ConfigError):
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a config it cannot read
+        raise ModelLoadError(f"model {name_or_path}: cannot read its config ({type(e).__name__}: {e})") from None
 
 
 def get_path(obj, dotted: str):
@@ -65,31 +187,69 @@ def blocks(base_model, family: Family):
     raise ModelLoadError(f"{family.name}: cannot find layers at '{family.layers}' in {type(base_model).__name__}")
 
 
-def key_weights(block, family: Family, n_heads: int, n_kv_heads: int) -> tuple:
-    """The key projection of one block as (W_K (H_kv, d, d_h), b_K (H_kv, d_h) or None), in float32.
-
-    With these, k = x W_K + b_K per key head, where x is the input of ``family.qk_projections[-1]``.
-    """
-    mod = get_path(block, family.qk_projections[-1])
+def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple:
+    """The key path of one block as (W_K (H_kv, d, d_h), b_K (H_kv, d_h) or None), in float32, with the key
+    norm's gain folded in (W_K g, b_K g). Head counts and width come from the kernel's q and k."""
+    mod = get_path(block, family.key)
     with onloaded(mod):  # the tensors read here stay valid when an offloaded module goes back to meta
         w = mod.weight.detach().float()
         b = mod.bias.detach().float() if getattr(mod, "bias", None) is not None else None
-    if family.name == "gpt2":  # Conv1D (d, 3d): columns [q | k | v]
-        d = w.shape[0]
-        w, b = w[:, d : 2 * d], (b[d : 2 * d] if b is not None else None)
-        dh = d // n_heads
-        return w.reshape(d, n_heads, dh).permute(1, 0, 2).contiguous(), (b.reshape(n_heads, dh) if b is not None else None)
-    if family.name == "gpt_neox":  # Linear (3d, d): per head rows [q | k | v]
-        d = w.shape[1]
-        dh = d // n_heads
-        wk = w.reshape(n_heads, 3, dh, d)[:, 1]  # (H, d_h, d)
-        bk = b.reshape(n_heads, 3, dh)[:, 1] if b is not None else None
-        return wk.transpose(1, 2).contiguous(), bk
-    # separate Linear (H_kv * d_h, d)
-    d = w.shape[1]
-    dh = w.shape[0] // n_kv_heads
-    wk = w.reshape(n_kv_heads, dh, d).transpose(1, 2).contiguous()
-    return wk, (b.reshape(n_kv_heads, dh) if b is not None else None)
+    layout, kd = family.qkv_layout(config), n_kv_heads * head_dim
+    if layout == "conv1d":  # Conv1D (d, 3d): columns [q | k | v]
+        w, b = w.T, b
+    if layout in ("stacked", "conv1d"):
+        start = n_heads * head_dim
+        w, b = w[start : start + kd], (b[start : start + kd] if b is not None else None)
+    elif layout == "per_head" and w.shape[0] == 3 * kd:  # rows (H, [q | k | v], d_h)
+        w = w.reshape(n_kv_heads, 3, head_dim, -1)[:, 1].reshape(kd, -1)
+        b = b.reshape(n_kv_heads, 3, head_dim)[:, 1].reshape(kd) if b is not None else None
+    if w.shape[0] != kd:
+        raise ModelLoadError(f"{family.name}: {family.key} gives {w.shape[0]} key rows, the kernel's k has {kd} "
+                             f"({n_kv_heads} heads of {head_dim}): the declared qkv layout {layout!r} is wrong")
+    wk = w.reshape(n_kv_heads, head_dim, -1).transpose(1, 2).contiguous()  # (H_kv, d, d_h)
+    bk = b.reshape(n_kv_heads, head_dim) if b is not None else None
+    if family.key_norm is not None:
+        g = key_norm_gain(get_path(block, family.key_norm), n_kv_heads, head_dim)  # (H_kv, d_h)
+        wk, bk = wk * g[:, None], (bk * g if bk is not None else None)
+    return wk, bk
+
+
+def key_norm_gain(norm, n_kv_heads: int, head_dim: int):
+    """(H_kv, d_h) float32 gain g of an RMS-type norm (w, 1 + w, or none): the norm of a vector of ones,
+    times sqrt(1 + eps) (its RMS). Read from the module itself, so the variant needs no declaring."""
+    import torch  # loads torch: imported when used
+
+    width = getattr(norm, "weight", None)
+    width = width.shape[-1] if width is not None else head_dim
+    with onloaded(norm), torch.no_grad():
+        p = next(norm.parameters(), None)
+        ones = torch.ones(1, width, dtype=p.dtype if p is not None else torch.float32,
+                          device=p.device if p is not None else "cpu")
+        g = norm.forward(ones).float()[0] * (1.0 + norm_eps(norm)) ** 0.5  # forward: no hooks (LayerInputs keeps inputs)
+    return g.reshape(-1, head_dim).expand(n_kv_heads, head_dim)
+
+
+def norm_eps(norm) -> float:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        if getattr(norm, attr, None) is not None:
+            return float(getattr(norm, attr))
+    return 1e-6
+
+
+def logit_transform(family: Family, config):
+    """The model's own transform of its output logits (float32 in, out), or None."""
+    ops = [(op, float(getattr(config, attr))) for op, attr in (s.split(":") for s in family.logits)
+           if getattr(config, attr, None) is not None]
+    if not ops:
+        return None
+    import torch  # loads torch: imported when used
+
+    def transform(logits):
+        for op, v in ops:
+            logits = (logits * v if op == "multiply" else logits / v if op == "divide"
+                      else torch.tanh(logits / v) * v)
+        return logits
+    return transform
 
 
 def onloaded(module):
@@ -106,4 +266,18 @@ def onloaded(module):
 
 def key_input_module(block, family: Family):
     """The module whose input is x (the key projection, or the fused QKV projection)."""
-    return get_path(block, family.qk_projections[-1])
+    return get_path(block, family.key)
+
+
+def key_norm_module(block, family: Family):
+    return get_path(block, family.key_norm) if family.key_norm else None
+
+
+def check_model(cfg) -> Family:
+    """A job's model, checked from its config alone (no weights) before Ray starts: one line naming the model
+    type and what is not modelled, else its family."""
+    from actlake.config import resolve_model_path  # loads pydantic: imported when used
+
+    m = cfg.model
+    config = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
+    return check_config(config, cfg.tokenization.max_length)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from actlake.architectures import Family, family_for
+from actlake.architectures import Family, check_config, logit_transform
 from actlake.config import ModelConfig, max_memory_map, resolve_model_path
 from actlake.errors import ConfigError, ModelLoadError
 
@@ -35,6 +35,10 @@ class LoadedModel:
     ``cpu`` or ``disk``), else None."""
     offload_folder: str | None = None
     """This worker's own folder of weights offloaded to disk (``model.offload_folder``), else None."""
+    causal_lm: torch.nn.Module | None = None
+    """The whole causal LM (its own forward pass gives the logits the self-check compares surprisal with)."""
+    logit_transform: object = None
+    """The model's transform of its output logits (scaling, softcapping) as a function, or None."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -153,13 +157,14 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         hf_config = AutoConfig.from_pretrained(path, **common)
     except Exception as e:
         raise ModelLoadError(f"model {path}: cannot read its config ({type(e).__name__}: {e})") from None
-    family = family_for(hf_config.model_type)
+    family = check_config(hf_config)
     if lm_head and not family.causal:
         raise ModelLoadError(f"model {path}: surprisal needs a causal LM, and {hf_config.model_type} is not one "
                              "(set analyses.surprisal: false)")
     want_head = family.causal if lm_head is None else lm_head
     device = pick_device(cfg)
-    kwargs = dict(common, attn_implementation=cfg.attn_implementation, use_safetensors=None if cfg.allow_pickle else True)
+    attn = attention_implementation(cfg.attn_implementation, hf_config)
+    kwargs = dict(common, attn_implementation=attn, use_safetensors=None if cfg.allow_pickle else True)
     # weights are read straight into the target dtype (and, with device_map, onto their devices)
     kwargs.update(_placement_kwargs(cfg), dtype=resolve_dtype(cfg, device))
     try:
@@ -185,4 +190,23 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    return LoadedModel(model, tokenizer, family, device, path, head, placement, kwargs.get("offload_folder"))
+    return LoadedModel(model, tokenizer, family, device, path, head, placement, kwargs.get("offload_folder"),
+                       full if head is not None else None, logit_transform(family, hf_config) if head is not None else None)
+
+
+def attention_implementation(requested: str, hf_config) -> str:
+    """``model.attn_implementation`` for this model: ``eager`` where transformers runs the family with eager
+    attention only (Gemma 2, which it refuses with sdpa) or the config caps attention logits (SDPA has no
+    softcapping), logged; else as asked."""
+    if requested != "sdpa":
+        return requested
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING  # loads transformers: imported when used
+
+    cls = MODEL_MAPPING.get(type(hf_config), None)
+    why = ("transformers runs it with eager attention only" if cls is not None and not getattr(cls, "_supports_sdpa", True)
+           else "its attention logits are softcapped, which SDPA does not do"
+           if getattr(hf_config, "attn_logit_softcapping", None) else None)
+    if why:
+        log.warning("model_type %r: %s; using attn_implementation eager", hf_config.model_type, why)
+        return "eager"
+    return requested

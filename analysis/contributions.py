@@ -2,6 +2,8 @@
 
 C(m, n) = u(m, n) * x_n with u(m, n) = W_K R_n^T q'_m, so that
 sum_j C_j(m, n) = S(m, n) - q'_m . R_n b_K  (the bias term moves no attention weight).
+With a key norm (q/k norm: Qwen3, OLMo 2, Gemma 3) W_K and b_K carry its gain and u(m, n) the key's
+1 / r_n (``LayerQK.key_scale``). With attention softcapping, S is the score before the cap.
 
 Sums over all valid pairs with the key in category c never build the T x T x d tensor:
 sum_{n in c} x_n * W_K R_n^T (sum_{m valid for n} q'_m), an O(T d d_h) computation per head.
@@ -48,6 +50,8 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
     C_j = sum_k W_K[j, k] M[j, k] per head. Cost O(T d d_h) per head and qsum, the order of one projection.
     """
     q = lq.unrotate(torch.stack(qsums, dim=3))  # (B, H, T, k, d_h)
+    if lq.key_scale is not None:  # a key norm: the pair's contributions scale with 1 / r_n
+        q = q * lq.key_scale_per_query_head[..., None, None]
     B, H, T, k, dh = q.shape
     d, C = lq.x.shape[-1], lq.key_onehot.shape[-1]
     keys = lq.batch.key_order
@@ -90,7 +94,8 @@ def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
     """(B, H, T): (R_n^T qsum(n)) . b_K, the part of the summed scores no dimension of x owns."""
     if lq.b_key is None:
         return qsum.new_zeros(qsum.shape[:3])
-    return torch.einsum("bhtk,hk->bht", lq.unrotate(qsum), _kv_expanded(lq, lq.b_key))
+    out = torch.einsum("bhtk,hk->bht", lq.unrotate(qsum), _kv_expanded(lq, lq.b_key))
+    return out if lq.key_scale is None else out * lq.key_scale_per_query_head
 
 
 def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
@@ -102,8 +107,11 @@ def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
     for n in range(T):
         qn = q
         if lq.cos is not None:  # R_n^T q'_m for every m, with the key's angle
-            qn = unrotate(q[None, None], lq.cos[b : b + 1, n : n + 1].expand(1, T, -1), lq.sin[b : b + 1, n : n + 1].expand(1, T, -1))[0, 0]
+            qn = unrotate(q[None, None], lq.cos[b : b + 1, n : n + 1].expand(1, T, -1),
+                          lq.sin[b : b + 1, n : n + 1].expand(1, T, -1), lq.unrotation[2])[0, 0]
         u = qn.double() @ w.double().T  # (T, d): u(m, n) for all m
+        if lq.key_scale is not None:
+            u = u * float(lq.key_scale_per_query_head[b, h, n])
         out[:, n] = u * lq.x[b, n].double()
     return out
 
@@ -163,7 +171,7 @@ class Contributions(OneTable, SumStats):
         weighted = self.weighted_on if weighted is None else weighted
         l, k_oh = lq.layer, lq.key_onehot  # (B, T, C)
         # bidirectional without RoPE: every key of a sequence is seen by the same queries
-        per_sequence = not lq.causal and lq.cos is None
+        per_sequence = not lq.causal and lq.cos is None and lq.key_scale is None
         targets, values = [], []  # accumulated together at the end (one operation on a GPU)
         general = []  # (query group or None for weighted, qsum (B, H, T, d_h)) for the per-token path
         for g, group in enumerate(self.query_groups):

@@ -18,11 +18,12 @@ at a time took 515 MB)."""
 
 @torch.no_grad()
 def token_surprisal(head: torch.nn.Module, last_hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
-                    chunk_logits: int = CHUNK_LOGITS) -> torch.Tensor:
+                    chunk_logits: int = CHUNK_LOGITS, transform=None) -> torch.Tensor:
     """(B, T, d) on the model's device, (B, T), (B, T) on the host -> (B, T) float32 surprisal on the
     model's device; NaN at position 0 and at padding.
 
-    Position t is scored from the hidden state at t - 1 (the prediction of token t). Which tokens are
+    Position t is scored from the hidden state at t - 1 (the prediction of token t); ``transform``: the
+    model's own transform of its logits (scaling, softcapping), applied in float32. Which tokens are
     scored is decided on the host, so nothing waits for the device.
     """
     B, T, _ = last_hidden.shape
@@ -40,6 +41,8 @@ def token_surprisal(head: torch.nn.Module, last_hidden: torch.Tensor, ids: torch
     chunk = max(1, chunk_logits // (getattr(head, "out_features", None) or head.weight.shape[0]))  # tokens per chunk
     for s in range(0, flat.shape[0], chunk):
         logits = head(h[s : s + chunk]).float().to(dev)  # (n, V); with device_map the head may live elsewhere
+        if transform is not None:
+            logits = transform(logits)
         lp = torch.log_softmax(logits, dim=-1)
         nll[s : s + chunk] = -lp.gather(1, target[s : s + chunk, None])[:, 0]
     out.view(-1)[into_out] = nll

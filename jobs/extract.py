@@ -22,6 +22,7 @@ from actlake.analysis.engine.attention_weights import triton_kernels_on
 from actlake.analysis.engine.device import to_device, to_host
 from actlake.analysis.engine.layer_replay import LayerReplay
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
+from actlake.analysis.engine.selfcheck import SelfCheck
 from actlake.analysis.protocol import BatchOutputs, HiddenBatch, ModelSpec
 from actlake.analysis.registry import enabled, products, shard_tables
 from actlake.analysis.surprisal import token_surprisal
@@ -53,6 +54,8 @@ class Extractor:
         self.inputs = capture.LayerInputs(lm.model, lm.family)  # hooks attached per batch, when needed
         self.stream = capture.HiddenStream(lm.model, lm.family)  # likewise
         self.oom_splits = 0
+        self.checked = False
+        """Whether the first batch's self-check (:mod:`~actlake.analysis.engine.selfcheck`) has passed."""
         self.tokenizing = threading.Lock()
         self.reader = None
         """A :class:`~actlake.jobs.read.ReaderProcess` that reads shards instead of this process, or None."""
@@ -109,6 +112,7 @@ class Extractor:
         prepare and queue the next batch while it runs) and :meth:`Launched.passed` waits for it."""
         a = self.cfg.analyses
         strict = self.strict if strict is None else strict
+        strict = strict or (not self.checked and self.cfg.analyses.self_check)  # the self-checked batch: layer by layer
         stats = self.new_stats()
         parts = {cls.tables[0]: cls.create(self.spec, **options) for cls, options in self.token_tables}
         ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)  # (B, T)
@@ -125,6 +129,8 @@ class Extractor:
                                          strict=strict, on_excluded=[x.nonfinite_excluded for x in attention],
                                          triton=self.triton,
                                          replay=LayerReplay(attention) if self.layer_graphs and not strict and attention else None)
+            check = self._self_check(attention)
+            recorder.check = check
             if attention:
                 stack.enter_context(capture.recording(recorder))
             if sink.readers:  # else no hidden state is looked at
@@ -135,11 +141,33 @@ class Extractor:
                 self.stream.last(out.last_hidden_state)
         surprisal = None
         if self.lm.lm_head is not None:
-            surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask))
+            surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask,
+                                                transform=self.lm.logit_transform))
+        if check is not None:
+            self._finish_check(check, recorder, surprisal, ids, mask)
         result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), stats, parts)
         checks = [] if strict else recorder.problems() + [t for x in producers for t in x.problems()]
         # the recorder (its layer graph, the buffers replays read) lives until the batch is waited for
         return Launched(batch, result, DeviceChecks(dev, checks, sink.devices), recorder)
+
+    def _self_check(self, attention: list):
+        """A :class:`SelfCheck` for this worker's first batch (``analyses.self_check``), else None."""
+        if self.checked or not self.cfg.analyses.self_check:
+            return None
+        names = [x.name for x in attention]
+        return SelfCheck(self.lm.dtype, names, [x.name for x in attention if "layer_inputs" in x.sites])
+
+    def _finish_check(self, check, recorder, surprisal, ids, mask) -> None:
+        """The first batch's self-check: every attention layer recorded, surprisal against the model's own logits
+        (its full forward pass on the batch's first sequence); raises AnalysisError naming what failed."""
+        if check.attention:
+            check.layers(self.mqk.n_layers, recorder.seen)
+        if surprisal is not None and self.lm.causal_lm is not None:
+            n = int(mask[0].sum())
+            logits = self.lm.causal_lm(input_ids=to_device(ids[:1, :n], self.lm.device), use_cache=False).logits[0]
+            check.surprisal(surprisal[0, :n], logits, ids[0, :n], mask[0, :n])
+        check.raise_if_failed(self.lm.model.config.model_type)
+        self.checked = True
 
     # ------------------------------------------------------------------ one shard
     def process(self, shard: Shard, layout: RunLayout, group: Group, compute_lock=None, on_batch=None) -> dict:

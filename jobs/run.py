@@ -224,6 +224,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
 
         return run_sweep(cfg, address, report, on_shard)
     from actlake.analysis.registry import check_table_names, enabled  # loads torch: imported when used
+    from actlake.architectures import check_model
     from actlake.model import require_accelerate  # loads torch: imported when used
 
     t0 = time.perf_counter()
@@ -231,6 +232,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     check_table_names(cfg)  # imports custom classes: a bad one fails here
     analyses = [cls for cls, _ in enabled(cfg)]
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
+    check_model(cfg)  # from the model's config alone: an unsupported model is one line, before Ray
     layout = RunLayout(cfg.run_dir)
     ensure_output_dir(location(cfg.output.dir))
     shards, inputs = plan_with_inputs(cfg)

@@ -31,7 +31,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from actlake.analysis.engine.heads import expand_kv
+from actlake.analysis.engine.heads import capped, expand_kv
 from actlake.errors import ConfigError
 
 PRODUCTS = ("mass", "mass_keynorm", "weighted_qsum", "distance", "output")
@@ -93,6 +93,7 @@ class _ExplicitPass:
         self.names, self.batch = names, lq.batch
         self.k = lq.key_per_query_head  # (B, H, T, d_h)
         self.q = lq.query * lq.scaling  # the softmax scale folded into q once
+        self.softcap = lq.softcap
         B, H, T, dh = self.q.shape
         self.B, self.H, self.T, self.dh, self.C = B, H, T, dh, lq.key_onehot.shape[-1]
         self.mb = T if H * T * T <= budget else max(1, budget // (H * T))  # queries per block
@@ -139,11 +140,13 @@ class _ExplicitPass:
     def _block(self, s: slice, m: slice, dist) -> None:
         """Sequences s, queries m: every product of their weights. ``dist`` (H, mb, T) sums over sequences."""
         batch, names = self.batch, self.names
-        logits = torch.matmul(self.q[s, :, m], self.k[s].transpose(-1, -2))  # (b, H, mb, T)
+        raw = torch.matmul(self.q[s, :, m], self.k[s].transpose(-1, -2))  # (b, H, mb, T)
+        logits = capped(raw, self.softcap)  # the model's softcapping, when it has one
         if any(batch.needs_mask[s]):
             logits.add_(batch.weight_mask_additive[s, :, m])
-        if self.keynorm_buf is not None:
-            logits_kn = logits * self.kscale[s]  # rescaling key n rescales its logits; -inf stays -inf
+        if self.keynorm_buf is not None:  # rescaling key n rescales its scores (before any cap)
+            logits_kn = capped(raw * self.kscale[s], self.softcap) if self.softcap else logits * self.kscale[s]
+        del raw
         alpha = torch.softmax(logits, dim=-1)
         del logits
         if "output" in names:

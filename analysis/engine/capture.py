@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from actlake.architectures import blocks, get_path, key_input_module
+from actlake.architectures import blocks, get_path, key_input_module, key_norm_module, norm_eps
 
 _ACTIVE: ContextVar["Recorder | None"] = ContextVar("actlake_recorder", default=None)
 PREFIX = "actlake_"
@@ -35,9 +35,10 @@ set, the kernel always runs itself."""
 class Recorder(Protocol):
     def on_attention(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float,
                      attention_mask: torch.Tensor | None, is_causal: bool,
-                     value: torch.Tensor | None) -> torch.Tensor | None:
+                     value: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor | None:
         """Called once per layer, before the kernel. ``value`` is given when the recorder may return the
-        attention output (B, H, T, d_h) in place of the kernel's; return None to let the kernel run."""
+        attention output (B, H, T, d_h) in place of the kernel's; return None to let the kernel run.
+        ``softcap``: the kernel's attention logit softcapping, or None."""
 
 
 def _base_kernel(name: str, module) -> Callable:
@@ -61,10 +62,14 @@ def _make_wrapper(base: str) -> Callable:
                      and (getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)))
         replaceable = (base == "sdpa" and not module.training and not kwargs.get("dropout")
                        and all(kwargs.get(k) is None for k in REPLACEABLE_UNLESS))
-        out = rec.on_attention(module, query, key, scaling, attention_mask, is_causal, value if replaceable else None)
+        out = rec.on_attention(module, query, key, scaling, attention_mask, is_causal, value if replaceable else None,
+                               softcap=kwargs.get("softcap"))
         if out is not None:
             return out.to(query.dtype).transpose(1, 2).contiguous(), None  # (B, T, H, d_h), as the kernel returns
-        return kernel(module, query, key, value, attention_mask, **kwargs)
+        result = kernel(module, query, key, value, attention_mask, **kwargs)
+        if getattr(rec, "check", None) is not None:
+            rec.kernel_output(module, value, result[0])
+        return result
 
     attention.__name__ = f"{PREFIX}{base}"
     return attention
@@ -145,16 +150,41 @@ class LayerInputs(_Hooks):
     def __init__(self, model, family):
         self.x: dict[int, torch.Tensor] = {}
         self.rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._targets = [(i, key_input_module(b, family), get_path(b, family.attention)) for i, b in enumerate(blocks(model, family))]
+        self.norm_in: dict[int, torch.Tensor] = {}
+        self._targets = [(i, key_input_module(b, family), get_path(b, family.attention), key_norm_module(b, family))
+                         for i, b in enumerate(blocks(model, family))]
+        self._eps = {i: norm_eps(n) for i, _, _, n in self._targets if n is not None}
 
     def _register(self, handles: list) -> None:
-        for i, proj, attn in self._targets:
+        for i, proj, attn, norm in self._targets:
             handles.append(proj.register_forward_pre_hook(self._keep_x(i)))
             handles.append(attn.register_forward_pre_hook(self._keep_rope(i), with_kwargs=True))
+            if norm is not None:
+                handles.append(norm.register_forward_pre_hook(self._keep_norm_input(i)))
 
     def _clear(self) -> None:
         self.x.clear()
         self.rope.clear()
+        self.norm_in.clear()
+
+    def key_scale(self, layer: int, key: torch.Tensor) -> torch.Tensor | None:
+        """(B, H_kv, T) float32 1 / r_n of the layer's key norm (r_n: the RMS over the norm's width, per key
+        head or over all of them, as the norm module saw its input: (B, T, H_kv d_h), (B, T, H_kv, d_h) or
+        (B, H_kv, T, d_h)), or None without a key norm. ``key``: the kernel's k (B, H_kv, T, d_h)."""
+        kin = self.norm_in.pop(layer, None)
+        if kin is None:
+            return None
+        B, H, T, _ = key.shape
+        r2 = kin.detach().float().pow(2).mean(-1) + self._eps[layer]  # the norm's own reduction: its last axis
+        if r2.dim() == 3 and r2.shape[1] == H and r2.shape[2] == T and r2.shape[1] != T:  # heads first
+            return torch.rsqrt(r2)
+        r2 = r2.reshape(B, T, -1)  # (B, T, H_kv) per head, (B, T, 1) over all heads
+        return torch.rsqrt(r2).expand(B, T, H).permute(0, 2, 1).contiguous()
+
+    def _keep_norm_input(self, i):
+        def hook(module, args):
+            self.norm_in[i] = args[0]
+        return hook
 
     def _keep_x(self, i):
         def hook(module, args):

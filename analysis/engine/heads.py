@@ -18,3 +18,8 @@ def expand_kv(key: torch.Tensor, n_heads: int) -> torch.Tensor:
     """(B, H_kv, T, d) -> (B, H, T, d): query head h reads key head h // (H / H_kv)."""
     rep = n_heads // key.shape[1]
     return key if rep == 1 else key.repeat_interleave(rep, dim=1)
+
+
+def capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (attention logit softcapping), or ``logits`` without a cap."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -16,7 +16,7 @@ import torch
 from actlake.analysis.engine import attention_weights as aw
 from actlake.analysis.engine import rope
 from actlake.analysis.engine.device import to_device
-from actlake.analysis.engine.heads import allowed_pairs, expand_kv
+from actlake.analysis.engine.heads import allowed_pairs, capped, expand_kv
 
 HOST_FACTS = ("needs_mask", "has_invalid", "lengths", "key_order")
 """Facts about a batch that depend on its values and steer Python code: computed from host tensors
@@ -236,7 +236,7 @@ class LayerQK:
     b_key: torch.Tensor | None = None
     """(H_kv, d_h) key bias, or None."""
     cos: torch.Tensor | None = None
-    """(B, T, rot) rotary cos (None without RoPE)."""
+    """(B, T, rot) rotary cos (None without RoPE), in the layout of ``unrotation``."""
     sin: torch.Tensor | None = None
     unrotation: tuple | None = None
     """:func:`~actlake.analysis.engine.rope.factors` of R_n^T for cos and sin (None: computed when first used)."""
@@ -254,6 +254,10 @@ class LayerQK:
     triton: bool = False
     """With ``method == "flash"``: the ``distance`` and ``weighted_qsum`` products from the Triton kernels
     (:mod:`~actlake.analysis.engine.kernels`) instead of explicit blocks and FlashAttention's backward."""
+    key_scale: torch.Tensor | None = None
+    """(B, H_kv, T) float32 1 / r_n of a key norm (METHODS.md §3: k = R(g (x W_K + b_K) / r)), or None."""
+    softcap: float | None = None
+    """Attention logit softcapping: weights from cap * tanh(score / cap) (contributions are of the score)."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     # shortcuts to the batch
@@ -303,7 +307,7 @@ class LayerQK:
         if self.cos is None:
             return y
         if self.unrotation is None:
-            self.unrotation = rope.factors(self.cos, self.sin, -1.0)
+            raise ValueError("LayerQK.unrotation must be set with cos and sin (rope.factors: it knows the layout)")
         return rope.apply(y, self.unrotation)
 
     def queries_per_key(self) -> torch.Tensor:
@@ -315,6 +319,7 @@ class LayerQK:
         the built-in ones read :meth:`product` instead."""
         if "weights" not in self._cache:
             logits = torch.matmul(self.query * self.scaling, self.key_per_query_head.transpose(-1, -2))
+            logits = capped(logits, self.softcap)
             logits = logits.masked_fill(~self.batch.weight_mask, float("-inf"))
             self._cache["weights"] = torch.softmax(logits, -1) * self.batch.validf[:, None, :, None]
         return self._cache["weights"]
@@ -350,7 +355,17 @@ class LayerQK:
         """The same layer for a subset of the batch's sequences."""
         cut = lambda t: None if t is None else t[rows]
         return LayerQK(self.layer, self.query[rows], self.key[rows], self.scaling, self.batch.select(rows),
-                       cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin), None, self.needs,
+                       cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin),
+                       None if self.unrotation is None else (cut(self.unrotation[0]), cut(self.unrotation[1]), self.unrotation[2]),
+                       self.needs,
                        "explicit" if self.method in ("flash", "padded") else self.method, cut(self.value),
-                       self.max_elements)
+                       self.max_elements, key_scale=cut(self.key_scale), softcap=self.softcap)
+
+    @property
+    def key_scale_per_query_head(self) -> torch.Tensor | None:
+        """(B, H, T) :attr:`key_scale` for each query head, or None."""
+        if self.key_scale is None:
+            return None
+        return expand_kv(self.key_scale[..., None], self.n_heads)[..., 0]
+
 

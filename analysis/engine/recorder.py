@@ -12,7 +12,7 @@ from actlake.analysis.engine.capture import LayerInputs, attention_modules
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.engine.layer_replay import LayerReplay
-from actlake.analysis.engine.rope import factors
+from actlake.analysis.engine import rope as rope_
 from actlake.architectures import blocks, key_weights
 from actlake.errors import AnalysisError
 
@@ -22,19 +22,23 @@ class ModelQK:
 
     def __init__(self, model, family):
         self.model, self.family = model, family
-        cfg = model.config
+        cfg = self.config = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.layer_of = attention_modules(model, family)
         self.n_layers = len(self.layer_of)
-        self._weights = None
+        self._blocks = blocks(model, family)
+        self._weights: dict[int, tuple] = {}
 
-    @property
-    def weights(self) -> list[tuple]:
-        """Per layer (W_K (H_kv, d, d_h), b_K) in float32, on the layer's device."""
-        if self._weights is None:
-            self._weights = [key_weights(b, self.family, self.n_heads, self.n_kv_heads) for b in blocks(self.model, self.family)]
-        return self._weights
+    def weights(self, layer: int, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple:
+        """(W_K (H_kv, d, d_h), b_K) in float32 of one layer, on its device (head counts and width: the kernel's)."""
+        if layer not in self._weights:
+            self._weights[layer] = key_weights(self._blocks[layer], self.family, self.config, n_heads, n_kv_heads,
+                                               head_dim)
+        return self._weights[layer]
+
+    def rope_on(self, layer: int) -> bool:
+        return self.family.rope_on(self.config, layer)
 
 
 class AttentionRecorder:
@@ -83,6 +87,9 @@ class AttentionRecorder:
             raise ValueError("replay covers the consumers only: feed attention mass as one of them")
         self.replay = replay
         self._computed_on: set = set()  # devices where a layer of this batch ran as it is
+        self.seen: set = set()  # attention layers recorded in this batch
+        self.check = None
+        """A :class:`~actlake.analysis.engine.selfcheck.SelfCheck` to feed (a worker's first batch), or None."""
 
     def problems(self) -> list[torch.Tensor]:
         """Per device, (4,) float64 on it: query-key pairs where the model's mask differed from the one the
@@ -90,7 +97,7 @@ class AttentionRecorder:
         layer did). Always zero when ``strict``."""
         return [torch.cat([self._problems[d], (~torch.isfinite(self._totals[d])).double()]) for d in self._problems]
 
-    def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None):
+    def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None):
         layer = self.mqk.layer_of[id(module)]
         dev = query.device  # with device_map, each layer's analyses run where that layer lives
         if dev not in self._batch:
@@ -99,14 +106,17 @@ class AttentionRecorder:
             self._totals[dev] = torch.zeros(3, dtype=torch.float32, device=dev)
         self._check_mask(layer, self._batch[dev], attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
         t = {"query": query.detach(), "key": key.detach(), "value": value.detach() if value is not None else None,
-             "x": None, "w_key": None, "b_key": None}
+             "x": None, "w_key": None, "b_key": None, "key_scale": None}
         rope = None
         if self.inputs is not None:
             t["x"] = self.inputs.x.pop(layer).detach()  # not kept past its layer
-            t["w_key"], t["b_key"] = self.mqk.weights[layer]
-            rope = self.inputs.rope.get(layer) if self.mqk.family.rotary else None
-        if self.replay is None or self.strict:
-            out = self._layer(layer, t, float(scaling), rope, self.consumers)
+            t["w_key"], t["b_key"] = self.mqk.weights(layer, query.shape[1], key.shape[1], key.shape[-1])
+            t["key_scale"] = self.inputs.key_scale(layer, key)
+            rope = self.inputs.rope.get(layer) if self.mqk.rope_on(layer) else None
+        self.seen.add(layer)
+        softcap = None if softcap is None else float(softcap)
+        if self.replay is None or self.strict or softcap is not None:
+            out = self._layer(layer, t, float(scaling), rope, self.consumers, softcap)
         else:
             out = self._replayed(layer, t, float(scaling), rope)
         self.replaced_layers += out is not None
@@ -126,7 +136,7 @@ class AttentionRecorder:
         self._computed_on.add(dev)
         return self._layer(layer, t, scaling, rope, self.consumers)
 
-    def _layer(self, layer: int, t: dict, scaling: float, rope, consumers):
+    def _layer(self, layer: int, t: dict, scaling: float, rope, consumers, softcap: float | None = None):
         """Every analysis of one layer (``t``: its tensors as :meth:`on_attention` collects them); the
         attention output when it replaces the kernel's."""
         query, batch = t["query"], self._batch[t["query"].device]
@@ -150,6 +160,8 @@ class AttentionRecorder:
             for tell in self.on_excluded:
                 tell(layer, bad.sum())
         method = self.method
+        if softcap is not None or self.check is not None:  # only explicit weights know the cap; the check reads them
+            method = "explicit"
         if method == "auto" and not any_bad and flash_applies(query, batch):
             method = "flash"
         elif method == "auto" and not any_bad and self.triton and padded_applies(query, batch):
@@ -159,10 +171,11 @@ class AttentionRecorder:
         # the kernel's output can come from our weights only when they are the model's: no token left out
         value = t["value"]
         replace = (value is not None and self.reuse_attention and method in ("explicit", "flash")
-                   and bool(self.needs) and not any_bad)
+                   and bool(self.needs) and not any_bad and self.check is None)
         lq = LayerQK(layer, q, k, scaling, batch, needs=self.needs | ({"output"} if replace else frozenset()),
                      method=method, value=f32(value) if replace and method == "explicit" else None,
-                     native=(query, t["key"], value), triton=self.triton and method in ("flash", "padded"))
+                     native=(query, t["key"], value), triton=self.triton and method in ("flash", "padded"),
+                     key_scale=t.get("key_scale"), softcap=softcap)
         with tf32_when_exact(query):
             if self.mass is not None:
                 self.mass.add_layer(lq)
@@ -170,6 +183,8 @@ class AttentionRecorder:
                 lq.x, lq.w_key, lq.b_key = x, t["w_key"], t["b_key"]
                 if rope is not None:
                     lq.cos, lq.sin, lq.unrotation = self._rope_of(rope, query.shape[0], query.shape[2])
+            if self.check is not None:
+                self.check.layer(lq, t)
             for consume in consumers:
                 consume(lq)
             return lq.product("output") if replace else None
@@ -178,8 +193,9 @@ class AttentionRecorder:
         """(cos, sin, R^T factors) in float32 for the model's rotary (cos, sin); computed once while the
         layers receive the same tensors (models compute them once per forward pass)."""
         if self._rope is None or self._rope[0] is not rope[0] or self._rope[1] is not rope[1]:
-            cos, sin = (t.detach().float().expand(B, T, -1) for t in rope)
-            self._rope = (rope[0], rope[1], (cos, sin, factors(cos, sin, -1.0)))
+            cos, sin, interleaved = rope_.from_model(self.mqk.family.rope, rope)
+            cos, sin = (t.detach().float().expand(B, T, -1) for t in (cos, sin))
+            self._rope = (rope[0], rope[1], (cos, sin, rope_.factors(cos, sin, -1.0, interleaved)))
         return self._rope[2]
 
     @staticmethod
@@ -192,6 +208,11 @@ class AttentionRecorder:
         if x is not None:
             finite &= torch.isfinite(x).all(-1)
         return batch.valid.bool() & ~finite
+
+    def kernel_output(self, module, value: torch.Tensor, output: torch.Tensor) -> None:
+        """The attention output (B, T, H, d_h) the model's kernel computed, for the self-check."""
+        if self.check is not None:
+            self.check.kernel_output(self.mqk.layer_of[id(module)], value, output)
 
     def _check_mask(self, layer: int, batch: BatchInfo, attention_mask, is_causal: bool) -> None:
         """The pairs the model attends (on real queries) must be the pairs the statistics count. Strict:

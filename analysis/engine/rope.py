@@ -1,9 +1,11 @@
-"""Rotary position embeddings, as Hugging Face applies them (rotate_half convention).
+"""Rotary position embeddings, in the two layouts Hugging Face models use.
 
-R_n y = y cos(n) + rotate_half(y) sin(n) on the first ``rot`` dims (partial rotary
-leaves the rest unchanged). R_n is orthogonal, so R_n^T y = y cos(n) - rotate_half(y) sin(n).
-With rotate_half(y1, y2) = (-y2, y1) = swap(y) * (-1, 1), both are y cos + swap(y) s for a signed
-sin s, which :func:`factors` builds once per batch; :func:`apply` is then three operations.
+R_n y = y cos(n) + rot(y) sin(n) on the first ``rot`` dims (partial rotary leaves the rest unchanged),
+where rot pairs dimension i with i + rot/2 (``rotate_half``: Llama, GPT-NeoX) or 2i with 2i + 1
+(``rotate_every_two``: GPT-J, Cohere; ``interleaved``). Either way rot(y) = swap(y) * signs, so R_n y
+and R_n^T y = y cos(n) - rot(y) sin(n) are both y cos + swap(y) s for a signed sin s, which :func:`factors`
+builds once per batch; :func:`apply` is then three operations. (With a scaled rotary, cos and sin carry
+the scale, and R^T is still the transpose: what the contributions need.)
 """
 
 from __future__ import annotations
@@ -16,32 +18,49 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def factors(cos: torch.Tensor, sin: torch.Tensor, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed sin), each (B, 1, T, rot), from the model's (B, T, rot): R_n (``sign`` 1) or R_n^T (-1)."""
-    half = cos.shape[-1] // 2
-    signed = torch.cat([-sign * sin[..., :half], sign * sin[..., half:]], dim=-1)
-    return cos[:, None], signed[:, None]
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
-def apply(y: torch.Tensor, f: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def factors(cos: torch.Tensor, sin: torch.Tensor, sign: float, interleaved: bool = False) -> tuple:
+    """(cos, signed sin, interleaved), each tensor (B, 1, T, rot), from the model's (B, T, rot): R_n (``sign`` 1)
+    or R_n^T (-1)."""
+    rot = cos.shape[-1]
+    signs = torch.tensor([-1.0, 1.0], dtype=sin.dtype, device=sin.device)
+    signs = signs.repeat(rot // 2) if interleaved else signs.repeat_interleave(rot // 2)
+    return cos[:, None], (sign * sin * signs)[:, None], interleaved
+
+
+def apply(y: torch.Tensor, f: tuple) -> torch.Tensor:
     """R y (or R^T y) for y (B, H, T, ..., d_h): :func:`factors` broadcast over heads and any axes
     between T and d_h (several stacked vectors per token)."""
-    c, s = f
+    c, s, interleaved = f
     for _ in range(y.dim() - 4):
         c, s = c.unsqueeze(-2), s.unsqueeze(-2)
     c, s = c.to(y.dtype), s.to(y.dtype)
     rot = c.shape[-1]
     head = y[..., :rot]
-    swapped = head.unflatten(-1, (2, rot // 2)).flip(-2).flatten(-2)  # (y2, y1)
+    shape = (rot // 2, 2) if interleaved else (2, rot // 2)
+    swapped = head.unflatten(-1, shape).flip(-1 if interleaved else -2).flatten(-2)  # pairs exchanged
     out = torch.addcmul(head * c, swapped, s)
     return torch.cat([out, y[..., rot:]], dim=-1) if y.shape[-1] > rot else out
 
 
-def rotate(y, cos, sin):
+def from_model(kind: str, pe: tuple) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(cos, sin, interleaved) of full rotary width from the ``position_embeddings`` a model hands its attention
+    modules (:data:`actlake.architectures.ROPE`)."""
+    if kind == "sin_cos_half":  # GPT-J: (sin, cos), one angle per pair
+        sin, cos = pe
+        return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1), True
+    cos, sin = pe
+    return cos, sin, kind == "interleaved"
+
+
+def rotate(y, cos, sin, interleaved: bool = False):
     """R_n y for each position n."""
-    return apply(y, factors(cos, sin, 1.0))
+    return apply(y, factors(cos, sin, 1.0, interleaved))
 
 
-def unrotate(y, cos, sin):
+def unrotate(y, cos, sin, interleaved: bool = False):
     """R_n^T y for each position n."""
-    return apply(y, factors(cos, sin, -1.0))
+    return apply(y, factors(cos, sin, -1.0, interleaved))

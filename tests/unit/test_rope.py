@@ -32,3 +32,21 @@ def test_stacked_vectors_rotate_each_like_one():
     stacked = apply(y, f)
     for i in range(k):
         torch.testing.assert_close(stacked[..., i, :], unrotate(y[..., i, :], cos, sin), rtol=0, atol=0)
+
+
+def test_interleaved_layout_equals_rotate_every_two_and_inverts():
+    """GPT-J / Cohere: pairs (2i, 2i+1), angles repeated per pair."""
+    from actlake.analysis.engine.rope import rotate_every_two
+
+    B, H, T, dh, rot = 2, 3, 5, 8, 6
+    y = torch.randn(B, H, T, dh, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    freqs = torch.rand(rot // 2, generator=g, dtype=torch.float64) + 0.1
+    emb = (torch.arange(T)[:, None] * freqs[None]).repeat_interleave(2, -1)[None].expand(B, T, rot)
+    cos, sin = emb.cos() * 1.3, emb.sin() * 1.3  # a scaled rotary: R is not orthogonal, R^T is its transpose
+    head = y[..., :rot]
+    want = torch.cat([head * cos[:, None] + rotate_every_two(head) * sin[:, None], y[..., rot:]], -1)
+    torch.testing.assert_close(rotate(y, cos, sin, True), want, rtol=1e-14, atol=1e-14)
+    z = torch.randn_like(y)  # <R y, z> = <y, R^T z>
+    torch.testing.assert_close((rotate(y, cos, sin, True) * z).sum(-1), (y * unrotate(z, cos, sin, True)).sum(-1))
+    assert not torch.allclose(rotate(y, cos, sin, True), rotate(y, cos, sin, False))

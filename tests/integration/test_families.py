@@ -1,0 +1,182 @@
+"""Every supported model family against float64 eager transformers; refusals before Ray; the first-batch
+self-check catching planted declaration errors; a real job end to end on three families.
+
+Tiny models (tests/zoo_models.py) have their scaling knobs away from the defaults (softcaps, logit scales,
+multipliers, partial rotary) and q/k weights large enough that attention is far from uniform."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from actlake import architectures
+from actlake.architectures import Family, check_config, family_for
+from actlake.errors import ModelLoadError
+from tests.conftest import job_config
+from tests.zoo_check import QUANTITIES, batch, compare, engine
+from tests.zoo_models import CAUSAL, ENCODERS, REFUSED, build, tiny_config
+
+pytestmark = pytest.mark.integration
+
+EXACT = 1e-5
+"""Largest error relative to the largest reference value (float32 engine vs float64 reference: about 1e-7)."""
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    made: dict = {}
+
+    def get(model_type: str, **overrides):
+        key = (model_type, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = str(build(model_type, root / f"{model_type}-{len(made)}", **overrides))
+        return made[key]
+    return get
+
+
+@pytest.mark.parametrize("model_type", CAUSAL + ENCODERS)
+def test_every_default_analysis_equals_float64_transformers(model_type, zoo):
+    err = compare(zoo(model_type))
+    assert err.pop("self_check") == []
+    assert set(err) == set(QUANTITIES) - ({"surprisal"} if model_type in ENCODERS else set())
+    assert max(err.values()) < EXACT, err
+
+
+@pytest.mark.parametrize("model_type", REFUSED)
+def test_refused_families_say_why_in_one_line(model_type):
+    with pytest.raises(ModelLoadError) as e:
+        check_config(AutoConfig.for_model(model_type))
+    msg = str(e.value)
+    assert f"model_type {model_type!r} is not supported: " in msg and "\n" not in msg
+
+
+def test_an_unknown_model_type_names_itself_and_the_supported_ones():
+    with pytest.raises(ModelLoadError, match=r"model_type 'mamba' is not supported: .*supported: .*qwen3"):
+        family_for("mamba")
+
+
+def test_a_config_feature_that_is_not_modelled_is_refused_by_name():
+    with pytest.raises(ModelLoadError, match=r"'cohere' with use_qk_norm: True is not supported: q/k LayerNorm"):
+        check_config(tiny_config("cohere", use_qk_norm=True))
+
+
+def test_a_sliding_window_shorter_than_the_windows_is_refused_before_anything_runs():
+    config = tiny_config("mistral", sliding_window=16)
+    with pytest.raises(ModelLoadError, match=r"covers 16 tokens, shorter than tokenization.max_length 48.*"
+                                             r"tokenization.max_length: 16 or less"):
+        check_config(config, max_length=48)
+    check_config(config, max_length=16)  # every earlier token visible: fine
+
+
+def _declared(monkeypatch, model_type: str, **changes) -> None:
+    """Run ``model_type`` under a wrong declaration (its family with ``changes``), first in the lookup."""
+    fam = dataclasses.replace(family_for(model_type), model_types=(model_type,), **changes)
+    monkeypatch.setattr(architectures, "FAMILIES", (fam,) + architectures.FAMILIES)
+
+
+@pytest.mark.parametrize("model_type, changes, what, affected", [
+    ("cohere", {"rope": "half"}, "the key path", "contributions"),  # interleaved RoPE declared as rotate-half
+    ("qwen3", {"key_norm": None}, "the key path", "contributions"),  # the k norm left out
+    ("gpt_neox", {"qkv": "stacked"}, "the key path", "contributions"),  # a fused projection's layout wrong
+    ("gemma2", {"logits": ()}, "surprisal", "surprisal"),  # the final logit softcap left out
+])
+def test_the_self_check_catches_a_wrong_declaration(model_type, changes, what, affected, zoo, monkeypatch):
+    folder = zoo(model_type)
+    _declared(monkeypatch, model_type, **changes)
+    ids, valid, role = batch(512)
+    check = engine(folder, ids, valid, role)[5]
+    assert check.failures and all(what in f and affected in f for f in check.failures), check.failures
+    with pytest.raises(Exception, match="self-check of the first batch failed"):
+        check.raise_if_failed(model_type)
+
+
+def test_a_fused_layout_that_does_not_fit_the_kernels_k_is_refused_by_name(zoo, monkeypatch):
+    _declared(monkeypatch, "phi3", qkv="per_head")
+    ids, valid, role = batch(512)
+    with pytest.raises(ModelLoadError, match=r"self_attn.qkv_proj gives 128 key rows, the kernel's k has 32 .*"
+                                             r"qkv layout 'per_head' is wrong"):
+        engine(zoo("phi3"), ids, valid, role)
+
+
+def test_the_self_check_catches_attention_outside_the_interface(tmp_path, monkeypatch):
+    """Falcon declared as if its attention went through the interface: no layer is ever recorded."""
+    folder = build("falcon", tmp_path / "falcon")
+    monkeypatch.setattr(architectures, "FAMILIES", (Family(
+        "falcon", ("falcon",), "h", "self_attention", "self_attention.query_key_value", qkv="stacked"),)
+        + architectures.FAMILIES)
+    ids, valid, role = batch(512)
+    check = engine(folder, ids, valid, role)[5]
+    assert any("never called the transformers attention interface" in f and "contributions" in f
+               for f in check.failures), check.failures
+
+
+def test_a_planted_error_stops_the_job_before_anything_is_written(zoo, sample_corpus, tmp_path, ray_local):
+    """A real job whose engine reads Cohere's interleaved RoPE as rotate-half (planted in the workers by a custom
+    analysis module that patches the engine when imported): the first batch fails, by name, and nothing is
+    committed."""
+    from actlake.jobs.run import run_job
+    from tests.integration.test_custom_analysis import LAST_NORM
+
+    plant = tmp_path / "plant" / "plant_rope.py"
+    plant.parent.mkdir()
+    plant.write_text("from actlake.analysis.engine import rope\n_orig = rope.from_model\n"
+                     "rope.from_model = lambda kind, pe: _orig('half' if kind == 'interleaved' else kind, pe)\n"
+                     + LAST_NORM)
+    cfg = job_config(zoo("cohere"), sample_corpus, tmp_path / "out", **{
+        "analyses.custom": [{"analysis": "plant_rope:LastNorm", "path": str(plant)}], "corpus.max_docs": 8})
+    with pytest.raises(Exception, match=r"(?s)self-check of the first batch failed for model_type 'cohere'.*"
+                                        r"the key path.*affected: contributions"):
+        run_job(cfg)
+    assert not list((tmp_path / "out").rglob("*.parquet"))
+
+
+def test_an_unsupported_model_is_refused_before_ray_in_one_line(tmp_path, sample_corpus):
+    folder = tmp_path / "falcon"
+    tiny_config("falcon").save_pretrained(folder)  # a config alone: nothing else is read
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"model: {{name_or_path: {folder}}}\ncorpus: {{paths: ['{sample_corpus}/*.jsonl.zst']}}\n"
+                   f"output: {{dir: {tmp_path / 'out'}}}\n")
+    env = dict(os.environ, RAY_ADDRESS="")
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), "actlake"), "run", str(cfg)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [f"actlake: error: model_type 'falcon' is not supported: {architectures.NO_INTERFACE}"], r.stderr
+    assert "ray" not in r.stdout.lower()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3", "gptj", "modernbert"])  # q/k norm, interleaved RoPE, an encoder
+def test_a_real_job_on_the_family_equals_transformers(model_type, zoo, sample_corpus, tmp_path, ray_local):
+    from actlake.jobs.run import run_job
+    from actlake.storage.sql import open_run
+    from tests.integration.test_pipeline import _check_against_reference
+
+    folder = zoo(model_type)
+    result = run_job(job_config(folder, sample_corpus, tmp_path / "out", **{"corpus.max_docs": 16}))
+    _check_against_reference(result.run_dir, folder)
+    if model_type in CAUSAL:  # surprisal against the model's own logits, window by window
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        con = open_run(result.run_dir)
+        rows = con.sql("SELECT doc_id, window_index, position, token_id, surprisal FROM tokens "
+                       "ORDER BY doc_id, window_index, position").fetchall()
+        windows: dict = {}
+        for doc, win, pos, tid, s in rows:
+            windows.setdefault((doc, win), []).append((tid, s))
+        worst = 0.0
+        with torch.no_grad():
+            for toks in windows.values():
+                ids = torch.tensor([[t for t, _ in toks]])
+                lp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+                for pos in range(1, len(toks)):
+                    worst = max(worst, abs(toks[pos][1] + float(lp[pos - 1, toks[pos][0]])))
+        assert worst < 1e-3

@@ -1,0 +1,139 @@
+"""The engine against float64 eager transformers on one model folder: every default analysis's numbers, a few
+padded windows, in process. Used by tests/integration/test_families.py and benchmarks/model_zoo.py.
+
+Reference (independent of the engine's algebra): the model in float64 with eager attention, its own attention
+weights (``output_attentions``), hidden states, logits, and the q and k its attention calls receive. Compared:
+residual norms, attention mass per key category, ||q|| and ||k|| sums (geometry), the distance profile, the
+contributions' sum rule (sum_j C_j + bias term = q'.k' summed over valid pairs, per key category), and surprisal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actlake.analysis.attention_distance import AttentionByDistance
+from actlake.analysis.contributions import QUERY_GROUPS_ALL, Contributions
+from actlake.analysis.engine import capture
+from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
+from actlake.analysis.engine.selfcheck import SelfCheck
+from actlake.analysis.geometry import Geometry
+from actlake.analysis.surprisal import token_surprisal
+from actlake.categories import ROLE, one_hot
+from actlake.config import ModelConfig
+from actlake.model import load_model
+
+QUANTITIES = ("residual_norms", "attention_mass", "geometry", "distance", "contributions", "surprisal")
+
+
+def batch(vocab: int, seed: int = 0, B: int = 3, T: int = 24):
+    """(ids, valid, role): random tokens, right padding on two rows, random key categories."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, min(vocab, 500), (B, T), generator=g)
+    valid = torch.ones(B, T, dtype=torch.long)
+    valid[1, T - 7 :] = 0
+    valid[2, T // 3 :] = 0
+    role = torch.randint(0, len(ROLE), (B, T), generator=g)
+    return ids, valid, role
+
+
+class _Keep:
+    """A recorder that keeps each layer's q and k as the kernel receives them (the reference's)."""
+
+    def __init__(self, layer_of):
+        self.layer_of, self.qk = layer_of, {}
+
+    def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None):
+        self.qk[self.layer_of[id(module)]] = (query.detach().double(), key.detach().double())
+        return None
+
+
+def reference(folder: str, ids, valid):
+    """Float64 eager: (hidden states, attention weights, q/k per layer, logits or None)."""
+    lm = load_model(ModelConfig(name_or_path=folder, attn_implementation="eager", dtype="float32"), lm_head=None)
+    model = (lm.causal_lm or lm.model).double()
+    if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")  # grouped matrix products have no float64 kernel
+    capture.install(model)
+    keep = _Keep(capture.attention_modules(lm.model, lm.family))
+    with torch.no_grad(), capture.recording(keep):
+        out = model(input_ids=ids, attention_mask=valid, output_attentions=True, output_hidden_states=True,
+                    use_cache=False)
+    logits = out.logits if lm.causal_lm is not None else None
+    return out.hidden_states, out.attentions, keep.qk, logits, lm
+
+
+def engine(folder: str, ids, valid, role, attn: str = "sdpa"):
+    """The engine in float32, as a worker runs it: (norms per layer list, analyses, surprisal, self-check)."""
+    lm = load_model(ModelConfig(name_or_path=folder, attn_implementation=attn, dtype="float32"), lm_head=None)
+    capture.install(lm.model)
+    mqk = ModelQK(lm.model, lm.family)
+    L, H, d = mqk.n_layers, mqk.n_heads, lm.model.config.hidden_size
+    geo, dist = Geometry.zeros(L, H), AttentionByDistance.zeros(L, H, ids.shape[1])
+    con = Contributions.zeros(L, H, d, QUERY_GROUPS_ALL)
+    analyses = [geo, dist, con]
+    hidden = {}
+    check = SelfCheck(torch.float32, ["attention_geometry", "attention_by_distance", "contributions"], ["contributions"])
+    with capture.LayerInputs(lm.model, lm.family) as inputs, capture.HiddenStream(lm.model, lm.family) as stream:
+        rec = AttentionRecorder(mqk, valid, one_hot(role, len(ROLE), valid), [a.add_layer for a in analyses],
+                                inputs=inputs, needs={"weighted_qsum", "distance", "mass_keynorm"})
+        rec.check = check
+        stream(lambda layer, h: hidden.__setitem__(layer, h.double()))
+        with torch.no_grad(), capture.recording(rec):
+            out = lm.model(input_ids=ids, attention_mask=valid, use_cache=False)
+        stream.last(out.last_hidden_state)
+    check.layers(L, rec.seen)
+    surprisal = None
+    if lm.lm_head is not None:
+        surprisal = token_surprisal(lm.lm_head, out.last_hidden_state, ids, valid, transform=lm.logit_transform)
+        n = int(valid[0].sum())
+        with torch.no_grad():
+            own = lm.causal_lm(input_ids=ids[:1, :n], use_cache=False).logits[0]
+        check.surprisal(surprisal[0, :n], own, ids[0, :n], valid[0, :n])
+    return hidden, geo, dist, con, surprisal, check, lm
+
+
+def relative(a, b) -> float:
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def compare(folder: str, seed: int = 0, attn: str = "sdpa") -> dict:
+    """{quantity: largest error relative to the largest reference value} for one model folder; ``self_check``:
+    the engine's own first-batch check failures (a list)."""
+    probe = load_model(ModelConfig(name_or_path=folder, dtype="float32"), lm_head=False)
+    ids, valid, role = batch(probe.model.config.vocab_size, seed)
+    hs, alphas, qk, logits, _ = reference(folder, ids, valid)
+    hidden, geo, dist, con, surprisal, check, lm = engine(folder, ids, valid, role, attn)
+    v = valid.double()
+    kcat = one_hot(role, len(ROLE), valid).double()  # (B, T, C)
+    err = {"residual_norms": max(relative(hidden[i].norm(dim=-1) * v, hs[i].norm(dim=-1) * v) for i in range(len(hs)))}
+    mass, qn, kn, dst, rule = [], [], [], [], []
+    T = ids.shape[1]
+    for layer, alpha in enumerate(alphas):
+        a = alpha * v[:, None, :, None]  # valid queries only
+        mass.append(relative(geo.mass[layer], torch.einsum("bhmn,bnc->hc", a, kcat)))
+        q, k = qk[layer]
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        causal = lm.family.causal
+        pairs = v[:, None, :, None] * v[:, None, None, :]  # (B, 1, T, T)
+        if causal:
+            pairs = pairs * torch.ones(T, T, dtype=torch.float64).tril()
+        kcount = pairs.sum(2)  # (B, 1, T): valid queries that see each key
+        qn.append(relative(geo.k_norm[layer], torch.einsum("bht,bt,bht,btc->hc", kcount.expand_as(k[..., 0]), v,
+                                                           k.norm(dim=-1), kcat)))
+        scores = torch.einsum("bhmd,bhnd->bhmn", q, k) * pairs  # q'.k' over valid pairs
+        want = torch.einsum("bhmn,bnc->hc", scores, kcat)
+        got = con.contrib[layer, :, 0].double().sum(-1) + con.bias[layer, :, 0].double()
+        rule.append(relative(got, want))
+        m = torch.arange(T)
+        delta = (m[:, None] - m[None, :] + T - 1)  # (T, T)
+        ref = torch.zeros(alpha.shape[1], 2 * T - 1, dtype=torch.float64).index_add_(
+            1, delta.reshape(-1), (a * pairs).sum(0).reshape(alpha.shape[1], -1))
+        dst.append(relative(dist.attn[layer], ref))
+    err.update(attention_mass=max(mass), geometry=max(qn), distance=max(dst), contributions=max(rule))
+    if logits is not None:
+        lp = torch.log_softmax(logits, -1)[:, :-1].gather(2, ids[:, 1:, None])[..., 0]
+        keep = (valid[:, 1:] * valid[:, :-1]).bool()
+        err["surprisal"] = relative(surprisal[:, 1:][keep], -lp[keep])
+    err["self_check"] = check.failures
+    return err
