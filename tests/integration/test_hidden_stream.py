@@ -57,6 +57,7 @@ def test_no_hidden_state_or_key_input_outlives_its_layer(minilm_path, tmp_path):
     cfg = job_config(minilm_path, tmp_path, tmp_path / "out", **{"activations.layers": [1]})
     lm = load_model(cfg.model, lm_head=None)
     ex = Extractor(cfg, lm)
+    ex.checked = True  # a later batch: the first one's self-check holds x for its own comparison
     outputs, key_inputs, alive = {}, {}, []  # weak references to storages; per block: how many old ones live
 
     def at_block(i):

@@ -143,7 +143,9 @@ def _extractor(path, tmp_path, **analyses):
     overrides = {f"analyses.{k}": v for k, v in analyses.items()}
     overrides["activations.layers"] = [1]  # the activation store too (every window sampled: fraction 1)
     cfg = job_config(path, tmp_path, tmp_path / "out", **overrides)
-    return Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))  # as a worker loads it
+    ex = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))  # as a worker loads it
+    ex.checked = True  # a worker's later batches: the first is self-checked (tests/integration/test_families.py)
+    return ex
 
 
 def _sites(ex: Extractor, active: list, run) -> list[tuple[str, str]]:

@@ -38,7 +38,9 @@ def _extractor(model_path, tmp_path, graphs: bool, device: str = "cpu", **analys
     if device == "cuda":  # bfloat16: the FlashAttention path and the Triton kernels, in a CUDA graph
         overrides.update({"model.device": "cuda", "model.dtype": "bfloat16"})
     cfg = job_config(model_path, tmp_path, tmp_path / "out", **overrides)
-    return Extractor(cfg, load_model(cfg.model))
+    ex = Extractor(cfg, load_model(cfg.model))
+    ex.checked = True  # a worker's later batches: the first is self-checked (tests/integration/test_families.py)
+    return ex
 
 
 def _fields(stats: dict) -> dict:
