@@ -121,10 +121,10 @@ def family_for(model_type: str) -> Family:
                          "docs/models.md)")
 
 
-def check_config(config, max_length: int | None = None) -> Family:
+def check_config(config) -> Family:
     """The family of a transformers config, or a one-line ModelLoadError naming the model type and the feature
-    that is not modelled (a refused family, a refused config attribute, a sliding window shorter than
-    ``max_length``)."""
+    that is not modelled (a refused family, a refused config attribute). Sliding windows need no declaring: the
+    kernel is handed each layer's window, and the statistics count the pairs it attends."""
     fam = family_for(config.model_type)
     what = f"model_type {config.model_type!r}"
     if fam.refuse:
@@ -133,26 +133,7 @@ def check_config(config, max_length: int | None = None) -> Family:
         if getattr(config, attr, False):
             raise ModelLoadError(f"{what} with {attr}: {getattr(config, attr)!r} is not supported: {reason} is not "
                                  "modelled yet")
-    window = attention_window(config)
-    if max_length is not None and window is not None and max_length > window:
-        raise ModelLoadError(f"{what}: its attention window covers {window} tokens, shorter than tokenization.max_length "
-                             f"{max_length}; the attention statistics assume every earlier token is visible: set "
-                             f"tokenization.max_length: {window} or less")
     return fam
-
-
-def attention_window(config) -> int | None:
-    """The fewest tokens (the query's own included) any layer's local attention lets a query see on one side,
-    or None when every layer sees the whole window."""
-    if getattr(config, "model_type", "") == "modernbert":
-        return config.local_attention // 2 + 1 if getattr(config, "local_attention", None) else None
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types is not None and not any("sliding" in str(t) for t in types):
-        return None
-    return int(window)
 
 
 def read_model_config(name_or_path: str, revision=None, trust_remote_code: bool = False):
@@ -283,4 +264,4 @@ def check_model(cfg) -> Family:
 
     m = cfg.model
     config = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
-    return check_config(config, cfg.tokenization.max_length)
+    return check_config(config)

@@ -171,7 +171,7 @@ class Contributions(OneTable, SumStats):
         weighted = self.weighted_on if weighted is None else weighted
         l, k_oh = lq.layer, lq.key_onehot  # (B, T, C)
         # bidirectional without RoPE: every key of a sequence is seen by the same queries
-        per_sequence = not lq.causal and lq.cos is None and lq.key_scale is None
+        per_sequence = not lq.causal and lq.cos is None and lq.key_scale is None and lq.batch.window is None
         targets, values = [], []  # accumulated together at the end (one operation on a GPU)
         general = []  # (query group or None for weighted, qsum (B, H, T, d_h)) for the per-token path
         for g, group in enumerate(self.query_groups):

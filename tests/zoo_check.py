@@ -42,8 +42,9 @@ class _Keep:
     def __init__(self, layer_of):
         self.layer_of, self.qk = layer_of, {}
 
-    def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None):
-        self.qk[self.layer_of[id(module)]] = (query.detach().double(), key.detach().double())
+    def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None,
+                     sliding_window=None):
+        self.qk[self.layer_of[id(module)]] = (query.detach().double(), key.detach().double(), sliding_window)
         return None
 
 
@@ -97,11 +98,11 @@ def relative(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def compare(folder: str, seed: int = 0, attn: str = "sdpa") -> dict:
+def compare(folder: str, seed: int = 0, attn: str = "sdpa", T: int = 24) -> dict:
     """{quantity: largest error relative to the largest reference value} for one model folder; ``self_check``:
     the engine's own first-batch check failures (a list)."""
     probe = load_model(ModelConfig(name_or_path=folder, dtype="float32"), lm_head=False)
-    ids, valid, role = batch(probe.model.config.vocab_size, seed)
+    ids, valid, role = batch(probe.model.config.vocab_size, seed, T=T)
     hs, alphas, qk, logits, _ = reference(folder, ids, valid)
     hidden, geo, dist, con, surprisal, check, lm = engine(folder, ids, valid, role, attn)
     v = valid.double()
@@ -112,12 +113,15 @@ def compare(folder: str, seed: int = 0, attn: str = "sdpa") -> dict:
     for layer, alpha in enumerate(alphas):
         a = alpha * v[:, None, :, None]  # valid queries only
         mass.append(relative(geo.mass[layer], torch.einsum("bhmn,bnc->hc", a, kcat)))
-        q, k = qk[layer]
+        q, k, window = qk[layer]  # the window the model's own attention call was handed
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         causal = lm.family.causal
         pairs = v[:, None, :, None] * v[:, None, None, :]  # (B, 1, T, T)
         if causal:
             pairs = pairs * torch.ones(T, T, dtype=torch.float64).tril()
+        if window is not None:
+            m = torch.arange(T)
+            pairs = pairs * ((m[:, None] - m[None, :]).abs() < window)
         kcount = pairs.sum(2)  # (B, 1, T): valid queries that see each key
         qn.append(relative(geo.k_norm[layer], torch.einsum("bht,bt,bht,btc->hc", kcount.expand_as(k[..., 0]), v,
                                                            k.norm(dim=-1), kcat)))

@@ -35,10 +35,12 @@ set, the kernel always runs itself."""
 class Recorder(Protocol):
     def on_attention(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float,
                      attention_mask: torch.Tensor | None, is_causal: bool,
-                     value: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor | None:
+                     value: torch.Tensor | None, softcap: float | None = None,
+                     sliding_window: int | None = None) -> torch.Tensor | None:
         """Called once per layer, before the kernel. ``value`` is given when the recorder may return the
         attention output (B, H, T, d_h) in place of the kernel's; return None to let the kernel run.
-        ``softcap``: the kernel's attention logit softcapping, or None."""
+        ``softcap``: the kernel's attention logit softcapping, or None; ``sliding_window``: the layer's window
+        (transformers' convention), or None."""
 
 
 def _base_kernel(name: str, module) -> Callable:
@@ -63,13 +65,15 @@ def _make_wrapper(base: str) -> Callable:
         replaceable = (base == "sdpa" and not module.training and not kwargs.get("dropout")
                        and all(kwargs.get(k) is None for k in REPLACEABLE_UNLESS))
         out = rec.on_attention(module, query, key, scaling, attention_mask, is_causal, value if replaceable else None,
-                               softcap=kwargs.get("softcap"))
-        if out is not None:
-            return out.to(query.dtype).transpose(1, 2).contiguous(), None  # (B, T, H, d_h), as the kernel returns
-        result = kernel(module, query, key, value, attention_mask, **kwargs)
-        if getattr(rec, "check", None) is not None:
+                               softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"))
+        if getattr(rec, "check", None) is not None:  # the self-checked batch: the kernel runs, for the comparison
+            result = kernel(module, query, key, value, attention_mask, **kwargs)
             rec.kernel_output(module, value, result[0])
-        return result
+            if out is None:
+                return result
+        if out is not None:  # what the model gets is the same whether or not the batch is checked
+            return out.to(query.dtype).transpose(1, 2).contiguous(), None  # (B, T, H, d_h), as the kernel returns
+        return kernel(module, query, key, value, attention_mask, **kwargs)
 
     attention.__name__ = f"{PREFIX}{base}"
     return attention

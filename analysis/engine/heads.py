@@ -5,12 +5,16 @@ from __future__ import annotations
 import torch
 
 
-def allowed_pairs(valid: torch.Tensor, causal: bool) -> torch.Tensor:
-    """(B, T) validity -> (B, 1, T, T) bool mask of pairs (m, n) a query may attend to."""
+def allowed_pairs(valid: torch.Tensor, causal: bool, window: int | None = None) -> torch.Tensor:
+    """(B, T) validity -> (B, 1, T, T) bool mask of pairs (m, n) a query may attend to; with a sliding ``window``
+    W (transformers' convention) only 0 <= m - n < W (causal) or |m - n| < W (bidirectional)."""
     T = valid.shape[1]
     mask = valid.bool()[:, None, None, :].expand(-1, 1, T, T)
     if causal:
         mask = mask & torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()
+    if window is not None:
+        m = torch.arange(T, device=valid.device)
+        mask = mask & ((m[:, None] - m[None, :]).abs() < window)
     return mask
 
 

@@ -32,12 +32,19 @@ class BatchInfo:
     """(B, T, C) key categories (zero on padding), float64."""
     query_onehot: torch.Tensor
     """(B, T, C) query categories (zero on padding), float64."""
+    window: int | None = None
+    """A sliding window W shorter than the batch's windows (0 <= m - n < W causal, |m - n| < W bidirectional), or
+    None: every earlier (causal) or every (bidirectional) key is seen."""
+
+    def __post_init__(self):
+        if self.window is not None and self.window >= self.valid.shape[1]:
+            self.window = None  # the window covers every pair of the batch
 
     @cached_property
     def pair_mask(self) -> torch.Tensor:
-        """(B, 1, T, T) bool: key n is a real token the query at m may see (n <= m when causal).
-        Query validity is not part of it: statistics weight queries by ``valid``."""
-        return allowed_pairs(self.valid, self.causal)
+        """(B, 1, T, T) bool: key n is a real token the query at m may see (n <= m when causal; within the
+        window). Query validity is not part of it: statistics weight queries by ``valid``."""
+        return allowed_pairs(self.valid, self.causal, self.window)
 
     @cached_property
     def weight_mask(self) -> torch.Tensor:
@@ -54,7 +61,7 @@ class BatchInfo:
     @cached_property
     def needs_mask(self) -> list[bool]:
         """Per sequence: does ``weight_mask`` exclude any pair? (Not for a bidirectional, unpadded one.)"""
-        if self.causal:
+        if self.causal or self.window is not None:
             return [True] * self.valid.shape[0]
         return (~self.valid.bool().all(1)).tolist()
 
@@ -82,6 +89,8 @@ class BatchInfo:
         GPU one product with an upper-triangular matrix of ones, which tensor cores run far faster
         than a scan). ``per_query`` must already be zero on padded queries.
         """
+        if self.window is not None:
+            return windowed_sum(per_query, self.window, self.causal)
         if not self.causal:
             return per_query.sum(2, keepdim=True).expand_as(per_query)
         if per_query.device.type == "cpu":
@@ -168,14 +177,23 @@ class BatchInfo:
         """This batch on ``device``, with :data:`HOST_FACTS` computed here (on the host tensors) and carried
         over: the device copy never has to be read back to steer the analyses."""
         out = BatchInfo(to_device(self.valid, device), self.causal, to_device(self.key_onehot, device),
-                        to_device(self.query_onehot, device))
+                        to_device(self.query_onehot, device), self.window)
         for name in HOST_FACTS:
             value = getattr(self, name)
             out.__dict__[name] = value.to(device) if isinstance(value, KeyOrder) else value
         return out
 
     def select(self, rows: slice) -> "BatchInfo":
-        return BatchInfo(self.valid[rows], self.causal, self.key_onehot[rows], self.query_onehot[rows])
+        return BatchInfo(self.valid[rows], self.causal, self.key_onehot[rows], self.query_onehot[rows], self.window)
+
+    def windowed(self, window: int | None) -> "BatchInfo":
+        """This batch with a sliding window (the host facts carried over: a window changes none of them but
+        ``needs_mask``)."""
+        out = BatchInfo(self.valid, self.causal, self.key_onehot, self.query_onehot, window)
+        for name in HOST_FACTS:
+            if name in self.__dict__ and name != "needs_mask":
+                out.__dict__[name] = self.__dict__[name]
+        return out
 
 
 @dataclass(frozen=True)
@@ -198,6 +216,17 @@ class KeyOrder:
     def to(self, device) -> "KeyOrder":
         seq, pos, rows, member = (to_device(t, device) for t in (self.seq, self.pos, self.rows, self.member))
         return KeyOrder(seq, pos, rows, self.spans, member)
+
+
+def windowed_sum(per_query: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """(B, H, T, ...) -> the same, summed at each n over the positions m with 0 <= m - n < ``window`` (causal) or
+    |m - n| < ``window``: differences of one cumulative sum."""
+    T = per_query.shape[2]
+    c = torch.nn.functional.pad(per_query.movedim(2, -1).cumsum(-1), (1, 0))  # (..., T + 1): c[i] = sum of m < i
+    n = torch.arange(T, device=per_query.device)
+    hi = (n + window).clamp(max=T)  # m < n + W
+    lo = n if causal else (n - window + 1).clamp(min=0)
+    return (c[..., hi] - c[..., lo]).movedim(-1, 2)
 
 
 def reverse_cumsum_by_product(per_query: torch.Tensor, cache: dict | None = None) -> torch.Tensor:

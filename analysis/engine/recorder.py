@@ -97,14 +97,16 @@ class AttentionRecorder:
         layer did). Always zero when ``strict``."""
         return [torch.cat([self._problems[d], (~torch.isfinite(self._totals[d])).double()]) for d in self._problems]
 
-    def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None):
+    def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None,
+                     sliding_window=None):
         layer = self.mqk.layer_of[id(module)]
         dev = query.device  # with device_map, each layer's analyses run where that layer lives
         if dev not in self._batch:
             self._batch[dev] = self.host.to(dev)
             self._problems[dev] = torch.zeros(1, dtype=torch.float64, device=dev)
             self._totals[dev] = torch.zeros(3, dtype=torch.float32, device=dev)
-        self._check_mask(layer, self._batch[dev], attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
+        window = self._window(dev, sliding_window)
+        self._check_mask(layer, self._batch[window], attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
         t = {"query": query.detach(), "key": key.detach(), "value": value.detach() if value is not None else None,
              "x": None, "w_key": None, "b_key": None, "key_scale": None}
         rope = None
@@ -116,30 +118,41 @@ class AttentionRecorder:
         self.seen.add(layer)
         softcap = None if softcap is None else float(softcap)
         if self.replay is None or self.strict or softcap is not None:
-            out = self._layer(layer, t, float(scaling), rope, self.consumers, softcap)
+            out = self._layer(layer, t, float(scaling), rope, self.consumers, softcap, window)
         else:
-            out = self._replayed(layer, t, float(scaling), rope)
+            out = self._replayed(layer, t, float(scaling), rope, window)
         self.replaced_layers += out is not None
         return out
 
-    def _replayed(self, layer: int, t: dict, scaling: float, rope):
+    def _window(self, dev, sliding_window) -> object:
+        """The key of this layer's BatchInfo in ``_batch``: the device, or (device, W) for a sliding window W
+        shorter than the batch's windows (its pairs are the ones the statistics count)."""
+        if sliding_window is None or int(sliding_window) >= self.host.valid.shape[1]:
+            return dev
+        key = (dev, int(sliding_window))
+        if key not in self._batch:
+            self._batch[key] = self._batch[dev].windowed(int(sliding_window))
+        return key
+
+    def _replayed(self, layer: int, t: dict, scaling: float, rope, window):
         """:meth:`_layer` through :attr:`replay`: the batch's first layer as it is, the second recorded, the
         recording replayed from then on wherever the inputs fit it. Only layers on the analyses' device
         are recorded and replayed (with a device_map, the others run as they are)."""
         r, dev = self.replay, t["query"].device
-        extra = (scaling, dev, None if rope is None else tuple(id(a) for a in rope))  # what the recording bakes in
+        extra = (scaling, dev, window, None if rope is None else tuple(id(a) for a in rope))  # what the recording bakes in
         if r.static is None and dev in self._computed_on and dev == r.device:
-            r.record(t, extra, lambda st, consumers: self._layer(0, st, scaling, rope, consumers),
+            r.record(t, extra, lambda st, consumers: self._layer(0, st, scaling, rope, consumers, None, window),
                      keep=(rope, self._rope))  # the rotary tensors and their factors, cached by the first layer
         if r.fits(t, extra):
             return r.replay(layer, t)
         self._computed_on.add(dev)
-        return self._layer(layer, t, scaling, rope, self.consumers)
+        return self._layer(layer, t, scaling, rope, self.consumers, None, window)
 
-    def _layer(self, layer: int, t: dict, scaling: float, rope, consumers, softcap: float | None = None):
+    def _layer(self, layer: int, t: dict, scaling: float, rope, consumers, softcap: float | None = None,
+               window=None):
         """Every analysis of one layer (``t``: its tensors as :meth:`on_attention` collects them); the
         attention output when it replaces the kernel's."""
-        query, batch = t["query"], self._batch[t["query"].device]
+        query, batch = t["query"], self._batch[window if window is not None else t["query"].device]
         f32 = lambda t: t.to(torch.float32).contiguous()  # blocks of q and k are read many times
         q, k = f32(query), f32(t["key"])
         x = f32(t["x"]) if t["x"] is not None else None
@@ -154,13 +167,13 @@ class AttentionRecorder:
         if any_bad:  # inf/NaN (e.g. fp16 overflow): those tokens leave this layer's statistics
             keep = (~bad).to(batch.key_onehot.dtype)
             batch = BatchInfo(batch.valid * (~bad), batch.causal, batch.key_onehot * keep[..., None],
-                              batch.query_onehot * keep[..., None])
+                              batch.query_onehot * keep[..., None], batch.window)
             clean = lambda t: torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
             q, k, x = clean(q), clean(k), (clean(x) if x is not None else None)
             for tell in self.on_excluded:
                 tell(layer, bad.sum())
         method = self.method
-        if softcap is not None or self.check is not None:  # only explicit weights know the cap; the check reads them
+        if softcap is not None or batch.window is not None:  # only explicit weights know the cap and the window
             method = "explicit"
         if method == "auto" and not any_bad and flash_applies(query, batch):
             method = "flash"
@@ -171,7 +184,7 @@ class AttentionRecorder:
         # the kernel's output can come from our weights only when they are the model's: no token left out
         value = t["value"]
         replace = (value is not None and self.reuse_attention and method in ("explicit", "flash")
-                   and bool(self.needs) and not any_bad and self.check is None)
+                   and bool(self.needs) and not any_bad)
         lq = LayerQK(layer, q, k, scaling, batch, needs=self.needs | ({"output"} if replace else frozenset()),
                      method=method, value=f32(value) if replace and method == "explicit" else None,
                      native=(query, t["key"], value), triton=self.triton and method in ("flash", "padded"),
@@ -235,9 +248,10 @@ class AttentionRecorder:
         elif bool(differ.any()):
             raise AnalysisError(
                 f"attention layer {layer}: the model's attention mask differs from "
-                f"{'causal + ' if batch.causal else ''}padding on {int(differ.sum())} query-key pairs (a sliding window "
-                "shorter than the window? tokenization.max_length must not exceed it); the attention statistics "
-                "would not describe what the model attends to")
+                f"{'causal + ' if batch.causal else ''}padding"
+                f"{f' + a sliding window of {batch.window}' if batch.window else ''} on {int(differ.sum())} query-key "
+                "pairs (a window or chunking the kernel was not told of?); the attention statistics would not describe "
+                "what the model attends to")
 
 
 def tf32_when_exact(query: torch.Tensor):

@@ -80,16 +80,23 @@ def _mistral(tokenizer_dir, out, sliding_window):
     return out
 
 
-def test_a_sliding_window_shorter_than_the_batch_is_refused(tiny_models, tmp_path):
-    """Sliding-window attention (Mistral): statistics over all causal pairs would count pairs the
-    model never attends to, so windows longer than its sliding window are an error naming the layer;
-    windows within it run."""
+def test_a_sliding_window_shorter_than_the_batch_counts_the_pairs_it_attends(tiny_models, tmp_path):
+    """Sliding-window attention (Mistral, window 4 on 11-token windows): the statistics count the pairs the model
+    attends (its masses equal its own eager weights by category) and the output handed back from the analyses'
+    weights is the kernel's (the model's hidden states unchanged)."""
     ids, valid, onehot = _batch(400)
     lm = load_model(ModelConfig(name_or_path=str(_mistral(tiny_models["llama"], tmp_path / "sw4", 4))))
     capture.install(lm.model)
-    with pytest.raises(AnalysisError, match="attention layer 0: the model's attention mask differs"):
-        _run(lm, ids, valid, onehot, {"mass"})
-    lm = load_model(ModelConfig(name_or_path=str(_mistral(tiny_models["llama"], tmp_path / "sw32", 32))))
-    capture.install(lm.model)
-    _, rec = _run(lm, ids, valid, onehot, {"mass"})
+    out, rec = _run(lm, ids, valid, onehot, {"mass"})
     assert rec.replaced_layers == 2
+    plain = load_model(ModelConfig(name_or_path=str(tmp_path / "sw4"), attn_implementation="eager"))
+    with torch.no_grad():
+        ref = plain.model(input_ids=ids, attention_mask=valid, output_hidden_states=True, output_attentions=True)
+    v = valid.bool()
+    for h, r in zip(out.hidden_states, ref.hidden_states):
+        torch.testing.assert_close(h[v], r[v], rtol=1e-5, atol=1e-5)
+    for layer, alpha in enumerate(ref.attentions):
+        assert float(alpha[0, 0, 10, :6].abs().max()) == 0.0  # the window is really shorter than the batch
+        want = torch.einsum("bhmn,bnc,bm->hc", alpha.double(), onehot.double(), valid.double())
+        got = torch.as_tensor(rec.mass.mass[layer]).sum(1).double()  # (H, Ck): summed over query categories
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

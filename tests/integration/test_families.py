@@ -67,12 +67,18 @@ def test_a_config_feature_that_is_not_modelled_is_refused_by_name():
         check_config(tiny_config("cohere", use_qk_norm=True))
 
 
-def test_a_sliding_window_shorter_than_the_windows_is_refused_before_anything_runs():
-    config = tiny_config("mistral", sliding_window=16)
-    with pytest.raises(ModelLoadError, match=r"covers 16 tokens, shorter than tokenization.max_length 48.*"
-                                             r"tokenization.max_length: 16 or less"):
-        check_config(config, max_length=48)
-    check_config(config, max_length=16)  # every earlier token visible: fine
+@pytest.mark.parametrize("model_type, overrides", [
+    ("mistral", {"sliding_window": 5}),  # every layer windowed
+    ("gemma2", {"sliding_window": 5}),  # local and global layers alternating, softcapped
+    ("gemma3_text", {"sliding_window": 6}),
+    ("modernbert", {"local_attention": 8}),  # bidirectional: |m - n| <= 4
+])
+def test_sliding_windows_count_the_pairs_each_layer_attends(model_type, overrides, zoo):
+    """Windows far shorter than the 24-token batch: every statistic over the pairs each layer attends (the
+    distance profile limited to the window), equal to float64 transformers."""
+    err = compare(zoo(model_type, **overrides))
+    assert err.pop("self_check") == []
+    assert max(err.values()) < EXACT, err
 
 
 def _declared(monkeypatch, model_type: str, **changes) -> None:
@@ -107,7 +113,7 @@ def test_a_fused_layout_that_does_not_fit_the_kernels_k_is_refused_by_name(zoo, 
 
 def test_the_self_check_catches_attention_outside_the_interface(tmp_path, monkeypatch):
     """Falcon declared as if its attention went through the interface: no layer is ever recorded."""
-    folder = build("falcon", tmp_path / "falcon")
+    folder = str(build("falcon", tmp_path / "falcon"))
     monkeypatch.setattr(architectures, "FAMILIES", (Family(
         "falcon", ("falcon",), "h", "self_attention", "self_attention.query_key_value", qkv="stacked"),)
         + architectures.FAMILIES)
