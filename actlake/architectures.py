@@ -257,6 +257,23 @@ def key_norm_module(block, family: Family):
     return get_path(block, family.key_norm) if family.key_norm else None
 
 
+def precheck(cfg) -> None:
+    """:func:`check_config` on a local model folder's ``config.json`` read as plain JSON: no torch, no transformers
+    (the command line refuses an unsupported model this way before importing the job's code). Hub ids and
+    packaged models are left to :func:`check_model`."""
+    import types
+
+    from actlake.config import resolve_model_path  # loads pydantic: imported when used
+
+    path = resolve_model_path(cfg.model.name_or_path)
+    if not os.path.isdir(path):
+        return
+    with open(os.path.join(path, "config.json")) as f:
+        data = json.load(f)
+    if isinstance(data, dict) and isinstance(data.get("model_type"), str):
+        check_config(types.SimpleNamespace(**data))
+
+
 def check_model(cfg) -> Family:
     """A job's model, checked from its config alone (no weights) before Ray starts: one line naming the model
     type and what is not modelled, else its family."""

@@ -157,11 +157,14 @@ def _show(table) -> None:
 
 
 def _cmd_run(args) -> int:
+    from actlake.architectures import precheck
     from actlake.config import load_config  # per command (start-up)
-    from actlake.jobs.run import run_job  # per command (start-up)
 
     overrides = {"output.run_id": args.run_id} if args.run_id else None
     cfg = load_config(args.config, overrides=overrides)
+    precheck(cfg)  # an unsupported local model: one line, before torch and transformers load
+    from actlake.jobs.run import run_job  # per command (start-up)
+
     res = run_job(cfg, address=args.address, report=False if args.no_report else None)
     t = res.totals
     print(f"run:     {res.run_dir}  ({res.shards_run} of {res.shards_total} shards ran)")

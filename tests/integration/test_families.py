@@ -156,6 +156,11 @@ def test_an_unsupported_model_is_refused_before_ray_in_one_line(tmp_path, sample
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines == [f"actlake: error: model_type 'falcon' is not supported: {architectures.NO_INTERFACE}"], r.stderr
     assert "ray" not in r.stdout.lower()
+    loaded = subprocess.run([sys.executable, "-c", "import sys\nfrom actlake.jobs.cli import main\n"
+                             f"rc = main(['run', {str(cfg)!r}])\n"
+                             "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray')))"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert loaded.stdout.split() == ["2", "[]"], loaded.stdout + loaded.stderr  # refused before any of them loads
 
 
 @pytest.mark.slow
