@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -112,6 +113,10 @@ def supported_model_types() -> list[str]:
     return sorted(t for f in FAMILIES if f.refuse is None for t in f.model_types)
 
 
+def declared(model_type: str) -> Family | None:
+    return next((f for f in FAMILIES if model_type in f.model_types), None)
+
+
 def family_for(model_type: str) -> Family:
     for fam in FAMILIES:
         if model_type in fam.model_types:
@@ -125,6 +130,10 @@ def check_config(config) -> Family:
     """The family of a transformers config, or a one-line ModelLoadError naming the model type and the feature
     that is not modelled (a refused family, a refused config attribute). Sliding windows need no declaring: the
     kernel is handed each layer's window, and the statistics count the pairs it attends."""
+    if declared(config.model_type) is None:
+        from actlake.discovery import discover  # loads torch, transformers: imported when used
+
+        return discover(config)
     fam = family_for(config.model_type)
     what = f"model_type {config.model_type!r}"
     if fam.refuse:
@@ -147,7 +156,6 @@ def read_model_config(name_or_path: str, revision=None, trust_remote_code: bool 
                 data = json.load(f)
             if "model_type" not in data:
                 raise ConfigError(f"model.name_or_path: {name_or_path}/config.json names no model_type")
-            family_for(data["model_type"])  # an unknown type: one line, before transformers parses anything
         return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     except (ModelLoadError, ConfigError):
         raise
@@ -270,8 +278,8 @@ def precheck(cfg) -> None:
         return
     with open(os.path.join(path, "config.json")) as f:
         data = json.load(f)
-    if isinstance(data, dict) and isinstance(data.get("model_type"), str):
-        check_config(types.SimpleNamespace(**data))
+    if isinstance(data, dict) and isinstance(data.get("model_type"), str) and declared(data["model_type"]):
+        check_config(types.SimpleNamespace(**data))  # an undeclared type is left to check_model's discovery
 
 
 def check_model(cfg) -> Family:
@@ -281,4 +289,11 @@ def check_model(cfg) -> Family:
 
     m = cfg.model
     config = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
-    return check_config(config)
+    fam = check_config(config)
+    if declared(config.model_type) is None:
+        from actlake.discovery import describe
+
+        logging.getLogger("actlake.run").warning(
+            "model_type %r has no declaration; found %s; each worker's first batch checks it against the model's own "
+            "numbers", config.model_type, describe(fam))
+    return fam

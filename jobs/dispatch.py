@@ -18,11 +18,13 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict
 
-from actlake.errors import AnalysisFailed, ConfigError
+from actlake.errors import AnalysisError, ConfigError, ModelLoadError
 
-FATAL = (AnalysisFailed, ConfigError)
-"""Errors a worker raises that every shard would raise (an analysis's bug, a setting the data breaks, such as
-``analyses.max_sources``): they end the job at once."""
+FATAL = (AnalysisError, ConfigError)
+"""Errors a worker raises that every shard would raise (an analysis's bug, a failed first-batch self-check, a
+setting the data breaks, such as ``analyses.max_sources``): they end the job at once."""
+DETERMINISTIC = (AnalysisError, ConfigError, ModelLoadError)
+"""Errors that a worker's constructor raises the same way on every restart (a model that cannot be loaded)."""
 
 log = logging.getLogger("actlake.dispatch")
 
@@ -75,6 +77,26 @@ def read_actor_states(actor_ids: list[str]) -> dict[str, tuple[str, int]]:
     return out
 
 
+def init_error(e: Exception) -> Exception | None:
+    """The actlake error a worker's constructor raised, rebuilt from Ray's ActorDiedError (which keeps only its
+    text: ``actlake.errors.ModelLoadError: model …`` on its last line), or None."""
+    import re
+
+    from actlake import errors
+
+    if not getattr(e, "actor_init_failed", False):
+        return None
+    last = str(e).strip().splitlines()[-1]
+    m = re.match(r"actlake\.errors\.(\w+): (.*)", last)
+    cls = getattr(errors, m.group(1), None) if m else None
+    if not (isinstance(cls, type) and issubclass(cls, errors.ActlakeError)):
+        return None
+    try:
+        return cls(m.group(2))
+    except TypeError:  # a class whose constructor takes more than a message
+        return None
+
+
 class Dispatcher:
     def __init__(self, workers: list, max_retries: int, on_done=lambda summary: None, slots: int = 1,
                  committed=lambda: {}, on_ran=lambda summary: None, on_tick=lambda: None, tick_s: float | None = None,
@@ -106,6 +128,7 @@ class Dispatcher:
         self.early: set[int] = set()  # committed (by the worker's other slot) before their own result came back
         self.failures: list[str] = []
         self.alive, self.last_death, self.gone = len(self.workers), "", set()
+        self.death_cause: Exception | None = None  # the last worker's error, when it could not start
         self.restarts: dict[str, int] = {}  # worker -> restarts whose waiting shards were taken back (_watch)
         self.answered: set[str] = set()  # workers that returned a result: up at least once
         self.finished: set[int] = set()  # shards counted done (on_done)
@@ -124,7 +147,6 @@ class Dispatcher:
             if self.alive == 0 or not self.in_flight:
                 lost = list(self.queue) + [s for ss in self.open.values() for s in ss]
                 self.failures += [f"shard {s.shard_id:05d} ({s.path}): no worker left to run it" for s in lost]
-                self.failures.append(f"the last worker failed with: {self.last_death}")
                 break
             self._watch()  # before the wait: no result is in hand that it could take away
             if self.queue and self.idle:
@@ -284,7 +306,9 @@ class Dispatcher:
         self.gone.add(_key(w))
         self.alive -= 1  # gone for good (constructor failed, restarts exhausted)
         self.idle = deque(x for x in self.idle if _key(x) != _key(w))
-        self.last_death = str(getattr(e, "cause", None) or e).strip().splitlines()[-1][:500]
+        cause = getattr(e, "cause", None) or e
+        self.death_cause = init_error(e) or cause
+        self.last_death = str(cause).strip().splitlines()[-1][:500]
         log.warning("a worker could not be restarted: %s", self.last_death)
 
     def _shard_failed(self, w, s, e: Exception) -> None:

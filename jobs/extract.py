@@ -155,17 +155,24 @@ class Extractor:
         if self.checked or not self.cfg.analyses.self_check:
             return None
         names = [x.name for x in attention]
-        return SelfCheck(self.lm.dtype, names, [x.name for x in attention if "layer_inputs" in x.sites])
+        hidden = [c.name for c in self.producers if "hidden_states" in c.sites]
+        return SelfCheck(self.lm.dtype, names, [x.name for x in attention if "layer_inputs" in x.sites], hidden)
 
     def _finish_check(self, check, recorder, surprisal, ids, mask) -> None:
         """The first batch's self-check: every attention layer recorded, surprisal against the model's own logits
         (its full forward pass on the batch's first sequence); raises AnalysisError naming what failed."""
         if check.attention:
             check.layers(self.mqk.n_layers, recorder.seen)
-        if surprisal is not None and self.lm.causal_lm is not None:
+        if check.hidden or surprisal is not None:  # the model's own pass on the first sequence, the hooks on
             n = int(mask[0].sum())
-            logits = self.lm.causal_lm(input_ids=to_device(ids[:1, :n], self.lm.device), use_cache=False).logits[0]
-            check.surprisal(surprisal[0, :n], logits, ids[0, :n], mask[0, :n])
+            hooked: dict = {}
+            model = self.lm.causal_lm if surprisal is not None and self.lm.causal_lm is not None else self.lm.model
+            with self.stream(lambda layer, h: hooked.__setitem__(layer, h[0])):
+                out = model(input_ids=to_device(ids[:1, :n], self.lm.device), output_hidden_states=True, use_cache=False)
+                self.stream.last(getattr(out, "last_hidden_state", None) if model is self.lm.model else out.hidden_states[-1])
+            check.hidden_states(hooked, out.hidden_states)
+            if model is self.lm.causal_lm:
+                check.surprisal(surprisal[0, :n], out.logits[0], ids[0, :n], mask[0, :n])
         check.raise_if_failed(self.lm.model.config.model_type)
         self.checked = True
 

@@ -7,7 +7,8 @@ transform not declared) stops the analyses it would make wrong, before anything 
 - attention: the engine's weights times V equal the kernel's output on every valid query (softcapping,
   sinks, position biases or masks the engine does not know change it);
 - layers: every attention layer of the model was recorded;
-- surprisal: equals -log softmax of the model's own logits (its full forward pass, one sequence).
+- surprisal: equals -log softmax of the model's own logits (its full forward pass, one sequence);
+- hidden states: those the block hooks hand the analyses equal the model's ``output_hidden_states`` (the same pass).
 
 Tolerances are relative to the largest value compared: float32 models 1e-3 (they agree to about 1e-6),
 16-bit models 3e-2 (the model rounds k and its output to 2^-8); a wrong declaration is off by O(1).
@@ -31,6 +32,8 @@ class SelfCheck:
     """Names of the enabled attention analyses (what a wrong attention read makes wrong)."""
     key_path: list[str]
     """Names of those that use the key path (W_K, b_K, the key norm, RoPE: the contributions)."""
+    hidden: list[str] = field(default_factory=list)
+    """Names of the enabled analyses that read hidden states."""
     failures: list[str] = field(default_factory=list)
     _layers: dict = field(default_factory=dict)
 
@@ -79,6 +82,21 @@ class SelfCheck:
         if not err <= self.tolerance:
             self.failures.append(f"surprisal differs from the model's own logits by {err:.2e} (relative; tolerance "
                                  f"{self.tolerance:g}): an output-logit transform is not declared; affected: surprisal")
+
+    def hidden_states(self, ours: dict, theirs) -> None:
+        """``ours`` {layer: (T, d)} from the block hooks against the model's ``output_hidden_states`` (1, T, d) each."""
+        if not self.hidden:
+            return
+        if sorted(ours) != list(range(len(theirs))):
+            self.failures.append(f"the block hooks gave hidden states {sorted(ours)}, the model {len(theirs)} of them; "
+                                 f"affected: {', '.join(self.hidden)}")
+            return
+        for layer, h in enumerate(theirs):
+            a, b = ours[layer].float(), h[0].float().to(ours[layer].device)
+            err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+            if not err <= self.tolerance:
+                self.failures.append(f"hidden state {layer}: the block hooks' differs from the model's output_hidden_states "
+                                     f"by {err:.2e} of the largest value; affected: {', '.join(self.hidden)}")
 
     def _compare(self, what: str, layer: int, ours, theirs, valid, affected: list[str]) -> None:
         keep = valid.bool()[:, None, :, None].to(ours.device)

@@ -191,3 +191,85 @@ def test_a_real_job_on_the_family_equals_transformers(model_type, zoo, sample_co
                 for pos in range(1, len(toks)):
                     worst = max(worst, abs(toks[pos][1] + float(lp[pos - 1, toks[pos][0]])))
         assert worst < 1e-3
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "modernbert"])
+def test_a_worker_checks_its_first_batch_and_only_it(model_type, zoo, tmp_path):
+    """The Extractor as a worker runs it: the first batch passes the check (hidden states from the block hooks
+    equal output_hidden_states, surprisal equals the model's logits), later batches are not checked."""
+    from actlake.jobs.extract import Extractor
+    from actlake.model import load_model
+    from tests.integration.test_layer_replay import _windows
+
+    cfg = job_config(zoo(model_type), tmp_path, tmp_path / "out")
+    ex = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))
+    ex.run_batch(_windows(ex.lm))
+    assert ex.checked
+    ex.run_batch(_windows(ex.lm))
+
+
+def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch):
+    """Block hooks handing the analyses something else than the model's hidden state (planted: block outputs
+    scaled by 1.01) stop the first batch, naming the hidden state and the analyses that read them."""
+    from actlake.analysis.engine import capture as cap
+    from actlake.errors import AnalysisError
+    from actlake.jobs.extract import Extractor
+    from actlake.model import load_model
+    from tests.integration.test_layer_replay import _windows
+
+    def misread(self, i):
+        def hook(module, args, output):
+            self.consume(i + 1, (output[0] if isinstance(output, tuple) else output).detach() * 1.01)
+        return hook
+    monkeypatch.setattr(cap.HiddenStream, "_output_of", misread)
+    cfg = job_config(zoo("llama"), tmp_path, tmp_path / "out")
+    ex = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))
+    with pytest.raises(AnalysisError, match=r"hidden state 1: the block hooks' differs .*affected: .*residual_norms"):
+        ex.run_batch(_windows(ex.lm))
+    assert not ex.checked
+
+
+@pytest.mark.parametrize("model_type", ["internlm3", "granitemoe", "camembert"])
+def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
+    from actlake.architectures import declared
+    from actlake.discovery import discover
+
+    assert declared(model_type) is None
+    assert discover(tiny_config(model_type)).name == f"discovered:{model_type}"
+    err = compare(zoo(model_type))
+    assert err.pop("self_check") == []
+    assert max(err.values()) < EXACT, err
+
+
+def test_a_discovered_layout_that_is_wrong_is_caught(zoo):
+    """GLM's rotary embedding is not what discovery reads off its modules: the self-check stops it."""
+    ids, valid, role = batch(512)
+    check = engine(zoo("glm"), ids, valid, role)[5]
+    assert check.failures and "the key path" in check.failures[0], check.failures
+
+
+def test_discovery_refuses_what_it_cannot_read_in_one_line():
+    from actlake.discovery import discover
+
+    for model_type, why in [("bart", "encoder-decoder models"), ("flint", "learned sinks")]:
+        with pytest.raises(ModelLoadError, match=rf"model_type '{model_type}' is not supported: it has no declaration, "
+                                                 rf"and .*{why}"):
+            discover(tiny_config(model_type))
+
+
+def test_a_model_that_cannot_load_is_reported_once_without_rerun_advice(zoo, sample_corpus, tmp_path, ray_local):
+    """Its config is fine (the checks before Ray pass), its weights are not: every worker's constructor fails the
+    same way. The job's error leads with that reason, counts the shards, and gives no advice to rerun."""
+    import shutil
+
+    from actlake.jobs.run import run_job
+
+    folder = tmp_path / "broken"
+    shutil.copytree(zoo("llama"), folder)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    cfg = job_config(folder, sample_corpus, tmp_path / "out", **{"corpus.max_docs": 16})
+    with pytest.raises(ModelLoadError) as e:
+        run_job(cfg)
+    msg = str(e.value)
+    assert msg.startswith("every worker failed to start: model ") and "cannot load" in msg, msg
+    assert "(2 shard(s) not run; the same error would repeat on a rerun)" in msg and "rerun the same run id" not in msg

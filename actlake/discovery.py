@@ -1,0 +1,100 @@
+"""A family for a model type nobody declared, read off a weightless instance of the model (meta device).
+
+The common layouts are recognised by module names (blocks at ``layers`` / ``h`` / ``decoder.layers`` /
+``encoder.layer``, attention at ``self_attn`` / ``attn`` / ``attention``, keys from ``k_proj`` / ``key`` /
+``k_lin`` or a stacked ``qkv_proj`` / ``Wqkv``, a ``k_norm``), the RoPE layout and the output-logit transforms by
+the modeling module's own source. What is found is announced, and each worker's first batch checks it against
+the model's own numbers (:mod:`actlake.analysis.engine.selfcheck`): a wrong guess stops the job before anything
+is written, so guessing never publishes a wrong number. Anything not recognised is refused, naming what is missing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+from actlake.architectures import NO_INTERFACE, Family, get_path
+from actlake.errors import ModelLoadError
+
+LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "transformer.layer", "language_model.layers")
+ATTENTION = ("self_attn", "attn", "attention.self", "attention", "self_attention")
+KEYS = (("k_proj", "separate"), ("key", "separate"), ("k_lin", "separate"), ("qkv_proj", "stacked"),
+        ("Wqkv", "stacked"))
+LOGITS = (("final_logit_softcapping", "softcap"), ("logits_scaling", "divide"), ("logit_scale", "multiply"))
+_found: dict = {}
+
+
+def _find(obj, paths):
+    for p in paths:
+        try:
+            return p, get_path(obj, p)
+        except (AttributeError, IndexError, TypeError):
+            continue
+    return None, None
+
+
+def discover(config) -> Family:
+    """The family of an undeclared model type, or a one-line ModelLoadError naming what was not found."""
+    t = config.model_type
+    if t not in _found:
+        _found[t] = _discover(config)
+    return _found[t]
+
+
+def _discover(config) -> Family:
+    import torch  # loads torch: imported when used
+    from transformers import AutoModel  # loads transformers: imported when used
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    t = config.model_type
+    refuse = lambda why: ModelLoadError(f"model_type {t!r} is not supported: it has no declaration, and {why} "
+                                        "(docs/models.md)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise refuse("encoder-decoder models (cross-attention) are not modelled")
+    try:
+        with torch.device("meta"):  # no memory, no weights
+            model = AutoModel.from_config(config)
+    except Exception as e:  # noqa: BLE001 - any model class may refuse a config
+        raise refuse(f"its model could not be built to inspect ({type(e).__name__})") from None
+    layers, blocks = _find(model, LAYERS)
+    if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
+        raise refuse("no list of transformer blocks was found") from None
+    attention, attn = _find(blocks[0], ATTENTION)
+    if attn is None:
+        raise refuse("no attention module was found in its blocks")
+    source = inspect.getsource(sys.modules[type(attn).__module__])
+    if "ALL_ATTENTION_FUNCTIONS" not in source:
+        raise refuse(NO_INTERFACE)
+    if "s_aux" in source or "sinks" in source:
+        raise refuse("its attention has learned sinks, which are not modelled yet")
+    if "view_as_complex" in source:
+        raise refuse("its RoPE is applied through complex numbers, which is not modelled yet")
+    key = next(((name, layout) for name, layout in KEYS if hasattr(attn, name)), None)
+    if key is None:
+        raise refuse(f"no key projection was found in its attention module ({type(attn).__name__})")
+    causal = getattr(attn, "is_causal", None)
+    if causal is None:
+        raise refuse("its attention module does not say whether it is causal")
+    rope = _rope_layout(sys.modules[type(attn).__module__])
+    head = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    head_source = inspect.getsource(sys.modules[head.__module__]) if head is not None else ""
+    logits = tuple(f"{op}:{attr}" for attr, op in LOGITS if f"config.{attr}" in head_source or f"self.{attr}" in head_source)
+    return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
+                  rope=rope, rope_layers="no_rope_layers" if getattr(config, "no_rope_layers", None) else None,
+                  key_norm=f"{attention}.k_norm" if hasattr(attn, "k_norm") else None, logits=logits)
+
+
+def _rope_layout(module) -> str | None:
+    """``half`` / ``interleaved`` from the module's ``rotate_half``, None without rotary embeddings."""
+    rotate = getattr(module, "rotate_half", None)
+    if rotate is None:
+        return None
+    src = inspect.getsource(rotate)
+    return "interleaved" if "::2" in src else "half"
+
+
+def describe(fam: Family) -> str:
+    return (f"blocks at {fam.layers!r}, attention at {fam.attention!r}, keys from {fam.key!r} ({fam.qkv}), "
+            f"{'causal' if fam.causal else 'bidirectional'}, RoPE {fam.rope or 'none'}"
+            + (f", key norm {fam.key_norm!r}" if fam.key_norm else "")
+            + (f", logits {', '.join(fam.logits)}" if fam.logits else ""))
