@@ -25,10 +25,10 @@ QKV = ("separate", "stacked", "per_head", "conv1d")
 """Where k sits in the output of the module at ``Family.key``: the whole output (``separate``); rows
 [q (H d_h) | k (H_kv d_h) | v] (``stacked``); rows (head, [q | k | v], d_h) (``per_head``); GPT-2's Conv1D,
 columns [q | k | v] (``conv1d``)."""
-ROPE = (None, "half", "interleaved", "sin_cos_half")
+ROPE = (None, "half", "interleaved", "interleaved_half", "sin_cos_half")
 """How positions rotate q and k: pairs (i, i + rot/2) with the model's (cos, sin) (``half``); pairs (2i, 2i+1)
-with (cos, sin) of full width (``interleaved``, Cohere); GPT-J's (sin, cos) of half width, interleaved
-(``sin_cos_half``)."""
+with (cos, sin) of full width (``interleaved``, Cohere), or with the first half of rotate-half (cos, sin), each
+angle repeated (``interleaved_half``, GLM); GPT-J's (sin, cos) of half width, interleaved (``sin_cos_half``)."""
 NO_INTERFACE = "attention computed outside the transformers attention interface (its q and k cannot be read)"
 
 

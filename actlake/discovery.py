@@ -90,7 +90,11 @@ def _rope_layout(module) -> str | None:
     if rotate is None:
         return None
     src = inspect.getsource(rotate)
-    return "interleaved" if "::2" in src else "half"
+    if "::2" not in src:
+        return "half"
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    halved = apply is not None and "// 2].repeat_interleave(2" in inspect.getsource(apply)
+    return "interleaved_half" if halved else "interleaved"
 
 
 def describe(fam: Family) -> str:

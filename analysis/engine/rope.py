@@ -53,6 +53,9 @@ def from_model(kind: str, pe: tuple) -> tuple[torch.Tensor, torch.Tensor, bool]:
         sin, cos = pe
         return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1), True
     cos, sin = pe
+    if kind == "interleaved_half":  # GLM: rotate-half (cos, sin), one angle per pair taken and repeated
+        half = cos.shape[-1] // 2
+        return cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True
     return cos, sin, kind == "interleaved"
 
 

@@ -229,7 +229,7 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
     assert not ex.checked
 
 
-@pytest.mark.parametrize("model_type", ["internlm3", "granitemoe", "camembert"])
+@pytest.mark.parametrize("model_type", ["internlm3", "granitemoe", "camembert", "glm"])  # glm: GLM's RoPE layout
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
     from actlake.discovery import discover
@@ -242,9 +242,10 @@ def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
 
 
 def test_a_discovered_layout_that_is_wrong_is_caught(zoo):
-    """GLM's rotary embedding is not what discovery reads off its modules: the self-check stops it."""
+    """Hunyuan's keys are not what discovery reads off its modules (a norm it does not name k_norm): the
+    self-check stops it."""
     ids, valid, role = batch(512)
-    check = engine(zoo("glm"), ids, valid, role)[5]
+    check = engine(zoo("hunyuan_v1_dense"), ids, valid, role)[5]
     assert check.failures and "the key path" in check.failures[0], check.failures
 
 
