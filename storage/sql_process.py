@@ -73,7 +73,8 @@ def _run_child(run_dir, sql: str, fmt: str, output: str | None, timeout_s: float
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     part = output and _part_path(output, proc.pid)
     err: list[bytes] = []
-    relays = [threading.Thread(target=_relay, args=(proc.stdout, sys.stdout.buffer), daemon=True),
+    closed = threading.Event()  # the reader of standard output went away (`| head`)
+    relays = [threading.Thread(target=_relay, args=(proc.stdout, sys.stdout.buffer, closed), daemon=True),
               threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)]
     for t in relays:
         t.start()
@@ -82,6 +83,10 @@ def _run_child(run_dir, sql: str, fmt: str, output: str | None, timeout_s: float
         proc.stdin.close()
         child, deadline = psutil.Process(proc.pid), time.monotonic() + timeout_s
         while proc.poll() is None:
+            if closed.is_set():  # nobody reads the rows: the query ends here, quietly, like any Unix tool
+                proc.kill()
+                proc.wait()
+                return
             if time.monotonic() > deadline:
                 raise QueryError(f"query stopped after the {timeout_s:g}s time limit")
             try:
@@ -100,7 +105,8 @@ def _run_child(run_dir, sql: str, fmt: str, output: str | None, timeout_s: float
                 os.unlink(part)
         for t in relays:
             t.join(timeout=10)
-        sys.stdout.flush()
+        if not closed.is_set():
+            sys.stdout.flush()
     stderr = b"".join(err).decode("utf-8", "replace")
     for line in stderr.splitlines():  # first: they may say why a query names a view that is not there
         if line.startswith("note\t"):
@@ -114,9 +120,16 @@ def _part_path(output: str, pid: int) -> str:
     return f"{output}.part-{pid}"
 
 
-def _relay(src, dest) -> None:
-    for block in iter(lambda: src.read1(1 << 20), b""):
-        dest.write(block)
+def _relay(src, dest, closed: threading.Event) -> None:
+    """Copy the child's rows to ``dest`` as they come; a closed pipe sets ``closed`` and points standard output at
+    /dev/null (so that no later flush, ours or the interpreter's at exit, meets the broken pipe)."""
+    try:
+        for block in iter(lambda: src.read1(1 << 20), b""):
+            dest.write(block)
+            dest.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        closed.set()
 
 
 def _raise(code: int, stderr: str, memory_limit: str) -> None:

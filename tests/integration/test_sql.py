@@ -278,3 +278,21 @@ def test_a_run_reduced_before_the_source_column_is_every_documents_and_still_rep
     new.close()
     before.close()
     assert build_report(old).is_file()
+
+
+def test_a_closed_pipe_ends_the_query_at_once_quietly(run_dir):
+    """`actlake sql … --format csv | head -1`: the reader goes away after one line; the query ends at once with
+    exit 0 and nothing on standard error (it printed a BrokenPipeError traceback, hung until the time limit and
+    then blamed the limit)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    actlake = str(Path(sys.executable).parent / "actlake")
+    p = subprocess.Popen([actlake, "sql", str(run_dir), "SELECT * FROM residual_norms, range(50)", "--format", "csv",
+                          "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.readline()
+    p.stdout.close()
+    rc = p.wait(timeout=100)  # well under the query's own 120 s limit: it did not run to it
+    err = p.stderr.read().decode()
+    assert first.startswith(b"\"doc_id\",") and rc == 0 and err == "", (first, rc, err)
