@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run folders (local or object store), then the statement (omit it to list the tables); "
                         "with several runs every view gains a leading column run, the run folder's name")
     q.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
-    q.add_argument("--output", "-o", help="file for --format parquet (default: stdout is refused)")
+    q.add_argument("--output", "-o", help="write the rows to this file (csv, json or parquet; parquet needs it)")
     q.add_argument("--timeout", type=float, default=60.0, help="seconds before the query is stopped")
     q.add_argument("--max-temp-size", help="most the query may spill into its private temporary folder "
                                            "(a DuckDB size; default 4GB)")
@@ -123,17 +123,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_output(fmt: str, output: str | None) -> None:
-    """--format parquet needs --output in an existing folder: checked before the query runs."""
-    if fmt != "parquet":
-        return
+def _check_output(fmt: str, output: str | None, runs: list[str]) -> None:
+    """``--output``, checked before the query runs: needed for parquet, a file (not a folder, not a link) in an
+    existing folder, and never inside a run folder the query reads (it would replace a committed file)."""
     if not output:
-        raise ActlakeError("--format parquet needs --output FILE")
-    folder = os.path.dirname(os.path.abspath(output))
+        if fmt == "parquet":
+            raise ActlakeError("--format parquet needs --output FILE")
+        return
+    if fmt == "table":
+        raise ActlakeError("--output: the table format is for the terminal; use --format csv, json or parquet")
+    target = os.path.realpath(output)
+    folder = os.path.dirname(target)
     if not os.path.isdir(folder):
         raise ActlakeError(f"--output: folder {folder} does not exist")
     if os.path.isdir(output):
         raise ActlakeError(f"--output: {output} is a folder; name a file")
+    if os.path.islink(output):
+        raise ActlakeError(f"--output: {output} is a symbolic link; name the file itself")
+    for run in runs:
+        root = os.path.realpath(run) if "://" not in run else None
+        if root and (target == root or target.startswith(root + os.sep)):
+            raise ActlakeError(f"--output: {output} is inside the run folder {run}; write it elsewhere (nothing but "
+                               "the job that owns a run writes in it)")
+    if not os.access(folder, os.W_OK):
+        raise ActlakeError(f"--output: cannot write in {folder}")
 
 
 def command_prefix() -> str:
@@ -293,7 +306,7 @@ def _cmd_sql(args) -> int:
 
     runs, sql = _runs_and_sql(args.runs_and_sql)
     sql = sql or "SELECT table_name AS name, table_type AS kind FROM information_schema.tables ORDER BY 1"
-    _check_output(args.format, args.output)
+    _check_output(args.format, args.output, runs)
     if args.timeout <= 0:
         raise ActlakeError(f"--timeout: must be more than 0 seconds, got {args.timeout:g}")
     from actlake.sizes import memory_bytes  # per command (start-up)

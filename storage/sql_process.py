@@ -165,8 +165,22 @@ def _write(reader, fmt: str, output: str | None) -> None:
     """Stream ``reader``'s batches to standard output (or ``output``) in ``fmt``."""
     import pyarrow as pa  # loads pyarrow: imported when used
 
+    if output and fmt in ("csv", "json"):  # a file: written whole under a temporary name, then renamed
+        tmp = _part_path(output, os.getpid())
+        try:
+            with open(tmp, "wb") as f:
+                rows = _text(reader, fmt, f)
+            os.replace(tmp, output)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        sys.stdout.buffer.write(f"wrote {rows} rows to {output}\n".encode())
+        sys.stdout.flush()
+        return
     out = sys.stdout.buffer
-    if fmt == "parquet":
+    if fmt in ("csv", "json"):
+        _text(reader, fmt, out)
+    elif fmt == "parquet":
         import pyarrow.parquet as pq  # loads pyarrow: imported when used
 
         tmp, rows = _part_path(output, os.getpid()), 0
@@ -180,22 +194,6 @@ def _write(reader, fmt: str, output: str | None) -> None:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         out.write(f"wrote {rows} rows to {output}\n".encode())
-    elif fmt == "csv":
-        import pyarrow.csv as pacsv  # loads pyarrow: imported when used
-
-        writer = None
-        for batch in reader:
-            batch = _flat(batch)
-            writer = writer or pacsv.CSVWriter(out, batch.schema)
-            writer.write_batch(batch)
-        if writer is None:  # no rows: the header alone
-            empty = pa.RecordBatch.from_arrays([pa.array([], f.type) for f in reader.schema], schema=reader.schema)
-            pacsv.write_csv(pa.Table.from_batches([_flat(empty)]), out)
-        else:
-            writer.close()
-    elif fmt == "json":
-        for batch in reader:
-            out.write("".join(json.dumps(row, default=str) + "\n" for row in batch.to_pylist()).encode())
     else:
         import duckdb  # loads duckdb: imported when used
 
@@ -210,6 +208,32 @@ def _write(reader, fmt: str, output: str | None) -> None:
         if total > TABLE_ROWS:
             print(f"({total:,} rows in all, the first {TABLE_ROWS} shown; --format csv or json for every row)")
     sys.stdout.flush()
+
+
+def _text(reader, fmt: str, out) -> int:
+    """``reader``'s rows as CSV or JSON lines into the binary stream ``out``; returns the row count."""
+    import pyarrow as pa  # loads pyarrow: imported when used
+
+    rows = 0
+    if fmt == "json":
+        for batch in reader:
+            rows += batch.num_rows
+            out.write("".join(json.dumps(row, default=str) + "\n" for row in batch.to_pylist()).encode())
+        return rows
+    import pyarrow.csv as pacsv  # loads pyarrow: imported when used
+
+    writer = None
+    for batch in reader:
+        batch = _flat(batch)
+        rows += batch.num_rows
+        writer = writer or pacsv.CSVWriter(out, batch.schema)
+        writer.write_batch(batch)
+    if writer is None:  # no rows: the header alone
+        empty = pa.RecordBatch.from_arrays([pa.array([], f.type) for f in reader.schema], schema=reader.schema)
+        pacsv.write_csv(pa.Table.from_batches([_flat(empty)]), out)
+    else:
+        writer.close()
+    return rows
 
 
 def _child(job: dict) -> int:

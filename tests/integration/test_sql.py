@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -296,3 +297,30 @@ def test_a_closed_pipe_ends_the_query_at_once_quietly(run_dir):
     rc = p.wait(timeout=100)  # well under the query's own 120 s limit: it did not run to it
     err = p.stderr.read().decode()
     assert first.startswith(b"\"doc_id\",") and rc == 0 and err == "", (first, rc, err)
+
+
+def test_output_files_for_every_format_and_never_inside_a_run(run_dir, tmp_path, capsys):
+    """-o writes csv and json too (it printed to standard output and wrote nothing); a file inside the run folder
+    (which would replace a committed Parquet file) and a symbolic link are refused before the query runs."""
+    import json
+
+    import pyarrow.csv as pacsv
+
+    sql = "SELECT layer, count(*) AS n FROM residual_norms GROUP BY 1 ORDER BY 1"
+    assert main(["sql", str(run_dir), sql, "--format", "csv"]) == 0
+    want = capsys.readouterr().out
+    assert main(["sql", str(run_dir), sql, "--format", "csv", "-o", str(tmp_path / "a.csv")]) == 0
+    assert "wrote" in capsys.readouterr().out and (tmp_path / "a.csv").read_text() == want
+    assert main(["sql", str(run_dir), sql, "--format", "json", "-o", str(tmp_path / "a.json")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "a.json").read_text().splitlines()]
+    assert rows == pacsv.read_csv(tmp_path / "a.csv").to_pylist()
+    committed = next(Path(run_dir).rglob("*.parquet"))
+    before = committed.read_bytes()
+    link = tmp_path / "link.csv"
+    link.symlink_to(tmp_path / "a.csv")
+    for target, why in [(committed, "is inside the run folder"), (Path(run_dir) / "new.csv", "is inside the run folder"),
+                        (link, "is a symbolic link")]:
+        assert main(["sql", str(run_dir), sql, "--format", "csv", "-o", str(target)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("actlake: error: --output: ") and why in err[0], err
+    assert committed.read_bytes() == before and not (Path(run_dir) / "new.csv").exists()
