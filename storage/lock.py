@@ -38,7 +38,15 @@ def run_lock(root):
         raise StorageError(f"run directory {root} exists and is not a folder; pick a new output.run_id or remove it")
     root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link: its target (any file the user can write) would be truncated and overwritten
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            raise StorageError(f"{path} is a symbolic link; a run's lock file is never followed: remove the link") from None
+        raise StorageError(f"{path}: cannot open the run's lock file ({e.strerror or e})") from None
+    if not _regular(fd):  # a FIFO or a device named .lock
+        os.close(fd)
+        raise StorageError(f"{path} is not a regular file; remove it")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -51,6 +59,12 @@ def run_lock(root):
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _regular(fd: int) -> bool:
+    import stat
+
+    return stat.S_ISREG(os.fstat(fd).st_mode)
 
 
 def _holder(path: Path) -> str:

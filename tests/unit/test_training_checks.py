@@ -183,3 +183,30 @@ def test_a_training_job_on_a_run_directory_in_use_is_refused_naming_the_holder(s
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_lock_file_that_is_a_link_or_a_fifo_is_refused_and_its_target_untouched(tmp_path):
+    """RUN_DIR/.lock as a symbolic link was followed: its target was truncated and overwritten with the holder's
+    JSON."""
+    import os
+
+    import pytest
+
+    from actlake.errors import StorageError
+    from actlake.storage.lock import run_lock
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("the user's file")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").symlink_to(victim)
+    with pytest.raises(StorageError, match=r"\.lock is a symbolic link"):
+        with run_lock(run):
+            pass
+    assert victim.read_text() == "the user's file"
+    other = tmp_path / "run2"
+    other.mkdir()
+    os.mkfifo(other / ".lock")
+    with pytest.raises(StorageError, match=r"\.lock is not a regular file"):
+        with run_lock(other):
+            pass
