@@ -270,7 +270,7 @@ def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
         sections.append(f"<section><h2>{html.escape(title)}</h2><div class='chart' id='chart-{slug}'></div></section>")
     bundle = vega_bundle().replace("</script>", "<\\/script>")
     embed = "\n".join(
-        f"vegaEmbed('#chart-{slug}', {json.dumps(spec)}, {{actions: false, renderer: 'svg'}})"
+        f"vegaEmbed('#chart-{slug}', {script_json(spec)}, {{actions: false, renderer: 'svg'}})"
         f".catch(e => {{ console.error(e); document.getElementById('chart-{slug}').textContent = 'chart failed: ' + e; }});"
         for slug, spec in specs.items()
     )
@@ -309,6 +309,16 @@ def vega_bundle() -> str:
     except OSError as e:  # a read-only home
         log.info("cannot keep the Vega bundle in %s (%s)", cached, e)
     return bundle
+
+
+def script_json(value) -> str:
+    """``value`` as JSON that is safe inside an HTML ``<script>`` element: no ``<``, ``>`` or ``&`` (corpus labels and
+    token pieces in a chart's data could otherwise close the element and open another, ``</script><script>``), nor
+    the line separators JavaScript reads as line ends."""
+    text = json.dumps(value)
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(ch, esc)
+    return text
 
 
 def _replace_report(layout: RunLayout, files: dict[str, bytes]) -> None:

@@ -21,3 +21,15 @@ def test_an_unwritable_cache_folder_still_gives_the_bundle(tmp_path, monkeypatch
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
     assert vega_bundle() == vlc.javascript_bundle()
+
+
+def test_chart_data_cannot_close_the_script_element_it_is_inlined_in():
+    """A source label `</script><script>alert(1)</script>` became live script elements in report.html."""
+    import json
+
+    from actlake.jobs.report import script_json
+
+    spec = {"data": {"values": [{"source": "</script><script>alert(1)</script>", "piece": "a & b > c\u2028"}]}}
+    text = script_json(spec)
+    assert "<" not in text and ">" not in text and "&" not in text and "\u2028" not in text
+    assert json.loads(text) == spec
