@@ -47,8 +47,8 @@ def _residual_norms_chart(con):
 
     df = con.execute("""
         SELECT layer, avg(norm) AS mean, quantile_cont(norm, 0.1) AS p10, quantile_cont(norm, 0.5) AS median,
-               quantile_cont(norm, 0.9) AS p90 FROM residual_norms GROUP BY layer ORDER BY layer
-    """).df()
+               quantile_cont(norm, 0.9) AS p90 FROM residual_norms WHERE isfinite(norm) GROUP BY layer ORDER BY layer
+    """).df()  # finite norms only: DuckDB orders NaN above every number, which would move every percentile
     base = alt.Chart(df).encode(x=alt.X("layer:O", title="layer (0 = embeddings)"))
     c = (base.mark_area(opacity=0.25).encode(y=alt.Y("p10:Q", title="||h|| (10th-90th percentile band)"), y2="p90:Q")
          + base.mark_line(point=True).encode(y="median:Q", tooltip=["layer", alt.Tooltip("median:Q", format=".2f"),

@@ -33,3 +33,16 @@ def test_chart_data_cannot_close_the_script_element_it_is_inlined_in():
     text = script_json(spec)
     assert "<" not in text and ">" not in text and "&" not in text and "\u2028" not in text
     assert json.loads(text) == spec
+
+
+def test_the_residual_norm_chart_leaves_non_finite_norms_out():
+    """A model whose output is NaN for some tokens: the medians drawn took NaN as the largest value."""
+    import duckdb
+
+    from actlake.jobs.report import _residual_norms_chart
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE residual_norms AS SELECT * FROM (VALUES (0, 1.0), (0, 2.0), (0, 3.0), "
+                "(0, 'NaN'::DOUBLE), (0, 'NaN'::DOUBLE), (0, 'inf'::DOUBLE)) t(layer, norm)")
+    df = _residual_norms_chart(con)[2].data  # the layered chart's data
+    assert df["median"].tolist() == [2.0] and df["mean"].tolist() == [2.0]
