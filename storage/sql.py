@@ -58,7 +58,12 @@ def _quote(s: str) -> str:
 
 
 def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """DuckDB's message on one line: its first paragraph, hints included (``Did you mean "attention_mass"?``,
+    ``Candidate bindings: …``); the ``LINE 1:`` pointer after it is left out."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return " ".join(line.strip() for line in text.split("\n\n")[0].splitlines() if line.strip())
 
 
 def _parse(sql: str) -> list:

@@ -70,3 +70,21 @@ def test_a_local_file_replaced_under_its_name_is_read_whole(tmp_path):
     con.register_filesystem(files)
     assert files.info(str(path))["size"] != before
     assert con.execute(f"SELECT count(*) FROM ({_view_sql([path])})").fetchall() == [(3,)]
+
+
+def test_duckdb_hints_survive_in_the_one_line_error():
+    """`actlake sql` printed `Catalog Error: Table with name attention_mas does not exist!` without DuckDB's
+    `Did you mean "attention_mass"?` (and column typos without `Candidate bindings`)."""
+    import duckdb
+
+    from actlake.storage.sql import _first_line
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE attention_mass (mass DOUBLE)")
+    for sql, hint in [("SELECT * FROM attention_mas", 'Did you mean "attention_mass"?'),
+                      ("SELECT mas FROM attention_mass", 'Candidate bindings: "mass"')]:
+        try:
+            con.execute(sql)
+        except duckdb.Error as e:
+            line = _first_line(e)
+        assert hint in line and "\n" not in line and "LINE 1" not in line, line
