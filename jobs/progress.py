@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger("actlake.progress")
 
@@ -44,6 +44,10 @@ class BatchCounter:
         self.jobs.pop(job, None)
 
 
+TOTALS_TIMEOUT_S = 30
+"""Seconds the driver waits for the counter's totals before it goes on without progress."""
+
+
 @dataclass(frozen=True)
 class JobCounter:
     """One job's totals in the driver's :class:`BatchCounter` (what a worker holds: a batch is one call it does
@@ -51,14 +55,24 @@ class JobCounter:
 
     actor: object
     job: str
+    last: dict = field(default_factory=dict, compare=False)
+    """The totals read last, and whether the actor is gone: progress is bookkeeping, and a counter that died
+    (killed, out of memory) must not fail or stall the job; its progress line then stops moving."""
 
     def add(self, docs: float, tokens: int) -> None:
-        self.actor.add.remote(self.job, docs, tokens)
+        self.actor.add.remote(self.job, docs, tokens)  # a dead actor's call fails only when its result is read
 
     def totals(self) -> tuple[float, int, int]:
         import ray  # loads ray: imported when used
 
-        return ray.get(self.actor.totals.remote(self.job))
+        if not self.last.get("gone"):
+            try:
+                self.last["totals"] = ray.get(self.actor.totals.remote(self.job), timeout=TOTALS_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - dead, unreachable or slow: the job goes on without it
+                self.last["gone"] = True
+                log.warning("the progress counter stopped answering (%s); the job goes on without progress",
+                            type(e).__name__)
+        return self.last.get("totals", (0.0, 0, 0))
 
     def close(self) -> None:
         self.actor.forget.remote(self.job)

@@ -66,3 +66,28 @@ def test_progress_moves_batch_by_batch_inside_a_shard(minilm_path, sample_corpus
     assert recorded["corpus_fingerprint"] == want.hexdigest()
     assert {k: recorded["versions"][k] for k in ("actlake", "torch", "transformers", "tokenizers")} == {
         k: metadata.version(k) for k in ("actlake", "torch", "transformers", "tokenizers")}
+
+
+def test_a_killed_progress_counter_does_not_fail_the_job(ray_local, caplog):
+    """Killing the counter actor (bookkeeping only) failed the whole job with ActorDiedError: the driver's read of
+    its totals now keeps the last totals, says so once, and goes on."""
+    import logging
+
+    import ray
+
+    from actlake.jobs.progress import job_counter
+
+    counter = job_counter()
+    counter.add(2.0, 10)
+    for _ in range(100):  # the call is not waited for: read until it has landed
+        if counter.totals()[1] == 10:
+            break
+    assert counter.totals()[1:] == (10, 1)
+    ray.kill(counter.actor)
+    counter.add(1.0, 5)  # a worker's batch after the kill: nothing raised
+    with caplog.at_level(logging.WARNING, logger="actlake.progress"):
+        assert counter.totals()[1:] == (10, 1)
+        assert counter.totals()[1:] == (10, 1)
+    assert sum("progress counter stopped answering" in r.message for r in caplog.records) == 1
+    counter.close()
+    assert job_counter().totals() == (0.0, 0, 0)  # the next job gets a counter of its own again
