@@ -29,7 +29,7 @@ from actlake.analysis.surprisal import token_surprisal
 from actlake.batching import Window, collate, make_batches
 from actlake.categories import ROLE, Categorizer, one_hot
 from actlake.config import JobConfig
-from actlake.errors import ConfigError
+from actlake.errors import ActlakeError, AnalysisError, ConfigError
 from actlake.jobs.batch import BatchResult, DeviceChecks, HiddenSink, Launched
 from actlake.jobs.plan import Shard
 from actlake.jobs.read import read_shard
@@ -106,8 +106,22 @@ class Extractor:
         log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
         return self.run_batch(batch, strict=True)
 
-    @torch.inference_mode()
     def launch(self, batch: list[Window], strict: bool | None = None) -> Launched:
+        """:meth:`_launch`; on the first batch of a discovered family (:mod:`actlake.discovery`), an error of the
+        engine's is the layout not fitting the model: an AnalysisError that says so and ends the job."""
+        if self.checked or not self.lm.family.name.startswith("discovered:"):
+            return self._launch(batch, strict)
+        try:
+            return self._launch(batch, strict)
+        except (ActlakeError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the engine met in a layout it only guessed
+            raise AnalysisError(f"model_type {self.lm.model.config.model_type!r} has no declaration, and the layout "
+                                f"read off its modules does not fit it ({type(e).__name__}: {str(e)[:200]}); it needs "
+                                "a declaration in actlake/architectures.py") from None
+
+    @torch.inference_mode()
+    def _launch(self, batch: list[Window], strict: bool | None = None) -> Launched:
         """:meth:`run_batch` up to its synchronisation: on a GPU the batch's work is queued (the host may
         prepare and queue the next batch while it runs) and :meth:`Launched.passed` waits for it."""
         a = self.cfg.analyses

@@ -274,3 +274,18 @@ def test_a_model_that_cannot_load_is_reported_once_without_rerun_advice(zoo, sam
     msg = str(e.value)
     assert msg.startswith("every worker failed to start: model ") and "cannot load" in msg, msg
     assert "(2 shard(s) not run; the same error would repeat on a rerun)" in msg and "rerun the same run id" not in msg
+
+
+def test_a_discovered_layout_the_engine_cannot_run_ends_the_job_by_name(zoo, tmp_path):
+    """MobileBERT's keys come from a bottleneck, not from the block's input: the guessed layout fails inside the
+    engine on the first batch, which says the type needs a declaration instead of a bare tensor-shape error."""
+    from actlake.errors import AnalysisError
+    from actlake.jobs.extract import Extractor
+    from actlake.model import load_model
+    from tests.integration.test_layer_replay import _windows
+
+    cfg = job_config(zoo("mobilebert"), tmp_path, tmp_path / "out")
+    ex = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))
+    with pytest.raises(AnalysisError, match=r"model_type 'mobilebert' has no declaration, and the layout read off its "
+                                            r"modules does not fit it \(RuntimeError: .*needs a declaration"):
+        ex.run_batch(_windows(ex.lm))
