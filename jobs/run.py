@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import json
 import logging
 import os
@@ -192,13 +194,30 @@ def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
           f"(fraction {a.fraction:g} of windows)", flush=True)
 
 
+class _CustomCode(importlib.abc.MetaPathFinder):
+    """Finds the custom analyses' own top-level modules in their folders, and nothing else: the folder is not put
+    on sys.path, so a file there named like a module the driver imports later (psutil, duckdb, ray) never runs."""
+
+    def __init__(self):
+        self.where: dict[str, str] = {}
+
+    def find_spec(self, name, path=None, target=None):
+        folder = self.where.get(name)
+        return importlib.machinery.PathFinder.find_spec(name, [folder]) if folder else None
+
+
+_CUSTOM = _CustomCode()
+
+
 def import_custom_analyses(cfg: JobConfig) -> None:
-    """Let the driver import the modules of ``analyses.custom[].path`` (as the workers can, through Ray)."""
+    """Let the driver import the modules of ``analyses.custom[].path`` (as the workers can, through Ray): the
+    file's or package's own name only."""
     for c in cfg.analyses.custom:
         if c.path:
-            parent = str(Path(c.path).parent)
-            if parent not in sys.path:
-                sys.path.insert(0, parent)
+            p = Path(c.path)
+            _CUSTOM.where[p.stem if p.is_file() else p.name] = str(p.parent)
+    if _CUSTOM.where and _CUSTOM not in sys.meta_path:
+        sys.meta_path.insert(0, _CUSTOM)
 
 
 REDISPATCH = 3

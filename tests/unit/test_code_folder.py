@@ -73,3 +73,20 @@ def test_a_path_out_of_the_folder_is_refused_and_nothing_stays(system_tmp):
         code_folder({"../evil.py": b"print('escaped')\n"})
     assert list(system_tmp.iterdir()) == []
     assert not (system_tmp.parent / "evil.py").exists()
+
+
+def test_the_driver_imports_a_custom_analysis_without_putting_its_folder_on_sys_path(tmp_path):
+    """A file beside the custom analysis named like a module the driver imports later (psutil) must not run: the
+    folder was put first on sys.path."""
+    import subprocess
+    import sys
+
+    (tmp_path / "psutil.py").write_text("print('HIJACKED')\n")
+    (tmp_path / "mine.py").write_text("VALUE = 42\n")
+    code = ("import sys, types\nfrom actlake.jobs.run import import_custom_analyses\n"
+            f"c = types.SimpleNamespace(path={str(tmp_path / 'mine.py')!r}, analysis='mine:X')\n"
+            "import_custom_analyses(types.SimpleNamespace(analyses=types.SimpleNamespace(custom=[c])))\n"
+            "import mine, psutil\nprint(mine.VALUE, psutil.__name__, psutil.__file__.endswith('site-packages/psutil/__init__.py'))\n"
+            f"print({str(tmp_path)!r} in sys.path)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["42", "psutil", "True", "False"], r.stdout + r.stderr
