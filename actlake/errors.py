@@ -8,9 +8,15 @@ unpickle unchanged: Ray moves exceptions between processes.
 class ActlakeError(Exception):
     """Base class of every error actlake raises on purpose."""
 
+    deterministic = False
+    """True where the error repeats the same way on every try (a bad config, a model that cannot load, an
+    analysis's bug): neither a worker's retry nor a rerun of the job can help, so none is made or advised."""
+
 
 class ConfigError(ActlakeError):
     """The job config is invalid: the message names the file, key and line."""
+
+    deterministic = True
 
 
 class CorpusError(ActlakeError):
@@ -19,6 +25,8 @@ class CorpusError(ActlakeError):
 
 class ModelLoadError(ActlakeError):
     """The model could not be loaded (missing folder, unsupported family, unsafe weights)."""
+
+    deterministic = True
 
 
 class StorageError(ActlakeError):
@@ -31,6 +39,8 @@ class QueryError(ActlakeError):
 
 class AnalysisError(ActlakeError):
     """Captured tensors do not fit what an analysis assumes (e.g. an attention mask it cannot describe)."""
+
+    deterministic = True
 
 
 class AnalysisFailed(AnalysisError):

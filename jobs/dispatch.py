@@ -7,8 +7,10 @@ memory, node removed), the shard it held and the uncommitted shards of its group
 front of the queue and run again on whichever worker is free, up to ``max_retries`` times each;
 the dead actor is pinged and rejoins the pool once Ray has restarted it. A shard waiting on a worker
 that is not up runs on a free one once nothing else is left (:meth:`Dispatcher._watch`). A shard that fails with
-an error of its own (a corrupt file) is not retried: that error is deterministic. A retried shard
-never duplicates rows: readers take only what accepted commit records name.
+an error of its own (a corrupt file) is not retried: that error is deterministic. A worker whose constructor raised
+a :func:`deterministic` error (a model that cannot load) is out at once: Ray does not restart it, and the job ends
+when no worker is left (:meth:`Dispatcher.error`). A retried shard never duplicates rows: readers take only what
+accepted commit records name.
 """
 
 from __future__ import annotations
@@ -18,13 +20,7 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict
 
-from actlake.errors import AnalysisError, ConfigError, ModelLoadError
-
-FATAL = (AnalysisError, ConfigError)
-"""Errors a worker raises that every shard would raise (an analysis's bug, a failed first-batch self-check, a
-setting the data breaks, such as ``analyses.max_sources``): they end the job at once."""
-DETERMINISTIC = (AnalysisError, ConfigError, ModelLoadError)
-"""Errors that a worker's constructor raises the same way on every restart (a model that cannot be loaded)."""
+from actlake.errors import ActlakeError
 
 log = logging.getLogger("actlake.dispatch")
 
@@ -97,6 +93,32 @@ def init_error(e: Exception) -> Exception | None:
         return None
 
 
+def cause_of(e: BaseException) -> BaseException:
+    """The error behind Ray's wrappers: a task's (``RayTaskError.cause``) or a constructor's (the ActorDiedError of
+    an actor whose creation task raised holds that task's RayTaskError as its argument; :func:`init_error` reads its
+    text where it does not); else ``e``."""
+    if getattr(e, "actor_init_failed", False):
+        task = next((a for a in e.args if isinstance(getattr(a, "cause", None), BaseException)), None)
+        e = task if task is not None else (init_error(e) or e)
+    while isinstance(getattr(e, "cause", None), BaseException):  # Ray's RayTaskError(ModelLoadError) is one too
+        e = e.cause
+    return e
+
+
+def deterministic(e: BaseException) -> bool:
+    """Whether ``e`` (as Ray raised it) repeats on every try (``ActlakeError.deterministic``: a bad setting, a model
+    that cannot load, an analysis's bug, a failed first-batch self-check), so that no retry can help."""
+    return getattr(cause_of(e), "deterministic", False) is True
+
+
+def reason(cause: BaseException) -> str:
+    """One line for a worker's error: an actlake error's whole message, else the last line of its text."""
+    text = str(cause).strip()
+    if not isinstance(cause, ActlakeError):
+        text = text.splitlines()[-1] if text else type(cause).__name__
+    return " ".join(text.split())[:1000]
+
+
 class Dispatcher:
     def __init__(self, workers: list, max_retries: int, on_done=lambda summary: None, slots: int = 1,
                  committed=lambda: {}, on_ran=lambda summary: None, on_tick=lambda: None, tick_s: float | None = None,
@@ -126,9 +148,9 @@ class Dispatcher:
         self.open: dict[str, list] = {}  # worker -> shards it ran whose group is not committed yet
         self.summaries: dict[int, dict] = {}
         self.early: set[int] = set()  # committed (by the worker's other slot) before their own result came back
-        self.failures: list[str] = []
-        self.alive, self.last_death, self.gone = len(self.workers), "", set()
-        self.death_cause: Exception | None = None  # the last worker's error, when it could not start
+        self.failed: dict[int, str] = {}  # shard id -> why it failed (one line)
+        self.alive = len(self.workers)
+        self.gone: dict[str, BaseException] = {}  # worker out for good -> its error
         self.restarts: dict[str, int] = {}  # worker -> restarts whose waiting shards were taken back (_watch)
         self.answered: set[str] = set()  # workers that returned a result: up at least once
         self.finished: set[int] = set()  # shards counted done (on_done)
@@ -145,8 +167,9 @@ class Dispatcher:
             if not self.queue and not any(kind != "ping" for kind, _, _ in self.in_flight.values()):
                 break  # all committed (a worker still restarting is not waited for)
             if self.alive == 0 or not self.in_flight:
-                lost = list(self.queue) + [s for ss in self.open.values() for s in ss]
-                self.failures += [f"shard {s.shard_id:05d} ({s.path}): no worker left to run it" for s in lost]
+                held = [s for kind, _, s in self.in_flight.values() if kind == "shard"]  # by workers gone
+                for s in list(self.queue) + [s for ss in self.open.values() for s in ss] + held:
+                    self._fail(s, f"shard {s.shard_id:05d} ({s.path}): no worker left to run it")
                 break
             self._watch()  # before the wait: no result is in hand that it could take away
             if self.queue and self.idle:
@@ -163,7 +186,7 @@ class Dispatcher:
                 if kind == "ping":
                     self._ping_failed(w, e)
                 elif _is_worker_death(e):
-                    self._worker_died(w, s)
+                    self._worker_died(w, s, e)
                 elif kind == "flush":
                     self._commit_failed(w, e)
                 else:
@@ -183,7 +206,25 @@ class Dispatcher:
                 self._committed(w, result)
                 self._requeue(self.open.pop(_key(w), []), "its worker's group was lost (a failed commit or a restart)")
             self.idle.append(w)
-        return [self.summaries[i] for i in sorted(self.summaries)], self.failures
+        return [self.summaries[i] for i in sorted(self.summaries)], list(self.failed.values())
+
+    def error(self) -> ActlakeError:
+        """The job's error for its failed shards, each counted once. When every worker is gone with a
+        :func:`deterministic` error (its constructor failed): that error's class, its reason first, and no advice
+        to rerun. Else the count, the advice (a lost node or a killed worker does not repeat) and a line a shard."""
+        n, causes = len(self.failed), [self.gone.get(_key(w)) for w in self.workers]
+        if causes and all(c is not None and deterministic(c) for c in causes):
+            cause = list(self.gone.values())[-1]
+            kind = next(c for c in type(cause).__mro__ if "deterministic" in vars(c))  # ModelLoadError, ConfigError...
+            return kind(f"every worker failed to start: {reason(cause)} ({n} shard(s) not run; the same error would "
+                        "repeat on a rerun)")
+        last = f"\nthe last worker failed with: {reason(list(self.gone.values())[-1])}" if self.gone else ""
+        return ActlakeError(f"{n} shard(s) failed; rerun the same run id to retry them:\n  "
+                            + "\n  ".join(self.failed.values()) + last)
+
+    def _fail(self, s, line: str) -> None:
+        """Shard ``s`` failed for good: ``line`` says why (the first reason given stands)."""
+        self.failed.setdefault(s.shard_id, line)
 
     def _committed(self, w, ids: list[int]) -> None:
         """The worker committed the shards ``ids``: they count as done."""
@@ -207,11 +248,17 @@ class Dispatcher:
     def _ping(self, w) -> None:
         self.in_flight[w.get_pid.remote()] = ("ping", w, None)
 
-    def _worker_died(self, w, s) -> None:
+    def _worker_died(self, w, s, e: Exception) -> None:
         """The worker died (under shard ``s``, or committing): requeue ``s`` and the shards of its open group,
-        which died with it; ping the worker until it is back."""
+        which died with it; ping the worker until it is back. One whose constructor raised a :func:`deterministic`
+        error is out for good (Ray does not restart it), and its shards, which did not run, keep their retries."""
         self.deaths += 1
-        self._requeue(([s] if s is not None else []) + self.open.pop(_key(w), []), "its worker died")
+        lost = ([s] if s is not None else []) + self.open.pop(_key(w), [])
+        if getattr(e, "actor_init_failed", False) and deterministic(e):
+            self._requeue(lost, "its worker could not start", count=False)
+            self._out(w, e)
+            return
+        self._requeue(lost, "its worker died")
         self._ping(w)
 
     def _watch(self) -> None:
@@ -276,9 +323,9 @@ class Dispatcher:
         for shard in reversed([x for x in lost if x.shard_id not in stored]):
             self.attempts[shard.shard_id] += count
             if self.attempts[shard.shard_id] > self.max_retries:
-                self.failures.append(f"shard {shard.shard_id:05d} ({shard.path}): {why}, "
-                                     f"{self.attempts[shard.shard_id]} times")
-                log.error("%s", self.failures[-1])
+                self._fail(shard, f"shard {shard.shard_id:05d} ({shard.path}): {why}, "
+                                  f"{self.attempts[shard.shard_id]} times")
+                log.error("%s", self.failed[shard.shard_id])
             else:
                 if count:
                     log.warning("shard %05d requeued (attempt %d): %s", shard.shard_id, self.attempts[shard.shard_id], why)
@@ -288,10 +335,10 @@ class Dispatcher:
 
     def _commit_failed(self, w, e: Exception) -> None:
         """Writing a group failed (the store refused): its shards go back to the queue like a dead worker's.
-        An analysis that failed writing its tables ends the job, as does a :data:`FATAL` error."""
-        if isinstance(getattr(e, "cause", None) or e, FATAL):
-            raise (getattr(e, "cause", None) or e) from None
-        cause = str(getattr(e, "cause", None) or e).strip().splitlines()[-1][:500]
+        An analysis that failed writing its tables ends the job, as does any :func:`deterministic` error."""
+        if deterministic(e):
+            raise cause_of(e) from None
+        cause = str(cause_of(e)).strip().splitlines()[-1][:500]
         log.error("a group could not be committed: %s", cause)
         self._requeue(self.open.pop(_key(w), []), f"its group could not be committed ({cause})")
         self.idle.append(w)
@@ -301,22 +348,24 @@ class Dispatcher:
             time.sleep(0.5)
             self._ping(w)
             return
+        self._out(w, e)
+
+    def _out(self, w, e: Exception) -> None:
+        """The worker is gone for good (its constructor failed, its restarts ran out): its slots leave the pool."""
         if _key(w) in self.gone:  # a second slot of a worker already counted out
             return
-        self.gone.add(_key(w))
-        self.alive -= 1  # gone for good (constructor failed, restarts exhausted)
+        self.gone[_key(w)] = cause_of(e)
+        self.alive -= 1
         self.idle = deque(x for x in self.idle if _key(x) != _key(w))
-        cause = getattr(e, "cause", None) or e
-        self.death_cause = init_error(e) or cause
-        self.last_death = str(cause).strip().splitlines()[-1][:500]
-        log.warning("a worker could not be restarted: %s", self.last_death)
+        log.warning("a worker is out for good (its constructor failed, or its restarts ran out): %s",
+                    reason(self.gone[_key(w)]))
 
     def _shard_failed(self, w, s, e: Exception) -> None:
-        """An error of the shard's own (a corrupt file): deterministic, so not retried. An analysis that
-        failed would fail on every shard: it ends the job at once, as does any :data:`FATAL` error."""
-        cause = getattr(e, "cause", None) or e
-        if isinstance(cause, FATAL):
+        """An error of the shard's own (a corrupt file): deterministic, so not retried. A :func:`deterministic`
+        error (an analysis's bug, a model the worker cannot load) would fail every shard: it ends the job at once."""
+        cause = cause_of(e)
+        if deterministic(cause):
             raise cause from None
-        self.failures.append(f"shard {s.shard_id:05d} ({s.path} records {s.start}-{s.end}): {cause}")
-        log.error("%s", self.failures[-1])
+        self._fail(s, f"shard {s.shard_id:05d} ({s.path} records {s.start}-{s.end}): {cause}")
+        log.error("%s", self.failed[s.shard_id])
         self.idle.append(w)

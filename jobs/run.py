@@ -17,7 +17,7 @@ from pathlib import Path
 from actlake.config import JobConfig, resolve_model_path
 from actlake.corpus.fingerprint import current_fingerprints, first_change
 from actlake.corpus.readers import HF_STREAM
-from actlake.errors import ActlakeError, AnalysisError, ConfigError, CorpusError, ModelLoadError, StorageError
+from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
 from actlake.fs import ObjectPath, location, remove_tree
 from actlake.jobs.dispatch import Dispatcher
 from actlake.jobs.kept_workers import keep, kept_key, take_kept
@@ -161,19 +161,6 @@ def check_inputs_after_failure(layout: RunLayout, inputs: dict, n_failed: int) -
     if changed:
         raise CorpusError(f"{changed[0]}: {changed[1]} while run '{layout.root.name}' was going; {n_failed} shard(s) "
                           f"failed; pick a new output.run_id (--run-id) or delete {layout.root}")
-
-
-def failure_report(failures: list[str], death_cause: Exception | None) -> ActlakeError:
-    """The job's error for its failed shards (one line each): when every worker failed to start with an error
-    that a restart repeats (a model that cannot load), that error first and no advice to rerun; else the count
-    and the advice (a lost node or a killed worker does not repeat)."""
-    from actlake.jobs.dispatch import DETERMINISTIC  # loads ray: imported when used
-
-    if isinstance(death_cause, DETERMINISTIC) and all("no worker left" in f for f in failures):
-        kind = next(c for c in (ModelLoadError, ConfigError, AnalysisError) if isinstance(death_cause, c))
-        return kind(f"every worker failed to start: {str(death_cause).strip().splitlines()[-1]} "
-                                 f"({len(failures)} shard(s) not run; the same error would repeat on a rerun)")
-    return ActlakeError(f"{len(failures)} shard(s) failed; rerun the same run id to retry them:\n  " + "\n  ".join(failures))
 
 
 def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
@@ -376,8 +363,8 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
                 ray.kill(w)
             counter.close()  # the driver's counter stays for its next job
         if failures:
-            check_inputs_after_failure(layout, inputs or {}, len(failures))
-            raise failure_report(failures, dispatcher.death_cause)
+            check_inputs_after_failure(layout, inputs or {}, len(failures))  # one line a failed shard
+            raise dispatcher.error()
         return summaries
     finally:
         if started:
