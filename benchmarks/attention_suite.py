@@ -122,7 +122,8 @@ def _naive(lm, batch, tensors):
         xs = dict(inputs.x)
     plain = torch.zeros(L, H, len(ROLE), d, dtype=torch.float64)
     weighted = torch.zeros_like(plain)
-    for layer, (wk, _) in enumerate(mqk.weights):
+    for layer in range(L):
+        wk, _ = mqk.weights(layer, H, mqk.n_kv_heads, d // H)  # BERT: W_K (H, d, d_h)
         x = xs[layer]
         q = model.encoder.layer[layer].attention.self.query(x)  # recomputed from the cache
         q = q.view(*q.shape[:2], H, -1).transpose(1, 2)  # (B, H, T, d_h)
