@@ -112,7 +112,7 @@ def main() -> None:
 
 
 def page(rows, counts, version: str) -> str:
-    body = "\n".join(f"| `{t}` | {kind} | {status} | {detail.replace('|', '/')} |" for t, kind, status, detail in rows)
+    body = "\n".join(f"| `{t}` | {kind} | {status} | {detail.replace('|', '/').replace('<', '&lt;').replace('>', '&gt;')} |" for t, kind, status, detail in rows)
     ok = [f"`{t}`" for t, _, s, _ in rows if s == "ok"]
     found = [f"`{t}`" for t, _, s, _ in rows if s == "ok*"]
     return f"""# Supported models
