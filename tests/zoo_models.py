@@ -29,8 +29,9 @@ SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
              max_window_layers=2, sliding_window=512, sep_token_id=2, cls_token_id=0)
 KNOBS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0, logit_scale=0.5, logits_scaling=2.5,
              embedding_multiplier=3.0, residual_multiplier=0.7, attention_multiplier=0.3, query_pre_attn_scalar=24,
-             partial_rotary_factor=0.5, rope_theta=5000.0)
-"""Scaling knobs away from their defaults, where a config has them."""
+             partial_rotary_factor=0.5)
+"""Scaling knobs away from their defaults, where a config has them (RoPE bases live in ``rope_parameters`` in
+transformers 5: not set here)."""
 SCALED = ("q_proj", "k_proj", "query", "key", "qkv", "c_attn", "Wqkv", "query_key_value", "q_lin", "k_lin")
 
 
