@@ -71,7 +71,7 @@ def _windows(args, tok):
 
 def _extractor(name: str, lm, max_length: int):
     from actlake.config import parse_config
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
 
     analyses = {"tokens": False}
     if name.startswith("minus-"):
@@ -162,7 +162,7 @@ def _timing(args, names) -> dict:
     import torch
 
     from actlake.config import ModelConfig
-    from actlake.jobs.worker import keep_freed_heap
+    from actlake.jobs.extract.worker import keep_freed_heap
     from actlake.model import load_model
 
     torch.set_num_threads(args.threads)
@@ -222,7 +222,7 @@ def _peak_memory(name: str, args, queue) -> None:
     import torch
 
     from actlake.config import ModelConfig
-    from actlake.jobs.worker import keep_freed_heap
+    from actlake.jobs.extract.worker import keep_freed_heap
     from actlake.model import load_model
 
     torch.set_num_threads(args.threads)

@@ -73,8 +73,8 @@ def _generate_file(args) -> None:
 def _read_shard(args) -> tuple[int, int, int, int]:
     """(records, bytes decoded, records skipped, tokens) of one shard, read as a worker reads it."""
     shard, naive, tokenize = args
-    from actlake.corpus.readers import Record, ReadStats, iter_range
-    from actlake.jobs.plan import Shard
+    from actlake.corpus.readers import ReadStats, Record, iter_range
+    from actlake.jobs.extract.plan import Shard
 
     s = Shard(**shard)
     stats = ReadStats()
@@ -103,7 +103,7 @@ def plan(files: list[Path], out: Path, docs_per_shard: int, naive: bool, workers
     """(shards, seconds): the plan as ``actlake run`` makes it, or the old serial count (``naive``)."""
     from actlake.config import parse_config
     from actlake.corpus.readers import count_records
-    from actlake.jobs.plan import Shard, make_plan
+    from actlake.jobs.extract.plan import Shard, make_plan
 
     t0 = time.perf_counter()
     if naive:

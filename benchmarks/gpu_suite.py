@@ -165,7 +165,7 @@ def packed_batches(lm, args):
 
 def extractor(name: str, lm, args):
     from actlake.config import parse_config
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
 
     analyses = {"tokens": False}
     if name == "attention":
@@ -365,7 +365,7 @@ def shard_figure(lm, batches, args) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from actlake.batching import make_batches
-    from actlake.jobs.plan import Shard
+    from actlake.jobs.extract.plan import Shard
     from actlake.storage.layout import RunLayout
     from actlake.storage.shards import Group
 
@@ -452,7 +452,7 @@ def check(lm, batches, args) -> dict:
     largest |difference| per field, relative to that field's largest |value|."""
 
     from actlake.config import parse_config
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
 
     fast = extractor("suite", lm, args).run_batch(batches[0])
     cfg = {"name": "ref", "analyses": {"tokens": False, "attention_weights": "explicit"},

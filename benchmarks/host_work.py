@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     from actlake.batching import collate
     from actlake.categories import Categorizer
     from actlake.config import parse_config
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
 
     lm = gpu_suite.build(args)
     batch = gpu_suite.packed_batches(lm, args)[0]
@@ -140,8 +140,8 @@ def _beside_operations(work) -> tuple[float, float]:
 def beside_compute(ex, result, args) -> None:
     """The second thread's stages alone and beside an operations thread (see the module's docstring)."""
     from actlake.batching import CHARS_PER_TOKEN_CAP, documents_windows
-    from actlake.jobs import read
-    from actlake.jobs.plan import Shard
+    from actlake.jobs.extract import read
+    from actlake.jobs.extract.plan import Shard
     from actlake.storage.layout import RunLayout
     from actlake.storage.shards import Group, ShardFiles
 

@@ -29,7 +29,7 @@ def _job(n_docs: int, work: Path) -> dict:
 
     from actlake.config import parse_config
     from actlake.corpus.sample import write_sample
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
 
     write_sample(work / "corpus", n_docs, n_files=2)
     cfg = parse_config({"name": "mem", "corpus": {"paths": [str(work / "corpus" / "*.jsonl.zst")]},

@@ -6,7 +6,7 @@ From a finished extraction run (``--source``, default the quick start's ``runs/q
   (``tokens``, ``residual_norms``, ``activations``), as the run committed them, and what the same
   run would hold with one partial per shard (the layout before commit groups: partials of the size
   of one group's, once per shard);
-- the reduce step (``jobs/reduce.py:reduce_run``: read the records, verify every file, merge the
+- the reduce step (``jobs/extract/reduce.py:reduce_run``: read the records, verify every file, merge the
   partials, publish) over a synthetic run of ``--shards`` shards in ``--groups`` commit groups, each
   group's partials a hard link to the source run's real files (real sizes, real merge work), each
   shard's tables tiny. ``--groups`` takes several values; ``--groups 10000`` is one partial per shard.
@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     from actlake.analysis.registry import builtin
-    from actlake.jobs.reduce import reduce_run
+    from actlake.jobs.extract.reduce import reduce_run
     from actlake.storage.layout import RunLayout
 
     source = Path(args.source).resolve()

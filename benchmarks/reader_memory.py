@@ -3,7 +3,7 @@ interpreter that imports torch (what the reader held when tokenising imported to
 
     .venv/bin/python benchmarks/reader_memory.py [--docs 50]
 
-On an embedded Ray of 1 CPU, an actor starts a :class:`~actlake.jobs.read.ReaderProcess` with
+On an embedded Ray of 1 CPU, an actor starts a :class:`~actlake.jobs.extract.read.ReaderProcess` with
 all-MiniLM-L6-v2's tokenizer, as a worker does, and has it read one shard of ``--docs`` documents of the
 shipped sample. Prints the reader's resident memory after start and after the shard, the heavy modules it
 loaded, and the resident memory of a spawned interpreter that imports torch and nothing else.
@@ -20,11 +20,11 @@ from pathlib import Path
 
 def _reader_memory(model: str, corpus: str, docs: int) -> dict:
     import psutil
+    from transformers import AutoTokenizer
 
     from actlake.config import parse_config
-    from actlake.jobs.plan import make_plan
-    from actlake.jobs.read import ReaderProcess
-    from transformers import AutoTokenizer
+    from actlake.jobs.extract.plan import make_plan
+    from actlake.jobs.extract.read import ReaderProcess
 
     cfg = parse_config({"model": {"name_or_path": model}, "corpus": {"paths": [f"{corpus}/*.jsonl.zst"]},
                         "sharding": {"docs_per_shard": docs}, "output": {"dir": tempfile.mkdtemp()}})

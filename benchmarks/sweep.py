@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
     from actlake.config import parse_config
     from actlake.corpus.sample import write_sample
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     figures: dict[str, list[tuple[float, float]]] = {"plain": [], "sweep": []}

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/trial_overhead.py [--trials 3]
 
-Runs ``--trials`` trials one after another through :func:`actlake.jobs.training.run_trials` (as every training
+Runs ``--trials`` trials one after another through :func:`actlake.jobs.train.training.run_trials` (as every training
 job does), each with a loop that reports once and returns, on an embedded Ray of 2 CPUs. A thread samples
 every process's CPU times every 0.1 s; a process's CPU-seconds are its last sample minus its CPU time when the
 trials began (zero for one started later). A process that lived between two samples is missed, and so may be
@@ -75,7 +75,7 @@ class CpuSampler:
 def main(argv: list[str] | None = None) -> None:
     import ray
 
-    from actlake.jobs.training import Resources, Trial, run_trials
+    from actlake.jobs.train.training import Resources, Trial, run_trials
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=3)

@@ -176,7 +176,7 @@ def _cmd_run(args) -> int:
     overrides = {"output.run_id": args.run_id} if args.run_id else None
     cfg = load_config(args.config, overrides=overrides)
     precheck(cfg)  # an unsupported local model: one line, before torch and transformers load
-    from actlake.jobs.run import run_job  # per command (start-up)
+    from actlake.jobs.extract.run import run_job  # per command (start-up)
 
     res = run_job(cfg, address=args.address, report=False if args.no_report else None)
     t = res.totals
@@ -211,7 +211,7 @@ def _cmd_run(args) -> int:
 def _cmd_try_analysis(args) -> int:
     import yaml  # loads yaml: imported when used
 
-    from actlake.jobs.try_analysis import texts_from, try_analysis  # per command (start-up)
+    from actlake.jobs.extract.try_analysis import texts_from, try_analysis  # per command (start-up)
 
     options = {}
     for item in args.arg:
@@ -229,8 +229,8 @@ def _cmd_try_analysis(args) -> int:
 
 def _cmd_train_synthetic(args) -> int:
     from actlake.config import load_config  # per command (start-up)
-    from actlake.jobs.synthetic.config import SyntheticConfig  # per command (start-up)
-    from actlake.jobs.synthetic.job import run_synthetic, summary_lines  # per command (start-up)
+    from actlake.jobs.train.synthetic.config import SyntheticConfig  # per command (start-up)
+    from actlake.jobs.train.synthetic.job import run_synthetic, summary_lines  # per command (start-up)
 
     if args.analysis_only and args.no_analysis:
         raise ActlakeError("--analysis-only and --no-analysis together leave nothing to do; drop one")
@@ -249,8 +249,8 @@ def _cmd_train_synthetic(args) -> int:
 
 def _cmd_train_predictor(args) -> int:
     from actlake.config import load_config  # per command (start-up)
-    from actlake.jobs.predictor.config import PredictorJobConfig  # per command (start-up)
-    from actlake.jobs.predictor.job import PROBE_SQL, SUMMARY_SQL, run_predictor_job  # per command (start-up)
+    from actlake.jobs.train.predictor.config import PredictorJobConfig  # per command (start-up)
+    from actlake.jobs.train.predictor.job import PROBE_SQL, SUMMARY_SQL, run_predictor_job  # per command (start-up)
     from actlake.storage.sql import query  # per command (start-up)
 
     cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None,
@@ -266,7 +266,7 @@ def _cmd_train_predictor(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from actlake.jobs.report import build_comparison, build_report  # per command (start-up)
+    from actlake.jobs.extract.report import build_comparison, build_report  # per command (start-up)
 
     if args.compare:
         out = args.out or "compare-" + "-vs-".join(Path(r.rstrip("/")).name for r in args.run_dir)
@@ -326,7 +326,7 @@ def _cmd_corpus_index(args) -> int:
     """Plan the job's corpus (records counted, entry points and seekable copies built, cached in
     output.dir) and print per file its records and shards, and the seconds it took."""
     from actlake.config import load_config  # per command (start-up)
-    from actlake.jobs.plan import make_plan  # per command (start-up)
+    from actlake.jobs.extract.plan import make_plan  # per command (start-up)
 
     cfg = load_config(args.config)
     t0 = time.perf_counter()
@@ -354,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_run(args)
         if args.command == "train-lm":
             from actlake.config import load_config  # per command (start-up)
-            from actlake.jobs.lm.config import LMConfig  # per command (start-up)
-            from actlake.jobs.lm.job import train_lm  # per command (start-up)
+            from actlake.jobs.train.lm.config import LMConfig  # per command (start-up)
+            from actlake.jobs.train.lm.job import train_lm  # per command (start-up)
 
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None, root=LMConfig)
             res = train_lm(cfg, address=args.address)
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_run(args)
         if args.command == "submit":
             from actlake.config import load_config  # per command (start-up)
-            from actlake.jobs.submit import submit  # per command (start-up)
+            from actlake.jobs.extract.submit import submit  # per command (start-up)
 
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None)
             sid = submit(cfg, args.address, args.submission_id)
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"follow it with: {command_prefix()} status {sid} --address {shlex.quote(args.address)}", file=sys.stderr)
             return 0
         if args.command in ("status", "logs", "stop"):
-            from actlake.jobs import submit as js  # per command (start-up)
+            from actlake.jobs.extract import submit as js  # per command (start-up)
 
             print(getattr(js, args.command)(args.address, args.submission_id))
             return 0

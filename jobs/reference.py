@@ -3,9 +3,9 @@
 ``scripts/sync_docs.py`` writes them into docs/configuration.md; ``tests/unit/test_docs.py`` checks they are current."""
 
 from actlake.config import JobConfig, reference_markdown
-from actlake.jobs.lm.config import LMConfig
-from actlake.jobs.predictor.config import PredictorJobConfig
-from actlake.jobs.synthetic.config import SyntheticConfig
+from actlake.jobs.train.lm.config import LMConfig
+from actlake.jobs.train.predictor.config import PredictorJobConfig
+from actlake.jobs.train.synthetic.config import SyntheticConfig
 
 
 def reference_blocks() -> dict[str, str]:

@@ -75,7 +75,7 @@ class RunLayout:
 
 SWEEP_RECORD = "sweep.json"
 """In a checkpoint sweep's folder (``model.checkpoints``): its checkpoints in order, written once every
-checkpoint's run is complete (:mod:`~actlake.jobs.sweep`)."""
+checkpoint's run is complete (:mod:`~actlake.jobs.extract.sweep`)."""
 CHECKPOINTS_DIR = "checkpoints"
 """In a sweep's folder: a run folder per checkpoint, named by its label."""
 

@@ -70,8 +70,8 @@ TRAINING_TABLES = {
         "training_curves")},
     "train-lm": {"lm_curve": TableSpec("lm_curve", "fixed")},
 }
-"""Tables of the training jobs by ``run.json`` kind (``jobs/predictor/``, ``jobs/synthetic/``,
-``jobs/lm/``)."""
+"""Tables of the training jobs by ``run.json`` kind (``jobs/train/predictor/``, ``jobs/train/synthetic/``,
+``jobs/train/lm/``)."""
 
 REDUCE_RECORD = "reduced.json"
 """The reduce step's record under ``_complete/``: plan hash and the aggregate files it published."""

@@ -13,7 +13,7 @@ import pytest
 
 # before torch is imported (libgomp reads it once, when torch loads it): OpenMP threads that spin between parallel
 # regions take the cores that the other test process and every Ray worker wait for (the embedded Ray's workers
-# get it too: jobs/ray_env.py)
+# get it too: jobs/common/ray_env.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402 - after OMP_WAIT_POLICY
 
@@ -78,7 +78,15 @@ def minilm_tokenizer_dir() -> str:
 def make_tiny_model(family: str, out: Path, n_layers: int = 2) -> Path:
     """Save a tiny randomly initialised model of ``family`` with ``n_layers`` layers and a tokenizer to ``out``."""
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, BertConfig, GPT2Config, GPTNeoXConfig, LlamaConfig
+    from transformers import (
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        BertConfig,
+        GPT2Config,
+        GPTNeoXConfig,
+        LlamaConfig,
+    )
 
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +157,7 @@ def ray_local():
     """One embedded Ray for the whole session (jobs reuse an initialised Ray)."""
     import ray
 
-    from actlake.jobs.ray_env import local_worker_env
+    from actlake.jobs.common.ray_env import local_worker_env
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": local_worker_env()})
@@ -166,7 +174,7 @@ def kept_workers(ray_local):
     each job loads its own model into the previous job's worker, which saves the worker's start (about 4.5 s:
     a process importing torch and transformers) per job. Used by modules whose jobs only compare tables; the
     workers left are killed when the module ends, so the next module finds every CPU free."""
-    from actlake.jobs.kept_workers import keeping_workers
+    from actlake.jobs.extract.kept_workers import keeping_workers
 
     with keeping_workers():
         yield
@@ -230,7 +238,7 @@ def s3_server():
 
     Yields ``make_bucket(name) -> "s3://name"``, whose ``requests`` lists the server's requests as (method, path)
     from every process. The variables are set for the whole session (workers of the session's Ray get them from
-    the job, which forwards the S3 settings; see actlake/jobs/ray_env.py)."""
+    the job, which forwards the S3 settings; see actlake/jobs/common/ray_env.py)."""
     import boto3
     from moto.server import ThreadedMotoServer
 

@@ -14,7 +14,7 @@ record starts (``every`` = ``sharding.docs_per_shard``, so every shard starts on
 - Parquet needs no index: the footer's row-group row counts are one.
 
 Files are indexed in parallel (a process pool, ``sharding.plan_workers``); the result is cached in
-``OUTPUT_DIR/_record_counts.json`` by the file's fingerprint (see ``jobs/plan.py``), so a rerun or
+``OUTPUT_DIR/_record_counts.json`` by the file's fingerprint (see ``jobs/extract/plan.py``), so a rerun or
 resume plans from the cache without reading any input.
 
 Inputs and ``OUTPUT_DIR`` may be object stores (``s3://…``): inputs are read through

@@ -19,7 +19,7 @@ def main(cfg_path: str, out_path: str, driver_dir: str, worker_dir: str) -> None
     from ray.cluster_utils import Cluster
 
     from actlake.config import parse_config
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
 
     cfg = parse_config(json.loads(Path(cfg_path).read_text()))
     os.chdir(worker_dir)

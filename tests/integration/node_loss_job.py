@@ -41,7 +41,7 @@ def main(cfg_path: str, out_path: str) -> None:
 def _run(cfg, cluster, out_path: str) -> None:
     import ray
 
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
 
     nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
     cluster.wait_for_nodes()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.jobs.run import run_job
+from actlake.jobs.extract.run import run_job
 from actlake.storage.activations import read_windows
 from actlake.storage.sql import open_run
 from tests.conftest import job_config

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from actlake.errors import ConfigError
-from actlake.jobs.run import run_job
+from actlake.jobs.extract.run import run_job
 from actlake.storage.sql import open_run
 from tests.conftest import job_config
 
@@ -97,7 +97,7 @@ def test_each_source_equals_a_run_over_its_documents_and_star_equals_a_plain_run
 
 def _report_draws_a_line_per_source(run_dir, labels) -> None:
     """The report's by-source section: each source's line of first-token mass is that source's rows."""
-    from actlake.jobs.report import build_report, comparison_blocks
+    from actlake.jobs.extract.report import build_report, comparison_blocks
 
     page = build_report(run_dir)
     assert "By source: attention mass on the leading special token" in page.read_text()
@@ -133,7 +133,7 @@ def test_a_parquet_corpus_with_too_many_labels_is_refused_before_ray(tiny_models
     with pytest.raises(ConfigError, match=r"^analyses.max_sources: the corpus has at least 3 source labels \(A, B, C\)"):
         run_job(cfg)
     assert not (tmp_path / "out" / cfg.run_id).exists()
-    from actlake.jobs.plan import plan_with_inputs, planned_labels
+    from actlake.jobs.extract.plan import plan_with_inputs, planned_labels
 
     two = job_config(tiny_models["bert"], tmp_path, tmp_path / "out", **over, **{"corpus.max_docs": 2})
     assert planned_labels(two, plan_with_inputs(two)[0]) == {"A", "B"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-
 import re
 from pathlib import Path
 
@@ -210,7 +209,7 @@ def test_an_analysis_that_raises_is_named_with_its_file_line_and_method_in_a_job
 def test_try_analysis_runs_one_analysis_in_process_and_names_a_failure(minilm_path, tmp_path, capsys):
     """``actlake try-analysis``: the example on two texts, in this process, equal to eager attention's
     entropies; the buggy one is the same one line as in a job."""
-    from actlake.jobs.try_analysis import try_analysis
+    from actlake.jobs.extract.try_analysis import try_analysis
 
     texts = ["The cat sat on the mat, and then it slept.", "def f(x):\n    return x + 1"]
     tables = try_analysis("attention_entropy:AttentionEntropy", texts, model=minilm_path, path=str(EXAMPLE))

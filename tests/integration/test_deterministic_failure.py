@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from actlake.errors import ActlakeError, ModelLoadError
-from actlake.jobs.dispatch import Dispatcher
-from actlake.jobs.plan import Shard
+from actlake.jobs.extract.dispatch import Dispatcher
+from actlake.jobs.extract.plan import Shard
 from tests.conftest import job_config
 
 pytestmark = pytest.mark.integration
@@ -111,7 +111,7 @@ def test_a_job_whose_model_cannot_load_fails_once_with_the_reason_and_the_shard_
     ended with '2 shard(s) failed; rerun the same run id' and no reason; now one line leads with the reason."""
     from ray._private import state
 
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
 
     folder = tmp_path / "broken"
     shutil.copytree(tiny_models["gpt2"], folder)

@@ -14,8 +14,8 @@ import time
 import pytest
 import ray
 
-from actlake.jobs.dispatch import Dispatcher
-from actlake.jobs.plan import Shard
+from actlake.jobs.extract.dispatch import Dispatcher
+from actlake.jobs.extract.plan import Shard
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,7 @@ def test_shards_waiting_on_a_worker_that_never_comes_up_run_on_the_free_one(ray_
 
 def test_a_workers_state_reads_the_same_in_a_task_as_in_the_driver(ray_local):
     """The lookup of :meth:`Dispatcher._watch` runs in a task for a driver on Ray Client (``ray://``)."""
-    from actlake.jobs.dispatch import read_actor_states
+    from actlake.jobs.extract.dispatch import read_actor_states
 
     up = ScriptedWorker.remote()
     never = ScriptedWorker.options(resources={"no-such-node": 1}).remote()
@@ -144,7 +144,7 @@ def test_a_worker_dying_at_the_tail_with_another_free_is_counted_once(ray_local,
     """The shard of a worker that dies when nothing else is left runs on the free worker; its death reaches the
     dispatcher both as the call's error and in Ray's actor table, looked up here at every tick: the job ended
     with a KeyError when the lookup took the call's result away first."""
-    from actlake.jobs import dispatch
+    from actlake.jobs.extract import dispatch
 
     monkeypatch.setattr(dispatch, "WATCH_S", 0.0)
     done = []

@@ -127,7 +127,7 @@ def test_a_planted_error_stops_the_job_before_anything_is_written(zoo, sample_co
     """A real job whose engine reads Cohere's interleaved RoPE as rotate-half (planted in the workers by a custom
     analysis module that patches the engine when imported): the first batch fails, by name, and nothing is
     committed."""
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
     from tests.integration.test_custom_analysis import LAST_NORM
 
     plant = tmp_path / "plant" / "plant_rope.py"
@@ -166,7 +166,7 @@ def test_an_unsupported_model_is_refused_before_ray_in_one_line(tmp_path, sample
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen3", "gptj", "modernbert"])  # q/k norm, interleaved RoPE, an encoder
 def test_a_real_job_on_the_family_equals_transformers(model_type, zoo, sample_corpus, tmp_path, ray_local):
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
     from actlake.storage.sql import open_run
     from tests.integration.test_pipeline import _check_against_reference
 
@@ -197,7 +197,7 @@ def test_a_real_job_on_the_family_equals_transformers(model_type, zoo, sample_co
 def test_a_worker_checks_its_first_batch_and_only_it(model_type, zoo, tmp_path):
     """The Extractor as a worker runs it: the first batch passes the check (hidden states from the block hooks
     equal output_hidden_states, surprisal equals the model's logits), later batches are not checked."""
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
     from actlake.model import load_model
     from tests.integration.test_layer_replay import _windows
 
@@ -213,7 +213,7 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
     scaled by 1.01) stop the first batch, naming the hidden state and the analyses that read them."""
     from actlake.analysis.engine import capture as cap
     from actlake.errors import AnalysisError
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
     from actlake.model import load_model
     from tests.integration.test_layer_replay import _windows
 
@@ -263,7 +263,7 @@ def test_a_model_that_cannot_load_is_reported_once_without_rerun_advice(zoo, sam
     same way. The job's error leads with that reason, counts the shards, and gives no advice to rerun."""
     import shutil
 
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
 
     folder = tmp_path / "broken"
     shutil.copytree(zoo("llama"), folder)
@@ -280,7 +280,7 @@ def test_a_discovered_layout_the_engine_cannot_run_ends_the_job_by_name(zoo, tmp
     """MobileBERT's keys come from a bottleneck, not from the block's input: the guessed layout fails inside the
     engine on the first batch, which says the type needs a declaration instead of a bare tensor-shape error."""
     from actlake.errors import AnalysisError
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
     from actlake.model import load_model
     from tests.integration.test_layer_replay import _windows
 

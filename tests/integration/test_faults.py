@@ -18,7 +18,7 @@ import torch
 import zstandard
 
 from actlake.errors import ActlakeError, StorageError
-from actlake.jobs.run import run_job
+from actlake.jobs.extract.run import run_job
 from actlake.storage.sql import open_run
 from tests.conftest import job_config, own_processes
 
@@ -131,9 +131,9 @@ def test_killed_workers_leave_the_same_tables_and_readers_see_whole_shards(minil
 def _process_in_process(cfg, ex) -> list[dict]:
     """Plan, process every shard with ``ex`` in this process, commit, reduce: a job without Ray."""
     from actlake.analysis.registry import enabled
-    from actlake.jobs.plan import make_plan, plan_hash
-    from actlake.jobs.reduce import reduce_run
-    from actlake.jobs.run import prepare_run_dir
+    from actlake.jobs.extract.plan import make_plan, plan_hash
+    from actlake.jobs.extract.reduce import reduce_run
+    from actlake.jobs.extract.run import prepare_run_dir
     from actlake.storage.layout import RunLayout
     from actlake.storage.shards import Group
 
@@ -150,7 +150,7 @@ def _process_in_process(cfg, ex) -> list[dict]:
 
 def test_out_of_memory_batches_are_split_and_give_the_same_numbers(minilm_path, sample_corpus, tmp_path, clean):
     """Inject torch.OutOfMemoryError for batches of more than 3 windows, in-process."""
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
     from actlake.model import load_model
 
     _, clean_tables = clean
@@ -177,7 +177,7 @@ def test_a_failed_device_check_reruns_its_batch_strictly_and_the_tables_equal_a_
     they run again strictly, which leaves the token out of that layer's moments, and every table equals
     that of a run that was strict throughout."""
     from actlake.architectures import blocks
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
     from actlake.model import load_model
 
     def run(strict: bool, out):

@@ -51,7 +51,7 @@ def test_no_hidden_state_or_key_input_outlives_its_layer(minilm_path, tmp_path):
 
     from actlake.architectures import blocks, key_input_module
     from actlake.batching import Window, collate
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
     from tests.conftest import job_config
 
     cfg = job_config(minilm_path, tmp_path, tmp_path / "out", **{"activations.layers": [1]})

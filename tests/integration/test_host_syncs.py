@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from actlake.analysis.engine import device as device_mod
-from actlake.jobs.extract import Extractor
+from actlake.jobs.extract.driver import Extractor
 from actlake.model import load_model
 from tests.conftest import FAMILIES, job_config
 from tests.integration.test_layer_replay import ReadsBack, _windows

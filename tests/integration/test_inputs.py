@@ -151,8 +151,8 @@ def test_tokenizer_errors_become_rejects(minilm_path, sample_corpus, tmp_path):
     """A record the tokenizer raises on (injected: no real text is known to break it once the reader
     has refused unencodable text) is a ``tokenizer_error`` reject; the shard's other records are read."""
     from actlake.batching import special_affixes
-    from actlake.jobs.extract import Extractor
-    from actlake.jobs.plan import make_plan
+    from actlake.jobs.extract.driver import Extractor
+    from actlake.jobs.extract.plan import make_plan
     from actlake.model import load_model
 
     f, lines = _corpus(sample_corpus, tmp_path / "corpus", 6)
@@ -196,7 +196,7 @@ def test_a_job_reads_shards_from_entry_points_and_resumes_only_missing_shards(mi
     seekable copies): the documents table holds exactly the records of a plain read of the files;
     after deleting two completion records, a rerun runs those two shards only and the table is the same."""
     from actlake.corpus.readers import Record, iter_items
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
 
     cfg = job_config(minilm_path, sample_corpus, tmp_path / "runs", **{**LIGHT, "sharding.docs_per_shard": 6,
                                                                        "output.run_id": "entry", "sharding.commit_seconds": 0.001})
@@ -223,7 +223,7 @@ def test_a_streamed_hugging_face_dataset_runs_one_shard_per_file(minilm_path, sa
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
 
     rows = [json.loads(l) for l in (sample_corpus / "00.jsonl").read_text().splitlines()][:7]
     folder = tmp_path / "ds" / "data"
@@ -235,7 +235,7 @@ def test_a_streamed_hugging_face_dataset_runs_one_shard_per_file(minilm_path, sa
                      "corpus.hf_dataset": str(tmp_path / "ds"), "corpus.hf_streaming": True, "output.run_id": "stream"})
     result = run_job(cfg)
     assert result.shards_total == 2
-    from actlake.jobs.plan import HF_STREAM_STRIDE
+    from actlake.jobs.extract.plan import HF_STREAM_STRIDE
 
     assert [(d, r, src, n) for d, _, r, src, n in _documents(result.run_dir)] == [
         (k * HF_STREAM_STRIDE + j, j, row["meta"]["pile_set_name"], len(row["text"]))
@@ -245,7 +245,7 @@ def test_a_streamed_hugging_face_dataset_runs_one_shard_per_file(minilm_path, sa
 LISTENERS = r"""
 import json, sys, time
 import psutil, ray
-from actlake.jobs.ray_env import init_ray
+from actlake.jobs.common.ray_env import init_ray
 
 def listeners():
     me = psutil.Process()

@@ -16,7 +16,7 @@ from actlake.analysis.stats import SumStats, zeros
 from actlake.batching import Window
 from actlake.config import parse_config
 from actlake.errors import AnalysisError, ConfigError
-from actlake.jobs.extract import Extractor, layer_graphs_on
+from actlake.jobs.extract.driver import Extractor, layer_graphs_on
 from actlake.model import load_model
 from tests.conftest import FAMILIES, job_config
 

@@ -78,7 +78,7 @@ def test_a_worker_that_cannot_load_the_model_fails_the_job_with_the_reason(tiny_
     from transformers import AutoModel
 
     from actlake.errors import ActlakeError
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
     from tests.conftest import job_config
 
     out = tmp_path / "pickled"
@@ -100,7 +100,7 @@ def test_minilm_in_bfloat16_gives_the_float32_tables_within_the_stated_tolerance
     from actlake.batching import Window, document_windows
     from actlake.config import TokenizationConfig, parse_config
     from actlake.corpus.readers import Record, iter_items
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
 
     def run(dtype):
         lm = load_model(ModelConfig(name_or_path=minilm_path, dtype=dtype))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from actlake.fs import location
-from actlake.jobs.run import run_job
+from actlake.jobs.extract.run import run_job
 from tests.conftest import job_config
 from tests.integration.test_faults import assert_same, snapshot
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actlake.categories import ROLE
-from actlake.jobs.run import run_job
+from actlake.jobs.extract.run import run_job
 from actlake.storage.sql import open_run
 from tests.conftest import FAMILIES, job_config
 
@@ -96,7 +96,7 @@ def test_merge_order_does_not_change_aggregates(minilm_path, sample_corpus, tmp_
     import json
 
     from actlake.analysis.registry import builtin
-    from actlake.jobs.reduce import merge_partials
+    from actlake.jobs.extract.reduce import merge_partials
     from actlake.storage.layout import RunLayout
     from actlake.storage.manifest import REDUCE_RECORD
 

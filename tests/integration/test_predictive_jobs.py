@@ -3,12 +3,12 @@ job's own arrays, and a predictor whose worker is killed resumes from its checkp
 
 from __future__ import annotations
 
-import re
 import csv
 import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -20,11 +20,11 @@ import pytest
 import torch
 import yaml
 
-from actlake.jobs.cli import main
 from actlake.config import parse_config
-from actlake.jobs.run import run_job
-from actlake.jobs.lm.config import LMConfig
-from actlake.jobs.predictor.config import PredictorJobConfig
+from actlake.jobs.cli import main
+from actlake.jobs.extract.run import run_job
+from actlake.jobs.train.lm.config import LMConfig
+from actlake.jobs.train.predictor.config import PredictorJobConfig
 from actlake.storage.sql import open_run
 from tests.conftest import job_config, own_processes
 from tests.integration.browser import CHROMIUM, open_report
@@ -73,7 +73,7 @@ CURVE = {"steps": 160, "checkpoint_every": 20, "eval_every": 40}
 def finished(store, tmp_path_factory, ray_local) -> dict:
     """A predictor run to its end, with probes and its report: its metrics are checked against scikit-learn and
     SciPy, and a killed run of the same settings against its curve."""
-    from actlake.jobs.predictor.job import run_predictor_job
+    from actlake.jobs.train.predictor.job import run_predictor_job
 
     return run_predictor_job(_predictor_cfg(store, tmp_path_factory.mktemp("predictor"), "finished", **CURVE))
 
@@ -82,8 +82,8 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, finished):
     from scipy.stats import spearmanr
     from sklearn.metrics import r2_score
 
-    from actlake.jobs.predictor.loop import held_out
-    from actlake.jobs.predictor.model import PredictorTrainer
+    from actlake.jobs.train.predictor.loop import held_out
+    from actlake.jobs.train.predictor.model import PredictorTrainer
     from actlake.storage.activations import read_windows
     from actlake.storage.checkpoints import latest_checkpoint
 
@@ -119,7 +119,7 @@ def test_predictor_job_metrics_equal_sklearn_and_scipy(store, finished):
 
 
 def _trainer_args(state):
-    from actlake.jobs.predictor.model import PredictorConfig
+    from actlake.jobs.train.predictor.model import PredictorConfig
 
     return PredictorConfig(**state["cfg"]), np.asarray(state["mean"]), np.asarray(state["std"])
 
@@ -130,7 +130,7 @@ def _ray_train_workers() -> list[int]:
 
 def test_killed_predictor_worker_resumes_with_the_same_curve(store, finished, tmp_path, ray_local, capsys):
     from actlake.errors import StorageError
-    from actlake.jobs.predictor.job import run_predictor_job
+    from actlake.jobs.train.predictor.job import run_predictor_job
 
     kw = CURVE
     clean = finished  # the same settings, run to the end without a kill (its probes leave the curve as it is)
@@ -275,9 +275,8 @@ def _without_probes(cfg):
 def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ray_local, caplog, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actlake.errors import StorageError
-    from actlake.jobs.lm.job import train_lm
-    from actlake.errors import TrainingError
+    from actlake.errors import StorageError, TrainingError
+    from actlake.jobs.train.lm.job import train_lm
     from actlake.storage.checkpoints import list_checkpoints
 
     cfg = parse_config({
@@ -296,7 +295,7 @@ def test_train_lm_saves_a_loadable_model_that_learns(sample_corpus, tmp_path, ra
     assert [s["step"] for s in res["snapshots"]] == [0, 7, 60]
     snaps = {s["step"]: AutoModelForCausalLM.from_pretrained(s["path"]).state_dict() for s in res["snapshots"]}
     assert all(AutoTokenizer.from_pretrained(s["path"]).get_vocab() == tok.get_vocab() for s in res["snapshots"])
-    from actlake.jobs.lm.loop import build_model
+    from actlake.jobs.train.lm.loop import build_model
 
     initial = build_model(cfg, 400, tok).state_dict()
     for name, value in model.state_dict().items():
@@ -344,7 +343,7 @@ def test_train_lm_refuses_to_resume_on_a_changed_corpus(tmp_path, ray_local):
 
     from actlake.corpus.sample import write_sample
     from actlake.errors import CorpusError
-    from actlake.jobs.lm.job import train_lm
+    from actlake.jobs.train.lm.job import train_lm
 
     corpus = tmp_path / "corpus"
     write_sample(corpus, n_docs=40, n_files=2)

@@ -16,8 +16,8 @@ def test_progress_moves_batch_by_batch_inside_a_shard(minilm_path, sample_corpus
                                                       monkeypatch):
     """Two jobs one after the other, counted by one actor: the second's progress counts only its own batches."""
     from actlake.config import parse_config
-    from actlake.jobs import dispatch, progress
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract import dispatch, progress
+    from actlake.jobs.extract.run import run_job
 
     monkeypatch.setattr(dispatch, "TICK_S", 0.05)
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
@@ -47,7 +47,7 @@ def test_progress_moves_batch_by_batch_inside_a_shard(minilm_path, sample_corpus
     assert any("ETA" in ln for ln in moving if not ln.startswith("documents 16/16")), moving
 
     # a job with neither residual norms nor dimension moments still has a report (issue 33: it exited 2)
-    from actlake.jobs.report import build_report
+    from actlake.jobs.extract.report import build_report
 
     page = build_report(res.run_dir).read_text()
     assert "attention_mass" in page and "residual_norms" not in page
@@ -75,7 +75,7 @@ def test_a_killed_progress_counter_does_not_fail_the_job(ray_local, caplog):
 
     import ray
 
-    from actlake.jobs.progress import job_counter
+    from actlake.jobs.extract.progress import job_counter
 
     counter = job_counter()
     counter.add(2.0, 10)

@@ -37,8 +37,8 @@ def _fill(folder: Path, leave: int) -> None:
 
 
 def test_a_report_on_a_full_disk_keeps_the_previous_one(tiny_models, sample_corpus, tmp_path, ray_local):
-    from actlake.jobs.run import run_job
-    from actlake.jobs.report import build_report
+    from actlake.jobs.extract.report import build_report
+    from actlake.jobs.extract.run import run_job
 
     res = run_job(job_config(tiny_models["bert"], sample_corpus, tmp_path / "runs",
                              **{"corpus.max_docs": 8, "output.report": True}))
@@ -62,9 +62,9 @@ def test_a_predictor_rerun_without_probes_unpublishes_probe_scores(tmp_path):
 
     import pyarrow as pa
 
-    from actlake.storage.publish import pending_file, publish_pending
     from actlake.storage.layout import write_json_atomic
     from actlake.storage.parquet_io import write_parquet
+    from actlake.storage.publish import pending_file, publish_pending
 
     run = tmp_path / "run"
     write_json_atomic(run / "run.json", {"run_id": "run", "kind": "predictor"})

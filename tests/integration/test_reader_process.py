@@ -17,8 +17,8 @@ import pytest
 import zstandard
 
 from actlake.errors import CorpusError
-from actlake.jobs.plan import make_plan
-from actlake.jobs.read import ReaderProcess, read_shard
+from actlake.jobs.extract.plan import make_plan
+from actlake.jobs.extract.read import ReaderProcess, read_shard
 from tests.conftest import job_config
 
 pytestmark = pytest.mark.integration
@@ -75,7 +75,7 @@ def test_the_reader_process_exits_with_a_killed_worker(tiny_models, tmp_path):
     script = textwrap.dedent(f"""
         import json, os, signal
         from transformers import AutoTokenizer
-        from actlake.jobs.read import ReaderProcess
+        from actlake.jobs.extract.read import ReaderProcess
         reader = ReaderProcess(json.loads({json.dumps(cfg)!r}), AutoTokenizer.from_pretrained({str(tiny_models["gpt2"])!r}))
         reader.pool.submit(os.getpid).result()
         (child,) = reader.pool._processes

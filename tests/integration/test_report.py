@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actlake.jobs.run import run_job
+from actlake.jobs.extract.run import run_job
 from tests.conftest import job_config
 from tests.integration.browser import needs_chromium, open_report
 

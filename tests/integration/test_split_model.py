@@ -81,7 +81,7 @@ def _assert_batches_equal(a, b):
 
 
 def _extract(lm, model_path):
-    from actlake.jobs.extract import Extractor
+    from actlake.jobs.extract.driver import Extractor
 
     cfg = parse_config({"model": {"name_or_path": str(model_path)}, "tokenization": {"max_length": 32},
                         "analyses": {"tokens": False}})
@@ -143,10 +143,9 @@ def test_blocks_on_two_devices_give_the_unsplit_statistics(family, tiny_models):
     computes in a different order (and may use TF32 for float32 products: off here), so the tolerance is
     1e-4 of each field's largest value."""
     from accelerate import dispatch_model
+    from transformers import AutoModelForCausalLM
 
     from actlake.model import LoadedModel
-
-    from transformers import AutoModelForCausalLM
 
     path = tiny_models[family]
     whole = load_model(parse_config({"model": _model_section(path)}).model, lm_head=None)

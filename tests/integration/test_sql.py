@@ -10,7 +10,7 @@ import pytest
 
 from actlake.errors import QueryError
 from actlake.jobs.cli import main
-from actlake.jobs.run import run_job
+from actlake.jobs.extract.run import run_job
 from actlake.storage.sql import query
 from tests.conftest import job_config
 
@@ -221,7 +221,7 @@ def test_report_compares_runs_side_by_side(run_dir, other_run, tmp_path, capsys)
     import pandas as pd
 
     import actlake
-    from actlake.jobs.report import comparison_blocks
+    from actlake.jobs.extract.report import comparison_blocks
 
     assert main(["report", "--compare", run_dir, other_run, "--out", str(tmp_path / "cmp")]) == 0
     page = Path(capsys.readouterr().out.strip().splitlines()[-1])
@@ -254,7 +254,7 @@ def test_a_run_reduced_before_the_source_column_is_every_documents_and_still_rep
     import pyarrow.parquet as pq
 
     import actlake
-    from actlake.jobs.report import build_report
+    from actlake.jobs.extract.report import build_report
     from actlake.storage.parquet_io import write_parquet_atomic
 
     old = Path(shutil.copytree(run_dir, tmp_path / "old"))

@@ -18,9 +18,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from actlake.jobs.cli import main
 from actlake.errors import QueryError, StorageError
-from actlake.jobs.run import run_job
+from actlake.jobs.cli import main
+from actlake.jobs.extract.run import run_job
 from actlake.storage.sql import open_run, query
 from tests.conftest import job_config
 
@@ -316,9 +316,9 @@ def test_training_run_tables_are_their_fixed_files(tmp_path, cwd):
 
 def test_the_table_registry_covers_what_the_jobs_write():
     from actlake.analysis.registry import builtin
+    from actlake.jobs.train.synthetic.analyze import TABLES as SYNTHETIC_TABLES
+    from actlake.jobs.train.synthetic.loop import CURVES_TABLE
     from actlake.storage.manifest import TRAINING_TABLES, extraction_spec
-    from actlake.jobs.synthetic.analyze import TABLES as SYNTHETIC_TABLES
-    from actlake.jobs.synthetic.loop import CURVES_TABLE
 
     for cls in builtin().values():
         for t in cls.tables:

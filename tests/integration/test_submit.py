@@ -48,7 +48,7 @@ def ray_head(s3_server):
     )
     address = f"http://127.0.0.1:{dash}"
     try:
-        from actlake.jobs.submit import client
+        from actlake.jobs.extract.submit import client
 
         deadline = time.monotonic() + 120
         while True:
@@ -118,7 +118,7 @@ def test_a_job_with_a_home_relative_output_dir_lands_there(command, ray_local, r
 
 def test_a_stopped_job_resubmitted_with_the_same_run_id_finishes_like_a_clean_run(
         ray_local, ray_head, minilm_path, sample_corpus, tmp_path, capsys):
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
     from tests.conftest import job_config
     from tests.integration.test_faults import assert_same, snapshot
 
@@ -153,7 +153,7 @@ def test_the_readme_cluster_recipe_with_object_storage(ray_local, ray_head, s3_s
     from a folder of the user's, ``actlake status`` until it ends, ``actlake sql s3://…``. The tables equal
     a local run's; nothing lands in the submitting folder; no object holds a credential."""
     from actlake.fs import location
-    from actlake.jobs.run import run_job
+    from actlake.jobs.extract.run import run_job
     from tests.conftest import job_config
     from tests.integration.test_faults import assert_same, snapshot
     from tests.integration.test_object_store import upload_corpus

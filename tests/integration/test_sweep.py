@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from actlake.jobs.cli import main
-from actlake.jobs.run import run_job
+from actlake.jobs.extract.run import run_job
 from actlake.storage.sql import open_run
 from tests.conftest import job_config
 from tests.documented import command

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from actlake.config import parse_config
+from actlake.jobs.train.synthetic.config import SyntheticConfig
 from actlake.storage.sql import open_run
-from actlake.jobs.synthetic.config import SyntheticConfig
 from tests.integration.browser import CHROMIUM, open_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -46,7 +46,7 @@ def mess3(tmp_path_factory, ray_local):
     """The short Mess3 run, trained, analysed and reported: checked below, the clean curve a resumed copy of it
     must give, and another run's checkpoints for a run to refuse (each Ray Train trial saved costs 12 to 22
     CPU-seconds of start and stop: docs/benchmarks.md)."""
-    from actlake.jobs.synthetic.job import run_synthetic
+    from actlake.jobs.train.synthetic.job import run_synthetic
 
     return run_synthetic(_cfg(tmp_path_factory.mktemp("mess3")))
 
@@ -94,7 +94,7 @@ def test_rerun_resumes_and_a_changed_process_is_refused(mess3, tmp_path, ray_loc
 
     from actlake.errors import StorageError
     from actlake.jobs.cli import main
-    from actlake.jobs.synthetic.job import run_synthetic
+    from actlake.jobs.train.synthetic.job import run_synthetic
     from actlake.storage.checkpoints import list_checkpoints
 
     cfg = _cfg(tmp_path, analysis={"enabled": False})  # the same training as the module's run (analysis aside)

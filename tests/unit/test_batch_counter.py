@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actlake.jobs.progress import BatchCounter
+from actlake.jobs.extract.progress import BatchCounter
 
 
 def test_jobs_are_counted_apart_and_late_batches_are_dropped():

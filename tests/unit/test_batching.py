@@ -73,8 +73,8 @@ def test_prepend_bos_puts_the_bos_token_first_only_where_the_tokenizer_puts_no_s
 
     from actlake.config import parse_config
     from actlake.corpus.sample import write_sample
-    from actlake.jobs.plan import Shard
-    from actlake.jobs.read import read_shard
+    from actlake.jobs.extract.plan import Shard
+    from actlake.jobs.extract.read import read_shard
 
     (path,) = [p for p in write_sample(tmp_path / "corpus", n_docs=4, n_files=1) if str(p).endswith(".jsonl")]
     cfg = parse_config({"name": "j", "corpus": {"paths": [str(path)]}, "tokenization": {"prepend_bos": True}})

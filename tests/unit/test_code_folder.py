@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from actlake.jobs.worker import code_folder
+from actlake.jobs.extract.worker import code_folder
 
 FILES = {"mine/__init__.py": b"", "mine/counts.py": b"WHO = 'counts v1'\n"}
 
@@ -83,7 +83,7 @@ def test_the_driver_imports_a_custom_analysis_without_putting_its_folder_on_sys_
 
     (tmp_path / "psutil.py").write_text("print('HIJACKED')\n")
     (tmp_path / "mine.py").write_text("VALUE = 42\n")
-    code = ("import sys, types\nfrom actlake.jobs.run import import_custom_analyses\n"
+    code = ("import sys, types\nfrom actlake.jobs.extract.run import import_custom_analyses\n"
             f"c = types.SimpleNamespace(path={str(tmp_path / 'mine.py')!r}, analysis='mine:X')\n"
             "import_custom_analyses(types.SimpleNamespace(analyses=types.SimpleNamespace(custom=[c])))\n"
             "import mine, psutil\nprint(mine.VALUE, psutil.__name__, psutil.__file__.endswith('site-packages/psutil/__init__.py'))\n"

@@ -3,9 +3,9 @@ import os
 
 import pytest
 
-from actlake.jobs.cli import main
 from actlake.config import load_config, parse_config, reference_markdown
 from actlake.errors import ConfigError
+from actlake.jobs.cli import main
 
 
 def _write(tmp_path, text):
@@ -188,8 +188,8 @@ def test_pydantic_models_keep_the_yaml_shorthands_and_messages(tmp_path):
 
 def test_training_jobs_refuse_object_store_folders_in_one_line(tmp_path, monkeypatch):
     """Training jobs write checkpoints and read their store as local files: a URL is refused, never a folder 's3:'."""
-    from actlake.jobs.lm.config import LMConfig
-    from actlake.jobs.predictor.config import PredictorJobConfig
+    from actlake.jobs.train.lm.config import LMConfig
+    from actlake.jobs.train.predictor.config import PredictorJobConfig
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"'output.dir': 's3://b/runs': training jobs write to a local folder"):
@@ -203,10 +203,10 @@ def test_every_path_a_config_holds_is_resolved_once_when_it_is_read(tmp_path, mo
     """``~`` expanded, relative paths against the working directory, ``file://`` made a path, URLs untouched;
     in every job's config; and what ``submit`` sends the cluster is that resolved value, not a
     ``<cwd>/s3:/...`` folder (issue 31, item 1)."""
-    from actlake.jobs.lm.config import LMConfig
-    from actlake.jobs.plan import make_plan
-    from actlake.jobs.predictor.config import PredictorJobConfig
-    from actlake.jobs.submit import absolute_config
+    from actlake.jobs.extract.plan import make_plan
+    from actlake.jobs.extract.submit import absolute_config
+    from actlake.jobs.train.lm.config import LMConfig
+    from actlake.jobs.train.predictor.config import PredictorJobConfig
 
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir(), (work / "model").mkdir(parents=True)
@@ -272,7 +272,7 @@ def test_by_source_and_checkpoints_off_keep_run_ids_and_bad_checkpoints_are_name
 def test_train_lm_snapshots_off_keep_run_ids_and_settings():
     """training.snapshots came after train-lm runs were made: off (0) it is left out of the config (its hash, the
     run id, the settings a resumed run is checked against), so those runs resume; on, it is another run."""
-    from actlake.jobs.lm.config import LMConfig
+    from actlake.jobs.train.lm.config import LMConfig
 
     def lm(**training):
         return parse_config({"name": "lm", "corpus": {"paths": ["x.jsonl"]}, "training": training}, root=LMConfig)

@@ -297,7 +297,7 @@ def test_a_streamed_hugging_face_dataset_is_planned_by_its_files_and_read_in_ful
 
     from actlake.config import parse_config
     from actlake.corpus.readers import HF_STREAM, ReadStats
-    from actlake.jobs.plan import make_plan, plan_with_inputs
+    from actlake.jobs.extract.plan import make_plan, plan_with_inputs
 
     folder = tmp_path / "ds" / "data"
     folder.mkdir(parents=True)

@@ -60,7 +60,7 @@ def test_a_bucket_corpus_plans_into_the_local_shards_and_reads_the_same_items(s3
     shard reads the same items; a second plan takes the cache and decodes no input."""
     from actlake.corpus import index, readers
     from actlake.corpus.fingerprint import check_stat
-    from actlake.jobs.plan import COUNT_CACHE, make_plan, plan_with_inputs
+    from actlake.jobs.extract.plan import COUNT_CACHE, make_plan, plan_with_inputs
 
     monkeypatch.chdir(tmp_path)
     bucket = s3_server("corpus-same")
@@ -105,7 +105,7 @@ def test_shards_of_a_bucket_read_only_their_byte_ranges(s3_server, tmp_path, mon
 
     from actlake.corpus import readers
     from actlake.corpus.readers import ReadStats, iter_range
-    from actlake.jobs.plan import make_plan
+    from actlake.jobs.extract.plan import make_plan
 
     bucket = s3_server("corpus-ranges")
     n = 4000

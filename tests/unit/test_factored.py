@@ -5,9 +5,18 @@ from sklearn.decomposition import PCA
 from sklearn.linear_model import LinearRegression
 from sklearn.metrics import mean_squared_error, r2_score
 
-from actlake.jobs.synthetic.factored import (affine_fit, effective_dimension, explained_variance, factored_dimension,
-                                       joint_dimension, overlap, overlap_matrix, pca_subspace, position_centre)
 from actlake.errors import ConfigError
+from actlake.jobs.train.synthetic.factored import (
+    affine_fit,
+    effective_dimension,
+    explained_variance,
+    factored_dimension,
+    joint_dimension,
+    overlap,
+    overlap_matrix,
+    pca_subspace,
+    position_centre,
+)
 
 
 def _orthonormal(rng, D, k):

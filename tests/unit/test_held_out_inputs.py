@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from actlake.jobs.cli import error_line, main
 from actlake.config import load_config, parse_config
 from actlake.errors import ConfigError
+from actlake.jobs.cli import error_line, main
 
 
 @pytest.mark.parametrize("section,key,value", [
@@ -26,7 +26,7 @@ def test_extraction_values_out_of_range_name_their_key(section, key, value):
                                        ("resources.num_workers", 0), ("resources.cpus_per_worker", 0)])
 def test_training_values_out_of_range_name_their_key(key, value):
     """train-lm read ``corpus.max_docs: 0`` as every document and ``-1`` as one."""
-    from actlake.jobs.lm.config import LMConfig
+    from actlake.jobs.train.lm.config import LMConfig
 
     section, name = key.split(".")
     with pytest.raises(ConfigError, match=rf"'{key}': must be"):
@@ -34,7 +34,7 @@ def test_training_values_out_of_range_name_their_key(key, value):
 
 
 def test_a_missing_tokenizer_folder_is_one_line(tmp_path):
-    from actlake.jobs.lm.config import LMConfig
+    from actlake.jobs.train.lm.config import LMConfig
 
     (tmp_path / "c.jsonl").write_text('{"text": "x"}\n')
     cfg = tmp_path / "lm.yaml"
@@ -89,8 +89,8 @@ def test_any_other_failure_is_one_line_naming_where_with_the_traceback_in_a_file
 
 def test_cpus_per_worker_beyond_every_node_is_refused_not_waited_for():
     """Ray's autoscaler said 'No available node types can fulfill resource request' for ever."""
-    from actlake.jobs.run import check_fits_a_node
-    from actlake.jobs.training import Resources, check_fits
+    from actlake.jobs.extract.run import check_fits_a_node
+    from actlake.jobs.train.training import Resources, check_fits
 
     nodes = [{"CPU": 4, "memory": 2**34}, {"CPU": 2}]
     check_fits_a_node(parse_config({"resources": {"cpus_per_worker": 4}}).resources, 0, nodes)
@@ -110,7 +110,7 @@ def test_cpus_per_worker_beyond_every_node_is_refused_not_waited_for():
     ([[[float("nan"), 0.5], [0.5, 0.0]], [[0.0, 0.0], [0.0, 0.5]]], "expected a finite 3-d array")])
 def test_a_ragged_or_nan_transition_matrix_is_one_line_before_ray(matrices, message):
     """Failed inside Ray after 3 tries (175 lines, no key named)."""
-    from actlake.jobs.synthetic.config import SyntheticConfig
+    from actlake.jobs.train.synthetic.config import SyntheticConfig
 
     with pytest.raises(ConfigError, match=rf"'process.factors.0.matrices': T: {message}"):
         parse_config({"process": {"factors": [{"kind": "matrices", "matrices": matrices}]}}, root=SyntheticConfig)
@@ -127,7 +127,7 @@ def test_analysis_only_with_no_analysis_is_refused_before_ray(tmp_path, capsys):
 
 def test_a_huge_vocabulary_is_refused_in_the_config():
     """``tokenizer.vocab_size: 1000000000`` aborted the process in the tokenizer's allocator (exit 134)."""
-    from actlake.jobs.lm.config import LMConfig
+    from actlake.jobs.train.lm.config import LMConfig
 
     with pytest.raises(ConfigError, match=r"'tokenizer.vocab_size': must be at most 1,048,576"):
         parse_config({"tokenizer": {"vocab_size": 10**9}}, root=LMConfig)
@@ -135,8 +135,8 @@ def test_a_huge_vocabulary_is_refused_in_the_config():
 
 def test_a_tokenizer_without_eos_is_refused_before_the_corpus_is_read(tmp_path, minilm_path):
     """Failed with a TypeError after tokenising the whole corpus. MiniLM's BERT tokenizer has no EOS token."""
-    from actlake.jobs.lm.config import LMConfig
-    from actlake.jobs.lm.loop import build_token_streams
+    from actlake.jobs.train.lm.config import LMConfig
+    from actlake.jobs.train.lm.loop import build_token_streams
 
     (tmp_path / "c.jsonl").write_text('{"text": "one two"}\n')
     cfg = parse_config({"corpus": {"paths": [str(tmp_path / "c.jsonl")]}, "tokenizer": {"path": minilm_path}},

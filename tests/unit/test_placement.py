@@ -102,7 +102,7 @@ def test_quick_start_config_keeps_float32():
 def test_missing_accelerate_is_one_error_line_before_ray_starts(tmp_path, monkeypatch, capsys):
     import importlib.util
 
-    import actlake.jobs.run as run
+    import actlake.jobs.extract.run as run
     from actlake.jobs.cli import main
 
     real = importlib.util.find_spec
@@ -118,7 +118,7 @@ def test_missing_accelerate_is_one_error_line_before_ray_starts(tmp_path, monkey
 
 
 def test_worker_options_reserve_memory_and_refuse_workers_no_node_can_hold():
-    from actlake.jobs.run import check_fits_a_node, worker_options
+    from actlake.jobs.extract.run import check_fits_a_node, worker_options
 
     cfg = _cfg(model={"device_map": "auto"}, resources={"gpus_per_worker": 4, "memory_per_worker_gb": 96})
     opts = worker_options(cfg, 1.0, 4.0)
@@ -133,7 +133,7 @@ def test_worker_options_reserve_memory_and_refuse_workers_no_node_can_hold():
 
 
 def test_shards_in_different_dtypes_are_not_merged(tmp_path):
-    from actlake.jobs.reduce import model_dtype
+    from actlake.jobs.extract.reduce import model_dtype
     from actlake.storage.layout import RunLayout
 
     layout = RunLayout(tmp_path)

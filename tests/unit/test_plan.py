@@ -4,7 +4,7 @@ import json
 import os
 
 from actlake.config import parse_config
-from actlake.jobs.plan import COUNT_CACHE, make_plan, plan_hash, plan_with_inputs
+from actlake.jobs.extract.plan import COUNT_CACHE, make_plan, plan_hash, plan_with_inputs
 
 
 def _cfg(corpus, out, **sharding):
@@ -124,8 +124,8 @@ def test_jsonl_shards_start_at_entry_points_built_once_in_parallel(tmp_path, mon
 
 def test_corpus_index_command_builds_what_the_first_run_would(tmp_path, capsys, monkeypatch):
     """``actlake corpus index CONFIG`` counts and indexes the files; a plan afterwards indexes nothing."""
-    from actlake.jobs.cli import main
     from actlake.corpus import index
+    from actlake.jobs.cli import main
 
     (tmp_path / "c").mkdir()
     f = tmp_path / "c" / "a.jsonl"

@@ -6,11 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.jobs.predictor.metrics import rankdata_average, spearman, spearman_by_position
-from actlake.jobs.predictor.model import (
-    NextStatePredictor, PredictorConfig, PredictorTrainer, default_heads, fit_standardisation, lr_at, run_steps,
-)
 from actlake.errors import ConfigError
+from actlake.jobs.train.predictor.metrics import rankdata_average, spearman, spearman_by_position
+from actlake.jobs.train.predictor.model import (
+    NextStatePredictor,
+    PredictorConfig,
+    PredictorTrainer,
+    default_heads,
+    fit_standardisation,
+    lr_at,
+    run_steps,
+)
 
 torch.set_num_threads(1)
 D, T = 16, 16
@@ -142,10 +148,10 @@ def test_lr_schedule():
 
 
 def test_train_lm_uses_the_same_schedule():
-    """One warm-up-cosine schedule (``actlake.jobs.training.warmup_cosine_lr``) for both training loops."""
+    """One warm-up-cosine schedule (``actlake.jobs.train.training.warmup_cosine_lr``) for both training loops."""
     from types import SimpleNamespace
 
-    from actlake.jobs.lm.loop import lr_at as lm_lr_at
+    from actlake.jobs.train.lm.loop import lr_at as lm_lr_at
 
     t = SimpleNamespace(lr=1e-3, warmup_steps=10, steps=110)
     cfg = PredictorConfig(d_model=4, lr=1e-3, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.jobs.predictor.metrics import macro_f1
-from actlake.jobs.predictor.probes import fit_probe, split_per_class, split_total
 from actlake.errors import ConfigError
+from actlake.jobs.train.predictor.metrics import macro_f1
+from actlake.jobs.train.predictor.probes import fit_probe, split_per_class, split_total
 
 torch.set_num_threads(1)
 
@@ -118,8 +118,8 @@ def test_macro_f1_matches_sklearn(labels):
 
 def test_probes_use_only_the_predictors_held_out_windows(monkeypatch):
     """ĥ and r of a window the predictor trained on must not reach a probe: only held-out windows do."""
-    from actlake.jobs.predictor import loop
-    from actlake.jobs.predictor.config import PredictorJobConfig
+    from actlake.jobs.train.predictor import loop
+    from actlake.jobs.train.predictor.config import PredictorJobConfig
 
     seen = []
 

@@ -4,9 +4,9 @@ import itertools
 import numpy as np
 import pytest
 
-from actlake.jobs.synthetic.factored import effective_dimension, explained_variance
 from actlake.errors import ConfigError
-from actlake.jobs.synthetic.processes import GHMM, ProductProcess, bloch_walk, from_matrices, mess3, product
+from actlake.jobs.train.synthetic.factored import effective_dimension, explained_variance
+from actlake.jobs.train.synthetic.processes import GHMM, ProductProcess, bloch_walk, from_matrices, mess3, product
 
 
 def _mess3_params(x, alpha):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import vl_convert as vlc
 
-from actlake.jobs.report import vega_bundle
+from actlake.jobs.common.page import vega_bundle
 
 
 def test_the_bundle_is_vl_converts_and_is_kept_per_version(tmp_path, monkeypatch):
@@ -27,7 +27,7 @@ def test_chart_data_cannot_close_the_script_element_it_is_inlined_in():
     """A source label `</script><script>alert(1)</script>` became live script elements in report.html."""
     import json
 
-    from actlake.jobs.report import script_json
+    from actlake.jobs.common.page import script_json
 
     spec = {"data": {"values": [{"source": "</script><script>alert(1)</script>", "piece": "a & b > c\u2028"}]}}
     text = script_json(spec)
@@ -39,7 +39,7 @@ def test_the_residual_norm_chart_leaves_non_finite_norms_out():
     """A model whose output is NaN for some tokens: the medians drawn took NaN as the largest value."""
     import duckdb
 
-    from actlake.jobs.report import _residual_norms_chart
+    from actlake.jobs.extract.report import _residual_norms_chart
 
     con = duckdb.connect()
     con.execute("CREATE TABLE residual_norms AS SELECT * FROM (VALUES (0, 1.0), (0, 2.0), (0, 3.0), "

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from actlake.config import parse_config
-from actlake.jobs.synthetic.analyze import TABLES, analysis_data, token_rows
-from actlake.jobs.synthetic.config import SyntheticConfig
-from actlake.jobs.synthetic.loop import build_process
+from actlake.jobs.train.synthetic.analyze import TABLES, analysis_data, token_rows
+from actlake.jobs.train.synthetic.config import SyntheticConfig
+from actlake.jobs.train.synthetic.loop import build_process
 
 
 def test_token_rows_are_the_analysed_sequences():

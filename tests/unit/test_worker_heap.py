@@ -11,7 +11,7 @@ import pytest
 
 _PROBE = """
 import ctypes, resource, sys
-from actlake.jobs.worker import keep_freed_heap
+from actlake.jobs.extract.worker import keep_freed_heap
 if sys.argv[1] == "keep":
     assert keep_freed_heap()
 libc = ctypes.CDLL("libc.so.6")

@@ -23,7 +23,7 @@ from actlake.analysis.registry import failure
 from actlake.config import parse_config
 from actlake.errors import AnalysisFailed
 from actlake.fs import location
-from actlake.jobs.plan import Shard
+from actlake.jobs.extract.plan import Shard
 from actlake.storage.layout import RunLayout
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
@@ -168,11 +168,11 @@ class ShardWorker:
 
     def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None,
                  store_env: dict | None = None, counter=None, read_in_process: bool = False):
-        """``store_env``: the driver's object-store variables (:func:`actlake.jobs.ray_env.store_env`), set in
+        """``store_env``: the driver's object-store variables (:func:`actlake.jobs.common.ray_env.store_env`), set in
         this process before any store is opened. An argument, never a ``runtime_env``: Ray writes a
         runtime_env's variables in plain text to its agent's log. ``counter``: the job's
-        :class:`~actlake.jobs.progress.JobCounter`, told of every finished batch. ``read_in_process``:
-        shards are read by a :class:`~actlake.jobs.read.ReaderProcess` (``resources.read_in_process``)."""
+        :class:`~actlake.jobs.extract.progress.JobCounter`, told of every finished batch. ``read_in_process``:
+        shards are read by a :class:`~actlake.jobs.extract.read.ReaderProcess` (``resources.read_in_process``)."""
         os.environ.update(store_env or {})
         import torch  # loads torch: imported when used
 
@@ -189,7 +189,7 @@ class ShardWorker:
     def _aim(self, target: Target) -> None:
         """Take on ``target``'s job: its config, run directory, plan and progress counter, and its model, loaded
         after the previous job's is freed (a sweep's next checkpoint reuses this process, not the weights)."""
-        from actlake.jobs.extract import Extractor  # loads pyarrow, torch: imported when used
+        from actlake.jobs.extract.driver import Extractor  # loads pyarrow, torch: imported when used
         from actlake.model import load_model  # loads torch: imported when used
         from actlake.storage.shards import CommitPolicy, Group  # loads pyarrow: imported when used
 
@@ -207,7 +207,9 @@ class ShardWorker:
         self.group = Group(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
         if target.read_in_process:
-            from actlake.jobs.read import ReaderProcess  # loads transformers (the tokenizer): imported when used
+            from actlake.jobs.extract.read import (
+                ReaderProcess,  # loads transformers (the tokenizer): imported when used
+            )
 
             self.extractor.reader = ReaderProcess(target.cfg_dict, self.extractor.lm.tokenizer)
         self.counter = target.counter

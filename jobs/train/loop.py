@@ -16,7 +16,7 @@ import logging
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from actlake.jobs.training import worker_setup
+from actlake.jobs.train.training import worker_setup
 from actlake.storage.checkpoints import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint
 
 log = logging.getLogger("actlake.training")

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from pydantic import ConfigDict
 
 from actlake.errors import ConfigError
-from actlake.jobs.training import warmup_cosine_lr
+from actlake.jobs.train.training import warmup_cosine_lr
 from actlake.train_config import AdamW, Warmup
 
 from .metrics import RunningMoments, fit_standardisation

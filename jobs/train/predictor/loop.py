@@ -17,9 +17,9 @@ import numpy as np
 
 from actlake.config import parse_config
 from actlake.hashing import unit_hash
-from actlake.jobs.predictor.config import PredictorJobConfig
-from actlake.jobs.predictor.metrics import spearman, spearman_by_position
-from actlake.jobs.train_loop import TrainLoop
+from actlake.jobs.train.loop import TrainLoop
+from actlake.jobs.train.predictor.config import PredictorJobConfig
+from actlake.jobs.train.predictor.metrics import spearman, spearman_by_position
 from actlake.storage.activations import read_windows
 from actlake.storage.checkpoints import STATE_FILE
 from actlake.storage.layout import RunLayout
@@ -37,7 +37,7 @@ def held_out(doc_ids, windows, fraction: float) -> np.ndarray:
 
 
 def predictor_config(job, d: int, model_heads: tuple[int, int]):
-    from actlake.jobs.predictor.model import PredictorConfig, default_heads  # loads torch: imported when used
+    from actlake.jobs.train.predictor.model import PredictorConfig, default_heads  # loads torch: imported when used
 
     p = job.predictor
     n_heads, head_dim = (p.n_heads, p.head_dim) if p.n_heads else default_heads(*model_heads)
@@ -51,7 +51,7 @@ class PredictorLoop(TrainLoop):
     def __init__(self, config: dict):
         import torch  # loads torch: imported when used
 
-        from actlake.jobs.predictor.model import fit_standardisation  # loads torch: imported when used
+        from actlake.jobs.train.predictor.model import fit_standardisation  # loads torch: imported when used
         from actlake.storage.sql import open_run  # loads pyarrow: imported when used
 
         super().__init__(config)
@@ -72,7 +72,7 @@ class PredictorLoop(TrainLoop):
         self.resumes, self.last_eval = [], None
 
     def start(self) -> None:
-        from actlake.jobs.predictor.model import PredictorTrainer  # loads torch: imported when used
+        from actlake.jobs.train.predictor.model import PredictorTrainer  # loads torch: imported when used
 
         cfg = predictor_config(self.job, self.data[0].shape[2], tuple(self.config["model_heads"]))
         self.trainer = PredictorTrainer(cfg, *self.standardisation, seed=self.job.predictor.seed, device=self.device)
@@ -186,7 +186,7 @@ def probe_rows(job, trainer, h, valid, meta, held: np.ndarray) -> list[dict]:
     """Probe scores of every task and representation, on the windows the predictor never trained on
     (``held``, its evaluation windows) with at least two tokens: ĥ and r of a training window would carry
     what the predictor memorised there."""
-    from actlake.jobs.predictor.probes import (  # loads pyarrow, scipy, sklearn: imported when used
+    from actlake.jobs.train.predictor.probes import (  # loads pyarrow, scipy, sklearn: imported when used
         fit_probe,
         split_per_class,
         split_total,

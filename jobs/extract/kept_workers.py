@@ -3,7 +3,7 @@ process, with torch and transformers imported, serves the next job, which loads 
 
 Starting a worker costs about 4.5 s on a 2-core machine (a process, its imports, the model), which is most of a
 checkpoint's time for a small model. A kept worker learns its next job from the job's first call
-(:class:`~actlake.jobs.worker.Target`), so a worker Ray restarts with its first job's arguments also serves the
+(:class:`~actlake.jobs.extract.worker.Target`), so a worker Ray restarts with its first job's arguments also serves the
 job it is called for. Kept only after a job in which no worker died (a restart uses up one of its
 ``resources.max_retries``), and never with custom analyses (their code is installed once per process) or an
 offloaded model (its folder is removed with the job)."""
@@ -22,7 +22,7 @@ _kept: dict | None = None
 @contextlib.contextmanager
 def keeping_workers():
     """Jobs run in this block hand their workers to the next job with the same worker shape; the workers
-    left are killed when the outermost block ends (before :func:`~actlake.jobs.ray_env.holding_ray` ends)."""
+    left are killed when the outermost block ends (before :func:`~actlake.jobs.common.ray_env.holding_ray` ends)."""
     global _kept
     outer = _kept
     if outer is None:

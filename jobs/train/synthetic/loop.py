@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from actlake.config import parse_config
-from actlake.jobs.synthetic import processes as P
-from actlake.jobs.synthetic.config import FactorConfig, ProcessConfig, SyntheticConfig
-from actlake.jobs.train_loop import ModelLoop
+from actlake.jobs.train.loop import ModelLoop
+from actlake.jobs.train.synthetic import processes as P
+from actlake.jobs.train.synthetic.config import FactorConfig, ProcessConfig, SyntheticConfig
 from actlake.storage.checkpoints import log_spaced_steps
 from actlake.storage.publish import publish_table
 
@@ -65,12 +65,12 @@ class SyntheticLoop(ModelLoop):
         self.optimal = float(self.process.optimal_loss(self.eval_tokens).mean())
 
     def new_model(self):
-        from actlake.jobs.synthetic.models import build_model  # loads torch: imported when used
+        from actlake.jobs.train.synthetic.models import build_model  # loads torch: imported when used
 
         return build_model(self.cfg.model, self.config["arch"], self.bos + 1, self.t.seed)
 
     def load_model(self, folder: Path):
-        from actlake.jobs.synthetic.models import load_model  # loads torch: imported when used
+        from actlake.jobs.train.synthetic.models import load_model  # loads torch: imported when used
 
         return load_model(folder)
 
@@ -86,7 +86,7 @@ class SyntheticLoop(ModelLoop):
     def train_step(self, step: int) -> float:
         import torch  # loads torch: imported when used
 
-        from actlake.jobs.synthetic.models import logits, with_bos  # loads torch: imported when used
+        from actlake.jobs.train.synthetic.models import logits, with_bos  # loads torch: imported when used
 
         t = self.t
         toks = self.process.sample(t.batch_size, self.cfg.model.context, np.random.default_rng([t.seed, step + 1, self.rank]))
@@ -101,7 +101,7 @@ class SyntheticLoop(ModelLoop):
     def _eval_loss(self) -> float:
         import torch  # loads torch: imported when used
 
-        from actlake.jobs.synthetic.models import logits, with_bos  # loads torch: imported when used
+        from actlake.jobs.train.synthetic.models import logits, with_bos  # loads torch: imported when used
 
         self.model.eval()
         with torch.no_grad():

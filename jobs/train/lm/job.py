@@ -12,10 +12,10 @@ from pathlib import Path
 from actlake.config import resolve_corpus_files
 from actlake.corpus.fingerprint import file_fingerprint, first_change
 from actlake.errors import CorpusError, TrainingError
-from actlake.jobs.lm import loop as lm
-from actlake.jobs.lm.config import LMConfig
-from actlake.jobs.ray_env import init_ray
-from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+from actlake.jobs.common.ray_env import init_ray
+from actlake.jobs.train.lm import loop as lm
+from actlake.jobs.train.lm.config import LMConfig
+from actlake.jobs.train.training import Resources, Trial, check_settings, run_trials
 from actlake.provenance import provenance
 from actlake.storage.checkpoints import (
     checkpoint_identity,

@@ -128,7 +128,7 @@ class Dispatcher:
         worker dies: it may have committed its group and died before saying so). ``on_done(summary)``:
         a shard is committed; ``on_ran(summary)``: a shard's work is done (its group may commit later);
         ``on_tick()``: called every ``tick_s`` seconds while shards run (progress). ``target``: sent with every
-        call (:class:`~actlake.jobs.worker.Target`: the job a worker kept from another job, or restarted, takes on)."""
+        call (:class:`~actlake.jobs.extract.worker.Target`: the job a worker kept from another job, or restarted, takes on)."""
         self.extra = () if target is None else (target,)
         self.deaths = 0  # workers that died during the run
         self.on_ran, self.on_tick, self.tick_s = on_ran, on_tick, TICK_S if tick_s is None else tick_s

@@ -61,7 +61,7 @@ class DeviceChecks:
 
 @dataclass
 class Launched:
-    """A batch queued on the device by :meth:`~actlake.jobs.extract.Extractor.launch`."""
+    """A batch queued on the device by :meth:`~actlake.jobs.extract.driver.Extractor.launch`."""
 
     batch: list[Window]
     result: BatchResult

@@ -19,13 +19,13 @@ from actlake.corpus.fingerprint import current_fingerprints, first_change
 from actlake.corpus.readers import HF_STREAM
 from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
 from actlake.fs import ObjectPath, location, remove_tree
-from actlake.jobs.dispatch import Dispatcher
-from actlake.jobs.kept_workers import keep, kept_key, take_kept
-from actlake.jobs.plan import plan_hash, plan_with_inputs, planned_labels
-from actlake.jobs.progress import Progress, job_counter
-from actlake.jobs.ray_env import init_ray, release_ray, store_env
-from actlake.jobs.reduce import reduce_run
-from actlake.jobs.report import build_report
+from actlake.jobs.common.ray_env import init_ray, release_ray, store_env
+from actlake.jobs.extract.dispatch import Dispatcher
+from actlake.jobs.extract.kept_workers import keep, kept_key, take_kept
+from actlake.jobs.extract.plan import plan_hash, plan_with_inputs, planned_labels
+from actlake.jobs.extract.progress import Progress, job_counter
+from actlake.jobs.extract.reduce import reduce_run
+from actlake.jobs.extract.report import build_report
 from actlake.provenance import provenance
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.lock import run_lock
@@ -95,7 +95,7 @@ def read_in_process(cfg: JobConfig, gpus: float) -> bool:
 
 def worker_options(cfg: JobConfig, cpus: float, gpus: float) -> dict:
     """Ray actor options of one ShardWorker: CPUs, GPUs, memory (``resources.memory_per_worker_gb``), restarts.
-    The object-store variables travel as the actor's argument, not as a runtime_env (see ``jobs/ray_env.py``)."""
+    The object-store variables travel as the actor's argument, not as a runtime_env (see ``jobs/common/ray_env.py``)."""
     r = cfg.resources
     options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=r.max_retries, max_task_retries=0,
                    max_concurrency=2 if read_ahead(cfg, gpus) else 1)
@@ -234,12 +234,14 @@ def custom_code(cfg: JobConfig) -> dict[str, bytes]:
 
 def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None) -> RunResult:
     """Run a job to completion (resuming a run directory), reduce, and build the report; one job at a time
-    per run directory (:mod:`actlake.storage.lock`). With ``model.checkpoints``, a sweep (:mod:`~actlake.jobs.sweep`).
+    per run directory (:mod:`actlake.storage.lock`). With ``model.checkpoints``, a sweep (:mod:`~actlake.jobs.extract.sweep`).
 
     ``on_shard(summary)`` is called in the driver after each shard commits (summary includes the
     worker's resident memory after the shard, ``worker_rss_mb``)."""
     if cfg.model.checkpoints:  # a sweep: this job once per checkpoint
-        from actlake.jobs.sweep import run_sweep  # actlake.jobs.sweep imports this module: imported when used
+        from actlake.jobs.extract.sweep import (
+            run_sweep,  # actlake.jobs.extract.sweep imports this module: imported when used
+        )
 
         return run_sweep(cfg, address, report, on_shard)
     from actlake.analysis.registry import check_table_names, enabled  # loads torch: imported when used
@@ -315,7 +317,7 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
     one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
     import ray  # loads ray: imported when used
 
-    from actlake.jobs.worker import ShardWorker, Target  # loads ray, torch: imported when used
+    from actlake.jobs.extract.worker import ShardWorker, Target  # loads ray, torch: imported when used
 
     started = init_ray(address)
     try:

@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from actlake.jobs.ray_env import init_ray
-from actlake.jobs.synthetic.analyze import analyze_run
-from actlake.jobs.synthetic.config import SyntheticConfig
-from actlake.jobs.synthetic.loop import train_loop
-from actlake.jobs.synthetic.report import build_synthetic_report
-from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+from actlake.jobs.common.ray_env import init_ray
+from actlake.jobs.train.synthetic.analyze import analyze_run
+from actlake.jobs.train.synthetic.config import SyntheticConfig
+from actlake.jobs.train.synthetic.loop import train_loop
+from actlake.jobs.train.synthetic.report import build_synthetic_report
+from actlake.jobs.train.training import Resources, Trial, check_settings, run_trials
 from actlake.provenance import provenance
 from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints, require_finished
 from actlake.storage.layout import RunLayout, write_json_atomic

@@ -1,6 +1,6 @@
 """Training on Ray Train: one TorchTrainer per trial, trials in parallel as the cluster allows.
 
-A trial is a training loop (a :class:`~actlake.jobs.train_loop.TrainLoop` run by a module-level function
+A trial is a training loop (a :class:`~actlake.jobs.train.loop.TrainLoop` run by a module-level function
 taking one config mapping) run by ``ray.train.torch.TorchTrainer``; several trials (a sweep, one predictor
 per layer) run as parallel Ray tasks, each starting its own trainer. Checkpoints and the tables trials
 leave are the storage layer's (:mod:`actlake.storage.checkpoints`, :mod:`actlake.storage.publish`); why

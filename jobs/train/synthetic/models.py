@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from actlake.jobs.synthetic.config import SyntheticModelConfig
+from actlake.jobs.train.synthetic.config import SyntheticModelConfig
 
 
 class RecurrentLM(nn.Module):

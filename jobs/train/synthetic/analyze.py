@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actlake.jobs.synthetic.loop import build_process, config_from_dict
+from actlake.jobs.train.synthetic.loop import build_process, config_from_dict
 from actlake.storage.checkpoints import checkpoint_identity, list_checkpoints, log_spaced_steps, verified_checkpoints
 from actlake.storage.layout import RunLayout
 from actlake.storage.publish import discard_pending, pending_file, publish_pending
@@ -34,7 +34,7 @@ def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
     """Pooled final-residual activations (N*(L-1), D) and their positions (1 .. L-1)."""
     import torch  # loads torch: imported when used
 
-    from actlake.jobs.synthetic.models import final_residual, with_bos  # loads torch: imported when used
+    from actlake.jobs.train.synthetic.models import final_residual, with_bos  # loads torch: imported when used
 
     x = with_bos(torch.from_numpy(tokens), bos)
     h = final_residual(model, x)[:, 1:].double().numpy()  # (N, L-1, D): BOS dropped
@@ -44,7 +44,7 @@ def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _model_rows(model, data: dict, dims: list[int], threshold: float) -> dict:
     """Every measurement of one model on the analysis data."""
-    from actlake.jobs.synthetic import factored as F  # loads pyarrow, scipy, sklearn: imported when used
+    from actlake.jobs.train.synthetic import factored as F  # loads pyarrow, scipy, sklearn: imported when used
 
     acts, pos = _acts(model, data["tokens"], data["bos"])
     out = {"effective_dim": F.effective_dimension(acts, threshold), "fits": [], "preds": [], "acts": (acts, pos)}
@@ -89,8 +89,8 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
     import pyarrow as pa  # loads pyarrow: imported when used
     import torch  # loads torch: imported when used
 
-    from actlake.jobs.synthetic import factored as F  # loads pyarrow, scipy, sklearn: imported when used
-    from actlake.jobs.synthetic.models import build_model, load_model  # loads torch: imported when used
+    from actlake.jobs.train.synthetic import factored as F  # loads pyarrow, scipy, sklearn: imported when used
+    from actlake.jobs.train.synthetic.models import build_model, load_model  # loads torch: imported when used
 
     torch.set_num_threads(max(1, threads))
     cfg = config_from_dict(cfg_dict)

@@ -15,7 +15,7 @@ from actlake.config import parse_config
 from actlake.corpus.fingerprint import check_stat
 from actlake.corpus.readers import Reject, iter_range
 from actlake.errors import ActlakeError, CorpusError
-from actlake.jobs.plan import Shard
+from actlake.jobs.extract.plan import Shard
 
 log = logging.getLogger("actlake.read")
 

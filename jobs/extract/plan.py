@@ -10,8 +10,7 @@ from typing import Optional
 from actlake.config import JobConfig, resolve_corpus_files
 from actlake.corpus.fingerprint import file_exists, file_fingerprint, hf_fingerprint
 from actlake.corpus.index import INDEX_DIR, index_files, load_points
-from actlake.corpus.readers import (HF_STREAM, MAX_LINE_BYTES, Entry, column_labels, file_format, load_hf,
-                                    load_hf_stream)
+from actlake.corpus.readers import HF_STREAM, MAX_LINE_BYTES, Entry, column_labels, file_format, load_hf, load_hf_stream
 from actlake.fs import location, write_atomic
 
 

@@ -22,9 +22,9 @@ from actlake.config import JobConfig, resolve_model_path
 from actlake.config_base import looks_local
 from actlake.errors import ModelLoadError
 from actlake.hashing import file_sha256
-from actlake.jobs.kept_workers import keeping_workers
-from actlake.jobs.ray_env import holding_ray
-from actlake.jobs.report import build_report
+from actlake.jobs.common.ray_env import holding_ray
+from actlake.jobs.extract.kept_workers import keeping_workers
+from actlake.jobs.extract.report import build_report
 from actlake.storage.layout import CHECKPOINTS_DIR, SWEEP_RECORD, sweep_checkpoints, write_json_atomic
 
 log = logging.getLogger("actlake.sweep")
@@ -82,8 +82,11 @@ def _hub_digests(repo: str, revision: str | None, label: str) -> list[tuple[str,
 
 def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = None, on_shard=None):
     """Run every checkpoint's job in order (each resumes what it finished before), then write the sweep's
-    record and report; returns a :class:`~actlake.jobs.run.RunResult` over all of them."""
-    from actlake.jobs.run import RunResult, run_job  # actlake.jobs.run imports this module: imported when used
+    record and report; returns a :class:`~actlake.jobs.extract.run.RunResult` over all of them."""
+    from actlake.jobs.extract.run import (  # actlake.jobs.extract.run imports this module: imported when used
+        RunResult,
+        run_job,
+    )
 
     t0 = time.perf_counter()
     rows, results = [], []
@@ -111,7 +114,7 @@ def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = 
 
 def sweep_totals(totals: list[dict], wall: float) -> dict:
     """The checkpoints' job totals added up (documents, windows, tokens: once per checkpoint)."""
-    from actlake.jobs.reduce import COUNTS, add_counts  # loads the analyses (torch): imported when used
+    from actlake.jobs.extract.reduce import COUNTS, add_counts  # loads the analyses (torch): imported when used
 
     out = {"wall_seconds": wall} | add_counts(totals, ("shards",) + COUNTS + ("tokens_run",))
     out["tokens_per_second"] = out["tokens_run"] / wall if out["tokens_run"] else None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actlake.jobs.report import open_for_report, write_page
+from actlake.jobs.common.page import open_for_report, write_page
 
 
 def _dimension_chart(con):

@@ -30,9 +30,9 @@ from actlake.batching import Window, collate, make_batches
 from actlake.categories import ROLE, Categorizer, one_hot
 from actlake.config import JobConfig
 from actlake.errors import ActlakeError, AnalysisError, ConfigError
-from actlake.jobs.batch import BatchResult, DeviceChecks, HiddenSink, Launched
-from actlake.jobs.plan import Shard
-from actlake.jobs.read import read_shard
+from actlake.jobs.extract.batch import BatchResult, DeviceChecks, HiddenSink, Launched
+from actlake.jobs.extract.plan import Shard
+from actlake.jobs.extract.read import read_shard
 from actlake.model import LoadedModel
 from actlake.storage.layout import RunLayout
 from actlake.storage.shards import Group, ShardFiles
@@ -58,7 +58,7 @@ class Extractor:
         """Whether the first batch's self-check (:mod:`~actlake.analysis.engine.selfcheck`) has passed."""
         self.tokenizing = threading.Lock()
         self.reader = None
-        """A :class:`~actlake.jobs.read.ReaderProcess` that reads shards instead of this process, or None."""
+        """A :class:`~actlake.jobs.extract.read.ReaderProcess` that reads shards instead of this process, or None."""
         self.analyses = enabled(cfg)  # (class, options) per enabled analysis
         tables = shard_tables(cfg)
         self.producers = [c for c, _ in self.analyses + tables]
@@ -73,7 +73,7 @@ class Extractor:
                               cfg.tokenization.max_length, lm.device)
 
     def read_shard(self, shard: Shard):
-        """The reading stage (:func:`~actlake.jobs.read.read_shard`, here or in :attr:`reader`): windows,
+        """The reading stage (:func:`~actlake.jobs.extract.read.read_shard`, here or in :attr:`reader`): windows,
         documents, rejects."""
         if self.reader is not None:
             return self.reader.read(shard)
@@ -256,7 +256,7 @@ class Extractor:
 
     def run_batch_resilient(self, batch: list[Window], strict: bool | None = None):
         """:meth:`run_batch`, halving the batch on out-of-memory (see :meth:`_split_on_oom`). Yields
-        :class:`~actlake.jobs.batch.BatchResult`."""
+        :class:`~actlake.jobs.extract.batch.BatchResult`."""
         return self._split_on_oom(lambda b: self.run_batch(b, strict), batch)
 
     def _split_on_oom(self, run, batch: list[Window], depth: int = 0):

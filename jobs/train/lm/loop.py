@@ -18,9 +18,9 @@ from actlake.config import parse_config, resolve_corpus_files
 from actlake.corpus.readers import Reject, file_format, iter_items
 from actlake.errors import ConfigError, CorpusError
 from actlake.hashing import unit_hash
-from actlake.jobs.lm.config import LMConfig
-from actlake.jobs.train_loop import ModelLoop
-from actlake.jobs.training import warmup_cosine_lr
+from actlake.jobs.train.lm.config import LMConfig
+from actlake.jobs.train.loop import ModelLoop
+from actlake.jobs.train.training import warmup_cosine_lr
 from actlake.storage.checkpoints import log_spaced_steps
 
 log = logging.getLogger("actlake.lm")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from actlake.jobs.report import open_for_report, write_page
+from actlake.jobs.common.page import open_for_report, write_page
 
 
 def _curves(con, column: str, title: str):

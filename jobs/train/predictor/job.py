@@ -10,11 +10,11 @@ from pathlib import Path
 
 from actlake.config import resolve_model_path
 from actlake.errors import ConfigError, StorageError
-from actlake.jobs.predictor.config import PredictorJobConfig
-from actlake.jobs.predictor.loop import held_out, train_loop
-from actlake.jobs.predictor.report import build_predictive_report
-from actlake.jobs.ray_env import init_ray
-from actlake.jobs.training import Resources, Trial, check_settings, run_trials
+from actlake.jobs.common.ray_env import init_ray
+from actlake.jobs.train.predictor.config import PredictorJobConfig
+from actlake.jobs.train.predictor.loop import held_out, train_loop
+from actlake.jobs.train.predictor.report import build_predictive_report
+from actlake.jobs.train.training import Resources, Trial, check_settings, run_trials
 from actlake.provenance import provenance
 from actlake.storage.activations import check_store_values, verify_store
 from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints

@@ -140,7 +140,7 @@ class SyntheticConfig(TrainJob.with_defaults(name="synthetic")):
 def _check_factor(f: FactorConfig, i: int, err) -> None:
     """Build the factor's process (each variant's too) here, before Ray: ragged, non-finite or
     non-stochastic matrices and parameters out of range are one line naming the factor."""
-    from actlake.jobs.synthetic.loop import (  # actlake.jobs.synthetic.loop imports this module: imported when used
+    from actlake.jobs.train.synthetic.loop import (  # actlake.jobs.train.synthetic.loop imports this module: imported when used
         _factor_ghmm,
     )
 

@@ -1,0 +1,1 @@
+"""The extraction job: plan, dispatch, workers, reduce, report, sweeps and cluster submission."""

