@@ -21,6 +21,7 @@ from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
 from actlake.fs import ObjectPath, location, remove_tree
 from actlake.jobs.common.ray_env import init_ray, release_ray, store_env
 from actlake.jobs.extract.dispatch import Dispatcher
+from actlake.jobs.extract.identity import identity_change, run_identity
 from actlake.jobs.extract.kept_workers import keep, kept_key, take_kept
 from actlake.jobs.extract.plan import plan_hash, plan_with_inputs, planned_labels
 from actlake.jobs.extract.progress import Progress, job_counter
@@ -131,10 +132,12 @@ def ensure_output_dir(path) -> None:
 
 def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, inputs: dict | None = None) -> None:
     """Create the run directory and its run.json, or check that an existing one is the same run:
-    same inputs (file fingerprints, see actlake/corpus/fingerprint.py) and same plan.
+    same inputs (file fingerprints, see actlake/corpus/fingerprint.py), same model files and code
+    (:mod:`~actlake.jobs.extract.identity`) and same plan.
 
     ``inputs``: the fingerprints planning took (path -> fingerprint); None takes them again."""
     inputs = plan_with_inputs(cfg)[1] if inputs is None else inputs
+    identity = run_identity(cfg, custom_code(cfg))
     layout.root.mkdir(parents=True, exist_ok=True)
     if layout.run_json.is_file():
         old = json.loads(layout.run_json.read_text())
@@ -145,6 +148,14 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, input
         if changed:
             raise CorpusError(f"{changed[0]}: {changed[1]} since run '{layout.root.name}' was planned, so its results "
                               f"would mix two corpora; pick a new output.run_id (--run-id) or delete {layout.root}")
+        if "identity" not in old:
+            raise StorageError(f"{layout.run_json} records no model or code identity (made by an older actlake), so a "
+                               f"resume could mix two models; pick a new output.run_id or delete {layout.root}")
+        changed = identity_change(old["identity"], identity)
+        if changed:
+            raise StorageError(f"{changed} since run '{layout.root.name}' began, so its results would mix two "
+                               f"{'models' if changed.startswith(('model', 'the model')) else 'code versions'}; "
+                               f"pick a new output.run_id (--run-id) or delete {layout.root}")
         if old.get("plan_hash") != phash:
             raise StorageError(
                 f"{layout.root} holds run '{layout.root.name}' with a different config or corpus "
@@ -152,7 +163,8 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, input
             )
         return
     write_json_atomic(layout.run_json, {"run_id": layout.root.name, "plan_hash": phash, "config": cfg.to_dict(),
-                                        "inputs": inputs, "shards": [asdict(s) for s in shards], "created": time.time()})
+                                        "inputs": inputs, "identity": identity, "shards": [asdict(s) for s in shards],
+                                        "created": time.time()})
 
 
 def check_inputs_after_failure(layout: RunLayout, inputs: dict, n_failed: int) -> None:
