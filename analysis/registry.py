@@ -17,7 +17,7 @@ from actlake.analysis.geometry import Geometry
 from actlake.analysis.protocol import PRODUCTS, SITES, Analysis, Producer, ShardTable
 from actlake.analysis.residual_norms import ResidualNorms
 from actlake.analysis.tokens import Tokens
-from actlake.errors import AnalysisFailed, ConfigError
+from actlake.errors import ActlakeError, AnalysisError, AnalysisFailed, ConfigError
 from actlake.tables import BY_SOURCE_SUFFIX, PARTIAL_SUFFIX, is_table_name
 
 
@@ -77,7 +77,8 @@ def shard_tables(cfg) -> list[tuple[type[ShardTable], dict]]:
 
 def check_table_names(cfg) -> None:
     """ConfigError naming the producers when two of a job's producers write the same table, or a table
-    name is not a plain identifier or ends in ``_partial`` (the reduce step's partials)."""
+    name is not a plain identifier or ends in ``_partial`` (the reduce step's partials); the views' names too
+    (:func:`check_view_names`)."""
     seen: dict[str, str] = {}
     for cls, _ in enabled(cfg) + shard_tables(cfg):
         for table in cls.tables:
@@ -87,6 +88,58 @@ def check_table_names(cfg) -> None:
             if table in seen:
                 raise ConfigError(f"analyses: {seen[table]!r} and {cls.name!r} both write a table {table!r}")
             seen[table] = cls.name
+    check_view_names(cfg)
+
+
+def check_view_names(cfg) -> None:
+    """ConfigError naming the producers when a view's name is not a plain identifier, is a table's (a view would
+    hide it), or is another producer's view (one would replace the other silently)."""
+    producers = [cls for cls, _ in enabled(cfg) + shard_tables(cfg)]
+    tables = {t: cls.name for cls in producers for t in cls.tables}
+    seen: dict[str, str] = {}
+    for cls in producers:
+        for view in getattr(cls, "views", {}):
+            if not is_table_name(view) or view.endswith((PARTIAL_SUFFIX, BY_SOURCE_SUFFIX)):
+                raise ConfigError(f"analyses: {cls.name!r} names a view {view!r}: use lower-case letters, digits and "
+                                  f"underscores, a letter first, not ending in {PARTIAL_SUFFIX} or {BY_SOURCE_SUFFIX}")
+            clash = tables.get(view) or seen.get(view)
+            if clash:
+                what = "table" if view in tables else "view"
+                raise ConfigError(f"analyses: {cls.name!r} declares a view {view!r}, the name of {clash!r}'s {what}; "
+                                  "rename the view")
+            seen[view] = cls.name
+
+
+def custom_views(producers) -> list:
+    """The producers among ``producers`` (classes) that declare views and are not built in: the views a job checks
+    on each worker's first shard (built-in views are checked by actlake's tests)."""
+    mine = set(builtin().values()) | {Documents, Rejects, Tokens, ResidualNorms, ActivationSample}
+    return [cls for cls in producers if getattr(cls, "views", None) and cls not in mine]
+
+
+def producer_views(producers, tables: dict) -> dict:
+    """The producers' declared views over ``tables`` (name -> Arrow table) in an in-memory DuckDB, in order (a
+    view may read an earlier one), as Arrow tables; a view that does not bind is an AnalysisError naming it and
+    its producer, with DuckDB's message."""
+    import duckdb  # loads duckdb: imported when used
+
+    con = duckdb.connect()
+    out = {}
+    try:
+        for name, table in tables.items():
+            con.register(name, table)
+        for cls in producers:
+            for name, sql in getattr(cls, "views", {}).items():
+                try:
+                    out[name] = con.sql(sql).to_arrow_table()
+                except duckdb.Error as e:
+                    why = " ".join(str(e).split())[:300]
+                    raise AnalysisError(f"analysis {cls.name!r}: its view {name!r} does not run over its tables "
+                                        f"({type(e).__name__}: {why})") from None
+                con.register(name, out[name])
+        return out
+    finally:
+        con.close()
 
 
 def products(producers) -> frozenset:
@@ -97,9 +150,12 @@ def products(producers) -> frozenset:
 def failure(exc: BaseException, classes) -> AnalysisFailed | None:
     """``exc`` as an :class:`~actlake.errors.AnalysisFailed` naming the producer among ``classes`` whose code
     raised it (None: none of theirs did). The producer is the innermost frame whose ``self``/``cls`` is one
-    of them, or else whose file is one of theirs; FILE:LINE is the innermost frame in such a file."""
+    of them, or else whose file is one of theirs; FILE:LINE is the innermost frame in such a file. An actlake
+    error is not wrapped (None)."""
     if isinstance(exc, AnalysisFailed):
         return exc
+    if isinstance(exc, ActlakeError):  # actlake's own error: it names what went wrong already
+        return None
     classes = list(classes)
     files = {}
     for cls in classes:
@@ -119,7 +175,9 @@ def failure(exc: BaseException, classes) -> AnalysisFailed | None:
             break
     if line_at is None:
         return None
-    owner = owner or files[os.path.realpath(line_at[0])]
+    owner = owner or files.get(os.path.realpath(line_at[0]))
+    if owner is None:  # matched by a local ``cls`` outside the producer's code (a loop over producers): not theirs
+        return None
     text = " ".join(str(exc).split())[:300] or "(no message)"
     return AnalysisFailed(f"analysis {owner.name!r} failed at {line_at[0]}:{line_at[1]} in {where or '?'}: "
                           f"{type(exc).__name__}: {text}", "".join(traceback.format_exception(exc)))

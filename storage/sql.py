@@ -264,6 +264,8 @@ def _side_by_side(con, runs: list[_Run], column: str = "run") -> list[str]:
     """Create, for every table and view of the runs, one view of their rows with a leading ``column`` (the run
     folder's name: ``run``, or ``checkpoint`` in a sweep), where every run has it with the same columns; the
     lines saying which were left out and why."""
+    import duckdb  # loads duckdb: imported when used
+
     names = [r.name for r in runs]
     if len(set(names)) < len(names):
         raise StorageError(f"runs opened together need distinct folder names, got {names}")
@@ -273,7 +275,11 @@ def _side_by_side(con, runs: list[_Run], column: str = "run") -> list[str]:
         if missing:
             notes.append(f"{name}: not offered, missing in {', '.join(missing)}")
             continue
-        columns = [[tuple(c[:2]) for c in con.execute(f"DESCRIBE {r.select(name)}").fetchall()] for r in runs]
+        try:
+            columns = [[tuple(c[:2]) for c in con.execute(f"DESCRIBE {r.select(name)}").fetchall()] for r in runs]
+        except duckdb.Error as e:  # a recorded view that does not run
+            notes.append(f"{name}: not offered, the recorded view does not run ({_first_line(e)})")
+            continue
         if column in (c for c, _ in columns[0]):
             notes.append(f"{name}: not offered, it has a column named {column}")
             continue
@@ -342,7 +348,10 @@ def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_t
                 con.execute(f"CREATE TEMP VIEW {_ident(t)} AS {sql}")
             _restrict(con, every)  # the recorded views below are the run folder's text: bound with no access outside
             for name, sql in runs[0].views.items():
-                con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {sql}")
+                try:  # a view that does not run (a custom one, written wrong) leaves every other name usable
+                    con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {sql}")
+                except duckdb.Error as e:
+                    notes.append(f"{name}: not offered, the recorded view does not run ({_first_line(e)})")
         else:
             _restrict(con, every)
             notes = _side_by_side(con, runs, column)
@@ -364,9 +373,13 @@ def open_run(run_dir: str | os.PathLike, memory_limit: str = "2GB", threads: int
     """A DuckDB connection with a view per committed table of the run; it can read nothing else and write nothing.
 
     Spills go to a private temporary folder (at most ``max_temp_size``), removed when the
-    connection is garbage-collected (``query`` removes it when it closes the connection).
+    connection is garbage-collected (``query`` removes it when it closes the connection). A recorded view that
+    does not run is left out with a warning naming it.
     """
-    return _open(run_dir, memory_limit, threads, max_temp_size)[0]
+    con, _, notes = _open(run_dir, memory_limit, threads, max_temp_size)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return con
 
 
 def open_runs(run_dirs: list, memory_limit: str = "2GB", threads: int | None = None,

@@ -24,7 +24,7 @@ from actlake.analysis.engine.layer_replay import LayerReplay
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.engine.selfcheck import SelfCheck
 from actlake.analysis.protocol import BatchOutputs, HiddenBatch, ModelSpec
-from actlake.analysis.registry import enabled, products, shard_tables
+from actlake.analysis.registry import custom_views, enabled, producer_views, products, shard_tables
 from actlake.analysis.surprisal import token_surprisal
 from actlake.batching import Window, collate, make_batches
 from actlake.categories import ROLE, Categorizer, one_hot
@@ -64,6 +64,8 @@ class Extractor:
         self.producers = [c for c, _ in self.analyses + tables]
         self.reading = [(c, o) for c, o in tables if c.of_reading]  # documents, rejects
         self.token_tables = [(c, o) for c, o in tables if not c.of_reading]  # made batch by batch
+        self.views_to_check = [c for c in self.producers if getattr(c, "views", None)] if custom_views(self.producers) else []
+        """Every producer's views, while a custom one declares views none has run: they run over the first shard."""
         self.triton = triton_kernels_on(cfg.analyses.triton_kernels, lm.device)
         unsafe = [c.name for c, _ in self.analyses + tables if "attention" in c.sites and not c.graph_safe]
         self.layer_graphs = layer_graphs_on(cfg.analyses.layer_graphs, lm.device, unsafe)
@@ -223,7 +225,11 @@ class Extractor:
             compute_s = time.perf_counter() - t1
         files = ShardFiles(layout, shard.shard_id)
         try:
-            self.write_tables(files, acc, docs, rejects)
+            written = self.write_tables(files, acc, docs, rejects)
+            if self.views_to_check:  # a custom view that does not run stops the job at its first shard, not at reduce
+                reduced = {t: table for s in acc.stats.values() for t, table in s.to_tables(with_total=True).items()}
+                producer_views(self.views_to_check, reduced | written)
+                self.views_to_check = []
             summary = {"docs": len(docs), "windows": len(windows), "tokens": acc.n_tokens, "padded_tokens": acc.n_padded,
                        "batches": len(batches), "oom_splits": splits,
                        "dtype": str(self.lm.dtype).removeprefix("torch."),
@@ -236,14 +242,19 @@ class Extractor:
             raise
         return summary
 
-    def write_tables(self, files, acc: "ShardResults", docs: list, rejects: list) -> None:
-        """The shard tables of a shard's reading and batches, through ``files.write(table, arrow_table)``."""
+    def write_tables(self, files, acc: "ShardResults", docs: list, rejects: list) -> dict:
+        """The shard tables of a shard's reading and batches, through ``files.write(table, arrow_table)``;
+        returns them by name."""
+        out = {}
         for cls, options in self.reading:
             part = cls.create(self.spec, **options)
             part.collect_read(docs, rejects)
-            files.write(cls.tables[0], cls.to_table([part], **options))
+            out[cls.tables[0]] = cls.to_table([part], **options)
         for cls, options in self.token_tables:
-            files.write(cls.tables[0], cls.to_table(acc.parts.get(cls.tables[0], []), **options))
+            out[cls.tables[0]] = cls.to_table(acc.parts.get(cls.tables[0], []), **options)
+        for name, table in out.items():
+            files.write(name, table)
+        return out
 
     def _collect(self, launched: Launched, acc: "ShardResults") -> None:
         """Wait for a queued batch and add its results; a failed device check runs it again strictly."""

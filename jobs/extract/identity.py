@@ -21,8 +21,8 @@ from actlake.config import JobConfig, looks_local, resolve_model_path
 from actlake.corpus.fingerprint import describe_change, file_fingerprint
 from actlake.errors import ActlakeError, StorageError
 
-MODEL_FILES = re.compile(r"(.*\.safetensors|pytorch_model.*\.bin|tf_model.*\.h5|flax_model.*\.msgpack|.*\.json|.*\.model)")
-"""Files of a model folder its numbers depend on: weights, configs (model, generation, tokenizer), SentencePiece models."""
+MODEL_FILES = re.compile(r"(.*\.safetensors|pytorch_model.*\.bin|tf_model.*\.h5|flax_model.*\.msgpack|.*\.json|.*\.model|.*\.txt|.*\.tiktoken)")
+"""Files of a model folder its numbers depend on: weights, configs (model, generation, tokenizer), vocabularies."""
 PACKAGES = ("actlake", "actlake.jobs", "actlake.analysis", "actlake.storage")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from actlake.analysis.registry import builtin, enabled, failure, shard_tables
+from actlake.analysis.registry import builtin, enabled, failure, producer_views, shard_tables
 from actlake.batching import Window, document_windows, make_batches
 from actlake.config import parse_config
 from actlake.errors import ConfigError
@@ -58,22 +58,9 @@ def try_analysis(target: str, texts: list[str], model: str = DEFAULT_MODEL, path
             out.update(stats.to_tables())
         for cls, options in ex.token_tables:
             out[cls.tables[0]] = cls.to_table(acc.parts.get(cls.tables[0], []), **options)
-        return out | _views(producers, out)
     except Exception as e:
         raise (failure(e, producers) or e) from None
-
-
-def _views(producers, tables: dict[str, pa.Table]) -> dict[str, pa.Table]:
-    """The producers' declared views, over ``tables`` in an in-memory DuckDB."""
-    import duckdb  # loads duckdb: imported when used
-
-    con = duckdb.connect()
-    try:
-        for name, table in tables.items():
-            con.register(name, table)
-        return {name: con.sql(sql).to_arrow_table() for cls in producers for name, sql in getattr(cls, "views", {}).items()}
-    finally:
-        con.close()
+    return out | producer_views(producers, out)  # a view that does not bind: one line naming it and its analysis
 
 
 def texts_from(text: list[str] | None, file: str | None) -> list[str]:

@@ -230,3 +230,72 @@ def test_try_analysis_runs_one_analysis_in_process_and_names_a_failure(minilm_pa
     assert err.startswith(f"actlake: error: analysis 'buggy' failed at {module}:{line} in add_layer: RuntimeError:"), err
     assert main(["try-analysis", "attention_mass", "--model", minilm_path, "--text", texts[0], "--rows", "2"]) == 0
     assert "attention_mass_by_key:" in capsys.readouterr().out
+
+
+def _with_view(tmp_path: Path, module_name: str, view: str, sql: str) -> Path:
+    """The README's example saved as ``module_name`` with one more view."""
+    module = tmp_path / f"{module_name}.py"
+    module.write_text(EXAMPLE.read_text() + f"\n\nAttentionEntropy.views = {{**AttentionEntropy.views, {view!r}: {sql!r}}}\n")
+    return module
+
+
+def _job(minilm_path, sample_corpus, tmp_path, target: str, module: Path) -> Path:
+    cfg = {"name": "views", "model": {"name_or_path": minilm_path},
+           "corpus": {"paths": [str(sample_corpus / "*.jsonl.zst")], "max_docs": 8},
+           "tokenization": {"max_length": 32}, "sharding": {"docs_per_shard": 2},
+           "output": {"dir": str(tmp_path / "runs"), "report": False},
+           "resources": {"num_workers": 1, "cpus_per_worker": 1},
+           "analyses": {"contributions": False, "geometry": False, "attention_by_distance": False,
+                        "custom": [{"analysis": target, "path": str(module)}]}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_a_custom_view_named_like_a_builtin_one_is_refused_before_anything_runs(minilm_path, sample_corpus, tmp_path,
+                                                                               capsys):
+    """Issue 50: a custom view ``outliers`` replaced dim_moments' own silently."""
+    module = _with_view(tmp_path, "shadowing", "outliers", "SELECT layer FROM attention_entropy")
+    assert main(["run", str(_job(minilm_path, sample_corpus, tmp_path, "shadowing:AttentionEntropy", module))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("actlake: error: analyses: 'attention_entropy' declares a view 'outliers', the name of "
+                   "'dim_moments''s view; rename the view"), err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_custom_view_that_does_not_run_stops_the_job_at_its_first_shard(minilm_path, sample_corpus, tmp_path,
+                                                                          ray_local, capsys):
+    """Issue 50: a typo in a custom view's SQL ran every shard, then failed with a Binder Error naming neither view
+    nor analysis, and every later query of the run failed. Now the first shard runs the views, nothing commits,
+    and the error names both; try-analysis names them too (it crashed in its own error handler)."""
+    module = _with_view(tmp_path, "typo_view", "entropy_typo", "SELECT layr, sum(n_queries) FROM attention_entropy GROUP BY 1")
+    assert main(["run", str(_job(minilm_path, sample_corpus, tmp_path, "typo_view:AttentionEntropy", module)),
+                 "--run-id", "typo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("actlake: error: analysis 'attention_entropy': its view 'entropy_typo' does not run over its "
+                          "tables (BinderException: Binder Error: Referenced column \"layr\" not found"), err
+    assert not list((tmp_path / "runs" / "typo" / "_complete").glob("group-*.json"))
+    assert main(["try-analysis", "typo_view:AttentionEntropy", "--path", str(module), "--model", minilm_path,
+                 "--text", "The cat sat on the mat."]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("actlake: error: analysis 'attention_entropy': its view 'entropy_typo' does not run"), err
+
+
+def test_a_recorded_view_that_does_not_run_leaves_the_other_tables_queryable(minilm_path, sample_corpus, tmp_path,
+                                                                           ray_local, capsys):
+    """A run folder whose record holds a view that does not run (written by hand, or by a view that ran on the
+    first shard only) is still a run: the view is left out, named, and everything else answers."""
+    module = _with_view(tmp_path, "fine_view", "entropy_layers", "SELECT DISTINCT layer FROM attention_entropy")
+    assert main(["run", str(_job(minilm_path, sample_corpus, tmp_path, "fine_view:AttentionEntropy", module)),
+                 "--run-id", "ok"]) == 0
+    run = tmp_path / "runs" / "ok"
+    record_path = run / "_complete" / "reduced.json"
+    record = json.loads(record_path.read_text())
+    record["views"]["entropy_layers"]["sql"] = "SELECT layr FROM attention_entropy"
+    record_path.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["sql", str(run), "SELECT count(*) AS n FROM attention_mass", "--format", "csv"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == '"n"' and int(out.splitlines()[1]) > 0
+    assert "entropy_layers: not offered, the recorded view does not run" in err
+    assert main(["sql", str(run), "SELECT * FROM outliers LIMIT 1", "--format", "csv"]) == 0
