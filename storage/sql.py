@@ -22,14 +22,14 @@ import weakref
 from pathlib import Path
 
 from actlake.errors import QueryError, StorageError
-from actlake.tables import ALL_SOURCES as ALL
-from actlake.tables import BY_SOURCE_SUFFIX, SOURCE
 from actlake.fs import arrow, location
 from actlake.storage.layout import CHECKPOINTS_DIR, RunLayout, sweep_checkpoints
 from actlake.storage.manifest import committed_files, is_table_name, read_run, recorded_views, reduced_tables
 from actlake.storage.readonly_fs import ReadOnlyFiles, url
 from actlake.storage.sql_process import MAX_TEMP_SIZE  # one default for open_run and actlake sql
 from actlake.storage.verified import verify_files
+from actlake.tables import ALL_SOURCES as ALL
+from actlake.tables import BY_SOURCE_SUFFIX, SOURCE
 
 
 def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
