@@ -107,25 +107,32 @@ class ReaderProcess:
     def __init__(self, cfg_dict: dict, tokenizer):
         self.cfg_dict, self.tokenizer = cfg_dict, tokenizer
         self.starting = threading.Lock()
-        self.pool = self._start()
+        self.pool, self.ready = self._start()
 
     def _start(self):
+        """A new process and the future of its set-up. The config and tokenizer (megabytes) go as its first task,
+        through the call queue, whose writer is a thread of the pool's own: passed as the initializer's arguments
+        they would go through the start-up pipe, which this thread writes while it holds the pipe's read end
+        too, so a process killed before reading them all (the OOM killer, at start-up) blocked it for ever."""
         # spawn, never fork: the worker holds CUDA and threads a forked child would inherit broken
-        return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_reader,
-                                   initargs=(self.cfg_dict, self.tokenizer, os.getpid()))
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_watch_parent,
+                                   initargs=(os.getpid(),))
+        return pool, pool.submit(_set_up_reader, self.cfg_dict, self.tokenizer)
 
     def read(self, shard: Shard):
-        """The shard's windows, documents and rejects. A reader process that died (killed for memory) is
-        replaced once per call, with a warning, and the shard read again; dying again raises
+        """The shard's windows, documents and rejects. A reader process that died (killed for memory, also
+        while it starts) is replaced once per call, with a warning, and the shard read again; dying again raises
         BrokenProcessPool, on which the worker exits as one killed while reading (its shards requeued)."""
-        pool = self.pool
+        pool, ready = self.pool, self.ready
         try:
+            ready.result()
             return pool.submit(_read_in_reader, shard).result()
         except BrokenProcessPool:
             with self.starting:  # two threads may find it broken: one new process
                 if self.pool is pool:
                     log.warning("the reader process died; starting another and reading shard %d again", shard.shard_id)
-                    self.pool = self._start()
+                    self.pool, self.ready = self._start()
+            self.ready.result()
             return self.pool.submit(_read_in_reader, shard).result()
 
     def close(self) -> None:
@@ -133,12 +140,15 @@ class ReaderProcess:
 
 
 _reader: dict = {}
-"""In the reader process: its config and tokenizer (set once by :func:`_start_reader`)."""
+"""In the reader process: its config and tokenizer (set once by :func:`_set_up_reader`)."""
 
 
-def _start_reader(cfg_dict: dict, tokenizer, parent: int) -> None:
-    _reader.update(cfg=parse_config(cfg_dict), tokenizer=tokenizer, lock=threading.Lock())
+def _watch_parent(parent: int) -> None:
     threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="actlake-reader-parent").start()
+
+
+def _set_up_reader(cfg_dict: dict, tokenizer) -> None:
+    _reader.update(cfg=parse_config(cfg_dict), tokenizer=tokenizer, lock=threading.Lock())
 
 
 def _exit_with(parent: int) -> None:

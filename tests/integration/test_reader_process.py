@@ -90,3 +90,49 @@ def test_the_reader_process_exits_with_a_killed_worker(tiny_models, tmp_path):
     while time.time() < deadline and psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
         time.sleep(0.2)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_reader_process_killed_while_it_starts_is_replaced(minilm_path, tmp_path):
+    """Issue 50: a reader killed before it had read its start-up data (the tokenizer, megabytes: more than a pipe
+    holds) left the worker blocked for ever in multiprocessing's start-up, which writes that data while holding the
+    pipe's read end itself. Caught as it appears (stopped, then killed), it is replaced and the shard read."""
+    import psutil
+    from transformers import AutoTokenizer
+
+    cfg = job_config(minilm_path, _corpus(tmp_path / "corpus"), tmp_path / "runs", **{"sharding.docs_per_shard": 4})
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)  # BERT's vocabulary: 0.85 MB pickled
+    shard = make_plan(cfg)[0]
+    me = psutil.Process()
+    before = {c.pid for c in me.children(recursive=True)}
+    out: dict = {}
+
+    def start_and_read():
+        try:
+            out["reader"] = ReaderProcess(cfg.to_dict(), tokenizer)
+            out["read"] = out["reader"].read(shard)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            out["error"] = e
+
+    thread = threading.Thread(target=start_and_read, daemon=True)
+    thread.start()
+    victim, deadline = None, time.time() + 60
+    while victim is None and time.time() < deadline:
+        for c in me.children(recursive=True):
+            try:
+                if c.pid not in before and "spawn_main" in " ".join(c.cmdline()):
+                    victim = c.pid
+                    os.kill(victim, signal.SIGSTOP)  # as it starts, before it reads what it is sent
+                    break
+            except psutil.Error:
+                continue
+    assert victim is not None
+    time.sleep(0.5)
+    os.kill(victim, signal.SIGKILL)
+    thread.join(90)
+    try:
+        assert not thread.is_alive(), "the worker's reading is blocked"
+        assert "error" not in out, out.get("error")
+        assert out["read"] == read_shard(shard, cfg, tokenizer, threading.Lock())
+    finally:
+        if "reader" in out:
+            out["reader"].close()
