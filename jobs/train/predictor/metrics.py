@@ -1,13 +1,15 @@
 """Metrics of the predictable/novel decomposition (METHODS.md §6): Spearman, macro-F1, running moments.
 
-Own numpy implementations, so results do not depend on library versions; the unit
-tests check each against its reference (``scipy.stats.spearmanr``, sklearn ``f1_score(average="macro")``).
-R² is sklearn's ``r2_score`` (``multioutput="variance_weighted"``), streamed in
-``PredictorTrainer.evaluate``. All computations are float64. Also: per-dimension standardisation
-of hidden states.
+Spearman is ``scipy.stats.spearmanr``, macro-F1 sklearn's ``f1_score(average="macro")``, behind thin
+guards that keep this module's errors (``ConfigError``) and NaN conventions; R² is sklearn's
+``r2_score`` (``multioutput="variance_weighted"``), streamed in ``PredictorTrainer.evaluate``.
+All computations are float64. Also: ``RunningMoments`` (a mergeable streaming statistic) and
+per-dimension standardisation of hidden states.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 
@@ -71,37 +73,24 @@ def fit_standardisation(h_iter, eps: float = 1e-6) -> tuple[np.ndarray, np.ndarr
     return mom.mean.copy(), np.where(std < eps, 1.0, std)
 
 
-def rankdata_average(x: np.ndarray) -> np.ndarray:
-    """Ranks 1..n of a 1-D array, ties given the average of their ranks (scipy's "average")."""
-    x = np.asarray(x)
-    order = np.argsort(x, kind="mergesort")
-    xs = x[order]
-    new_group = np.r_[True, xs[1:] != xs[:-1]]  # (n,)
-    group_of_sorted = np.cumsum(new_group) - 1
-    starts = np.r_[np.flatnonzero(new_group), x.size]  # (G+1,)
-    avg = (starts[:-1] + starts[1:] - 1) / 2.0 + 1.0  # (G,) mean of ranks start+1..end
-    ranks = np.empty(x.size, dtype=np.float64)
-    ranks[order] = avg[group_of_sorted]
-    return ranks
-
-
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman's rank correlation (average ranks for ties) of two 1-D arrays.
+    """Spearman's rank correlation (average ranks for ties) of two 1-D arrays, ``scipy.stats.spearmanr``.
 
-    Equals ``scipy.stats.spearmanr(x, y).statistic``; NaN when either input is constant.
-    Inputs must be finite (mask them first).
+    NaN when either input is constant. Inputs must be finite (mask them first).
     """
+    from scipy.stats import ConstantInputWarning, spearmanr  # loads scipy: imported when used
+
     x, y = np.asarray(x, dtype=np.float64).ravel(), np.asarray(y, dtype=np.float64).ravel()
     if x.shape != y.shape:
         raise ConfigError(f"spearman: x has {x.size} values, y has {y.size}")
     if x.size < 2:
         raise ConfigError(f"spearman needs at least 2 pairs, got {x.size}")
+    # scipy would propagate NaN (and rank inf like any value): refuse both, as callers must mask first
     if not (np.isfinite(x).all() and np.isfinite(y).all()):
         raise ConfigError("spearman: inputs contain NaN or inf; select the valid pairs first")
-    rx = rankdata_average(x) - (x.size + 1) / 2.0
-    ry = rankdata_average(y) - (y.size + 1) / 2.0
-    den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
-    return float((rx * ry).sum() / den) if den > 0 else float("nan")
+    with warnings.catch_warnings():  # a constant input is an expected NaN here, not a warning
+        warnings.simplefilter("ignore", ConstantInputWarning)
+        return float(spearmanr(x, y).statistic)
 
 
 def spearman_by_position(norms: np.ndarray, surprisal: np.ndarray, valid: np.ndarray | None = None,
@@ -131,18 +120,15 @@ def spearman_by_position(norms: np.ndarray, surprisal: np.ndarray, valid: np.nda
 def macro_f1(y_true, y_pred, labels=None) -> float:
     """Unweighted mean over labels of F1 = 2TP / (2TP + FP + FN); 0 for a label never true nor predicted.
 
-    ``labels`` defaults to the sorted union of y_true and y_pred. Equals sklearn
+    ``labels`` defaults to the sorted union of y_true and y_pred: sklearn
     ``f1_score(y_true, y_pred, labels=labels, average="macro", zero_division=0)``.
+    Labels are class labels (sklearn refuses continuous floats and a mix of strings and numbers).
     """
+    from sklearn.metrics import f1_score  # loads sklearn: imported when used
+
     t, p = np.asarray(y_true).ravel(), np.asarray(y_pred).ravel()
     if t.shape != p.shape:
         raise ConfigError(f"macro_f1: y_true has {t.size} labels, y_pred has {p.size}")
     if t.size == 0:
         raise ConfigError("macro_f1: no samples")
-    labs = np.unique(np.concatenate([t, p])) if labels is None else np.asarray(list(labels))
-    scores = []
-    for c in labs:
-        tp = np.sum((t == c) & (p == c))
-        den = 2 * tp + np.sum((t != c) & (p == c)) + np.sum((t == c) & (p != c))
-        scores.append(2.0 * tp / den if den else 0.0)
-    return float(np.mean(scores))
+    return float(f1_score(t, p, labels=None if labels is None else list(labels), average="macro", zero_division=0))
