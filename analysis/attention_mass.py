@@ -15,7 +15,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis.engine import grid
-from actlake.analysis.protocol import OneTable
+from actlake.analysis.protocol import Headline, OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
 
@@ -31,6 +31,12 @@ class AttentionMass(OneTable, SumStats):
         SELECT source, layer, head, key_category, sum(mass) AS mass, sum(n_queries) AS n_queries,
                sum(mass) / sum(n_queries) AS mean_mass
         FROM attention_mass GROUP BY source, layer, head, key_category"""}
+    nonfinite_layer = "attention layer"
+    headlines = (Headline(
+        "attention_mass_by_key", "first_token_mass",
+        "Attention mass on the leading special token ([CLS] or BOS) by layer, mean over heads", "mass on it",
+        "SELECT {series} AS series, layer, avg(mean_mass) AS value FROM attention_mass_by_key{by} WHERE {rows}"
+        "key_category = 'bos' GROUP BY ALL ORDER BY ALL", position=2),)
 
     mass: torch.Tensor
     """(L, H, Cq, Ck) summed attention weight from queries of category cq to keys of category ck."""

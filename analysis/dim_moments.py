@@ -17,7 +17,7 @@ import torch
 from actlake.analysis.engine import grid
 from actlake.analysis.engine.device import to_device
 from actlake.analysis.engine.moments import GroupSums, Moments
-from actlake.analysis.protocol import Analysis, OneTable
+from actlake.analysis.protocol import Analysis, Headline, OneTable
 from actlake.analysis.stats import np64, tensor
 from actlake.categories import SCHEMES
 
@@ -42,6 +42,16 @@ class DimMoments(OneTable, Analysis):
     name = "dim_moments"
     sites = frozenset({"hidden_states"})
     tables = ("dim_moments",)
+    nonfinite_layer = "hidden state"
+    headlines = (
+        Headline("massive_activations", "massive_activations",
+                 "Share of [CLS]/BOS's mean squared norm in its largest dimension, by layer", "share (top dimension)",
+                 "SELECT {series} AS series, layer, share AS value, dim FROM massive_activations{by} WHERE {rows}"
+                 "scheme = 'role' AND category = 'bos' AND rank = 1 ORDER BY ALL", position=3),
+        Headline("outliers", "outliers", f"Outlier dimensions by layer (|robust z| > {OUTLIER_Z:g})", "dimensions",
+                 f"SELECT {{series}} AS series, layer, count(*) FILTER (WHERE abs(robust_z) > {OUTLIER_Z}) AS value "
+                 "FROM outliers{by} WHERE {rows}true GROUP BY ALL ORDER BY ALL", position=4),
+    )
     views = {"outliers": """
         WITH m AS (SELECT source, layer, dim, mean, count FROM dim_moments WHERE scheme = 'all'),
              s AS (SELECT source, layer, median(mean) AS med FROM m GROUP BY source, layer),

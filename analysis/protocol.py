@@ -24,11 +24,12 @@ Extraction, the reduce step, the SQL views and the report loop over the enabled 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
-import numpy as np
 import torch
+
+from actlake.analysis.engine.batch import BatchOutputs, HiddenBatch, ModelSpec  # noqa: F401 - part of the protocol
 
 Site = Literal["attention", "layer_inputs", "hidden_states"]
 """Where a producer reads. ``attention``: :meth:`Producer.add_layer` is called with each layer's LayerQK.
@@ -43,63 +44,23 @@ PRODUCTS: frozenset = frozenset(get_args(Product))
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """What a producer needs to size its accumulators."""
+class Headline:
+    """One number per layer that the report draws for runs side by side (a line per run), a checkpoint sweep
+    (a line per layer against the step) and ``analyses.by_source`` (a line per source label).
 
-    n_layers: int
-    """Attention layers (hidden states: n_layers + 1, 0 = embeddings)."""
-    n_heads: int
-    n_kv_heads: int
-    d_model: int
-    max_length: int
-    """Tokens per window (tokenization.max_length)."""
-    device: torch.device
-    """Where the accumulators live while a shard runs (the model's device)."""
+    ``sql`` reads table or view ``over`` and gives columns ``series``, ``layer``, ``value`` (and any more for
+    the tooltip) with three placeholders: ``{series}`` the column that tells the lines apart (``run``,
+    ``checkpoint``), ``{by}`` the suffix of ``over`` (``_by_source`` for the rows per source), ``{rows}`` a
+    condition ending in AND (the rows per source label). ``source_sql``: its own SELECT for the lines per source,
+    where ``sql`` cannot give them (a shard table has no ``source`` column). ``position`` orders the charts."""
 
-
-@dataclass
-class HiddenBatch:
-    """A batch as :meth:`Producer.add_hidden` sees it. Masks and categories are the host's (B, T) tensors."""
-
-    valid: torch.Tensor
-    role: torch.Tensor
-    type8: torch.Tensor
-    strict: bool
-    """Look for inf/NaN values as they come (may read the device back). False: count them on the device
-    and report them through :meth:`Producer.problems`; the batch is then run again strictly."""
-    triton: bool = False
-    """The worker uses Triton kernels (:mod:`~actlake.analysis.engine.kernels`; a CUDA device)."""
-    windows: list = field(default_factory=list)
-    """The batch's :class:`~actlake.batching.Window` s, row by row."""
-
-
-@dataclass
-class BatchOutputs:
-    """A finished batch on the host, as :meth:`ShardTable.collect` sees it (padding included; ``mask`` says
-    which tokens are real; windows are right-padded, so a row's real tokens are a prefix)."""
-
-    windows: list
-    """(B,) :class:`~actlake.batching.Window` s."""
-    ids: torch.Tensor
-    """(B, T) token ids."""
-    mask: torch.Tensor
-    """(B, T) 1 for real tokens."""
-    role: torch.Tensor
-    """(B, T) int64 ``ROLE`` ids (0 on padding)."""
-    type8: torch.Tensor
-    """(B, T) int64 ``TYPE8`` ids (0 on padding)."""
-    cats: object
-    """The worker's :class:`~actlake.categories.Categorizer` (token texts)."""
-    surprisal: torch.Tensor | None = None
-    """(B, T) float32 -log p(token | earlier tokens), NaN where undefined; None without an LM head."""
-
-    def token_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(doc_id, window_index, position, lengths): the real tokens' keys in (row, position) order, (n,)
-        each, and the (B,) window lengths."""
-        lengths = np.fromiter((len(w.ids) for w in self.windows), np.int64, len(self.windows))
-        n = int(lengths.sum())
-        return (np.repeat([w.doc_id for w in self.windows], lengths), np.repeat([w.window for w in self.windows], lengths),
-                np.arange(n) - np.repeat(np.cumsum(lengths) - lengths, lengths), lengths)
+    over: str
+    slug: str
+    title: str
+    y_title: str
+    sql: str
+    source_sql: str | None = None
+    position: float = 0.0
 
 
 class Producer(ABC):
@@ -121,6 +82,18 @@ class Producer(ABC):
     is the same for the whole batch, reads nothing back from the device and copies nothing from the host,
     keeps no Python state per layer, and writes only its tensor fields, each at ``[lq.layer]`` on its
     first dimension. :meth:`layer_scratch` must then work (it does for :class:`~actlake.analysis.stats.SumStats`)."""
+
+    headlines: ClassVar[tuple[Headline, ...]] = ()
+    """Its headline statistics (:class:`Headline`), drawn by the report where runs, checkpoints or sources are compared."""
+    nonfinite_layer: ClassVar[str | None] = None
+    """When its table has a ``nonfinite_tokens`` column per ``layer``: what a layer is ("hidden state"); the
+    report's summary lists the tokens left out."""
+
+    @classmethod
+    def charts(cls, con) -> list[tuple[float, object]]:
+        """Report blocks as (position, block): a block is (slug, title, Altair chart) or an HTML string;
+        ``con`` is the run's read-only DuckDB connection. Positions order the report's sections."""
+        return []
 
     @classmethod
     def options_from(cls, cfg) -> dict:
@@ -175,12 +148,6 @@ class Analysis(Producer):
     @abstractmethod
     def from_tables(cls, tables: dict) -> "Analysis":
         """The inverse of :meth:`to_tables` (the reduce step reads partials with it)."""
-
-    @classmethod
-    def charts(cls, con) -> list[tuple[float, object]]:
-        """Report blocks as (position, block): a block is (slug, title, Altair chart) or an HTML string;
-        ``con`` is the run's read-only DuckDB connection. Positions order the report's sections."""
-        return []
 
 
 class OneTable:

@@ -26,6 +26,11 @@ def builtin() -> dict[str, type[Analysis]]:
     return {c.name: c for c in (DimMoments, AttentionMass, Contributions, Geometry, AttentionByDistance)}
 
 
+def builtin_producers() -> list[type[Producer]]:
+    """Every built-in producer class, analyses first: what the report reads headlines and charts from."""
+    return list(builtin().values()) + [Documents, Rejects, Tokens, ResidualNorms, ActivationSample]
+
+
 def builtin_tables(cfg) -> list[type[ShardTable]]:
     """The built-in shard tables a job's config turns on, in the order a shard writes them."""
     return [Documents, Rejects] + [Tokens] * bool(cfg.analyses.tokens) + [ResidualNorms] * bool(cfg.analyses.residual_norms) \
@@ -113,7 +118,7 @@ def check_view_names(cfg) -> None:
 def custom_views(producers) -> list:
     """The producers among ``producers`` (classes) that declare views and are not built in: the views a job checks
     on each worker's first shard (built-in views are checked by actlake's tests)."""
-    mine = set(builtin().values()) | {Documents, Rejects, Tokens, ResidualNorms, ActivationSample}
+    mine = set(builtin_producers())
     return [cls for cls in producers if getattr(cls, "views", None) and cls not in mine]
 
 

@@ -7,7 +7,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis.engine.device import to_host
-from actlake.analysis.protocol import BatchOutputs, HiddenBatch, ShardTable
+from actlake.analysis.protocol import BatchOutputs, Headline, HiddenBatch, ShardTable
 
 
 def add_norms(out: torch.Tensor | None, layer: int, h: torch.Tensor, n_hidden: int) -> torch.Tensor:
@@ -29,6 +29,28 @@ class ResidualNorms(ShardTable):
     tables = ("residual_norms",)
     schema = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
                         ("layer", pa.int16()), ("norm", pa.float64())])
+    headlines = (Headline(
+        "residual_norms", "residual_norms", "Residual-stream norm by layer (mean)", "mean ||h||",
+        "SELECT {series} AS series, layer, avg(norm) AS value FROM residual_norms GROUP BY ALL ORDER BY ALL",
+        source_sql="SELECT d.source AS series, r.layer, avg(r.norm) AS value FROM residual_norms r JOIN documents d "
+                   "USING (doc_id) GROUP BY ALL ORDER BY ALL", position=1),)
+
+    @classmethod
+    def charts(cls, con) -> list:
+        """Median and 10th-90th percentile band of the norms by layer, over finite norms (DuckDB orders NaN above
+        every number, which would move every percentile)."""
+        import altair as alt  # loads altair: imported when used
+
+        df = con.execute("""
+            SELECT layer, avg(norm) AS mean, quantile_cont(norm, 0.1) AS p10, quantile_cont(norm, 0.5) AS median,
+                   quantile_cont(norm, 0.9) AS p90 FROM residual_norms WHERE isfinite(norm) GROUP BY layer ORDER BY layer
+        """).df()
+        base = alt.Chart(df).encode(x=alt.X("layer:O", title="layer (0 = embeddings)"))
+        c = (base.mark_area(opacity=0.25).encode(y=alt.Y("p10:Q", title="||h|| (10th-90th percentile band)"), y2="p90:Q")
+             + base.mark_line(point=True).encode(y="median:Q", tooltip=["layer", alt.Tooltip("median:Q", format=".2f"),
+                                                                         alt.Tooltip("mean:Q", format=".2f")])
+             ).properties(width=420, height=260)
+        return [(3, ("residual_norms", "Residual-stream norm by layer (median, 10th-90th percentile)", c))]
 
     norms = None  # (B, T, L+1) on the device while the batch runs, then the host's copy
 

@@ -7,7 +7,7 @@ Variants, on identical batches of all-MiniLM-L6-v2 windows from the sample corpu
 start's tokenization):
 
 - plain:     the model's forward pass (SDPA), nothing captured;
-- suite:     what `actlake run` computes per batch (``Extractor.run_batch`` with the default
+- suite:     what `actlake run` computes per batch (``ForwardPass.run_batch`` with the default
              analyses): token categories, attention mass, contributions and their attention-weighted
              sums, geometry with key-normalised mass, the distance profile, residual norms and
              per-dimension moments (outlier dimensions);
@@ -97,7 +97,7 @@ def _runners(names, lm, eager_lm, batches, max_length):
             runners[name] = lambda i: _naive(eager_lm, batches[i], tensors[i])
         else:
             ex = _extractor(name, lm, max_length)
-            runners[name] = lambda i, ex=ex: ex.run_batch(batches[i])
+            runners[name] = lambda i, ex=ex: ex.forward.run_batch(batches[i])
     return runners
 
 
@@ -151,7 +151,7 @@ def _naive_matches_suite(lm, batches, picks, max_length) -> float:
     worst = 0.0
     for i in picks:
         plain, weighted = _naive(eager, batches[i], collate(batches[i], lm.tokenizer.pad_token_id))
-        c = ex.run_batch(batches[i]).stats["contributions"]
+        c = ex.forward.run_batch(batches[i]).stats["contributions"]
         for ours, theirs in ((c.contrib[:, :, 0], plain), (c.weighted, weighted)):
             ours = ours.cpu()
             worst = max(worst, float((ours - theirs).abs().max() / ours.abs().max()))

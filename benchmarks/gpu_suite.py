@@ -11,7 +11,7 @@ sample for the causal configs, packed into windows of exactly --seq-len tokens.
 Variants, each on the same batches in turn, best of --rounds per batch:
 
 - plain:     the model's forward pass (SDPA), nothing captured;
-- suite:     ``Extractor.run_batch`` with the default analyses and settings (what ``actlake run`` computes);
+- suite:     ``ForwardPass.run_batch`` with the default analyses and settings (what ``actlake run`` computes);
 - torch:     the suite without the Triton kernels (``analyses.triton_kernels: false``): the distance
              profile from explicit weights in blocks, the weighted sums from FlashAttention's backward pass,
              the moments from float64 products (the same as suite where the kernels do not apply);
@@ -199,7 +199,7 @@ def runners(names, lm, batches, args):
                                                              output_hidden_states=True).hidden_states]
         else:
             ex = extractor(name, lm, args)
-            out[name] = lambda i, ex=ex: ex.run_batch(batches[i], strict=False)
+            out[name] = lambda i, ex=ex: ex.forward.run_batch(batches[i], strict=False)
     return {k: torch.inference_mode()(f) for k, f in out.items()}
 
 
@@ -378,13 +378,13 @@ def shard_figure(lm, batches, args) -> dict:
         windows, _, _ = ex.read_shard(shards[0])
         alone = make_batches(windows, ex.cfg.batching)
         for b in alone[:1]:
-            ex.run_batch(b)  # warm
+            ex.forward.run_batch(b)  # warm
         sync()
         t0 = time.perf_counter()
         merged, norm_sums = None, 0.0
         for _ in shards:
             for b in alone:  # one after the other, each waited for, merged as process merges them
-                result = ex.run_batch(b)
+                result = ex.forward.run_batch(b)
                 merged = result.stats if merged is None else {n: merged[n].merge(p) for n, p in result.stats.items()}
                 norm_sums = norm_sums + result.parts["residual_norms"].norms[result.outputs.mask.bool()].sum(0).numpy()
         sync()
@@ -457,7 +457,7 @@ def check(lm, batches, args) -> dict:
     fast = extractor("suite", lm, args).run_batch(batches[0])
     cfg = {"name": "ref", "analyses": {"tokens": False, "attention_weights": "explicit"},
            "tokenization": {"max_length": args.seq_len}, "batching": {"max_tokens": args.batch_tokens}}
-    ref = Extractor(parse_config(cfg), lm).run_batch(batches[0], strict=True)
+    ref = Extractor(parse_config(cfg), lm).forward.run_batch(batches[0], strict=True)
     out = {}
     for name, stats in ref.stats.items():
         fields = (("moments.mean", "moments.m2", "moments.max_abs") if not hasattr(stats, "_tensor_fields")

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     Categorizer(lm.tokenizer).batch(ids.numpy(), lengths)
     cold_ms = (time.perf_counter() - t0) * 1e3
     with torch.inference_mode():
-        result = ex.run_batch(batch, strict=False)
+        result = ex.forward.run_batch(batch, strict=False)
     sync()
     plain()  # warm-up
 
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
 
     parts = {
         "collate ids and mask": lambda: collate(batch, lm.tokenizer.pad_token_id),
-        "role and type8 ids (warm vocabulary)": lambda: ex.cats.batch(ids.numpy(), lengths),
+        "role and type8 ids (warm vocabulary)": lambda: ex.forward.cats.batch(ids.numpy(), lengths),
         "collect results (ShardResults.add)": collect,
     }
     ms = {name: best_ms(f, args.rounds + 3) for name, f in parts.items()}

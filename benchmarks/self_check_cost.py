@@ -25,7 +25,7 @@ from actlake.analysis.engine import capture  # noqa: E402
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK  # noqa: E402
 from actlake.analysis.engine.selfcheck import SelfCheck  # noqa: E402
 from actlake.analysis.geometry import Geometry  # noqa: E402
-from actlake.analysis.surprisal import token_surprisal  # noqa: E402
+from actlake.analysis.engine.surprisal import token_surprisal  # noqa: E402
 from actlake.categories import ROLE, one_hot  # noqa: E402
 from actlake.config import ModelConfig, resolve_model_path  # noqa: E402
 from actlake.model import load_model  # noqa: E402

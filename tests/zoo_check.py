@@ -17,7 +17,7 @@ from actlake.analysis.engine import capture
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.engine.selfcheck import SelfCheck
 from actlake.analysis.geometry import Geometry
-from actlake.analysis.surprisal import token_surprisal
+from actlake.analysis.engine.surprisal import token_surprisal
 from actlake.categories import ROLE, one_hot
 from actlake.config import ModelConfig
 from actlake.model import load_model

@@ -19,17 +19,19 @@ from actlake.storage.layout import RunLayout, sweep_checkpoints
 log = logging.getLogger("actlake.report")
 
 
-def _blocks(con, analyses) -> list:
-    """Report blocks ((slug, title, Altair chart) or HTML) of the residual norms and of every analysis
-    whose tables exist, in the order of their positions."""
+def _tables(con) -> set[str]:
+    return {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+
+
+def _blocks(con, producers) -> list:
+    """Report blocks ((slug, title, Altair chart) or HTML) of every producer whose tables exist, in the order of
+    their positions."""
     import altair as alt  # loads altair: imported when used
 
     alt.data_transformers.disable_max_rows()
-    have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    have = _tables(con)
     blocks = []
-    if "residual_norms" in have:
-        blocks.append((3, _residual_norms_chart(con)))
-    for cls in analyses:
+    for cls in producers:
         if all(t in have for t in cls.tables):
             try:
                 blocks += cls.charts(con)
@@ -40,34 +42,15 @@ def _blocks(con, analyses) -> list:
     return [block for _, block in sorted(blocks, key=lambda pb: pb[0])]
 
 
-def _residual_norms_chart(con):
-    import altair as alt  # loads altair: imported when used
-
-    df = con.execute("""
-        SELECT layer, avg(norm) AS mean, quantile_cont(norm, 0.1) AS p10, quantile_cont(norm, 0.5) AS median,
-               quantile_cont(norm, 0.9) AS p90 FROM residual_norms WHERE isfinite(norm) GROUP BY layer ORDER BY layer
-    """).df()  # finite norms only: DuckDB orders NaN above every number, which would move every percentile
-    base = alt.Chart(df).encode(x=alt.X("layer:O", title="layer (0 = embeddings)"))
-    c = (base.mark_area(opacity=0.25).encode(y=alt.Y("p10:Q", title="||h|| (10th-90th percentile band)"), y2="p90:Q")
-         + base.mark_line(point=True).encode(y="median:Q", tooltip=["layer", alt.Tooltip("median:Q", format=".2f"),
-                                                                     alt.Tooltip("mean:Q", format=".2f")])
-         ).properties(width=420, height=260)
-    return ("residual_norms", "Residual-stream norm by layer (median, 10th-90th percentile)", c)
-
-
-NONFINITE = (("dim_moments", "hidden state"), ("attention_mass", "attention layer"))
-"""Tables with a ``nonfinite_tokens`` column per layer, and what their layer is."""
-
-
-def _nonfinite(con) -> str:
-    """Tokens left out of the statistics per layer because their vector held inf/NaN."""
-    have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    if not {t for t, _ in NONFINITE} & have:
+def _nonfinite(con, producers) -> str:
+    """Tokens left out of the statistics per layer because their vector held inf/NaN (the producers that declare
+    ``nonfinite_layer``)."""
+    have = _tables(con)
+    counted = [(cls.tables[0], cls.nonfinite_layer) for cls in producers if cls.nonfinite_layer and cls.tables[0] in have]
+    if not counted:
         return "not measured"
     parts = []
-    for table, what in NONFINITE:
-        if table not in have:
-            continue
+    for table, what in counted:
         rows = con.execute(f"SELECT layer, max(nonfinite_tokens) FROM {table} GROUP BY layer ORDER BY layer").fetchall()
         bad = [(layer, int(n)) for layer, n in rows if n]
         parts.append(f"{what}s: " + ("0 in every layer" if not bad else ", ".join(f"{what} {l}: {n}" for l, n in bad)))
@@ -94,16 +77,17 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     ``analyses``: the classes whose charts to draw (the job passes its enabled ones, custom analyses
     included); default the built-in ones. ``actlake report`` never imports code named in a run folder.
     """
-    from actlake.analysis.registry import builtin  # loads pyarrow, torch: imported when used
+    from actlake.analysis.registry import builtin, builtin_producers  # loads pyarrow, torch: imported when used
 
     if sweep_checkpoints(location(run_dir)) is not None:
         return build_sweep_report(run_dir)
     layout, con = open_for_report(run_dir, ("documents",), "no committed shard to report on (did the job run?)")
+    shard_tables = [cls for cls in builtin_producers() if cls.per_token]
     try:
-        blocks = _blocks(con, list(builtin().values()) if analyses is None else analyses)
+        blocks = _blocks(con, (list(builtin().values()) if analyses is None else list(analyses)) + shard_tables)
         if len(source_labels(con)) > 1:  # analyses.by_source: the headline statistics, a line per source
             blocks += comparison_blocks(con, series="source")
-        nonfinite = _nonfinite(con)
+        nonfinite = _nonfinite(con, builtin_producers())
     finally:
         con.close()
     return write_page(layout, blocks, _summary_html(layout, nonfinite))
@@ -149,37 +133,23 @@ def build_comparison(run_dirs: list, out_dir: str | Path) -> Path:
 
 
 def headline_frames(con, series: str = "run") -> list:
-    """(slug, title, y title, DataFrame of (series, layer, value)) per headline statistic ``con`` offers, by
-    ``series``: ``run`` (a side-by-side connection, :func:`~actlake.storage.sql.open_runs`), ``checkpoint``
-    (a sweep) -- their rows over every document -- or ``source`` (one run's rows per source label)."""
-    from actlake.analysis.dim_moments import OUTLIER_Z  # loads torch: imported when used
+    """(slug, title, y title, DataFrame of (series, layer, value)) per headline statistic of the built-in producers
+    (:class:`~actlake.analysis.protocol.Headline`) that ``con`` offers, by ``series``: ``run`` (a side-by-side
+    connection, :func:`~actlake.storage.sql.open_runs`), ``checkpoint`` (a sweep) -- their rows over every
+    document -- or ``source`` (one run's rows per source label)."""
+    from actlake.analysis.registry import builtin_producers  # loads torch: imported when used
 
-    have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    have = _tables(con)
     by = "_by_source" if series == "source" else ""  # a view by its name: every document's rows only
     rows = "source <> '*' AND " if series == "source" else ""
-    norms = ("SELECT d.source AS series, r.layer, avg(r.norm) AS value FROM residual_norms r JOIN documents d "
-             "USING (doc_id) GROUP BY ALL ORDER BY ALL" if series == "source" else
-             f"SELECT {series} AS series, layer, avg(norm) AS value FROM residual_norms GROUP BY ALL ORDER BY ALL")
-    charts = [
-        ("residual_norms", "residual_norms", "Residual-stream norm by layer (mean)", "mean ||h||", norms),
-        (f"attention_mass_by_key{by}", "first_token_mass",
-         "Attention mass on the leading special token ([CLS] or BOS) by layer, mean over heads", "mass on it",
-         f"SELECT {series} AS series, layer, avg(mean_mass) AS value FROM attention_mass_by_key{by} WHERE {rows}"
-         "key_category = 'bos' GROUP BY ALL ORDER BY ALL"),
-        (f"massive_activations{by}", "massive_activations",
-         "Share of [CLS]/BOS's mean squared norm in its largest dimension, by layer", "share (top dimension)",
-         f"SELECT {series} AS series, layer, share AS value, dim FROM massive_activations{by} WHERE {rows}"
-         "scheme = 'role' AND category = 'bos' AND rank = 1 ORDER BY ALL"),
-        (f"outliers{by}", "outliers", f"Outlier dimensions by layer (|robust z| > {OUTLIER_Z:g})", "dimensions",
-         f"SELECT {series} AS series, layer, count(*) FILTER (WHERE abs(robust_z) > {OUTLIER_Z}) AS value "
-         f"FROM outliers{by} WHERE {rows}true GROUP BY ALL ORDER BY ALL"),
-    ]
     out = []
-    for view, slug, title, y, sql in charts:
-        if view in have:
-            df = con.execute(sql).df().rename(columns={"series": series})
-            if not df.empty:
-                out.append((slug, title, y, df))
+    for h in sorted((h for cls in builtin_producers() for h in cls.headlines), key=lambda h: h.position):
+        if h.over + by not in have and not (by and h.source_sql and h.over in have):
+            continue
+        sql = h.source_sql if by and h.source_sql else h.sql.format(series=series, by=by, rows=rows)
+        df = con.execute(sql).df().rename(columns={"series": series})
+        if not df.empty:
+            out.append((h.slug, h.title, h.y_title, df))
     return out
 
 
@@ -230,8 +200,7 @@ def sweep_blocks(con) -> list:
 
 def source_labels(con) -> list[str]:
     """The source labels of a run's statistics (``analyses.by_source``: the ``_by_source`` tables; none without it)."""
-    have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    table = next((t for t in ("dim_moments_by_source", "attention_mass_by_source") if t in have), None)
+    table = next((t for t in sorted(_tables(con)) if t.endswith("_by_source")), None)
     if table is None:
         return []
     return [r[0] for r in con.execute(f"SELECT DISTINCT source FROM {table} WHERE source <> '*' ORDER BY 1").fetchall()]

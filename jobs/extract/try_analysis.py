@@ -50,9 +50,8 @@ def try_analysis(target: str, texts: list[str], model: str = DEFAULT_MODEL, path
         raise ConfigError(f"try-analysis: the texts give no window of at least {cfg.tokenization.min_tokens} tokens")
     try:
         acc = ex.shard_results()
-        for batch in make_batches(windows, cfg.batching):
-            for result in ex.run_batch_resilient(batch):
-                acc.add(result)
+        for result in ex.forward.run(make_batches(windows, cfg.batching)):
+            acc.add(result)
         out = {}
         for stats in acc.stats.values():
             out.update(stats.to_tables())

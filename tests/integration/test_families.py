@@ -203,9 +203,9 @@ def test_a_worker_checks_its_first_batch_and_only_it(model_type, zoo, tmp_path):
 
     cfg = job_config(zoo(model_type), tmp_path, tmp_path / "out")
     ex = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))
-    ex.run_batch(_windows(ex.lm))
-    assert ex.checked
-    ex.run_batch(_windows(ex.lm))
+    ex.forward.run_batch(_windows(ex.lm))
+    assert ex.forward.checked
+    ex.forward.run_batch(_windows(ex.lm))
 
 
 def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch):
@@ -225,8 +225,8 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
     cfg = job_config(zoo("llama"), tmp_path, tmp_path / "out")
     ex = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))
     with pytest.raises(AnalysisError, match=r"hidden state 1: the block hooks' differs .*affected: .*residual_norms"):
-        ex.run_batch(_windows(ex.lm))
-    assert not ex.checked
+        ex.forward.run_batch(_windows(ex.lm))
+    assert not ex.forward.checked
 
 
 @pytest.mark.parametrize("model_type", ["internlm3", "granitemoe", "camembert", "glm"])  # glm: GLM's RoPE layout
@@ -288,4 +288,4 @@ def test_a_discovered_layout_the_engine_cannot_run_ends_the_job_by_name(zoo, tmp
     ex = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))
     with pytest.raises(AnalysisError, match=r"model_type 'mobilebert' has no declaration, and the layout read off its "
                                             r"modules does not fit it \(RuntimeError: .*needs a declaration"):
-        ex.run_batch(_windows(ex.lm))
+        ex.forward.run_batch(_windows(ex.lm))

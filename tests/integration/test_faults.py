@@ -165,7 +165,7 @@ def test_out_of_memory_batches_are_split_and_give_the_same_numbers(minilm_path, 
 
     ex.lm.model.forward = forward
     summaries = _process_in_process(cfg, ex)
-    assert ex.oom_splits > 0 and sum(s["oom_splits"] for s in summaries) == ex.oom_splits
+    assert ex.forward.oom_splits > 0 and sum(s["oom_splits"] for s in summaries) == ex.forward.oom_splits
     assert_same(snapshot(cfg.run_dir), clean_tables, rtol=1e-4)
 
 
@@ -184,7 +184,7 @@ def test_a_failed_device_check_reruns_its_batch_strictly_and_the_tables_equal_a_
         cfg = job_config(minilm_path, sample_corpus, out, **{"corpus.max_docs": 12, "sharding.docs_per_shard": 4,
                                                               "batching.max_tokens": 192})
         ex = Extractor(cfg, load_model(cfg.model))
-        ex.strict = strict
+        ex.forward.strict = strict
         ids_of_call = {}
 
         def keep_ids(module, args, kwargs):

@@ -42,7 +42,7 @@ def test_the_stream_hands_over_output_hidden_states_in_order(family, tiny_models
 
 
 def test_no_hidden_state_or_key_input_outlives_its_layer(minilm_path, tmp_path):
-    """all-MiniLM-L6-v2 (6 layers) through Extractor.run_batch with every analysis on (the contributions read the key projection's inputs,
+    """all-MiniLM-L6-v2 (6 layers) through ForwardPass.run_batch with every analysis on (the contributions read the key projection's inputs,
     moments and norms every hidden state, activations stored for one layer): when block ℓ starts, the
     outputs of blocks before ℓ-1 and the key projection's inputs of layers before ℓ are freed, as in a
     plain forward pass (``output_hidden_states`` and the key inputs of every layer used to stay until
@@ -57,7 +57,7 @@ def test_no_hidden_state_or_key_input_outlives_its_layer(minilm_path, tmp_path):
     cfg = job_config(minilm_path, tmp_path, tmp_path / "out", **{"activations.layers": [1]})
     lm = load_model(cfg.model, lm_head=None)
     ex = Extractor(cfg, lm)
-    ex.checked = True  # a later batch: the first one's self-check holds x for its own comparison
+    ex.forward.checked = True  # a later batch: the first one's self-check holds x for its own comparison
     outputs, key_inputs, alive = {}, {}, []  # weak references to storages; per block: how many old ones live
 
     def at_block(i):
@@ -92,9 +92,9 @@ def test_no_hidden_state_or_key_input_outlives_its_layer(minilm_path, tmp_path):
     ids, mask = collate(windows, lm.tokenizer.pad_token_id)
     with torch.inference_mode():
         plain, _ = alive_per_block(lambda: lm.model(input_ids=ids, attention_mask=mask))
-    suite, result = alive_per_block(lambda: ex.run_batch(windows))
+    suite, result = alive_per_block(lambda: ex.forward.run_batch(windows))
     L = lm.model.config.num_hidden_layers
     assert len(suite) == L >= 3
     assert suite == plain, (suite, plain)  # BERT's forward keeps the embeddings (layer 0's key input) itself
     assert result.parts["residual_norms"].norms.shape[-1] == L + 1 and set(result.parts["activations"].acts) == {1}
-    assert ex.stream.consume is None  # the batch's consumer (its buffers) is not kept for the next batch
+    assert ex.forward.stream.consume is None  # the batch's consumer (its buffers) is not kept for the next batch

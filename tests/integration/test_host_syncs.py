@@ -1,4 +1,4 @@
-"""Issue 16, item 2 on a CPU: queuing a batch (:meth:`Extractor.launch`, the GPU's non-strict path) makes the
+"""Issue 16, item 2 on a CPU: queuing a batch (:meth:`ForwardPass.launch`, the GPU's non-strict path) makes the
 host wait for the model's device nowhere beyond where the model's own forward pass does.
 
 A CPU has no device to wait for, so the test follows values instead: every tensor that would live on the
@@ -144,7 +144,7 @@ def _extractor(path, tmp_path, **analyses):
     overrides["activations.layers"] = [1]  # the activation store too (every window sampled: fraction 1)
     cfg = job_config(path, tmp_path, tmp_path / "out", **overrides)
     ex = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))  # as a worker loads it
-    ex.checked = True  # a worker's later batches: the first is self-checked (tests/integration/test_families.py)
+    ex.forward.checked = True  # a worker's later batches: the first is self-checked (tests/integration/test_families.py)
     return ex
 
 
@@ -177,7 +177,7 @@ def test_launching_a_batch_reads_back_only_what_the_plain_forward_pass_reads(fam
                 input_ids=device_mod.to_device(ids, "cpu"), attention_mask=device_mod.to_device(mask, "cpu"),
                 use_cache=False))
             launched = []
-            suite = _sites(ex, marked_to_device, lambda: launched.append(ex.launch(windows, strict=False)))
+            suite = _sites(ex, marked_to_device, lambda: launched.append(ex.forward.launch(windows, strict=False)))
             assert launched[0].passed()
             assert sorted(suite) == sorted(plain), f"{family}, batch of {lengths}: the suite's own waits " \
                 f"{sorted(set(suite) - set(plain))} (the model's: {sorted(set(plain))})"
@@ -215,6 +215,6 @@ def test_a_read_back_in_an_analysis_is_found(cls, op, deep_tiny_models, tmp_path
                     dim_moments=False, residual_norms=False)
     windows = _windows(ex.lm)
     with torch.inference_mode():
-        sites = _sites(ex, marked_to_device, lambda: ex.launch(windows, strict=False))
+        sites = _sites(ex, marked_to_device, lambda: ex.forward.launch(windows, strict=False))
     mine = [s for s in sites if os.path.basename(__file__) in s[1] or "test_layer_replay.py" in s[1]]
-    assert [o for o, _ in mine] == [op] * ex.mqk.n_layers, sites
+    assert [o for o, _ in mine] == [op] * ex.forward.mqk.n_layers, sites

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from actlake.analysis.engine.forward import layer_graphs_on
 from actlake.analysis.engine.layer_replay import LayerReplay, _same_layout
 from actlake.analysis.registry import enabled
 from actlake.analysis.stats import SumStats, zeros
 from actlake.batching import Window
 from actlake.config import parse_config
 from actlake.errors import AnalysisError, ConfigError
-from actlake.jobs.extract.driver import Extractor, layer_graphs_on
+from actlake.jobs.extract.driver import Extractor
 from actlake.model import load_model
 from tests.conftest import FAMILIES, job_config
 
@@ -38,9 +39,9 @@ def _extractor(model_path, tmp_path, graphs: bool, device: str = "cpu", **analys
     if device == "cuda":  # bfloat16: the FlashAttention path and the Triton kernels, in a CUDA graph
         overrides.update({"model.device": "cuda", "model.dtype": "bfloat16"})
     cfg = job_config(model_path, tmp_path, tmp_path / "out", **overrides)
-    ex = Extractor(cfg, load_model(cfg.model))
-    ex.checked = True  # a worker's later batches: the first is self-checked (tests/integration/test_families.py)
-    return ex
+    forward = Extractor(cfg, load_model(cfg.model)).forward
+    forward.checked = True  # a worker's later batches: the first is self-checked (tests/integration/test_families.py)
+    return forward
 
 
 def _fields(stats: dict) -> dict:

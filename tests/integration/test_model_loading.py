@@ -113,7 +113,7 @@ def test_minilm_in_bfloat16_gives_the_float32_tables_within_the_stated_tolerance
         ex = Extractor(parse_config({"name": "t", "model": {"name_or_path": minilm_path, "dtype": dtype},
                                      "tokenization": {"max_length": 64}, "analyses": {"tokens": False}}), lm)
         with torch.inference_mode():
-            result = ex.run_batch(windows)
+            result = ex.forward.run_batch(windows)
         return result.stats, result.stats["dim_moments"]
 
     (a, ma), (b, mb) = run("float32"), run("bfloat16")

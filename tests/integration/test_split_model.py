@@ -85,7 +85,7 @@ def _extract(lm, model_path):
 
     cfg = parse_config({"model": {"name_or_path": str(model_path)}, "tokenization": {"max_length": 32},
                         "analyses": {"tokens": False}})
-    return Extractor(cfg, lm).run_batch(_windows(lm))
+    return Extractor(cfg, lm).forward.run_batch(_windows(lm))
 
 
 @pytest.mark.parametrize("family", ["gpt_neox", "llama"])

@@ -39,10 +39,10 @@ def test_the_residual_norm_chart_leaves_non_finite_norms_out():
     """A model whose output is NaN for some tokens: the medians drawn took NaN as the largest value."""
     import duckdb
 
-    from actlake.jobs.extract.report import _residual_norms_chart
+    from actlake.analysis.residual_norms import ResidualNorms
 
     con = duckdb.connect()
     con.execute("CREATE TABLE residual_norms AS SELECT * FROM (VALUES (0, 1.0), (0, 2.0), (0, 3.0), "
                 "(0, 'NaN'::DOUBLE), (0, 'NaN'::DOUBLE), (0, 'inf'::DOUBLE)) t(layer, norm)")
-    df = _residual_norms_chart(con)[2].data  # the layered chart's data
+    df = ResidualNorms.charts(con)[0][1][2].data  # the layered chart's data
     assert df["median"].tolist() == [2.0] and df["mean"].tolist() == [2.0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actlake.analysis.surprisal import token_surprisal
+from actlake.analysis.engine.surprisal import token_surprisal
 
 
 @pytest.mark.parametrize("chunk_logits", [1, 3 * 50, 7 * 50 + 11, 1 << 24])

@@ -1,15 +1,77 @@
-"""A batch on its way through the device: its outputs, its device-side checks, and the wait for them."""
+"""A batch as producers see it (:class:`ModelSpec`, :class:`HiddenBatch`, :class:`BatchOutputs`, part of
+:mod:`~actlake.analysis.protocol`), and on its way through the device: its results, its device-side checks,
+and the wait for them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from actlake.analysis.engine.device import to_host
 from actlake.analysis.engine.recorder import AttentionRecorder
-from actlake.analysis.protocol import BatchOutputs
 from actlake.batching import Window
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a producer needs to size its accumulators."""
+
+    n_layers: int
+    """Attention layers (hidden states: n_layers + 1, 0 = embeddings)."""
+    n_heads: int
+    n_kv_heads: int
+    d_model: int
+    max_length: int
+    """Tokens per window (tokenization.max_length)."""
+    device: torch.device
+    """Where the accumulators live while a shard runs (the model's device)."""
+
+
+@dataclass
+class HiddenBatch:
+    """A batch as :meth:`Producer.add_hidden` sees it. Masks and categories are the host's (B, T) tensors."""
+
+    valid: torch.Tensor
+    role: torch.Tensor
+    type8: torch.Tensor
+    strict: bool
+    """Look for inf/NaN values as they come (may read the device back). False: count them on the device
+    and report them through :meth:`Producer.problems`; the batch is then run again strictly."""
+    triton: bool = False
+    """The worker uses Triton kernels (:mod:`~actlake.analysis.engine.kernels`; a CUDA device)."""
+    windows: list = field(default_factory=list)
+    """The batch's :class:`~actlake.batching.Window` s, row by row."""
+
+
+@dataclass
+class BatchOutputs:
+    """A finished batch on the host, as :meth:`ShardTable.collect` sees it (padding included; ``mask`` says
+    which tokens are real; windows are right-padded, so a row's real tokens are a prefix)."""
+
+    windows: list
+    """(B,) :class:`~actlake.batching.Window` s."""
+    ids: torch.Tensor
+    """(B, T) token ids."""
+    mask: torch.Tensor
+    """(B, T) 1 for real tokens."""
+    role: torch.Tensor
+    """(B, T) int64 ``ROLE`` ids (0 on padding)."""
+    type8: torch.Tensor
+    """(B, T) int64 ``TYPE8`` ids (0 on padding)."""
+    cats: object
+    """The worker's :class:`~actlake.categories.Categorizer` (token texts)."""
+    surprisal: torch.Tensor | None = None
+    """(B, T) float32 -log p(token | earlier tokens), NaN where undefined; None without an LM head."""
+
+    def token_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(doc_id, window_index, position, lengths): the real tokens' keys in (row, position) order, (n,)
+        each, and the (B,) window lengths."""
+        lengths = np.fromiter((len(w.ids) for w in self.windows), np.int64, len(self.windows))
+        n = int(lengths.sum())
+        return (np.repeat([w.doc_id for w in self.windows], lengths), np.repeat([w.window for w in self.windows], lengths),
+                np.arange(n) - np.repeat(np.cumsum(lengths) - lengths, lengths), lengths)
 
 
 @dataclass
@@ -61,7 +123,7 @@ class DeviceChecks:
 
 @dataclass
 class Launched:
-    """A batch queued on the device by :meth:`~actlake.jobs.extract.driver.Extractor.launch`."""
+    """A batch queued on the device by :meth:`~actlake.analysis.engine.forward.ForwardPass.launch`."""
 
     batch: list[Window]
     result: BatchResult

@@ -1,0 +1,238 @@
+"""The forward pass: batches of windows in, each batch's producer results out, on the model's device.
+
+:class:`ForwardPass` holds what a worker keeps for its model (the attention capture, the hidden-state stream,
+the token categorizer) and runs the model over batches with every producer hooked in (:mod:`.recorder`,
+:mod:`.capture`). :meth:`ForwardPass.run` queues each batch one ahead of the one whose results it hands back,
+runs a batch again strictly when a device-side check failed, halves a batch that runs out of memory, and
+checks the worker's first batch against the model's own numbers (:mod:`.selfcheck`). The extraction job and
+``try-analysis`` both call it; it names no analysis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from actlake.analysis.engine import capture
+from actlake.analysis.engine.attention_weights import triton_kernels_on
+from actlake.analysis.engine.batch import (
+    BatchOutputs,
+    BatchResult,
+    DeviceChecks,
+    HiddenBatch,
+    HiddenSink,
+    Launched,
+    ModelSpec,
+)
+from actlake.analysis.engine.device import to_device, to_host
+from actlake.analysis.engine.layer_replay import LayerReplay
+from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
+from actlake.analysis.engine.selfcheck import SelfCheck
+from actlake.analysis.engine.surprisal import token_surprisal
+from actlake.batching import Window, collate
+from actlake.categories import ROLE, Categorizer, one_hot
+from actlake.config import JobConfig
+from actlake.errors import ActlakeError, AnalysisError, ConfigError
+from actlake.model import LoadedModel
+
+log = logging.getLogger("actlake.extract")
+
+MAX_OOM_SPLITS = 4
+"""A batch that runs out of memory is halved at most this many times (down to 1/16)."""
+
+
+class ForwardPass:
+    """A worker's model with every enabled producer hooked in. ``analyses`` and ``token_tables``: (class,
+    options) of the statistics and of the shard tables made batch by batch; each batch gets fresh instances."""
+
+    def __init__(self, cfg: JobConfig, lm: LoadedModel, analyses: list, token_tables: list):
+        self.cfg, self.lm = cfg, lm
+        self.analyses, self.token_tables = analyses, token_tables
+        self.cats = Categorizer(lm.tokenizer)
+        capture.install(lm.model)
+        self.mqk = m = ModelQK(lm.model, lm.family)
+        self.inputs = capture.LayerInputs(lm.model, lm.family)  # hooks attached per batch, when needed
+        self.stream = capture.HiddenStream(lm.model, lm.family)  # likewise
+        self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
+                              cfg.tokenization.max_length, lm.device)
+        self.producers = [c for c, _ in analyses + token_tables]
+        self.oom_splits = 0
+        self.checked = False
+        """Whether the first batch's self-check (:mod:`~actlake.analysis.engine.selfcheck`) has passed."""
+        self.triton = triton_kernels_on(cfg.analyses.triton_kernels, lm.device)
+        unsafe = [c.name for c in self.producers if "attention" in c.sites and not c.graph_safe]
+        self.layer_graphs = layer_graphs_on(cfg.analyses.layer_graphs, lm.device, unsafe)
+        self.strict = lm.device.type != "cuda"
+        """run_batch's default: strict checks layer by layer on a CPU, device-side counts read once per batch on a GPU."""
+
+    def new_stats(self) -> dict:
+        """Fresh accumulators of every enabled analysis, on the model's device: {name: Analysis}."""
+        return {cls.name: cls.create(self.spec, **options) for cls, options in self.analyses}
+
+    def run(self, batches: Iterable[list[Window]]) -> Iterator[BatchResult]:
+        """Every batch's results, in order: a batch is queued on the device before the previous one's results
+        are read (on a GPU the host prepares batch k+1 while the device runs batch k); a batch whose device
+        check failed runs again strictly; one that runs out of memory is halved (its halves' results come back)."""
+        pending = None  # the batch queued before this one: its results are read once this one is queued
+        for batch in batches:
+            for launched in self._split_on_oom(self.launch, batch):
+                if pending is not None:
+                    yield from self._collect(pending)
+                pending = launched
+        if pending is not None:
+            yield from self._collect(pending)
+
+    def run_batch(self, batch: list[Window], strict: bool | None = None) -> BatchResult:
+        """Forward one batch and compute every enabled statistic of it on the model's device.
+
+        ``strict`` (default :attr:`strict`: on a CPU) checks masks and inf/NaN layer by layer, reading values back from
+        the device as it goes. Otherwise nothing is read back until the end, where one small read (the
+        batch's only synchronisation) says whether a check failed; then the batch is run again strictly,
+        which gives the exact exclusions or the error. Per-token outputs come back to pinned host memory
+        without blocking, and are complete when this returns.
+        """
+        launched = self.launch(batch, strict)
+        if launched.passed():
+            return launched.result
+        log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
+        return self.run_batch(batch, strict=True)
+
+    def launch(self, batch: list[Window], strict: bool | None = None) -> Launched:
+        """:meth:`_launch`; on the first batch of a discovered family (:mod:`actlake.discovery`), an error of the
+        engine's is the layout not fitting the model: an AnalysisError that says so and ends the job."""
+        if self.checked or not self.lm.family.name.startswith("discovered:"):
+            return self._launch(batch, strict)
+        try:
+            return self._launch(batch, strict)
+        except (ActlakeError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the engine met in a layout it only guessed
+            raise AnalysisError(f"model_type {self.lm.model.config.model_type!r} has no declaration, and the layout "
+                                f"read off its modules does not fit it ({type(e).__name__}: {str(e)[:200]}); it needs "
+                                "a declaration in actlake/architectures.py") from None
+
+    @torch.inference_mode()
+    def _launch(self, batch: list[Window], strict: bool | None = None) -> Launched:
+        """:meth:`run_batch` up to its synchronisation: on a GPU the batch's work is queued (the host may
+        prepare and queue the next batch while it runs) and :meth:`Launched.passed` waits for it."""
+        a = self.cfg.analyses
+        strict = self.strict if strict is None else strict
+        strict = strict or (not self.checked and self.cfg.analyses.self_check)  # the self-checked batch: layer by layer
+        stats = self.new_stats()
+        parts = {cls.tables[0]: cls.create(self.spec, **options) for cls, options in self.token_tables}
+        ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)  # (B, T)
+        role, type8 = self.cats.batch(ids.numpy(), mask.sum(1).numpy())  # (B, T) category ids, 0 on padding
+        dev = self.lm.device
+        producers = list(stats.values()) + list(parts.values())
+        attention = [x for x in producers if "attention" in x.sites]
+        sink = HiddenSink([x for x in producers if "hidden_states" in x.sites],
+                          HiddenBatch(mask, role, type8, strict, self.triton, batch))
+        with contextlib.ExitStack() as stack:
+            inputs = stack.enter_context(self.inputs) if any("layer_inputs" in x.sites for x in attention) else None
+            recorder = AttentionRecorder(self.mqk, mask, one_hot(role, len(ROLE), mask), [x.add_layer for x in attention],
+                                         inputs=inputs, needs=frozenset().union(*(x.products for x in attention)), method=a.attention_weights,
+                                         strict=strict, on_excluded=[x.nonfinite_excluded for x in attention],
+                                         triton=self.triton,
+                                         replay=LayerReplay(attention) if self.layer_graphs and not strict and attention else None)
+            check = self._self_check(attention)
+            recorder.check = check
+            if attention:
+                stack.enter_context(capture.recording(recorder))
+            if sink.readers:  # else no hidden state is looked at
+                stack.enter_context(self.stream(sink))
+            out = self.lm.model(input_ids=to_device(ids, dev), attention_mask=to_device(mask, dev),
+                                use_cache=False)  # causal models would keep every layer's keys and values
+            if sink.readers:
+                self.stream.last(out.last_hidden_state)
+        surprisal = None
+        if self.lm.lm_head is not None:
+            surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask,
+                                                transform=self.lm.logit_transform))
+        if check is not None:
+            self._finish_check(check, recorder, surprisal, ids, mask)
+        result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), stats, parts)
+        checks = [] if strict else recorder.problems() + [t for x in producers for t in x.problems()]
+        # the recorder (its layer graph, the buffers replays read) lives until the batch is waited for
+        return Launched(batch, result, DeviceChecks(dev, checks, sink.devices), recorder)
+
+    def _self_check(self, attention: list):
+        """A :class:`SelfCheck` for this worker's first batch (``analyses.self_check``), else None."""
+        if self.checked or not self.cfg.analyses.self_check:
+            return None
+        names = [x.name for x in attention]
+        hidden = [c.name for c in self.producers if "hidden_states" in c.sites]
+        return SelfCheck(self.lm.dtype, names, [x.name for x in attention if "layer_inputs" in x.sites], hidden)
+
+    def _finish_check(self, check, recorder, surprisal, ids, mask) -> None:
+        """The first batch's self-check: every attention layer recorded, surprisal against the model's own logits
+        (its full forward pass on the batch's first sequence); raises AnalysisError naming what failed."""
+        if check.attention:
+            check.layers(self.mqk.n_layers, recorder.seen)
+        if check.hidden or surprisal is not None:  # the model's own pass on the first sequence, the hooks on
+            n = int(mask[0].sum())
+            hooked: dict = {}
+            model = self.lm.causal_lm if surprisal is not None and self.lm.causal_lm is not None else self.lm.model
+            with self.stream(lambda layer, h: hooked.__setitem__(layer, h[0])):
+                out = model(input_ids=to_device(ids[:1, :n], self.lm.device), output_hidden_states=True, use_cache=False)
+                self.stream.last(getattr(out, "last_hidden_state", None) if model is self.lm.model else out.hidden_states[-1])
+            check.hidden_states(hooked, out.hidden_states)
+            if model is self.lm.causal_lm:
+                check.surprisal(surprisal[0, :n], out.logits[0], ids[0, :n], mask[0, :n])
+        check.raise_if_failed(self.lm.model.config.model_type)
+        self.checked = True
+
+    def _collect(self, launched: Launched) -> Iterator[BatchResult]:
+        """Wait for a queued batch and yield its results; a failed device check runs it again strictly."""
+        if launched.passed():
+            yield launched.result
+            return
+        log.warning("a check failed on the device (mask or inf/NaN); running the batch again strictly")
+        yield from self.run_batch_resilient(launched.batch, strict=True)
+
+    def run_batch_resilient(self, batch: list[Window], strict: bool | None = None):
+        """:meth:`run_batch`, halving the batch on out-of-memory (see :meth:`_split_on_oom`). Yields
+        :class:`~actlake.analysis.engine.batch.BatchResult`."""
+        return self._split_on_oom(lambda b: self.run_batch(b, strict), batch)
+
+    def _split_on_oom(self, run, batch: list[Window], depth: int = 0):
+        """``run(batch)``; on out-of-memory, split the batch in halves and retry (at most MAX_OOM_SPLITS deep).
+
+        Each attempt accumulates into fresh producers, handed back only when it succeeded, so a
+        failed attempt leaves nothing behind. Yields what ``run`` returns, per part.
+        """
+        try:
+            result = run(batch)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one; other backends only say so in the text
+            if not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)):
+                raise
+            if len(batch) == 1 or depth >= MAX_OOM_SPLITS:
+                raise
+            del e
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.oom_splits += 1
+            log.warning("out of memory on a batch of %d windows; splitting it in two", len(batch))
+            half = len(batch) // 2
+            yield from self._split_on_oom(run, batch[:half], depth + 1)
+            yield from self._split_on_oom(run, batch[half:], depth + 1)
+            return
+        yield result
+
+
+def layer_graphs_on(setting: bool | None, device: torch.device, unsafe: list[str]) -> bool:
+    """``analyses.layer_graphs`` resolved for a worker's device: null is on for CUDA workers when no enabled
+    attention analysis is unsafe (``unsafe``: the names of those not declared graph_safe), off otherwise."""
+    if setting and unsafe:
+        raise ConfigError(f"analyses.layer_graphs: true needs every attention analysis to be graph_safe; {unsafe} "
+                          "are not (docs: Writing an analysis)")
+    if setting is not None:
+        return setting
+    if device.type != "cuda":
+        return False
+    if unsafe:
+        log.info("analyses.layer_graphs off: %s not declared graph_safe", unsafe)
+        return False
+    return True
