@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import model_validator
+from pydantic import Field
 
 from actlake.config_base import (
     PACKAGE_PREFIX,
@@ -25,7 +25,6 @@ from actlake.config_base import (
     Section,
     _compose_with_lines,
     _fail,
-    config_error,
     looks_local,
     validate,
 )
@@ -95,46 +94,38 @@ class CorpusConfig(Section):
     """Split for ``format: hf``."""
     hf_streaming: bool = False
     """``format: hf`` only: stream the dataset (``load_dataset(..., streaming=True)``): nothing is downloaded up front or counted; one shard per dataset shard (its files), doc ids ``shard * 2^32 + row``. Not with ``max_docs``."""
-    max_docs: Optional[int] = None
+    max_docs: Optional[int] = Field(None, ge=1)
     """Use only the first N documents of the corpus (in plan order); at least 1, null: all."""
-    max_line_bytes: int = 64 << 20
+    max_line_bytes: int = Field(64 << 20, ge=1024)
     """A jsonl line longer than this (bytes, decompressed) is a ``line_too_long`` reject, counted and listed in ``rejects``; it is skipped as it is read, never held in memory whole (planning and reading hold at most this much of one line)."""
-
-    @model_validator(mode="after")
-    def _counts(self):
-        if self.max_docs is not None and self.max_docs < 1:
-            config_error(("corpus", "max_docs"), f"must be at least 1 (null: every document), got {self.max_docs}")
-        if self.max_line_bytes < 1024:
-            config_error(("corpus", "max_line_bytes"), f"must be at least 1024, got {self.max_line_bytes}")
-        return self
 
 
 class TokenizationConfig(Section):
-    max_length: int = 128
+    max_length: int = Field(128, ge=4)
     """Tokens per window, special tokens included."""
     overflow: Literal["truncate", "split"] = "split"
     """``truncate`` keeps the first window of each document; ``split`` covers it with windows."""
-    stride: int = 0
+    stride: int = Field(0, ge=0)
     """Tokens shared by consecutive windows when splitting."""
-    max_windows_per_doc: int = 64
+    max_windows_per_doc: int = Field(64, ge=1)
     """Cap on windows per document when splitting (bounds work on huge documents)."""
-    min_tokens: int = 2
+    min_tokens: int = Field(2, ge=0)
     """Windows with fewer content tokens are dropped."""
     prepend_bos: bool = False
     """Put the tokenizer's BOS token first in every window when the tokenizer itself puts no special token first (Pythia's and GPT-2's put none; BERT's [CLS] and Llama's BOS stay as they are), as TransformerLens does by default: the first position is then a ``bos`` token, the one the attention-sink statistics (key category ``bos``) measure. A tokenizer without a BOS token is an error naming this key."""
 
 class ShardingConfig(Section):
-    docs_per_shard: int = 64
+    docs_per_shard: int = Field(64, ge=1)
     """Documents per shard; a shard is the unit of scheduling, retry and resume. jsonl inputs get an entry point every this many records (see Architecture: reading)."""
-    plan_workers: int = 0
+    plan_workers: int = Field(0, ge=0)
     """Processes that count and index corpus files in parallel at planning (0: one per CPU core of the driver; 1: in the driver)."""
-    commit_seconds: float = 600.0
+    commit_seconds: float = Field(600.0, gt=0, allow_inf_nan=False)
     """A worker commits the shards it has run (tables, merged partial statistics, one record) at least this often: the work a dead worker loses. It also commits once its partial statistics would be at most 5 % of its shards' table bytes, and when no shards are left for it."""
 
 class BatchingConfig(Section):
     max_tokens: int = 4096
     """Token budget per batch, padding included (batch size x longest window)."""
-    max_batch_size: int = 64
+    max_batch_size: int = Field(64, ge=1)
     """Upper bound on windows per batch."""
 
 class CustomAnalysisConfig(Section):
@@ -177,7 +168,7 @@ class AnalysesConfig(Section):
     """Your own analyses, run and reduced like the built-in ones (docs: Writing an analysis)."""
     by_source: bool = False
     """Every statistics table (dim_moments, attention_mass, contributions, attention_geometry, attention_by_distance, custom ones) by corpus subset: its rows per document source label (``meta.pile_set_name`` or ``corpus.source_field``) in its ``source`` column, plus the rows ``source = '*'`` over every document, equal to a run without it. Each batch then holds one source's windows, and each worker keeps one set of statistics per source. false: only the ``'*'`` rows."""
-    max_sources: int = 32
+    max_sources: int = Field(32, ge=1)
     """With ``by_source``: the most source labels a job may have (memory and partial files grow with their number); a corpus with more is an error naming this key and the labels seen: before Ray starts for Parquet files and Hugging Face datasets (their source column is listed at planning, rows without text included), at the first shard or commit group that sees them for jsonl (a record's label is known once it is parsed) and streamed datasets."""
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
@@ -185,7 +176,7 @@ class AnalysesConfig(Section):
 class ActivationsConfig(Section):
     layers: list[int] = []
     """Hidden states to store (0 = embeddings, L = last block; negative counts from the end). Empty: no activation store."""
-    fraction: float = 1.0
+    fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     """Fraction of windows stored, sampled deterministically from (seed, doc_id, window)."""
     seed: int = 0
     """Seed of the window sample."""
@@ -206,15 +197,15 @@ class RayAddress(Section):
     else a new embedded Ray on 127.0.0.1, never one found running."""
 
 class ResourcesConfig(RayAddress):
-    num_workers: int = 0
+    num_workers: int = Field(0, ge=0)
     """Model-holding actors. 0: one per GPU in the cluster, or 1 without GPUs."""
-    cpus_per_worker: float = 0
+    cpus_per_worker: float = Field(0, ge=0, allow_inf_nan=False)
     """CPUs reserved per worker (and torch threads). 0: all CPUs of the machine for one worker."""
-    gpus_per_worker: float = 0
+    gpus_per_worker: float = Field(0, ge=0, allow_inf_nan=False)
     """GPUs per worker. 0: one GPU per worker when the cluster has GPUs, else none. A fraction shares a GPU between workers; a whole number above 1 gives each worker that many GPUs of one node and needs ``model.device_map``, which splits the model over them (models larger than one GPU)."""
-    memory_per_worker_gb: Optional[float] = None
+    memory_per_worker_gb: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     """Host memory (GiB) each worker reserves from Ray (its ``memory`` resource): Ray starts a worker only on a node with that much unreserved, so large models do not land two to a node. null: no reservation. On a CPU worker, reserve the weights in the loaded dtype (loading peaks at about 1.1x of them in anonymous memory, see Measured) plus the batch working set; with device_map, also the layers kept in CPU memory."""
-    max_retries: int = 3
+    max_retries: int = Field(3, ge=0)
     """Times a shard is retried after its worker dies."""
     read_ahead: Optional[bool] = None
     """A worker holds two shards: it reads and tokenises the next while the model runs the current, and writes one's tables while the model runs the other. null: on for GPU workers (their device would otherwise wait for the CPU between shards), off on CPUs (where reading competes with the model for the same cores)."""
@@ -277,34 +268,16 @@ def parse_config(data: dict, lines: dict | None = None, where: str = "<config>",
 
 def _check_values(cfg: JobConfig, err) -> None:
     t = cfg.tokenization
-    if t.max_length < 4:
-        err(("tokenization", "max_length"), f"must be at least 4, got {t.max_length}")
-    if not 0 <= t.stride < t.max_length // 2:
+    if t.stride >= t.max_length // 2:  # stride >= 0 and max_length >= 4 are bounds on the fields
         err(("tokenization", "stride"), f"must be in [0, max_length/2), got {t.stride}")
-    if cfg.sharding.docs_per_shard < 1:
-        err(("sharding", "docs_per_shard"), "must be at least 1")
     if cfg.batching.max_tokens < t.max_length:
         err(("batching", "max_tokens"), f"must be at least tokenization.max_length ({t.max_length})")
     if cfg.corpus.format == "hf" and not cfg.corpus.hf_dataset:
         err(("corpus", "format"), "format 'hf' needs corpus.hf_dataset")
-    if t.max_windows_per_doc < 1:
-        err(("tokenization", "max_windows_per_doc"), f"must be at least 1, got {t.max_windows_per_doc}")
-    if t.min_tokens < 0:
-        err(("tokenization", "min_tokens"), f"must be 0 or more, got {t.min_tokens}")
-    if cfg.batching.max_batch_size < 1:
-        err(("batching", "max_batch_size"), f"must be at least 1, got {cfg.batching.max_batch_size}")
-    r = cfg.resources
-    for key, value in (("num_workers", r.num_workers), ("cpus_per_worker", r.cpus_per_worker), ("max_retries", r.max_retries)):
-        if value < 0:
-            err(("resources", key), f"must be 0 or more, got {value:g}")
     if cfg.corpus.hf_streaming and cfg.corpus.format != "hf":
         err(("corpus", "hf_streaming"), "only applies to format 'hf'")
     if cfg.corpus.hf_streaming and cfg.corpus.max_docs is not None:
         err(("corpus", "max_docs"), "not supported with hf_streaming (rows are not counted); leave it null")
-    if cfg.sharding.commit_seconds <= 0:
-        err(("sharding", "commit_seconds"), f"must be positive, got {cfg.sharding.commit_seconds}")
-    if cfg.sharding.plan_workers < 0:
-        err(("sharding", "plan_workers"), "must be 0 (one per core) or more")
     names = [c.name for c in cfg.model.checkpoints]
     for i, c in enumerate(cfg.model.checkpoints):
         if (c.path is None) == (c.revision is None):
@@ -313,8 +286,6 @@ def _check_values(cfg: JobConfig, err) -> None:
             err(("model", "checkpoints", i), f"label {c.name!r} is not a folder name, or another checkpoint has it: "
                                               "set label")
     a = cfg.analyses
-    if a.max_sources < 1:
-        err(("analyses", "max_sources"), f"must be at least 1, got {a.max_sources}")
     if a.attention_weights == "fused":
         for name in ("weighted_contributions", "attention_by_distance"):
             if getattr(a, name) and (name != "weighted_contributions" or a.contributions):
@@ -324,8 +295,6 @@ def _check_values(cfg: JobConfig, err) -> None:
         module, _, cls = c.analysis.partition(":")
         if not module or not cls or not all(p.isidentifier() for p in module.split(".") + [cls]):
             err(("analyses", "custom", i, "analysis"), f"expected 'package.module:ClassName', got {c.analysis!r}")
-    if not 0.0 < cfg.activations.fraction <= 1.0:
-        err(("activations", "fraction"), f"must be in (0, 1], got {cfg.activations.fraction}")
     _check_devices(cfg, err)
     if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):
         err(("output", "run_id"), f"not a valid folder name: {cfg.output.run_id!r}")
@@ -368,8 +337,6 @@ def _check_devices(cfg: JobConfig, err) -> None:
         err(("model", "device_map"), "with model.device: cpu, set model.max_memory to cpu and disk only (e.g. "
             "{cpu: 8GiB, disk: 100GiB} with model.offload_folder); device_map alone would place layers on GPUs")
     g = r.gpus_per_worker
-    if g < 0:
-        err(("resources", "gpus_per_worker"), f"must be 0 or more, got {g:g}")
     if g > 1 and g != int(g):
         err(("resources", "gpus_per_worker"), f"above 1 must be a whole number of GPUs, got {g:g}")
     if g > 1 and not m.device_map:
@@ -377,8 +344,6 @@ def _check_devices(cfg: JobConfig, err) -> None:
             "model over them; without it the model uses one and the others sit idle")
     if g > 0 and m.device == "cpu":
         err(("resources", "gpus_per_worker"), "model.device is cpu: the workers' GPUs would sit idle")
-    if r.memory_per_worker_gb is not None and r.memory_per_worker_gb <= 0:
-        err(("resources", "memory_per_worker_gb"), f"must be more than 0 (GiB), got {r.memory_per_worker_gb:g}")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None, check_files: bool = True,

@@ -243,12 +243,58 @@ _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "
              dict: "a mapping with string keys"}
 
 
+_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number")
+"""pydantic's errors of a bound (``Field(ge=..., lt=...)``) and of ``allow_inf_nan=False``."""
+
+
+def _bounds(root: type, loc: tuple) -> dict:
+    """{'ge': 4, 'lt': 0.5, ...}: the bounds declared on the field (or list item) at ``loc``; {} if none found."""
+    tp, meta = root, []
+    try:
+        for part in loc:
+            if _is_section(tp):
+                f = tp.model_fields[part]
+                tp, meta = f.annotation, list(f.metadata)
+            else:  # list item or mapping value: its bounds are in its Annotated metadata
+                tp = typing.get_args(_bare(tp))[-1]
+                meta = list(typing.get_args(tp)[1:]) if typing.get_origin(tp) is typing.Annotated else []
+    except (KeyError, IndexError):
+        return {}
+    flat = [m2 for m in meta for m2 in (m.metadata if isinstance(m, FieldInfo) else [m])]
+    return {k: getattr(m, k) for m in flat for k in ("ge", "gt", "le", "lt") if getattr(m, k, None) is not None}
+
+
+def _bound_message(bounds: dict, error: dict) -> str:
+    """'must be at least 4, got 2', 'must be in (0, 1], got 1.5', 'must be finite and in (0, 1], got nan'."""
+    bounds = bounds or dict(error.get("ctx") or {})
+
+    def num(b) -> str:
+        return f"{b:g}" if isinstance(b, float) else f"{b:,}"
+
+    lo = next(((k, bounds[k]) for k in ("ge", "gt") if k in bounds), None)
+    hi = next(((k, bounds[k]) for k in ("le", "lt") if k in bounds), None)
+    if lo and hi:
+        rule = f"in {'[' if lo[0] == 'ge' else '('}{num(lo[1])}, {num(hi[1])}{']' if hi[0] == 'le' else ')'}"
+    elif lo:
+        rule = f"at least {num(lo[1])}" if lo[0] == "ge" else (
+            "positive (more than 0)" if lo[1] == 0 else f"more than {num(lo[1])}")
+    elif hi:
+        rule = f"at most {num(hi[1])}" if hi[0] == "le" else f"less than {num(hi[1])}"
+    else:
+        rule = "a finite number"
+    if error["type"] == "finite_number" and (lo or hi):
+        rule = f"finite and {rule}"
+    return f"must be {rule}, got {error['input']!r}"
+
+
 def _problem(root: type, data, error: dict) -> tuple[tuple, str]:
     """(dotted key path, message) of one pydantic error: its ``loc`` walked down the config's types."""
     if error["type"] == "config_value":
         return error["ctx"]["key"], error["ctx"]["message"]
     if error["type"] == "value_error":  # a field validator's message (the typed paths above)
         return tuple(error["loc"]), str(error["ctx"]["error"])
+    if error["type"] in _BOUND_ERRORS:
+        return tuple(error["loc"]), _bound_message(_bounds(root, tuple(error["loc"])), error)
     tp, path, raw = root, (), data
     for part in error["loc"]:
         if _is_section(tp):

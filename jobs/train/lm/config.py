@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from pydantic import Field
+
 from actlake.config import CorpusConfig, resolve_corpus_files
 from actlake.config_base import LocalPath, Section
 from actlake.errors import ConfigError
@@ -17,7 +19,7 @@ MAX_VOCAB = 1 << 20
 class LMTokenizerConfig(Section):
     path: Optional[LocalPath] = None
     """Existing tokenizer folder to use (stored absolute); null: train a byte-level BPE tokenizer on the corpus."""
-    vocab_size: int = 4096
+    vocab_size: int = Field(4096, le=MAX_VOCAB)  # at least 300 when trained: checked in LMConfig.check
     """Vocabulary of the trained tokenizer (special tokens included)."""
 
 class LMArchConfig(Section):
@@ -34,9 +36,9 @@ class LMArchConfig(Section):
 
 class LMTrainingConfig(TrainingLoop.with_defaults(steps=1200, batch_size=16, lr=1e-3, weight_decay=0.1,
                                                   eval_every=100, checkpoint_every=200), Warmup):
-    seq_len: int = 128
+    seq_len: int = Field(128, ge=8)
     """Tokens per training window."""
-    eval_fraction: float = 0.05
+    eval_fraction: float = Field(0.05, gt=0, lt=0.5, allow_inf_nan=False)
     """Documents held out for evaluation (chosen by a hash of the document number)."""
     snapshots: int = 0
     """Models kept for a checkpoint sweep, log-spaced over the steps (step 0, the initial weights, and the last included): each a ``save_pretrained`` folder with the tokenizer, ``RUN/snapshots/step-STEP``, listed in ``summary.json``; name them in ``model.checkpoints`` (``configs/lm_quick_sweep.yaml``). 0: only the final model."""
@@ -57,18 +59,10 @@ class LMConfig(TrainJob.with_defaults(name="lm")):
         t, m = self.training, self.model
         if m.hidden_size % m.num_heads:
             err(("model", "num_heads"), f"hidden_size ({m.hidden_size}) must be divisible by num_heads ({m.num_heads})")
-        t.check(err, "training")
-        if t.seq_len < 8:
-            err(("training", "seq_len"), f"must be at least 8, got {t.seq_len}")
-        if not 0 < t.eval_fraction < 0.5:
-            err(("training", "eval_fraction"), f"must be in (0, 0.5), got {t.eval_fraction}")
         if t.snapshots == 1 or t.snapshots < 0:
             err(("training", "snapshots"), f"must be 0 (none) or at least 2 (the first and the last step), got {t.snapshots}")
         if self.tokenizer.path is None and self.tokenizer.vocab_size < 300:
             err(("tokenizer", "vocab_size"), "must be at least 300 (256 bytes + merges + specials)")
-        if self.tokenizer.vocab_size > MAX_VOCAB:
-            err(("tokenizer", "vocab_size"), f"must be at most {MAX_VOCAB:,} (the trainer allocates per entry; a "
-                "small LM on a corpus has use for far fewer)")
 
     def check_files(self) -> None:
         resolve_corpus_files(self)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
+
+from pydantic import Field
 
 from actlake.config_base import LocalPath, Section
 from actlake.errors import ConfigError
@@ -16,7 +18,7 @@ class PredictorSettings(TrainingLoop.with_defaults(steps=2000, batch_size=32, lr
     """Attention heads of the predictor; null: 4x one attention layer of the analysed model (2x heads, 2x head size)."""
     head_dim: Optional[int] = None
     """Head size of the predictor; null: see n_heads."""
-    eval_fraction: float = 0.2
+    eval_fraction: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False)
     """Windows held out for evaluation (by a hash of doc id and window), never trained on."""
 
 class ProbeSettings(Section):
@@ -24,11 +26,11 @@ class ProbeSettings(Section):
     """Fit the linear probes after training."""
     tasks: list[Literal["source", "type8"]] = ["source", "type8"]
     """``source``: the document's source label; ``type8``: the type of the token at the window's last position."""
-    source_caps: list[int] = [4000, 500, 500]
+    source_caps: list[Annotated[int, Field(ge=1)]] = [4000, 500, 500]
     """Per-class caps (train, val, test) for the source task."""
-    type8_totals: list[int] = [40000, 5000, 5000]
+    type8_totals: list[Annotated[int, Field(ge=1)]] = [40000, 5000, 5000]
     """Totals (train, val, test) for the type8 task."""
-    Cs: list[float] = [0.01, 0.1, 1.0]
+    Cs: list[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = [0.01, 0.1, 1.0]
     """Inverse regularisation strengths tried; the best on validation is scored on test."""
     seed: int = 0
     """Seeds the splits."""
@@ -45,19 +47,16 @@ class PredictorJobConfig(TrainJob.with_defaults(name="predictor")):
 
     def check(self, err) -> None:
         p, q = self.predictor, self.probes
-        p.check(err, "predictor")
         if (p.n_heads is None) != (p.head_dim is None):
             err(("predictor", "n_heads"), "set both n_heads and head_dim, or neither")
-        if not 0 < p.eval_fraction < 1:
-            err(("predictor", "eval_fraction"), f"must be in (0, 1), got {p.eval_fraction}")
-        for key in ("source_caps", "type8_totals"):
+        for key in ("source_caps", "type8_totals"):  # each count >= 1 is a bound on the items
             v = getattr(q, key)
-            if len(v) != 3 or min(v) < 1:
+            if len(v) != 3:
                 err(("probes", key), f"must be three positive counts (train, val, test), got {v}")
         if self.resources.num_workers != 1:
             err(("resources", "num_workers"), "must be 1: each layer's predictor trains on one worker; layers run "
                 "as parallel trials")
-        if not q.Cs or min(q.Cs) <= 0:
+        if not q.Cs:  # each C > 0 is a bound on the items
             err(("probes", "Cs"), f"must be positive numbers, got {q.Cs}")
 
     def check_files(self) -> None:

@@ -6,7 +6,9 @@ are errors naming the file, key and line).
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
+
+from pydantic import Field
 
 from actlake.config_base import Section
 from actlake.errors import ConfigError
@@ -40,7 +42,7 @@ class FactorConfig(Section):
 class ProcessConfig(Section):
     factors: list[FactorConfig] = [FactorConfig(), FactorConfig(), FactorConfig()]
     """The factors; the joint token is their radix encoding (factor 0 most significant)."""
-    noise: float = 0.0
+    noise: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     """epsilon: probability that the emitted joint token is replaced by a uniform one."""
 
 class SyntheticModelConfig(Section):
@@ -54,20 +56,18 @@ class SyntheticModelConfig(Section):
     """Attention heads (transformer)."""
     d_mlp: int = 256
     """MLP width (transformer)."""
-    context: int = 8
+    context: int = Field(8, ge=2)
     """Tokens per sequence; the model reads [BOS, x1 .. x(context-1)] and predicts x1 .. x(context)."""
 
 class SyntheticTrainingConfig(TrainingLoop.with_defaults(steps=2000, batch_size=512, lr=5e-4, weight_decay=0.0,
                                                           eval_every=50, checkpoint_every=250)):
-    COUNTS = (*TrainingLoop.COUNTS, "eval_sequences")
-
-    n_checkpoints: int = 12
+    n_checkpoints: int = Field(12, ge=2)
     """Checkpoints kept for the analysis, log-spaced over the steps (step 0 included)."""
-    eval_sequences: int = 2048
+    eval_sequences: int = Field(2048, ge=1)
     """Held-out sequences for the evaluation loss and the Bayes-optimal loss."""
 
 class SweepConfig(Section):
-    noise: list[float] = []
+    noise: list[Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] = []
     """One trial per epsilon (overrides process.noise); empty: just process.noise."""
     arch: list[Literal["transformer", "rnn", "lstm"]] = []
     """One trial per architecture (overrides model.arch); empty: just model.arch."""
@@ -81,7 +81,7 @@ class SyntheticAnalysisConfig(Section):
     """Sequences per factor for the vary-one subspaces."""
     random_models: int = 3
     """Randomly initialised models giving the overlap band."""
-    threshold: float = 0.95
+    threshold: float = Field(0.95, gt=0, lt=1, allow_inf_nan=False)
     """Explained-variance fraction defining the effective dimension."""
     scatter_points: int = 600
     """Points per factor kept for the belief-simplex scatter."""
@@ -110,7 +110,7 @@ class SyntheticConfig(TrainJob.with_defaults(name="synthetic")):
         return out
 
     def check(self, err) -> None:
-        m, t, a = self.model, self.training, self.analysis
+        m = self.model
         if not self.process.factors:
             err(("process", "factors"), "at least one factor is needed")
         for i, f in enumerate(self.process.factors):
@@ -121,18 +121,8 @@ class SyntheticConfig(TrainJob.with_defaults(name="synthetic")):
             if f.variants and i == 0:
                 err(("process", "factors", 0, "variants"), "factor 0 has no previous factor to depend on")
             _check_factor(f, i, err)
-        for eps in [self.process.noise, *self.sweep.noise]:
-            if not 0.0 <= eps <= 1.0:
-                err(("process", "noise"), f"must be in [0, 1], got {eps}")
-        if m.context < 2:
-            err(("model", "context"), f"must be at least 2, got {m.context}")
         if m.arch == "transformer" and m.d_model % m.n_heads:
             err(("model", "n_heads"), f"d_model ({m.d_model}) must be divisible by n_heads ({m.n_heads})")
-        t.check(err, "training")
-        if t.n_checkpoints < 2:
-            err(("training", "n_checkpoints"), "must be at least 2 (the first and the last step)")
-        if not 0 < a.threshold < 1:
-            err(("analysis", "threshold"), f"must be in (0, 1), got {a.threshold}")
         if self.output.run_id is not None and (not self.output.run_id or "/" in self.output.run_id):
             err(("output", "run_id"), f"not a valid folder name: {self.output.run_id!r}")
 
