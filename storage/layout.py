@@ -55,9 +55,6 @@ class RunLayout:
         stem = f"part-{shard_id:05d}"
         return self.tables / table / f"shard={shard_id:05d}" / (self._unique(stem) if unique else f"{stem}.parquet")
 
-    def shard_folder(self, table: str, shard_id: int) -> "Path | ObjectPath":
-        return self.tables / table / f"shard={shard_id:05d}"
-
     def partial_file(self, table: str, group: str) -> "Path | ObjectPath":
         """A group's merged partial of analysis table ``table`` (``<table>_partial``); a group id is unique."""
         return self.tables / f"{table}{PARTIAL_SUFFIX}" / f"group={group}" / "part-0.parquet"
