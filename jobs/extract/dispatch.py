@@ -31,10 +31,6 @@ def _is_worker_death(exc: Exception) -> bool:
     return isinstance(exc, RayActorError)
 
 
-def _key(worker) -> str:
-    return worker._actor_id.hex()
-
-
 def _is_temporary(exc: Exception) -> bool:
     """The actor is restarting (it will answer again), as opposed to dead for good."""
     from ray.exceptions import ActorUnavailableError  # loads ray: imported when used
@@ -48,21 +44,24 @@ WATCH_S = 2.0
 """How often the workers holding shards are looked up in Ray's actor table (:meth:`Dispatcher._watch`)."""
 
 
-def _actor_states(workers: list) -> dict[str, tuple[str, int]]:
+def _actor_states(workers: list) -> dict:
     """{worker: (state, restarts)} of the workers' actors in Ray's actor table (ALIVE, RESTARTING, DEAD...). A
     driver connected through Ray Client (``ray://``) has no access to the table: there one task reads it."""
     import ray  # loads ray: imported when used
 
-    keys = [_key(w) for w in workers]
+    # private _actor_id: the public get_runtime_context().get_actor_id() answers only in the actor, once it is up
+    keys = {w._actor_id.hex(): w for w in workers}
     if ray.util.client.ray.is_connected():
-        return ray.get(ray.remote(num_cpus=0)(read_actor_states).remote(keys), timeout=60)
-    return read_actor_states(keys)
+        states = ray.get(ray.remote(num_cpus=0)(read_actor_states).remote(list(keys)), timeout=60)
+    else:
+        states = read_actor_states(list(keys))
+    return {keys[k]: v for k, v in states.items()}
 
 
 def read_actor_states(actor_ids: list[str]) -> dict[str, tuple[str, int]]:
-    """:func:`_actor_states` in a process of the cluster: read from Ray's control store (one call an actor)
-    through Ray's own private accessor, the public ``ray.util.state`` needing the dashboard, which jobs do not
-    start. An actor the table does not hold is left out."""
+    """:func:`_actor_states` in a process of the cluster: read from Ray's control store (one call an actor). An
+    actor the table does not hold is left out."""
+    # private: the public ray.util.state needs the dashboard, which jobs do not start (ServerUnavailable without it)
     from ray._private import state  # loads ray: imported when used
 
     out = {}
@@ -145,14 +144,14 @@ class Dispatcher:
         self.idle, self.queue = deque(w for w in self.workers for _ in range(self.slots)), deque(shards)
         self.attempts: Counter = Counter()
         self.in_flight: dict = {}  # ref -> ("shard", worker, shard) | ("flush", worker, None) | ("ping", worker, None)
-        self.open: dict[str, list] = {}  # worker -> shards it ran whose group is not committed yet
+        self.open: dict = {}  # worker (its handle, Ray's equality) -> shards it ran, their group not committed yet
         self.summaries: dict[int, dict] = {}
         self.early: set[int] = set()  # committed (by the worker's other slot) before their own result came back
         self.failed: dict[int, str] = {}  # shard id -> why it failed (one line)
         self.alive = len(self.workers)
-        self.gone: dict[str, BaseException] = {}  # worker out for good -> its error
-        self.restarts: dict[str, int] = {}  # worker -> restarts whose waiting shards were taken back (_watch)
-        self.answered: set[str] = set()  # workers that returned a result: up at least once
+        self.gone: dict = {}  # worker out for good -> its error
+        self.restarts: dict = {}  # worker -> restarts whose waiting shards were taken back (_watch)
+        self.answered: set = set()  # workers that returned a result: up at least once
         self.finished: set[int] = set()  # shards counted done (on_done)
         self.watched_at = time.monotonic()
         while True:
@@ -160,8 +159,8 @@ class Dispatcher:
                 w, s = self.idle.popleft(), self.queue.popleft()
                 self.in_flight[w.process.remote(asdict(s), not self.queue, *self.extra)] = ("shard", w, s)
             if not self.queue:  # nothing left to hand out: idle workers commit what they hold
-                busy = {_key(x) for kind, x, _ in self.in_flight.values() if kind == "shard"}
-                for w in {_key(w): w for w in self.idle if self.open.get(_key(w)) and _key(w) not in busy}.values():
+                busy = {x for kind, x, _ in self.in_flight.values() if kind == "shard"}
+                for w in dict.fromkeys(w for w in self.idle if self.open.get(w) and w not in busy):  # once each
                     self.idle.remove(w)
                     self.in_flight[w.flush.remote(*self.extra)] = ("flush", w, None)
             if not self.queue and not any(kind != "ping" for kind, _, _ in self.in_flight.values()):
@@ -192,7 +191,7 @@ class Dispatcher:
                 else:
                     self._shard_failed(w, s, e)
                 continue
-            self.answered.add(_key(w))
+            self.answered.add(w)
             if kind == "shard":
                 self.summaries[s.shard_id] = result
                 self.on_ran(result)
@@ -200,11 +199,11 @@ class Dispatcher:
                     self.early.discard(s.shard_id)
                     self._done(result)
                 else:
-                    self.open.setdefault(_key(w), []).append(s)
+                    self.open.setdefault(w, []).append(s)
                 self._committed(w, result["committed"])
             elif kind == "flush":
                 self._committed(w, result)
-                self._requeue(self.open.pop(_key(w), []), "its worker's group was lost (a failed commit or a restart)")
+                self._requeue(self.open.pop(w, []), "its worker's group was lost (a failed commit or a restart)")
             self.idle.append(w)
         return [self.summaries[i] for i in sorted(self.summaries)], list(self.failed.values())
 
@@ -212,7 +211,7 @@ class Dispatcher:
         """The job's error for its failed shards, each counted once. When every worker is gone with a
         :func:`deterministic` error (its constructor failed): that error's class, its reason first, and no advice
         to rerun. Else the count, the advice (a lost node or a killed worker does not repeat) and a line a shard."""
-        n, causes = len(self.failed), [self.gone.get(_key(w)) for w in self.workers]
+        n, causes = len(self.failed), [self.gone.get(w) for w in self.workers]
         if causes and all(c is not None and deterministic(c) for c in causes):
             cause = list(self.gone.values())[-1]
             kind = next(c for c in type(cause).__mro__ if "deterministic" in vars(c))  # ModelLoadError, ConfigError...
@@ -231,7 +230,7 @@ class Dispatcher:
         if not ids:
             return
         done = set(ids)
-        self.open[_key(w)] = [s for s in self.open.get(_key(w), []) if s.shard_id not in done]
+        self.open[w] = [s for s in self.open.get(w, []) if s.shard_id not in done]
         for sid in sorted(done):
             if sid in self.summaries:
                 self._done(self.summaries[sid])
@@ -253,7 +252,7 @@ class Dispatcher:
         which died with it; ping the worker until it is back. One whose constructor raised a :func:`deterministic`
         error is out for good (Ray does not restart it), and its shards, which did not run, keep their retries."""
         self.deaths += 1
-        lost = ([s] if s is not None else []) + self.open.pop(_key(w), [])
+        lost = ([s] if s is not None else []) + self.open.pop(w, [])
         if getattr(e, "actor_init_failed", False) and deterministic(e):
             self._requeue(lost, "its worker could not start", count=False)
             self._out(w, e)
@@ -275,35 +274,35 @@ class Dispatcher:
         slots come back when it answers."""
         import ray  # loads ray: imported when used
 
-        if (self.queue or not any(_key(x) in self.answered for x in self.idle)
+        if (self.queue or not any(x in self.answered for x in self.idle)
                 or time.monotonic() - self.watched_at < WATCH_S):
             return
         self.watched_at = time.monotonic()
-        holding: dict[str, tuple] = {}  # worker -> (its handle, the refs of the shards it holds)
+        holding: dict = {}  # worker -> the refs of the shards it holds
         for ref, (kind, w, _) in self.in_flight.items():
             if kind == "shard":
-                holding.setdefault(_key(w), (w, []))[1].append(ref)
+                holding.setdefault(w, []).append(ref)
         if not holding:
             return
         try:
-            states = _actor_states([w for w, _ in holding.values()])
+            states = _actor_states(list(holding))
         except Exception as e:  # noqa: BLE001 - the lookup is an aid: the job goes on waiting as before
             log.warning("could not read the workers' states from Ray (%s: %s)", type(e).__name__, e)
             return
-        for key, (w, refs) in holding.items():
-            state, restarts = states.get(key, ("ALIVE", 0))
+        for w, refs in holding.items():
+            state, restarts = states.get(w, ("ALIVE", 0))
             if state == "ALIVE":
                 continue
             lost = [self.in_flight.pop(ref)[2] for ref in refs]
             for ref in refs:
                 ray.cancel(ref)  # still waiting for the worker: it need not run there
-            died = restarts > self.restarts.get(key, 0) or state == "DEAD"
+            died = restarts > self.restarts.get(w, 0) or state == "DEAD"
             if died:  # so did its open group
-                self.restarts[key] = restarts
+                self.restarts[w] = restarts
                 self.deaths += 1
-                lost += self.open.pop(key, [])
-            slots = len(refs) + sum(_key(x) == key for x in self.idle)
-            self.idle = deque(x for x in self.idle if _key(x) != key)
+                lost += self.open.pop(w, [])
+            slots = len(refs) + sum(x == w for x in self.idle)
+            self.idle = deque(x for x in self.idle if x != w)
             (log.warning if died else log.info)(
                 "%d shard(s) waiting on a worker that is not up (%s, %d restart(s)) go to the free workers",
                 len(refs), state.lower(), restarts)
@@ -340,7 +339,7 @@ class Dispatcher:
             raise cause_of(e) from None
         cause = str(cause_of(e)).strip().splitlines()[-1][:500]
         log.error("a group could not be committed: %s", cause)
-        self._requeue(self.open.pop(_key(w), []), f"its group could not be committed ({cause})")
+        self._requeue(self.open.pop(w, []), f"its group could not be committed ({cause})")
         self.idle.append(w)
 
     def _ping_failed(self, w, e: Exception) -> None:
@@ -352,13 +351,13 @@ class Dispatcher:
 
     def _out(self, w, e: Exception) -> None:
         """The worker is gone for good (its constructor failed, its restarts ran out): its slots leave the pool."""
-        if _key(w) in self.gone:  # a second slot of a worker already counted out
+        if w in self.gone:  # a second slot of a worker already counted out
             return
-        self.gone[_key(w)] = cause_of(e)
+        self.gone[w] = cause_of(e)
         self.alive -= 1
-        self.idle = deque(x for x in self.idle if _key(x) != _key(w))
+        self.idle = deque(x for x in self.idle if x != w)
         log.warning("a worker is out for good (its constructor failed, or its restarts ran out): %s",
-                    reason(self.gone[_key(w)]))
+                    reason(self.gone[w]))
 
     def _shard_failed(self, w, s, e: Exception) -> None:
         """An error of the shard's own (a corrupt file): deterministic, so not retried. A :func:`deterministic`
