@@ -7,12 +7,12 @@ from typing import Callable
 
 import torch
 
+from actlake.analysis.engine import rope as rope_
 from actlake.analysis.engine.attention_weights import EXPLICIT_ONLY, flash_applies, padded_applies
 from actlake.analysis.engine.capture import LayerInputs, attention_modules
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.engine.layer_replay import LayerReplay
-from actlake.analysis.engine import rope as rope_
 from actlake.architectures import blocks, key_weights
 from actlake.errors import AnalysisError
 
@@ -46,15 +46,13 @@ class AttentionRecorder:
 
     ``valid`` (B, T) and ``role_onehot`` (B, T, C): the batch, preferably as host tensors (whatever
     steers Python code is computed from them, so no layer waits for the device).
-    ``mass``: an attention-mass accumulator (an object with ``add_layer`` and ``nonfinite_excluded``, such as
-    :class:`~actlake.analysis.attention_mass.AttentionMass`), fed first and told of excluded tokens.
     ``on_excluded``: called (layer, token count) when tokens leave a layer's statistics for inf/NaN.
     ``inputs``: active :class:`LayerInputs` when consumers need x / RoPE (contributions).
     ``needs``: products of the attention weights the consumers read (:mod:`attention_weights`), computed
     together once per layer. ``method``: ``explicit`` (weights in blocks), ``fused`` (one-hot V through
     the fused kernel when ``needs`` allows) or ``auto`` (fused on a GPU when ``needs`` allows, else explicit).
-    ``reuse_attention``: when the weights are computed explicitly anyway, hand the model its attention
-    output from them instead of running the SDPA kernel a second time.
+    When the weights are computed explicitly anyway (``explicit``, ``flash``), the model gets its attention
+    output from them instead of running the SDPA kernel a second time (:attr:`replaced_layers`).
     ``triton``: on layers FlashAttention serves, the distance profile and the weighted sums from the
     Triton kernels (:mod:`~actlake.analysis.engine.kernels`).
     ``strict``: check each layer's mask and look for inf/NaN tokens as it comes (both read a value back
@@ -66,15 +64,14 @@ class AttentionRecorder:
     """
 
     def __init__(self, mqk: ModelQK, valid: torch.Tensor, role_onehot: torch.Tensor,
-                 consumers: list[Callable[[LayerQK], None]], mass=None,
+                 consumers: list[Callable[[LayerQK], None]],
                  inputs: LayerInputs | None = None, needs=frozenset(), method: str = "auto",
-                 reuse_attention: bool = True, strict: bool = True, on_excluded=(), triton: bool = False,
-                 replay: LayerReplay | None = None):
-        self.mqk, self.consumers, self.mass, self.inputs = mqk, consumers, mass, inputs
-        self.on_excluded = list(on_excluded) + ([mass.nonfinite_excluded] if mass is not None else [])
+                 strict: bool = True, on_excluded=(), triton: bool = False, replay: LayerReplay | None = None):
+        self.mqk, self.consumers, self.inputs = mqk, consumers, inputs
+        self.on_excluded = list(on_excluded)
         self.host = BatchInfo(valid.cpu(), mqk.family.causal, role_onehot.cpu(), role_onehot.cpu())
-        self.needs = frozenset(needs) | ({"mass"} if mass is not None else frozenset())
-        self.method, self.reuse_attention, self.strict = method, reuse_attention, strict
+        self.needs = frozenset(needs)
+        self.method, self.strict = method, strict
         self.triton = triton
         self._batch: dict = {}  # device -> BatchInfo (one per device with device_map)
         self._problems: dict = {}  # device -> (1,) float64: mismatched mask pairs
@@ -83,8 +80,6 @@ class AttentionRecorder:
         """Attention calls whose output came from the analyses' weights (the kernel did not run)."""
         self._rope = None  # (the model's cos, sin, what _rope_of made of them)
         self._checked_masks: list = []  # (mask, is_causal, BatchInfo) already compared (refs keep ids unique)
-        if replay is not None and mass is not None:
-            raise ValueError("replay covers the consumers only: feed attention mass as one of them")
         self.replay = replay
         self._computed_on: set = set()  # devices where a layer of this batch ran as it is
         self.seen: set = set()  # attention layers recorded in this batch
@@ -183,15 +178,12 @@ class AttentionRecorder:
             method = "fused" if query.device.type == "cuda" and not self.needs & EXPLICIT_ONLY else "explicit"
         # the kernel's output can come from our weights only when they are the model's: no token left out
         value = t["value"]
-        replace = (value is not None and self.reuse_attention and method in ("explicit", "flash")
-                   and bool(self.needs) and not any_bad)
+        replace = value is not None and method in ("explicit", "flash") and bool(self.needs) and not any_bad
         lq = LayerQK(layer, q, k, scaling, batch, needs=self.needs | ({"output"} if replace else frozenset()),
                      method=method, value=f32(value) if replace and method == "explicit" else None,
                      native=(query, t["key"], value), triton=self.triton and method in ("flash", "padded"),
                      key_scale=t.get("key_scale"), softcap=softcap)
         with tf32_when_exact(query):
-            if self.mass is not None:
-                self.mass.add_layer(lq)
             if self.inputs is not None:
                 lq.x, lq.w_key, lq.b_key = x, t["w_key"], t["b_key"]
                 if rope is not None:

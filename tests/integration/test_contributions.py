@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from actlake.analysis.engine import capture
-from actlake.analysis.contributions import QUERY_GROUPS_BY_ROLE, Contributions, pairwise_contributions
 from actlake.analysis.attention_distance import AttentionByDistance
-from actlake.analysis.geometry import Geometry
+from actlake.analysis.contributions import QUERY_GROUPS_BY_ROLE, Contributions, pairwise_contributions
+from actlake.analysis.engine import capture
 from actlake.analysis.engine.layer_qk import LayerQK
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.engine.rope import rotate
+from actlake.analysis.geometry import Geometry
 from actlake.categories import ROLE, one_hot
 from actlake.config import ModelConfig
 from actlake.model import load_model
@@ -220,8 +220,9 @@ def test_non_finite_tokens_are_counted_and_left_out(tiny_models):
     contrib = Contributions.zeros(mqk.n_layers, mqk.n_heads, lm.model.config.hidden_size)
     geo = Geometry.zeros(mqk.n_layers, mqk.n_heads)
     with capture.LayerInputs(lm.model, lm.family) as inputs:
-        rec = AttentionRecorder(mqk, valid, one_hot(role, len(ROLE), valid), [contrib.add_layer, geo.add_layer],
-                                mass=mass, inputs=inputs)
+        rec = AttentionRecorder(mqk, valid, one_hot(role, len(ROLE), valid),
+                                [mass.add_layer, contrib.add_layer, geo.add_layer], inputs=inputs,
+                                needs=mass.products, on_excluded=[mass.nonfinite_excluded])
         with torch.no_grad(), capture.recording(rec):
             lm.model(input_ids=ids, attention_mask=valid)
     assert mass.nonfinite.tolist() == [1, 10]  # layer 1: all of sequence 0

@@ -64,7 +64,8 @@ def test_bfloat16_model_gives_the_same_tables_within_tolerance(tiny_models):
         valid = torch.ones(2, 12, dtype=torch.long)
         role = torch.randint(0, len(ROLE), (2, 12), generator=g)
         stats = AttentionMass.zeros(mqk.n_layers, mqk.n_heads)
-        rec = AttentionRecorder(mqk, valid, one_hot(role, len(ROLE), valid), [], mass=stats)
+        rec = AttentionRecorder(mqk, valid, one_hot(role, len(ROLE), valid), [stats.add_layer], needs=stats.products,
+                                on_excluded=[stats.nonfinite_excluded])
         with torch.no_grad(), capture.recording(rec):
             lm.model(input_ids=ids, attention_mask=valid)
         return stats.mass
