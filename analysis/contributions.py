@@ -25,7 +25,6 @@ from actlake.analysis.dim_moments import top_outlier_dims
 from actlake.analysis.engine import grid
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import LayerQK
-from actlake.analysis.engine.rope import unrotate
 from actlake.analysis.protocol import OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
@@ -96,24 +95,6 @@ def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
         return qsum.new_zeros(qsum.shape[:3])
     out = torch.einsum("bhtk,hk->bht", lq.unrotate(qsum), _kv_expanded(lq, lq.b_key))
     return out if lq.key_scale is None else out * lq.key_scale_per_query_head
-
-
-def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
-    """Reference only: C (T, T, d) for one sequence and head, every pair, O(T^2 d)."""
-    q = lq.query[b, h]  # (T, d_h)
-    w = _kv_expanded(lq, lq.w_key)[h]  # (d, d_h)
-    T = q.shape[0]
-    out = torch.zeros(T, T, lq.x.shape[-1], dtype=torch.float64)
-    for n in range(T):
-        qn = q
-        if lq.cos is not None:  # R_n^T q'_m for every m, with the key's angle
-            qn = unrotate(q[None, None], lq.cos[b : b + 1, n : n + 1].expand(1, T, -1),
-                          lq.sin[b : b + 1, n : n + 1].expand(1, T, -1), lq.unrotation[2])[0, 0]
-        u = qn.double() @ w.double().T  # (T, d): u(m, n) for all m
-        if lq.key_scale is not None:
-            u = u * float(lq.key_scale_per_query_head[b, h, n])
-        out[:, n] = u * lq.x[b, n].double()
-    return out
 
 
 @dataclass
