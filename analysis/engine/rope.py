@@ -13,15 +13,6 @@ from __future__ import annotations
 import torch
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
-    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-
-
 def factors(cos: torch.Tensor, sin: torch.Tensor, sign: float, interleaved: bool = False) -> tuple:
     """(cos, signed sin, interleaved), each tensor (B, 1, T, rot), from the model's (B, T, rot): R_n (``sign`` 1)
     or R_n^T (-1)."""
@@ -57,13 +48,3 @@ def from_model(kind: str, pe: tuple) -> tuple[torch.Tensor, torch.Tensor, bool]:
         half = cos.shape[-1] // 2
         return cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True
     return cos, sin, kind == "interleaved"
-
-
-def rotate(y, cos, sin, interleaved: bool = False):
-    """R_n y for each position n."""
-    return apply(y, factors(cos, sin, 1.0, interleaved))
-
-
-def unrotate(y, cos, sin, interleaved: bool = False):
-    """R_n^T y for each position n."""
-    return apply(y, factors(cos, sin, -1.0, interleaved))

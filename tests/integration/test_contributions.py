@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from actlake.analysis.attention_distance import AttentionByDistance
-from actlake.analysis.contributions import QUERY_GROUPS_BY_ROLE, Contributions, pairwise_contributions
+from actlake.analysis.contributions import QUERY_GROUPS_BY_ROLE, Contributions
 from actlake.analysis.engine import capture
 from actlake.analysis.engine.layer_qk import LayerQK
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
-from actlake.analysis.engine.rope import rotate
 from actlake.analysis.geometry import Geometry
 from actlake.categories import ROLE, one_hot
 from actlake.config import ModelConfig
 from actlake.model import load_model
 from tests.conftest import FAMILIES
+from tests.rope_reference import rotate, unrotate
 
 pytestmark = pytest.mark.integration
 
@@ -41,6 +41,25 @@ def capture_layers(model_path, attn="sdpa", seed=0):
         with torch.no_grad(), capture.recording(rec):
             out = lm.model(input_ids=ids, attention_mask=valid, output_attentions=(attn == "eager"))
     return lm, layers, out
+
+
+def pairwise_contributions(lq: LayerQK, b: int, h: int) -> torch.Tensor:
+    """C (T, T, d) float64 for one sequence and head, every pair, O(T^2 d): C(m, n) = u(m, n) * x_n with
+    u(m, n) = W_K R_n^T q'_m (times the key's 1 / r_n under a key norm)."""
+    q = lq.query[b, h]  # (T, d_h)
+    w = lq.w_key[h // (lq.n_heads // lq.w_key.shape[0])]  # (d, d_h): the query head's key head
+    T = q.shape[0]
+    out = torch.zeros(T, T, lq.x.shape[-1], dtype=torch.float64)
+    for n in range(T):
+        qn = q
+        if lq.cos is not None:  # R_n^T q'_m for every m, with the key's angle
+            qn = unrotate(q[None, None], lq.cos[b : b + 1, n : n + 1].expand(1, T, -1),
+                          lq.sin[b : b + 1, n : n + 1].expand(1, T, -1), lq.unrotation[2])[0, 0]
+        u = qn.double() @ w.double().T  # (T, d): u(m, n) for all m
+        if lq.key_scale is not None:
+            u = u * float(lq.key_scale_per_query_head[b, h, n])
+        out[:, n] = u * lq.x[b, n].double()
+    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
