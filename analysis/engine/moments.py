@@ -27,15 +27,6 @@ class Moments:
     """(..., G, d) largest |value| seen."""
 
     @classmethod
-    def from_groups(cls, x: torch.Tensor, ids: torch.Tensor, n_groups: int, work: "GroupSums | None" = None) -> "Moments":
-        """x: (N, d) values; ids: (N, S) the group of each value in each of S partitions of the groups
-        (a value may belong to one group per partition; ``n_groups`` means none). Moments of shape (G, d).
-        ``work``: a :class:`GroupSums` for these ids, reused across calls (several layers of one batch)."""
-        work = work or GroupSums(ids, n_groups, x.shape[1], device=x.device)
-        count, sums, sq = work.sums(x)
-        return cls.from_sums(count, sums, sq, work.max_abs(x))
-
-    @classmethod
     def from_sums(cls, count: torch.Tensor, sums: torch.Tensor, sq: torch.Tensor, max_abs: torch.Tensor) -> "Moments":
         """Moments from per-group counts (..., G), float64 sums and sums of squares (..., G, d) and maxima
         (any leading axes: the layers of a batch at once)."""

@@ -14,14 +14,21 @@ def _random_batch(seed, B=3, T=7, d=5, L1=3):
     return hs, valid, role, type8
 
 
+def _moments(x, ids, n_groups) -> Moments:
+    """x: (N, d) values; ids: (N, S) the group of each value in each of S partitions of the groups (``n_groups``:
+    none). Moments (G, d), as a batch's are built (GroupSums, then Moments.from_sums)."""
+    work = GroupSums(ids, n_groups, x.shape[1])
+    return Moments.from_sums(*work.sums(x), work.max_abs(x))
+
+
 def test_moments_match_numpy_and_merge_halves():
     x = torch.randn(200, 6, dtype=torch.float64) * 5 + 2
     # two partitions: group 0 holds every value, group 1 every third (2: none)
     ids = torch.stack([torch.zeros(200, dtype=torch.long), torch.where(torch.arange(200) % 3 == 0, 1, 2)], 1)
     groups = torch.stack([torch.ones(200), (torch.arange(200) % 3 == 0).double()], 1)
-    whole = Moments.from_groups(x, ids, 2)
-    a = Moments.from_groups(x[:77], ids[:77], 2)
-    b = Moments.from_groups(x[77:], ids[77:], 2)
+    whole = _moments(x, ids, 2)
+    a = _moments(x[:77], ids[:77], 2)
+    b = _moments(x[77:], ids[77:], 2)
     for merged in (a.merge(b), b.merge(a)):
         np.testing.assert_allclose(merged.count, whole.count)
         np.testing.assert_allclose(merged.mean, whole.mean, rtol=1e-12)
