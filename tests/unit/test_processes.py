@@ -1,5 +1,6 @@
 """GHMMs and product processes (METHODS.md §7) against brute-force enumeration of the generative story."""
 import itertools
+from functools import reduce
 
 import numpy as np
 import pytest
@@ -38,6 +39,37 @@ def _pair_params(p1, p2):
     return P, E
 
 
+def _word_probability(g: GHMM, word) -> float:
+    """P(x1..xl) = eta0 T(x1)...T(xl) tau."""
+    u = g.eta0
+    for x in word:
+        u = u @ g.T[x]
+    return float(u @ g.tau)
+
+
+def _next_token_probs(g: GHMM, eta) -> np.ndarray:
+    """P(x | eta) = eta T(x) tau / eta tau for every token x: eta (..., S) -> (..., V)."""
+    return (eta @ (g.T @ g.tau).T) / (eta @ g.tau)[..., None]
+
+
+def _update(g: GHMM, eta, x: int) -> np.ndarray:
+    """The belief after token x: eta T(x) / eta T(x) tau, eta (S,)."""
+    u = eta @ g.T[x]
+    return u / (u @ g.tau)
+
+
+def _joint_ghmm(proc: ProductProcess) -> GHMM:
+    """The whole process as one GHMM over prod S_n states, from its definition: T(x) is the Kronecker product
+    of the factors' T(x_i), factor i's variant the one x_{i-1} picks; with noise, mixed with a uniform token."""
+    mats = []
+    for x in itertools.product(*(range(v) for v in proc.vocab_sizes)):  # factor 0 most significant
+        mats.append(reduce(np.kron, [vs[x[i - 1]].T[x[i]] if len(vs) > 1 else vs[0].T[x[i]]
+                                     for i, vs in enumerate(proc.factors)]))
+    T = np.array(mats)
+    T = (1 - proc.noise) * T + proc.noise / proc.vocab_size * T.sum(0)
+    return GHMM(T, reduce(np.kron, [vs[0].eta0 for vs in proc.factors]))
+
+
 def _words(V, max_len):
     return [w for L in range(1, max_len + 1) for w in itertools.product(range(V), repeat=L)]
 
@@ -49,9 +81,9 @@ def _run(g: GHMM, tokens):
     for s in range(n):
         eta = g.eta0.copy()
         for t in range(L + 1):
-            beliefs[s, t], preds[s, t] = eta, g.next_token_probs(eta)
+            beliefs[s, t], preds[s, t] = eta, _next_token_probs(g, eta)
             if t < L:
-                eta = g.update(eta[None], tokens[s, t:t + 1])[0]
+                eta = _update(g, eta, tokens[s, t])
     return beliefs, preds
 
 
@@ -62,11 +94,11 @@ def test_mess3_beliefs_equal_path_enumeration():
     np.testing.assert_allclose(g.tau, np.ones(3))
     for word in _words(3, 4):
         prob, post = _paths(pi, P, E, word)
-        eta = g.eta0[None]
+        eta = g.eta0
         for x in word:
-            eta = g.update(eta, [x])
-        np.testing.assert_allclose(eta[0], post, atol=1e-12)
-        np.testing.assert_allclose(g.word_probability(word), prob, rtol=1e-10)
+            eta = _update(g, eta, x)
+        np.testing.assert_allclose(eta, post, atol=1e-12)
+        np.testing.assert_allclose(_word_probability(g, word), prob, rtol=1e-10)
 
 
 def test_product_of_two_mess3_beliefs_equal_path_enumeration():
@@ -88,15 +120,15 @@ def test_product_of_two_mess3_beliefs_equal_path_enumeration():
 def test_bloch_walk_is_a_valid_process(alpha, beta):
     g = bloch_walk(alpha, beta)
     for L in range(1, 5):
-        probs = np.array([g.word_probability(w) for w in itertools.product(range(4), repeat=L)])
+        probs = np.array([_word_probability(g, w) for w in itertools.product(range(4), repeat=L)])
         assert probs.min() >= -1e-12
         assert probs.sum() == pytest.approx(1.0, abs=1e-12)
     for word in [()] + _words(4, 3):
-        eta = g.eta0[None]
+        eta = g.eta0
         for x in word:
-            eta = g.update(eta, [x])
-        pred = g.next_token_probs(eta[0])
-        ratio = [g.word_probability(word + (x,)) / g.word_probability(word) for x in range(4)]
+            eta = _update(g, eta, x)
+        pred = _next_token_probs(g, eta)
+        ratio = [_word_probability(g, word + (x,)) / _word_probability(g, word) for x in range(4)]
         np.testing.assert_allclose(pred, ratio, rtol=1e-10, atol=1e-14)
         assert pred.sum() == pytest.approx(1.0, abs=1e-12)
 
@@ -116,7 +148,7 @@ def test_product_predictions_equal_the_joint_ghmm(noise):
     T = np.array([np.kron(np.kron(gs[0].T[a], gs[1].T[b]), gs[2].T[c])
                   for a in range(2) for b in range(4) for c in range(3)])  # (24, 27, 27)
     T = (1 - noise) * T + noise / 24 * T.sum(0)
-    np.testing.assert_allclose(proc.joint_ghmm().T, T, atol=1e-15)
+    np.testing.assert_allclose(_joint_ghmm(proc).T, T, atol=1e-15)
     ref = GHMM(T, np.kron(np.kron(gs[0].eta0, gs[1].eta0), gs[2].eta0))
     tokens = proc.sample(40, 6, np.random.default_rng(1))
     beliefs, preds = _run(ref, tokens)
@@ -131,7 +163,7 @@ def test_product_predictions_equal_the_joint_ghmm(noise):
     for g, f, m in zip(gs, proc.factor_beliefs(tokens), marginals):
         np.testing.assert_allclose(f, m / (m @ g.tau)[..., None], atol=1e-12)
     if noise == 0:  # independent factors: the joint prediction is the product of the factor predictions
-        p = [g.next_token_probs(f) for g, f in zip(gs, proc.factor_beliefs(tokens))]
+        p = [_next_token_probs(g, f) for g, f in zip(gs, proc.factor_beliefs(tokens))]
         outer = p[0][..., :, None, None] * p[1][..., None, :, None] * p[2][..., None, None, :]
         np.testing.assert_allclose(probs, outer.reshape(probs.shape), atol=1e-12)
     loss = -np.log(np.take_along_axis(preds[:, :-1], tokens[..., None], -1)[..., 0]).mean(0)
@@ -163,14 +195,14 @@ def _dependent_word_probability(word):
 
 @pytest.mark.parametrize("noise", [0.0, 0.25])
 def test_hidden_dependency_joint_ghmm_equals_enumeration(noise):
-    proc, clean = _dependent(noise), _dependent().joint_ghmm()
-    joint, rng = proc.joint_ghmm(), np.random.default_rng(2)
+    proc, clean = _dependent(noise), _joint_ghmm(_dependent())
+    joint, rng = _joint_ghmm(proc), np.random.default_rng(2)
     pairs = list(itertools.product(range(3), repeat=2))
     words = [(p,) for p in pairs] + list(itertools.product(pairs, repeat=2))[::3]
     words += [tuple(map(tuple, rng.integers(0, 3, (3, 2)))) for _ in range(5)]
     for word in words:
         ids = [k0 * 3 + k1 for k0, k1 in word]
-        assert clean.word_probability(ids) == pytest.approx(_dependent_word_probability(word), rel=1e-10)
+        assert _word_probability(clean, ids) == pytest.approx(_dependent_word_probability(word), rel=1e-10)
     np.testing.assert_allclose(joint.T, (1 - noise) * clean.T + noise / 9 * clean.T.sum(0), atol=1e-15)
     tokens = proc.sample(30, 5, rng)
     beliefs, preds = _run(joint, tokens)
@@ -187,10 +219,10 @@ def test_hidden_dependency_joint_ghmm_equals_enumeration(noise):
                          ids=["dependent", "dependent-noisy", "bloch-mess3-noisy"])
 def test_sampled_word_frequencies_match_the_process(make):
     proc = make()
-    joint, n, V = proc.joint_ghmm(), 20000, proc.vocab_size
+    joint, n, V = _joint_ghmm(proc), 20000, proc.vocab_size
     tokens = proc.sample(n, 2, np.random.default_rng(3))
     counts = np.bincount(tokens[:, 0] * V + tokens[:, 1], minlength=V * V)
-    expected = n * np.array([joint.word_probability([a, b]) for a in range(V) for b in range(V)])
+    expected = n * np.array([_word_probability(joint, [a, b]) for a in range(V) for b in range(V)])
     chi2 = ((counts - expected) ** 2 / expected).sum()
     dof = V * V - 1
     assert chi2 < dof + 6 * np.sqrt(2 * dof), chi2  # about 6 standard deviations
@@ -228,7 +260,7 @@ def test_paper_process_loss_is_the_sum_of_factor_losses():
     loss = np.zeros(8)
     for i, g in enumerate(gs):
         b = proc.factor_beliefs(tokens)[i][:, :-1]  # (2000, 8, 3)
-        loss -= np.log(np.take_along_axis(g.next_token_probs(b), sub[..., i:i + 1], -1)[..., 0]).mean(0)
+        loss -= np.log(np.take_along_axis(_next_token_probs(g, b), sub[..., i:i + 1], -1)[..., 0]).mean(0)
     np.testing.assert_allclose(proc.optimal_loss(tokens), loss, rtol=1e-10)
 
 

@@ -114,34 +114,11 @@ class GHMM:
         eta0 = eta0 / norm
         tau.flags.writeable = eta0.flags.writeable = False
         _check_words(T, eta0, tau)
-        for key, val in (("T", T), ("eta0", eta0), ("tau", tau), ("_W", T @ tau)):
+        for key, val in (("T", T), ("eta0", eta0), ("tau", tau)):
             object.__setattr__(self, key, val)
 
     vocab_size = property(lambda self: self.T.shape[0], doc="V, the number of tokens.")
     n_states = property(lambda self: self.T.shape[1], doc="S, the dimension of the belief vectors.")
-
-    def next_token_probs(self, eta) -> np.ndarray:
-        """P(x | eta) = eta T(x) tau / eta tau for every token x: eta (..., S) -> (..., V)."""
-        eta = np.asarray(eta, dtype=np.float64)
-        if eta.shape[-1:] != (self.n_states,):
-            raise ConfigError(f"eta: expected shape (..., {self.n_states}), got {eta.shape}")
-        return (eta @ self._W.T) / (eta @ self.tau)[..., None]
-
-    def update(self, eta, tokens) -> np.ndarray:
-        """Beliefs after one token: eta (N, S), tokens (N,) -> eta T(x) / (eta T(x) tau), (N, S)."""
-        eta = np.asarray(eta, dtype=np.float64)
-        tokens = _int_array(tokens, "tokens", self.vocab_size)
-        if eta.ndim != 2 or eta.shape[1] != self.n_states or tokens.shape != eta.shape[:1]:
-            raise ConfigError(f"eta, tokens: expected shapes (N, {self.n_states}) and (N,), "
-                              f"got {eta.shape} and {tokens.shape}")
-        return _normalise((eta[:, None] @ self.T[tokens])[:, 0], self.tau)
-
-    def word_probability(self, tokens) -> float:
-        """P(x1..xl) = eta0 T(x1)...T(xl) tau."""
-        u = self.eta0
-        for x in _int_array(tokens, "tokens", self.vocab_size).reshape(-1):
-            u = u @ self.T[x]
-        return float(u @ self.tau)
 
 
 def from_matrices(T, eta0=None, name: str = "ghmm") -> GHMM:
@@ -393,14 +370,6 @@ class ProductProcess:
         rows = np.arange(len(tokens))
         return np.array([-np.log(p[rows, tokens[:, t]]).mean()
                          for t, p in zip(range(tokens.shape[1]), self._iter_probs(tokens))])
-
-    def joint_ghmm(self) -> GHMM:
-        """The whole process as one GHMM over prod S_n states (includes noise and dependency)."""
-        T = self._joint_kron(self._T, summed=False)  # (V, S_J, S_J)
-        if self.noise > 0:
-            T = (1 - self.noise) * T + (self.noise / self.vocab_size) * T.sum(0)
-        names = " x ".join("|".join(g.name for g in vs) for vs in self.factors)
-        return GHMM(T, self._eta0_joint, name=f"product({names}, noise={self.noise:g})")
 
 
 def product(factors, noise: float = 0.0) -> ProductProcess:
