@@ -80,8 +80,8 @@ class DimMoments(OneTable, Analysis):
     _batch = None
     """The current batch's :class:`BatchMoments` while its hidden states arrive (``add_hidden``)."""
     unchecked = None
-    """Device scalar of the last batch added non-strictly (``add_hidden`` or ``from_batch`` with
-    ``exact_nonfinite=False``): the sum of every hidden state, not finite
+    """Device scalar of the last batch added non-strictly (``add_hidden`` of a batch that is not strict,
+    :class:`BatchMoments` with ``exact_nonfinite=False``): the sum of every hidden state, not finite
     when one held an inf/NaN that was not looked for (then these moments are wrong and the batch must be
     redone)."""
 
@@ -103,16 +103,6 @@ class DimMoments(OneTable, Analysis):
 
     def problems(self) -> list[torch.Tensor]:
         return [] if self.unchecked is None else [(~torch.isfinite(self.unchecked)).double()]
-
-    @classmethod
-    def from_batch(cls, hidden_states, valid, role, type8, exact_nonfinite: bool = True, kernel: bool = False) -> "DimMoments":
-        """hidden_states: L+1 tensors (B, T, d) on the model's device; valid/role/type8: (B, T) (the host's).
-        The options are :class:`BatchMoments`'s."""
-        work = BatchMoments(len(hidden_states), hidden_states[0].shape[-1], valid, role, type8, hidden_states[0].device,
-                            exact_nonfinite, kernel)
-        for layer, h in enumerate(hidden_states):
-            work.add(layer, h)
-        return work.finish()
 
     def merge(self, other: "DimMoments") -> "DimMoments":
         return DimMoments(self.moments.merge(other.moments), self.nonfinite + other.nonfinite.to(self.nonfinite.device))

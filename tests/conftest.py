@@ -318,3 +318,15 @@ def committed_ids(run_dir) -> set[int]:
 
     layout = RunLayout(location(str(run_dir)))
     return set(committed(layout, json.loads(layout.run_json.read_text())["plan_hash"]).shards)
+
+
+def dim_moments_of(hidden_states, valid, role, type8, exact_nonfinite: bool = True, kernel: bool = False):
+    """The DimMoments of one batch, built as a worker builds them (BatchMoments, a layer at a time):
+    ``hidden_states`` L+1 tensors (B, T, d); valid/role/type8 (B, T); the options are BatchMoments's."""
+    from actlake.analysis.dim_moments import BatchMoments
+
+    work = BatchMoments(len(hidden_states), hidden_states[0].shape[-1], valid, role, type8, hidden_states[0].device,
+                        exact_nonfinite, kernel)
+    for layer, h in enumerate(hidden_states):
+        work.add(layer, h)
+    return work.finish()

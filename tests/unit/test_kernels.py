@@ -11,8 +11,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from actlake.analysis.engine.heads import expand_kv  # noqa: E402
 from actlake.analysis.engine.attention_weights import explicit_products, triton_kernels_on  # noqa: E402
+from actlake.analysis.engine.heads import expand_kv  # noqa: E402
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK  # noqa: E402
 from actlake.categories import one_hot  # noqa: E402
 from actlake.errors import AnalysisError, ConfigError  # noqa: E402
@@ -212,25 +212,25 @@ def test_dim_moments_from_the_kernel_equal_the_strict_path():
     """DimMoments of a batch through the kernel (non-strict, as on a GPU) against the strict PyTorch path;
     the unchecked sum turns non-finite when a valid token holds an inf, not when a padded one does."""
     from actlake.analysis.engine import kernels
-    from actlake.analysis.dim_moments import DimMoments
+    from tests.conftest import dim_moments_of
 
     hs, valid, role, type8 = _hidden()
     kernels._verified.discard(("moments", hs[0].device))
-    want = DimMoments.from_batch(hs, valid, role, type8, exact_nonfinite=True)
-    got = DimMoments.from_batch(hs, valid, role, type8, exact_nonfinite=False, kernel=True)
+    want = dim_moments_of(hs, valid, role, type8, exact_nonfinite=True)
+    got = dim_moments_of(hs, valid, role, type8, exact_nonfinite=False, kernel=True)
     for f in ("count", "mean", "m2", "max_abs"):
         torch.testing.assert_close(getattr(got.moments, f), getattr(want.moments, f), rtol=1e-10, atol=1e-8)
     assert bool(torch.isfinite(got.unchecked)) and not got.problems()[0].any()
     assert ("moments", hs[0].device) in kernels._verified  # the first batch was checked against PyTorch
     kernels._verified.discard(("moments", hs[0].device))
     hs[-1][0, 7, 3] = float("inf")  # an inf in the compared layer: no comparison, no error; the strict rerun tells
-    assert DimMoments.from_batch(hs, valid, role, type8, False, kernel=True).problems()[0].any()
+    assert dim_moments_of(hs, valid, role, type8, False, kernel=True).problems()[0].any()
     assert ("moments", hs[0].device) not in kernels._verified
     hs[-1][0, 7, 3] = 0.0
     hs[1][2, 40, 3] = float("inf")  # padding: counts for no statistic
-    assert bool(torch.isfinite(DimMoments.from_batch(hs, valid, role, type8, False, kernel=True).unchecked))
+    assert bool(torch.isfinite(dim_moments_of(hs, valid, role, type8, False, kernel=True).unchecked))
     hs[1][0, 7, 3] = float("inf")
-    assert DimMoments.from_batch(hs, valid, role, type8, False, kernel=True).problems()[0].any()
+    assert dim_moments_of(hs, valid, role, type8, False, kernel=True).problems()[0].any()
 
 
 COMPILE = """

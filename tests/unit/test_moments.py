@@ -3,6 +3,7 @@ import torch
 
 from actlake.analysis.dim_moments import GROUPS, DimMoments
 from actlake.analysis.engine.moments import GroupSums, Moments
+from tests.conftest import dim_moments_of
 
 
 def _random_batch(seed, B=3, T=7, d=5, L1=3):
@@ -61,9 +62,9 @@ def test_group_sums_in_row_blocks_equal_the_plain_sums():
 
 def test_dim_moments_halves_equal_whole_and_roundtrip_arrow():
     hs, valid, role, type8 = _random_batch(0, B=4)
-    whole = DimMoments.from_batch(hs, valid, role, type8)
-    first = DimMoments.from_batch([h[:2] for h in hs], valid[:2], role[:2], type8[:2])
-    second = DimMoments.from_batch([h[2:] for h in hs], valid[2:], role[2:], type8[2:])
+    whole = dim_moments_of(hs, valid, role, type8)
+    first = dim_moments_of([h[:2] for h in hs], valid[:2], role[:2], type8[:2])
+    second = dim_moments_of([h[2:] for h in hs], valid[2:], role[2:], type8[2:])
     merged = second.merge(first)
     np.testing.assert_allclose(merged.moments.mean, whole.moments.mean, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(merged.moments.m2, whole.moments.m2, rtol=1e-10, atol=1e-10)
@@ -95,8 +96,8 @@ def test_layers_of_different_dtypes_keep_their_values():
     own values (nothing is cast to the first layer's dtype)."""
     hs, valid, role, type8 = _random_batch(2)
     hs = [hs[0].half(), hs[1] * 1e5, hs[2]]  # |values| up to ~1e6: beyond float16's 65504
-    mixed = DimMoments.from_batch(hs, valid, role, type8)
-    alone = DimMoments.from_batch([h.float() for h in hs], valid, role, type8)
+    mixed = dim_moments_of(hs, valid, role, type8)
+    alone = dim_moments_of([h.float() for h in hs], valid, role, type8)
     assert bool(torch.isfinite(mixed.moments.max_abs).all()) and float(mixed.nonfinite.sum()) == 0
     for f in ("count", "mean", "m2", "max_abs"):
         torch.testing.assert_close(getattr(mixed.moments, f), getattr(alone.moments, f), rtol=0, atol=0)
@@ -107,7 +108,7 @@ def test_nonfinite_tokens_are_counted_and_excluded():
     valid[:] = 1
     hs[1][0, 0, 2] = float("inf")
     hs[1][1, 3, 0] = float("nan")
-    stats = DimMoments.from_batch(hs, valid, role, type8)
+    stats = dim_moments_of(hs, valid, role, type8)
     assert stats.nonfinite.tolist() == [0, 2, 0]
     assert torch.isfinite(stats.moments.mean).all()
     x = hs[1].reshape(-1, hs[1].shape[-1])
