@@ -111,9 +111,7 @@ def _labelled(data: pa.Table, label: str) -> pa.Table:
 
 
 def _of(data: pa.Table, label: str) -> pa.Table:
-    """One label's rows, without the source column (a table from before the column, or without rows: all of it)."""
-    if SOURCE not in data.column_names:
-        return data
+    """One label's rows, without the source column (a table without rows: all of it)."""
     if data.num_rows == 0:
         return data.drop_columns([SOURCE])
     return data.filter(pc.equal(data.column(SOURCE), label)).drop_columns([SOURCE])

@@ -3,7 +3,7 @@
 ::
 
     RUN_DIR/
-      run.json                      config, plan hash, shard list
+      run.json                      run format, config, plan hash, shard list, inputs, identity
       tables/<table>/shard=NNNNN/part-NNNNN[-UNIQUE].parquet   per-shard rows
       tables/<table>_partial/group=GROUP/part-0.parquet        a worker's merged partial statistics
       tables/<table>/part-0[-UNIQUE].parquet                   reduced (aggregate) tables
@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from actlake.errors import StorageError
 from actlake.fs import ObjectPath, write_atomic
 from actlake.tables import PARTIAL_SUFFIX
 
@@ -83,6 +84,25 @@ def sweep_checkpoints(root) -> list[dict] | None:
         return json.loads((root / SWEEP_RECORD).read_text())["checkpoints"]
     except FileNotFoundError:
         return None
+
+
+RUN_FORMAT = 2
+"""The layout of the run folders this actlake writes and reads (``run.json``'s ``format``). 2: commit groups,
+recorded views, a ``source`` column on every reduced table, training runs' publication record, the run's
+identity. A run folder of another format is refused by name: run the job again under a new run id."""
+
+
+def write_run_json(layout: RunLayout, record: dict) -> None:
+    """The run's ``run.json``: ``record`` and the :data:`RUN_FORMAT` it is written in."""
+    write_json_atomic(layout.run_json, {"format": RUN_FORMAT, **record})
+
+
+def check_run_format(run: dict, where) -> None:
+    """StorageError naming ``where`` (a run.json) unless ``run`` is of this actlake's :data:`RUN_FORMAT`."""
+    got = run.get("format", 1)
+    if got != RUN_FORMAT:
+        raise StorageError(f"{where}: run format {got} (written by {'an older' if got < RUN_FORMAT else 'a newer'} "
+                           f"actlake); this actlake reads format {RUN_FORMAT}: run the job again under a new run id")
 
 
 def write_json_atomic(path, obj) -> None:

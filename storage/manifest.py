@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actlake.errors import StorageError
-from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.layout import RunLayout, check_run_format, write_json_atomic
 from actlake.storage.publish import published
 from actlake.storage.shards import committed
 from actlake.tables import PARTIAL_SUFFIX, is_table_name
@@ -88,6 +88,7 @@ def read_run(layout: RunLayout) -> dict:
     if not isinstance(run, dict) or ("shards" in run and not (
             isinstance(run["shards"], list) and all(isinstance(s, dict) and "shard_id" in s for s in run["shards"]))):
         raise StorageError(f"{layout.run_json}: not a run record (a mapping whose shards each have a shard_id)")
+    check_run_format(run, layout.run_json)
     return run
 
 
@@ -124,9 +125,9 @@ def reduce_record(layout: RunLayout, plan_hash) -> dict | None:
     return record if isinstance(record, dict) and record.get("plan_hash") == plan_hash else None
 
 
-def recorded_views(layout: RunLayout) -> dict[str, tuple[str, str]] | None:
+def recorded_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
     """The views the reduce record of the run's plan names (name -> (source table, SELECT)); {} for a training
-    run or an extraction without a reduce record; None for a record written before views were recorded."""
+    run or an extraction without a reduce record."""
     run = read_run(layout)
     if table_specs(run, layout.run_json) is not None:
         return {}
@@ -134,10 +135,8 @@ def recorded_views(layout: RunLayout) -> dict[str, tuple[str, str]] | None:
     record = reduce_record(layout, run.get("plan_hash"))
     if record is None:
         return {}
-    if "views" not in record:
-        return None
     try:
-        return {str(name): (str(v["source"]), str(v["sql"])) for name, v in record["views"].items()}
+        return {str(name): (str(v["source"]), str(v["sql"])) for name, v in record.get("views", {}).items()}
     except (AttributeError, KeyError, TypeError):
         raise StorageError(f"{path}: its views are not name -> {{source, sql}}") from None
 
@@ -189,10 +188,6 @@ def _extraction_files(layout: RunLayout, run: dict) -> dict[str, list[Path]]:
     and by its reduce record."""
     planned = {int(s["shard_id"]) for s in run["shards"]}
     done = committed(layout, run["plan_hash"])
-    if not done.groups and layout.complete.is_dir() and any(p.name.startswith("shard-") for p in layout.complete.iterdir()):
-        raise StorageError(f"{layout.root}: written by an older actlake (one completion record per shard, before commit "
-                           "groups), whose records this version does not read; run `actlake run` with the same config "
-                           "and run id to write it again")
     files: dict[str, list[Path]] = {}
 
     def add(table: str, meta: dict, kinds: tuple[str, ...]):
@@ -213,28 +208,6 @@ def _extraction_files(layout: RunLayout, run: dict) -> dict[str, list[Path]]:
     return files
 
 
-def _partition_value_ok(value: str, spec: TableSpec) -> bool:
-    if spec.partition_type == "int64":
-        return value.lstrip("-").isdigit()
-    return value != ""
-
-
-def _fixed_files(layout: RunLayout, spec: TableSpec) -> list[Path]:
-    """A training table's files: ``part-0.parquet`` directly under the table or under one ``<key>=<value>`` folder."""
-    root = layout.tables / spec.name
-    if spec.partition is None:
-        p = root / "part-0.parquet"
-        return [p] if p.is_file() else []
-    if not root.is_dir():
-        return []
-    out = []
-    for d in sorted(root.iterdir()):
-        key, sep, value = d.name.partition("=")
-        if d.is_dir() and sep and key == spec.partition and _partition_value_ok(value, spec) and (d / "part-0.parquet").is_file():
-            out.append(d / "part-0.parquet")
-    return out
-
-
 def committed_files(layout: RunLayout) -> dict[str, list[Path]]:
     """Table name -> the committed Parquet files of that table (tables without any are left out).
 
@@ -246,10 +219,8 @@ def committed_files(layout: RunLayout) -> dict[str, list[Path]]:
     record = None if specs is None else published(layout)
     if specs is None:
         files = _extraction_files(layout, run)
-    elif record is None:  # a training run from before the publication record
-        files = {name: _fixed_files(layout, spec) for name, spec in specs.items()}
-    else:
-        files = {name: [layout.root / p for p in record.get(name, [])] for name in specs}
+    else:  # a training run: what its publication record names (nothing before its first publication)
+        files = {name: [layout.root / p for p in (record or {}).get(name, [])] for name in specs}
     out = {t: sorted(fs) for t, fs in sorted(files.items()) if fs}
     for fs in out.values():
         for f in fs:
@@ -257,12 +228,6 @@ def committed_files(layout: RunLayout) -> dict[str, list[Path]]:
             if record is not None and not f.is_file():
                 raise StorageError(f"{f}: named by {layout.complete}/published.json but missing")
     return out
-
-
-def fixed_name_files(layout: RunLayout) -> dict[str, list[str]]:
-    """A training run's files by their fixed names (runs from before the publication record), relative to it."""
-    specs = table_specs(read_run(layout), layout.run_json) or {}
-    return {name: [layout.relative(p) for p in _fixed_files(layout, spec)] for name, spec in specs.items()}
 
 
 def inside_the_run(layout: RunLayout, path) -> None:

@@ -8,9 +8,6 @@ job that dies midway (a full disk) publishes nothing of its attempt, and a rerun
 table off (``probes.enabled: false``) removes it from the run. Files the new record no longer
 names are deleted after it is in place. Trials that publish at the same time (their learning
 curves) take turns on an advisory lock, so no update is lost.
-
-A run written before the record existed is read by its fixed names (``part-0.parquet``), which the
-first publication takes over.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ def record_path(layout: RunLayout) -> Path:
 
 def published(layout: RunLayout) -> dict[str, list[str]] | None:
     """Table -> files (relative to the run) the record names, each checked to be one of that table's; None
-    when the run has no record (written before it existed)."""
+    when the run has no record (nothing published yet)."""
     path = record_path(layout)
     try:
         record = json.loads(path.read_text())
@@ -76,11 +73,7 @@ def publish(layout: RunLayout, files: dict[tuple[str, str | None], Path], drop: 
     remove the tables in ``drop``, in one replacement of the record. Other tables and partitions keep
     their files."""
     with _turn(layout):
-        current = published(layout)
-        if current is None:  # a run from before the record: its files by their fixed names
-            from actlake.storage.manifest import fixed_name_files  # loads pyarrow: imported when used
-
-            current = fixed_name_files(layout)
+        current = published(layout) or {}
         new = {t: list(ps) for t, ps in current.items() if t not in drop}
         for (table, partition), src in sorted(files.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
             folder = Path(layout.tables) / table / (partition or "")

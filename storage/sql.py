@@ -35,15 +35,8 @@ from actlake.tables import BY_SOURCE_SUFFIX, SOURCE
 def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
     """View name -> (source table, SELECT): the views the job's analyses (built in and custom) declared over
     their tables, as its reduce record names them; created when the source table has committed files.
-    Querying a run imports no analysis (no torch) and never code named in the run folder. A run reduced
-    before views were recorded gets the built-in analyses' views (which imports them)."""
-
-    views = recorded_views(layout)
-    if views is None:
-        from actlake.analysis.registry import builtin  # loads torch: imported when used
-
-        views = {name: (cls.tables[0], sql) for cls in builtin().values() for name, sql in cls.views.items()}
-    return views
+    Querying a run imports no analysis (no torch) and never code named in the run folder."""
+    return recorded_views(layout)
 
 
 READ_ONLY_STATEMENTS = {"SELECT"}
@@ -108,10 +101,6 @@ def _file_metadata(path):
             return pq.read_metadata(f)
     except Exception as e:
         raise StorageError(f"{path}: not a readable Parquet file ({type(e).__name__}: {_first_line(e)})") from None
-
-
-def _file_schema(path):
-    return _file_metadata(path).schema.to_arrow_schema()
 
 
 def _fixed_size_casts(files: list[Path]) -> list[str]:
@@ -223,14 +212,10 @@ class _Run:
 
     def _over_every_document(self, reduced: set, files: dict) -> dict:
         """Make each reduced table's name hold its rows over every document (``source = '*'``) and, in a
-        ``by_source`` run, ``<table>_by_source`` every label's rows too; returns those tables' full SELECTs. A
-        table reduced before the column existed is every document's: it gets ``source = '*'``."""
+        ``by_source`` run, ``<table>_by_source`` every label's rows too; returns those tables' full SELECTs."""
         split = bool(((read_run(self.layout).get("config") or {}).get("analyses") or {}).get("by_source"))
         labelled = {}
         for t in sorted(reduced):
-            if SOURCE not in _file_schema(files[t][0]).names:
-                self.tables[t] = f"SELECT {_quote(ALL)} AS {SOURCE}, * FROM ({self.tables[t]})"
-                continue
             if split and not is_table_name(t + BY_SOURCE_SUFFIX) or t + BY_SOURCE_SUFFIX in self.tables:
                 raise StorageError(f"{self.layout.root}: table {t!r} has no free name for its rows by source")
             if split:

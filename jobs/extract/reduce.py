@@ -44,10 +44,10 @@ def merge_partials(layout: RunLayout, groups: list[dict], cls, max_sources: int 
 
 
 def model_dtype(layout: RunLayout, summaries: list[dict]) -> str | None:
-    """The model dtype every shard ran in (None for shards from before it was recorded). StorageError when
+    """The model dtype every shard ran in (None without shards). StorageError when
     shards differ: ``model.dtype: auto`` resolved differently on different machines (GPU or not), and
     merging them would mix two precisions."""
-    dtypes = sorted({s["dtype"] for s in summaries if "dtype" in s})
+    dtypes = sorted({s["dtype"] for s in summaries})
     if len(dtypes) > 1:
         raise StorageError(f"{layout.root}: shards ran the model in different dtypes ({', '.join(dtypes)}), e.g. "
                            f"model.dtype: auto on GPU and CPU workers; set model.dtype and rerun under a new run id")

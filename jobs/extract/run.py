@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import json
 import logging
 import os
 import sys
@@ -28,8 +27,9 @@ from actlake.jobs.extract.progress import Progress, job_counter
 from actlake.jobs.extract.reduce import reduce_run
 from actlake.jobs.extract.report import build_report
 from actlake.provenance import provenance
-from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.layout import RunLayout, write_json_atomic, write_run_json
 from actlake.storage.lock import run_lock
+from actlake.storage.manifest import read_run
 from actlake.storage.shards import committed
 
 log = logging.getLogger("actlake.run")
@@ -140,17 +140,11 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, input
     identity = run_identity(cfg, custom_code(cfg))
     layout.root.mkdir(parents=True, exist_ok=True)
     if layout.run_json.is_file():
-        old = json.loads(layout.run_json.read_text())
-        if "inputs" not in old:
-            raise StorageError(f"{layout.run_json} records no input fingerprints (made by an older actlake), so its "
-                               f"corpus cannot be checked; pick a new output.run_id or delete {layout.root}")
+        old = read_run(layout)  # a run of another format: refused, naming it
         changed = first_change(old["inputs"], inputs)
         if changed:
             raise CorpusError(f"{changed[0]}: {changed[1]} since run '{layout.root.name}' was planned, so its results "
                               f"would mix two corpora; pick a new output.run_id (--run-id) or delete {layout.root}")
-        if "identity" not in old:
-            raise StorageError(f"{layout.run_json} records no model or code identity (made by an older actlake), so a "
-                               f"resume could mix two models; pick a new output.run_id or delete {layout.root}")
         changed = identity_change(old["identity"], identity)
         if changed:
             raise StorageError(f"{changed} since run '{layout.root.name}' began, so its results would mix two "
@@ -162,7 +156,7 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, input
                 f"(plan {old.get('plan_hash')} vs {phash}); pick a new output.run_id or delete the folder"
             )
         return
-    write_json_atomic(layout.run_json, {"run_id": layout.root.name, "plan_hash": phash, "config": cfg.to_dict(),
+    write_run_json(layout, {"run_id": layout.root.name, "plan_hash": phash, "config": cfg.to_dict(),
                                         "inputs": inputs, "identity": identity, "shards": [asdict(s) for s in shards],
                                         "created": time.time()})
 

@@ -9,7 +9,6 @@ Ray's own checkpoint and trial APIs are not used: docs/architecture.md.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -172,13 +171,15 @@ def worker_setup(config: dict):
 def check_settings(layout, kind: str, key: str, settings: dict, what: str, world_size: int | None) -> None:
     """Refuse to resume a run directory whose recorded ``key`` settings (or world size) differ.
 
-    ``world_size`` (Ray Train workers) changes the effective batch, so it is compared too; a run
-    recorded before it was stored is accepted. The error names the keys that differ."""
+    ``world_size`` (Ray Train workers) changes the effective batch, so it is compared too. The error names the
+    keys that differ; a run folder of another format is refused by name."""
+    from actlake.storage.manifest import read_run  # loads pyarrow: imported when used
+
     if not layout.run_json.exists():
         return
-    old = json.loads(layout.run_json.read_text())
+    old = read_run(layout)
     diff = _differing_keys(old.get(key) or {}, settings)
-    if old.get("world_size") is not None and world_size is not None and old["world_size"] != world_size:
+    if world_size is not None and old.get("world_size") != world_size:
         diff.append(f"resources.num_workers ({old['world_size']} -> {world_size})")
     if diff:
         raise StorageError(f"{layout.root} holds a {kind} run with a different {what} ({', '.join(diff)}); "

@@ -67,7 +67,7 @@ def test_a_predictor_rerun_without_probes_unpublishes_probe_scores(tmp_path):
     from actlake.storage.publish import pending_file, publish_pending
 
     run = tmp_path / "run"
-    write_json_atomic(run / "run.json", {"run_id": "run", "kind": "predictor"})
+    write_json_atomic(run / "run.json", {"format": 2, "run_id": "run", "kind": "predictor"})
 
     def attempt(layers, probes: bool):
         for layer in layers:

@@ -296,22 +296,30 @@ def test_the_spill_bound_is_enforced(run, cwd):
     assert not list(cwd.iterdir())
 
 
-def test_training_run_tables_are_their_fixed_files(tmp_path, cwd):
-    """A synthetic-training run: ``tables/<t>/trial=<name>/part-0.parquet`` count, other files do not."""
+def test_training_run_tables_are_the_files_its_record_publishes(tmp_path, cwd):
+    """A synthetic-training run: the files its publication record names count, other files (a stray one, a
+    ``part-0.parquet`` of the old fixed names) do not; a run folder of another format is refused by name."""
     import pyarrow as pa
 
-    from actlake.storage.layout import write_json_atomic
+    from actlake.storage.layout import RunLayout, write_json_atomic, write_run_json
+    from actlake.storage.publish import publish
 
     run = tmp_path / "synth"
-    write_json_atomic(run / "run.json", {"run_id": "synth", "kind": "synthetic"})
+    layout = RunLayout(run)
+    write_run_json(layout, {"run_id": "synth", "kind": "synthetic"})
+    written = {}
     for trial, n in (("a", 3), ("b", 5)):
-        path = run / "tables" / "training_curves" / f"trial={trial}" / "part-0.parquet"
-        path.parent.mkdir(parents=True)
-        pq.write_table(pa.table({"step": list(range(n))}), path)
-    pq.write_table(pa.table({"step": [99]}), run / "tables" / "training_curves" / "trial=a" / "extra.parquet")
+        written[("training_curves", f"trial={trial}")] = tmp_path / f"{trial}.parquet"
+        pq.write_table(pa.table({"step": list(range(n))}), tmp_path / f"{trial}.parquet")
+    publish(layout, written)
+    pq.write_table(pa.table({"step": [99]}), run / "tables" / "training_curves" / "trial=a" / "part-0.parquet")
     pq.write_table(pa.table({"step": [99]}), run / "tables" / "training_curves" / "stray.parquet")
     rows = query(run, "SELECT trial, count(*) AS n FROM training_curves GROUP BY trial ORDER BY trial").to_pylist()
     assert rows == [{"trial": "a", "n": 3}, {"trial": "b", "n": 5}]
+    write_json_atomic(run / "run.json", {"run_id": "synth", "kind": "synthetic"})  # as actlake 0.1.0 wrote it
+    with pytest.raises(StorageError, match=r"run.json: run format 1 \(written by an older actlake\); this actlake "
+                                           r"reads format 2: run the job again under a new run id"):
+        query(run, "SELECT 1")
 
 
 def test_the_table_registry_covers_what_the_jobs_write():
@@ -352,7 +360,7 @@ def test_a_run_of_the_per_shard_record_format_is_named_not_shown_half_empty(tmp_
     (run / "_complete").mkdir(parents=True)
     (run / "run.json").write_text(json.dumps({"plan_hash": "p", "shards": [{"shard_id": 0}]}))
     (run / "_complete" / "shard-00000.json").write_text(json.dumps({"shard_id": 0, "plan_hash": "p", "files": {}}))
-    with pytest.raises(StorageError, match=r"older actlake .* run `actlake run` with the same config and run id"):
+    with pytest.raises(StorageError, match=r"run format 1 \(written by an older actlake\); .* new run id"):
         query(run, "SELECT 1")
 
 

@@ -85,7 +85,7 @@ def test_malformed_records_are_named_not_tracebacks(tmp_path):
         write_json_atomic(layout.run_json, run_json)
         with pytest.raises(StorageError, match=message):
             committed_files(layout)
-    write_json_atomic(layout.run_json, {"plan_hash": "p", "shards": [{"shard_id": 0}]})
+    write_json_atomic(layout.run_json, {"format": 2, "plan_hash": "p", "shards": [{"shard_id": 0}]})
     write_json_atomic(layout.complete / "reduced.json", {"plan_hash": "p", "files": ["tables/x/part-0.parquet"]})
     with pytest.raises(StorageError, match=r"reduced.json: its files are not table -> \{path, bytes\}"):
         committed_files(layout)

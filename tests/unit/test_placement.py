@@ -138,6 +138,6 @@ def test_shards_in_different_dtypes_are_not_merged(tmp_path):
 
     layout = RunLayout(tmp_path)
     rec = lambda d: {"dtype": d}  # shard summaries
-    assert model_dtype(layout, [rec("float32"), rec("float32"), {}]) == "float32"
+    assert model_dtype(layout, [rec("float32"), rec("float32")]) == "float32" and model_dtype(layout, []) is None
     with pytest.raises(StorageError, match="bfloat16, float32"):
         model_dtype(layout, [rec("float32"), rec("bfloat16")])

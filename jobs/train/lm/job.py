@@ -25,7 +25,7 @@ from actlake.storage.checkpoints import (
     prepare_checkpoints,
     verified_checkpoints,
 )
-from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.layout import RunLayout, write_json_atomic, write_run_json
 from actlake.storage.lock import holds_run_dir
 from actlake.storage.publish import publish_table
 
@@ -53,7 +53,7 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     data = layout.root / "data"
     sizes = _token_streams(cfg, data, inputs)
     lm.check_token_counts(cfg, sizes)
-    write_json_atomic(layout.run_json, {"run_id": layout.root.name, "kind": "train-lm", "settings": settings,
+    write_run_json(layout, {"run_id": layout.root.name, "kind": "train-lm", "settings": settings,
                                         "inputs": inputs, "world_size": r.num_workers})
     print(f"train-lm: {sizes['documents']:,} documents, {sizes['train']:,} training and {sizes['eval']:,} held-out "
           f"tokens, vocabulary {sizes['vocab_size']:,}", flush=True)

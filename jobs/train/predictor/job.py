@@ -18,7 +18,7 @@ from actlake.jobs.train.training import Resources, Trial, check_settings, run_tr
 from actlake.provenance import provenance
 from actlake.storage.activations import check_store_values, verify_store
 from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints
-from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.layout import RunLayout, write_json_atomic, write_run_json
 from actlake.storage.lock import holds_run_dir
 from actlake.storage.publish import discard_pending, publish_pending
 
@@ -59,7 +59,7 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
     if missing:
         raise ConfigError(f"{cfg.source_file}: 'layers': {missing} not in the store {cfg.store} "
                           f"(it holds hidden states {info['layers']})")
-    write_json_atomic(layout.run_json, {"run_id": layout.root.name, "kind": "predictor", "settings": settings,
+    write_run_json(layout, {"run_id": layout.root.name, "kind": "predictor", "settings": settings,
                                         "store": cfg.store, "store_fingerprint": store["fingerprint"],
                                         "world_size": cfg.resources.num_workers, "model": info["model"]})
     shutil.rmtree(layout.staging, ignore_errors=True)

@@ -16,7 +16,7 @@ from actlake.jobs.train.synthetic.report import build_synthetic_report
 from actlake.jobs.train.training import Resources, Trial, check_settings, run_trials
 from actlake.provenance import provenance
 from actlake.storage.checkpoints import checkpoint_identity, prepare_checkpoints, require_finished
-from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.storage.layout import RunLayout, write_json_atomic, write_run_json
 from actlake.storage.lock import holds_run_dir
 
 log = logging.getLogger("actlake.synthetic")
@@ -37,7 +37,7 @@ def _prepare(cfg: SyntheticConfig, layout: RunLayout) -> None:
     training = {k: v for k, v in cfg.to_dict().items() if k not in ("output", "resources", "analysis", "name")}
     check_settings(layout, "synthetic", "training", training, "process, model or training config",
                    cfg.resources.num_workers)
-    write_json_atomic(layout.run_json, {"run_id": layout.root.name, "kind": "synthetic", "training": training,
+    write_run_json(layout, {"run_id": layout.root.name, "kind": "synthetic", "training": training,
                                         "config": cfg.to_dict(), "world_size": cfg.resources.num_workers,
                                         "created": time.time()})
 
