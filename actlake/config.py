@@ -11,10 +11,11 @@ import hashlib
 import importlib.util
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
 from actlake.config_base import (
     PACKAGE_PREFIX,
@@ -25,6 +26,7 @@ from actlake.config_base import (
     Section,
     _compose_with_lines,
     _fail,
+    config_error,
     looks_local,
     validate,
 )
@@ -136,25 +138,44 @@ class CustomAnalysisConfig(Section):
     args: dict = {}
     """Keyword arguments of the class's `create(spec, **args)`."""
 
+DEPRECATED_ANALYSES_KEYS = {"weighted_contributions": ("contributions", "weighted"),
+                            "contributions_by_query_category": ("contributions", "by_query_category")}
+"""Flat option keys of 0.1.0 -> (analysis, option): read with a DeprecationWarning; removed in the release after."""
+
+
 class AnalysesConfig(Section):
-    tokens: bool = True
-    """Write the ``tokens`` table (one row per token)."""
-    residual_norms: bool = True
-    """Write ``residual_norms`` (one row per token and layer)."""
-    dim_moments: bool = True
-    """Per (layer, category, dimension) moments, merged into ``dim_moments``."""
-    attention_mass: bool = True
-    """Attention mass by query and key category per layer and head, merged into ``attention_mass``."""
-    contributions: bool = True
-    """Per-dimension contributions to attention scores by key category (and their attention-weighted sums)."""
-    contributions_by_query_category: bool = False
-    """Also split contributions by the query's category (one more pass per query category)."""
-    weighted_contributions: bool = True
-    """Attention-weighted contributions (needs explicit attention weights, computed in query blocks). The costliest analysis: about 14 % of the forward pass on CPU (MiniLM, 128-token windows; see Measured)."""
-    geometry: bool = True
-    """Mean ||q||, ||k||, cos(q, k) per key category and the key-normalised attention mass."""
-    attention_by_distance: bool = True
-    """Mean attention weight per relative position m - n (needs the weights: explicit blocks, or a Triton kernel on the FlashAttention path; not `attention_weights: fused`)."""
+    """Which producers run and how. Besides the keys below, one key per built-in producer, named as it is
+    (``dim_moments: false``, ``contributions: {weighted: false}``): ``true``/``false`` turns it on or off, a mapping
+    of its options turns it on with them. The producers' names and options are the registry's
+    (:mod:`actlake.analysis.registry`), checked before Ray starts (docs: Configuration, Analyses)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _producer_entries(cls, data):
+        """Deprecated flat keys into their analysis's mapping; every other key not declared here is a producer's:
+        true, false or a mapping of its options."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, (name, option) in DEPRECATED_ANALYSES_KEYS.items():
+            if old in data:
+                warnings.warn(f"analyses.{old} is deprecated: write analyses.{name}: {{{option}: ...}}",
+                              DeprecationWarning, stacklevel=2)
+                value, entry = data.pop(old), data.get(name, True)
+                if entry is not False:
+                    data[name] = {option: value, **(entry if isinstance(entry, dict) else {})}
+        for key, value in data.items():
+            if key not in cls.model_fields and not isinstance(value, (bool, dict)):
+                config_error(("analyses", key), f"a producer's entry is true, false or a mapping of its options, got "
+                                                f"{value!r}")
+        return data
+
+    def entry(self, name: str):
+        """``analyses.<name>`` as written: True, False, a mapping of options, or None when not set."""
+        return (self.model_extra or {}).get(name)
+
     attention_weights: Literal["auto", "explicit", "fused"] = "auto"
     """How the attention analyses get attention weights. `explicit`: computed once per layer in cache-sized blocks, every statistic read off them, and the model's SDPA output taken from them instead of running the kernel again. `fused`: never built; attention mass and key-normalised mass by one fused-kernel call each with one-hot V (O(T) memory), without weighted_contributions and attention_by_distance. `auto`: on a GPU with a causal 16-bit model, FlashAttention kernels for the output and both masses, and the weighted sums and attention_by_distance as `triton_kernels` says; with a bidirectional 16-bit model (BERT, MiniLM) and the Triton kernels on, the kernels for every product; else fused on a GPU when no enabled analysis needs the weights; else explicit."""
     triton_kernels: Optional[bool] = None
@@ -286,11 +307,6 @@ def _check_values(cfg: JobConfig, err) -> None:
             err(("model", "checkpoints", i), f"label {c.name!r} is not a folder name, or another checkpoint has it: "
                                               "set label")
     a = cfg.analyses
-    if a.attention_weights == "fused":
-        for name in ("weighted_contributions", "attention_by_distance"):
-            if getattr(a, name) and (name != "weighted_contributions" or a.contributions):
-                err(("analyses", "attention_weights"), f"'fused' computes no attention weights, which analyses.{name} "
-                    f"needs: set analyses.{name}: false or attention_weights: explicit/auto")
     for i, c in enumerate(a.custom):
         module, _, cls = c.analysis.partition(":")
         if not module or not cls or not all(p.isidentifier() for p in module.split(".") + [cls]):

@@ -24,6 +24,7 @@ SHOWN_DISTANCE = 32
 @dataclass
 class AttentionByDistance(OneTable, SumStats):
     name = "attention_by_distance"
+    about = 'Mean attention weight per relative position m - n (needs the weights: explicit blocks, or a Triton kernel on the FlashAttention path; not `attention_weights: fused`).'
     graph_safe = True
     sites = frozenset({"attention"})
     products = frozenset({"distance"})

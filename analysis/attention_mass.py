@@ -23,6 +23,7 @@ from actlake.categories import ROLE
 @dataclass
 class AttentionMass(OneTable, SumStats):
     name = "attention_mass"
+    about = 'Attention mass by query and key category per layer and head, merged into `attention_mass`.'
     graph_safe = True
     sites = frozenset({"attention"})
     products = frozenset({"mass"})

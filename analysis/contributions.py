@@ -25,7 +25,7 @@ from actlake.analysis.dim_moments import top_outlier_dims
 from actlake.analysis.engine import grid
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import LayerQK
-from actlake.analysis.protocol import OneTable
+from actlake.analysis.protocol import NoOptions, OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
 
@@ -100,6 +100,7 @@ def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Contributions(OneTable, SumStats):
     name = "contributions"
+    about = 'Per-dimension contributions to attention scores by key category (and their attention-weighted sums), merged into `contributions`.'
     graph_safe = True
     sites = frozenset({"attention", "layer_inputs"})
     products = frozenset({"weighted_qsum"})
@@ -127,10 +128,16 @@ class Contributions(OneTable, SumStats):
     weighted_on: bool = True
     """Accumulate the attention-weighted sums (they need the ``weighted_qsum`` product)."""
 
+    class Options(NoOptions):
+        weighted: bool = True
+        """The attention-weighted sums too (they need explicit attention weights, computed in query blocks): the
+        costliest analysis (docs: Benchmarks)."""
+        by_query_category: bool = False
+        """Also split the contributions by the query's category (one more pass per query category)."""
+
     @classmethod
-    def options_from(cls, cfg) -> dict:
-        return {"by_query_category": cfg.analyses.contributions_by_query_category,
-                "weighted": cfg.analyses.weighted_contributions}
+    def products_for(cls, options: dict) -> frozenset:
+        return cls.products if options.get("weighted", True) else frozenset()
 
     @classmethod
     def create(cls, spec, by_query_category: bool = False, weighted: bool = True) -> "Contributions":

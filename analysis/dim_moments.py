@@ -40,6 +40,7 @@ OUTLIER_Z = 5.0
 @dataclass
 class DimMoments(OneTable, Analysis):
     name = "dim_moments"
+    about = 'Per (layer, category, dimension) moments of the residual stream, merged into `dim_moments`; views `outliers`, `massive_activations`.'
     sites = frozenset({"hidden_states"})
     tables = ("dim_moments",)
     nonfinite_layer = "hidden state"

@@ -26,6 +26,7 @@ from actlake.categories import ROLE
 @dataclass
 class Geometry(OneTable, SumStats):
     name = "geometry"
+    about = 'Mean ||q||, ||k||, cos(q, k) per key category and the key-normalised attention mass (`attention_geometry`).'
     graph_safe = True
     sites = frozenset({"attention"})
     products = frozenset({"mass", "mass_keynorm"})

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from actlake.analysis.engine.batch import BatchOutputs, HiddenBatch, ModelSpec  # noqa: F401 - part of the protocol
 
@@ -41,6 +42,13 @@ Product = Literal["mass", "mass_keynorm", "weighted_qsum", "distance"]
 (METHODS.md §2-4; :mod:`~actlake.analysis.engine.attention_weights`)."""
 SITES: frozenset = frozenset(get_args(Site))
 PRODUCTS: frozenset = frozenset(get_args(Product))
+
+
+class NoOptions(BaseModel):
+    """A producer's options (``analyses.<name>: {option: value}``): a pydantic model whose fields are the keyword
+    arguments of its :meth:`Producer.create`, each with its default and a docstring (the config reference shows them)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,12 @@ class Producer(ABC):
     keeps no Python state per layer, and writes only its tensor fields, each at ``[lq.layer]`` on its
     first dimension. :meth:`layer_scratch` must then work (it does for :class:`~actlake.analysis.stats.SumStats`)."""
 
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    """Its options, a subclass of :class:`NoOptions`; the job validates ``analyses.<name>`` against it before Ray."""
+    about: ClassVar[str] = ""
+    """What it writes, in a sentence (the configuration reference shows it)."""
+    default_on: ClassVar[bool] = True
+    """A built-in producer runs unless the config sets ``analyses.<name>: false`` (False: only when it is set)."""
     headlines: ClassVar[tuple[Headline, ...]] = ()
     """Its headline statistics (:class:`Headline`), drawn by the report where runs, checkpoints or sources are compared."""
     nonfinite_layer: ClassVar[str | None] = None
@@ -97,9 +111,16 @@ class Producer(ABC):
 
     @classmethod
     def options_from(cls, cfg) -> dict:
-        """Keyword arguments of :meth:`create` from the job's config (a :class:`~actlake.config.JobConfig`);
-        a custom producer gets its ``analyses.custom[].args`` instead."""
-        return {}
+        """Keyword arguments of :meth:`create` from the job's config (a :class:`~actlake.config.JobConfig`): its
+        ``analyses.<name>`` mapping through :attr:`Options` (:func:`~actlake.analysis.registry.options_of` names a bad
+        one before Ray); a custom producer gets its ``analyses.custom[].args`` instead."""
+        entry = cfg.analyses.entry(cls.name)
+        return cls.Options(**(entry if isinstance(entry, dict) else {})).model_dump()
+
+    @classmethod
+    def products_for(cls, options: dict) -> frozenset:
+        """The attention products it reads when created with ``options`` (default :attr:`products`)."""
+        return cls.products
 
     @classmethod
     @abstractmethod

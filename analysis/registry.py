@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
 import traceback
 
+from pydantic import ValidationError
+
 from actlake.analysis.activation_sample import ActivationSample
 from actlake.analysis.attention_distance import AttentionByDistance
 from actlake.analysis.attention_mass import AttentionMass
+from actlake.analysis.attention_peak import AttentionPeak
 from actlake.analysis.contributions import Contributions
 from actlake.analysis.dim_moments import DimMoments
 from actlake.analysis.documents import Documents, Rejects
@@ -23,7 +27,7 @@ from actlake.tables import BY_SOURCE_SUFFIX, PARTIAL_SUFFIX, is_table_name
 
 def builtin() -> dict[str, type[Analysis]]:
     """The built-in analyses by config key (``analyses.<name>: true/false``)."""
-    return {c.name: c for c in (DimMoments, AttentionMass, Contributions, Geometry, AttentionByDistance)}
+    return {c.name: c for c in (DimMoments, AttentionMass, Contributions, Geometry, AttentionByDistance, AttentionPeak)}
 
 
 def builtin_producers() -> list[type[Producer]]:
@@ -31,10 +35,60 @@ def builtin_producers() -> list[type[Producer]]:
     return list(builtin().values()) + [Documents, Rejects, Tokens, ResidualNorms, ActivationSample]
 
 
+TOGGLED_TABLES = (Tokens, ResidualNorms)
+"""Built-in shard tables a config turns on and off by name (``documents`` and ``rejects`` are always written; the
+activation sample is the ``activations`` section's)."""
+
+
+def is_on(cls, cfg) -> bool:
+    """Whether ``analyses.<name>`` turns a built-in producer on (absent: its :attr:`~Producer.default_on`)."""
+    entry = cfg.analyses.entry(cls.name)
+    return cls.default_on if entry is None else entry is not False
+
+
 def builtin_tables(cfg) -> list[type[ShardTable]]:
     """The built-in shard tables a job's config turns on, in the order a shard writes them."""
-    return [Documents, Rejects] + [Tokens] * bool(cfg.analyses.tokens) + [ResidualNorms] * bool(cfg.analyses.residual_norms) \
+    return [Documents, Rejects] + [cls for cls in TOGGLED_TABLES if is_on(cls, cfg)] \
         + [ActivationSample] * bool(cfg.activations.layers)
+
+
+WEIGHTS_PRODUCTS = frozenset({"weighted_qsum", "distance"})
+"""Products that need the attention weights, which ``attention_weights: fused`` never builds."""
+
+
+def options_of(cls, entry) -> dict:
+    """``analyses.<name>`` (True, False, None or a mapping) as the keyword arguments of ``cls.create``; a
+    ConfigError naming the option and what it takes."""
+    given = entry if isinstance(entry, dict) else {}
+    try:
+        return cls.Options(**given).model_dump()
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(map(str, ("analyses", cls.name, *err["loc"])))
+        if err["type"] == "extra_forbidden":
+            known = list(cls.Options.model_fields)
+            raise ConfigError(f"{key}: {cls.name} has no such option ("
+                              f"{'its options: ' + ', '.join(known) if known else 'it has none'})") from None
+        raise ConfigError(f"{key}: {err['msg'].lower()}, got {err['input']!r}") from None
+
+
+def check_analysis_entries(cfg) -> None:
+    """ConfigError naming the key when ``analyses`` names a producer that is not built in, gives options one does
+    not have or values of the wrong type, or turns on one that needs attention weights with
+    ``attention_weights: fused``."""
+    named = {cls.name: cls for cls in list(builtin().values()) + list(TOGGLED_TABLES)}
+    for key in cfg.analyses.model_extra or {}:
+        if key not in named:
+            close = difflib.get_close_matches(key, list(named), n=1)
+            raise ConfigError(f"analyses.{key}: no built-in analysis or table of that name"
+                              + (f" (did you mean '{close[0]}'?)" if close else f" (built in: {', '.join(named)})")
+                              + "; your own go under analyses.custom")
+    for name, cls in named.items():
+        options = options_of(cls, cfg.analyses.entry(name))
+        needs = cls.products_for(options) & WEIGHTS_PRODUCTS
+        if needs and is_on(cls, cfg) and cfg.analyses.attention_weights == "fused":
+            raise ConfigError(f"analyses.attention_weights: 'fused' computes no attention weights, which analyses.{name} "
+                              f"needs ({', '.join(sorted(needs))}): turn it off or set attention_weights: explicit/auto")
 
 
 def load_class(target: str, where: str = "analyses.custom") -> type[Producer]:
@@ -70,7 +124,7 @@ def custom(cfg) -> list[tuple[type[Producer], dict]]:
 
 def enabled(cfg) -> list[tuple[type[Analysis], dict]]:
     """(class, options) of every analysis a job's config turns on, built-ins first."""
-    out = [(cls, cls.options_from(cfg)) for name, cls in builtin().items() if getattr(cfg.analyses, name)]
+    out = [(cls, options_of(cls, cfg.analyses.entry(name))) for name, cls in builtin().items() if is_on(cls, cfg)]
     return out + [(cls, options) for cls, options in custom(cfg) if issubclass(cls, Analysis)]
 
 
@@ -83,7 +137,8 @@ def shard_tables(cfg) -> list[tuple[type[ShardTable], dict]]:
 def check_table_names(cfg) -> None:
     """ConfigError naming the producers when two of a job's producers write the same table, or a table
     name is not a plain identifier or ends in ``_partial`` (the reduce step's partials); the views' names too
-    (:func:`check_view_names`)."""
+    (:func:`check_view_names`); first, the ``analyses`` entries (:func:`check_analysis_entries`)."""
+    check_analysis_entries(cfg)
     seen: dict[str, str] = {}
     for cls, _ in enabled(cfg) + shard_tables(cfg):
         for table in cls.tables:

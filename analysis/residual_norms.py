@@ -25,6 +25,7 @@ class ResidualNorms(ShardTable):
     without blocking after the last layer; rows of the real tokens at :meth:`collect`."""
 
     name = "residual_norms"
+    about = 'The `residual_norms` table: one row per token and hidden state.'
     sites = frozenset({"hidden_states"})
     tables = ("residual_norms",)
     schema = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),

@@ -23,6 +23,7 @@ class Tokens(ShardTable):
     texts from the categorizer, surprisal NaN (no context) or absent (no LM head) as null)."""
 
     name = "tokens"
+    about = 'The `tokens` table: one row per token (id, text, categories, surprisal).'
     tables = ("tokens",)
     schema = TOKENS_SCHEMA
 

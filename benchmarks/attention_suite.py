@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("plain", "suite", "attention", "fused")
 MARGINAL = ("weighted_contributions", "contributions", "geometry", "attention_by_distance", "dim_moments",
             "residual_norms")
+"""``weighted_contributions``: analyses.contributions: {weighted: false}."""
 """Analyses whose cost ``--marginal`` measures (``minus-contributions`` drops the weighted sums too)."""
 
 
@@ -75,12 +76,13 @@ def _extractor(name: str, lm, max_length: int):
 
     analyses = {"tokens": False}
     if name.startswith("minus-"):
-        analyses[name.removeprefix("minus-")] = False
+        off = name.removeprefix("minus-")
+        analyses.update({"contributions": {"weighted": False}} if off == "weighted_contributions" else {off: False})
     if name == "attention":
         analyses.update(residual_norms=False, dim_moments=False)
     if name == "fused":
         analyses.update(residual_norms=False, dim_moments=False, attention_weights="fused",
-                        weighted_contributions=False, attention_by_distance=False)
+                        contributions={"weighted": False}, attention_by_distance=False)
     return Extractor(parse_config({"name": "bench", "analyses": analyses, "tokenization": {"max_length": max_length}}), lm)
 
 

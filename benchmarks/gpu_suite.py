@@ -176,7 +176,7 @@ def extractor(name: str, lm, args):
         analyses.update(layer_graphs=False)
     if name == "fused":
         analyses.update(residual_norms=False, dim_moments=False, attention_weights="fused",
-                        weighted_contributions=False, attention_by_distance=False)
+                        contributions={"weighted": False}, attention_by_distance=False)
     cfg = {"name": "bench", "analyses": analyses, "tokenization": {"max_length": args.seq_len},
            "batching": {"max_tokens": args.batch_tokens}}
     return Extractor(parse_config(cfg), lm)

@@ -199,10 +199,11 @@ def _cmd_run(args) -> int:
     if os.path.isdir(act):
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(act) for f in fs)
         print(f"store:   activation store {size / 2**20:,.1f} MiB on disk ({act})")
+    norms = cfg.analyses.entry("residual_norms") is not False  # the table is on by default
     if cfg.model.checkpoints:
-        example = EXAMPLE_SWEEP_SQL if cfg.analyses.residual_norms else EXAMPLE_SWEEP_TOKENS_SQL
+        example = EXAMPLE_SWEEP_SQL if norms else EXAMPLE_SWEEP_TOKENS_SQL
     else:
-        example = EXAMPLE_SQL if cfg.analyses.residual_norms else EXAMPLE_TOKENS_SQL
+        example = EXAMPLE_SQL if norms else EXAMPLE_TOKENS_SQL
     print(f"\nexample: {command_prefix()} sql {shlex.quote(str(res.run_dir))} {shlex.quote(example)}")
     _show(query(res.run_dir, example))
     return 0

@@ -158,10 +158,10 @@ def _sites(ex: Extractor, active: list, run) -> list[tuple[str, str]]:
     return reads.sites
 
 
-FUSED = {"attention_weights": "fused", "weighted_contributions": False, "attention_by_distance": False}
+FUSED = {"attention_weights": "fused", "contributions": {"weighted": False}, "attention_by_distance": False}
 
 
-@pytest.mark.parametrize("options", [{"contributions_by_query_category": True}, FUSED], ids=["explicit", "fused"])
+@pytest.mark.parametrize("options", [{"contributions": {"by_query_category": True}}, FUSED], ids=["explicit", "fused"])
 @pytest.mark.parametrize("family", [*FAMILIES, "minilm"])
 def test_launching_a_batch_reads_back_only_what_the_plain_forward_pass_reads(family, options, deep_tiny_models,
                                                                              minilm_path, tmp_path, marked_to_device):

@@ -53,7 +53,7 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("family", [*FAMILIES, "minilm"])
-@pytest.mark.parametrize("options", [{}, {"contributions_by_query_category": True, "attention_weights": "explicit"}],
+@pytest.mark.parametrize("options", [{}, {"contributions": {"by_query_category": True}, "attention_weights": "explicit"}],
                          ids=["defaults", "by-query-category"])
 def test_replayed_layers_equal_layers_computed_one_by_one(family, options, device, deep_tiny_models, request,
                                                           tmp_path):

@@ -189,7 +189,7 @@ def test_fused_attention_weights_give_the_same_mass_and_geometry_tables(tiny_mod
     over = {"corpus.max_docs": 6}
     explicit = run_job(job_config(tiny_models["llama"], sample_corpus, tmp_path / "explicit", **over))
     fused = run_job(job_config(tiny_models["llama"], sample_corpus, tmp_path / "fused", **over,
-                               **{"analyses.attention_weights": "fused", "analyses.weighted_contributions": False,
+                               **{"analyses.attention_weights": "fused", "analyses.contributions": {"weighted": False},
                                   "analyses.attention_by_distance": False}))
     for table, keys, cols in (
             ("attention_mass", "layer, head, query_category, key_category", "mass"),

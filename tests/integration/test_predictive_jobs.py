@@ -31,8 +31,8 @@ from tests.integration.browser import CHROMIUM, open_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-OFF = {f"analyses.{k}": False for k in ("residual_norms", "dim_moments", "attention_mass", "contributions",
-                                         "weighted_contributions", "geometry", "attention_by_distance")}
+OFF = {f"analyses.{k}": False for k in ("residual_norms", "dim_moments", "attention_mass", "contributions", "geometry",
+                                         "attention_by_distance")}
 
 
 RAY_LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?\((\w+ )?(pid=|raylet)")

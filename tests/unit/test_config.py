@@ -32,11 +32,16 @@ def test_wrong_type_and_bad_choice(tmp_path):
 
 
 def test_fused_attention_weights_refuse_analyses_that_need_the_weights(tmp_path):
+    from actlake.analysis.registry import check_table_names
+
     p = _write(tmp_path, "analyses:\n  attention_weights: fused\n")
-    with pytest.raises(ConfigError, match=r"line 2.*analyses.attention_weights.*weighted_contributions"):
-        load_config(p, check_files=False)
-    ok = "analyses:\n  attention_weights: fused\n  weighted_contributions: false\n  attention_by_distance: false\n"
-    assert load_config(_write(tmp_path, ok), check_files=False).analyses.attention_weights == "fused"
+    with pytest.raises(ConfigError, match=r"analyses.attention_weights: 'fused' .* analyses.contributions needs "
+                                          r"\(weighted_qsum\)"):
+        check_table_names(load_config(p, check_files=False))
+    ok = "analyses:\n  attention_weights: fused\n  contributions: {weighted: false}\n  attention_by_distance: false\n"
+    cfg = load_config(_write(tmp_path, ok), check_files=False)
+    check_table_names(cfg)
+    assert cfg.analyses.attention_weights == "fused"
 
 
 
