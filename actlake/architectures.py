@@ -131,7 +131,7 @@ def check_config(config) -> Family:
     that is not modelled (a refused family, a refused config attribute). Sliding windows need no declaring: the
     kernel is handed each layer's window, and the statistics count the pairs it attends."""
     if declared(config.model_type) is None:
-        from actlake.discovery import discover  # loads torch, transformers: imported when used
+        from actlake.discovery import discover
 
         return discover(config)
     fam = family_for(config.model_type)
@@ -148,7 +148,7 @@ def check_config(config) -> Family:
 def read_model_config(name_or_path: str, revision=None, trust_remote_code: bool = False):
     """The transformers config of a model (no weights): ``config.json`` of a local folder through
     ``AutoConfig.for_model``, a hub id through ``AutoConfig.from_pretrained``."""
-    from transformers import AutoConfig  # loads transformers: imported when used
+    from transformers import AutoConfig
 
     try:
         if os.path.isdir(name_or_path):
@@ -209,7 +209,7 @@ def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, he
 def key_norm_gain(norm, n_kv_heads: int, head_dim: int):
     """(H_kv, d_h) float32 gain g of an RMS-type norm (w, 1 + w, or none): the norm of a vector of ones,
     times sqrt(1 + eps) (its RMS). Read from the module itself, so the variant needs no declaring."""
-    import torch  # loads torch: imported when used
+    import torch
 
     width = getattr(norm, "weight", None)
     width = width.shape[-1] if width is not None else head_dim
@@ -234,7 +234,7 @@ def logit_transform(family: Family, config):
            if getattr(config, attr, None) is not None]
     if not ops:
         return None
-    import torch  # loads torch: imported when used
+    import torch
 
     def transform(logits):
         for op, v in ops:
@@ -251,7 +251,7 @@ def onloaded(module):
     hook = getattr(module, "_hf_hook", None)
     if hook is None or not getattr(hook, "offload", False):
         return contextlib.nullcontext()
-    from accelerate.utils import align_module_device  # loads accelerate, torch: imported when used
+    from accelerate.utils import align_module_device
 
     return align_module_device(module)
 
@@ -271,7 +271,7 @@ def precheck(cfg) -> None:
     packaged models are left to :func:`check_model`."""
     import types
 
-    from actlake.config import resolve_model_path  # loads pydantic: imported when used
+    from actlake.config import resolve_model_path
 
     path = resolve_model_path(cfg.model.name_or_path)
     if not os.path.isdir(path):
@@ -285,7 +285,7 @@ def precheck(cfg) -> None:
 def check_model(cfg) -> Family:
     """A job's model, checked from its config alone (no weights) before Ray starts: one line naming the model
     type and what is not modelled, else its family."""
-    from actlake.config import resolve_model_path  # loads pydantic: imported when used
+    from actlake.config import resolve_model_path
 
     m = cfg.model
     config = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)

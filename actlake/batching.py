@@ -112,7 +112,7 @@ def collate(batch: list[Window], pad_id: int) -> tuple[torch.Tensor, torch.Tenso
 def right_padded(rows: list[list[int]], fill: int) -> torch.Tensor:
     """(B, T) int64 tensor of the rows, each followed by ``fill`` up to the longest row's length T. One
     conversion of all the values at once (a tensor per row costs about 20 times as much per token)."""
-    import torch  # loads torch: imported when used
+    import torch
 
     lengths = np.fromiter(map(len, rows), np.int64, len(rows))
     T = int(lengths.max(initial=0))

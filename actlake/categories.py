@@ -115,7 +115,7 @@ class Categorizer:
 
     def text_array(self, ids: np.ndarray):
         """pyarrow string array of the texts of token ids already seen in a batch (one lookup table for all)."""
-        import pyarrow as pa  # loads pyarrow: imported when used
+        import pyarrow as pa
 
         return pa.array(self._text, pa.string()).take(pa.array(ids))
 

@@ -42,8 +42,8 @@ def discover(config) -> Family:
 
 
 def _discover(config) -> Family:
-    import torch  # loads torch: imported when used
-    from transformers import AutoModel  # loads transformers: imported when used
+    import torch
+    from transformers import AutoModel
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     t = config.model_type

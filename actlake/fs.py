@@ -85,7 +85,7 @@ def location(value) -> "Path | ObjectPath":
 @functools.lru_cache(maxsize=None)
 def filesystem(scheme: str):
     """The process's ``pyarrow.fs`` file system for ``scheme`` (built once, from the environment)."""
-    import pyarrow.fs as pafs  # loads pyarrow: imported when used
+    import pyarrow.fs as pafs
 
     try:
         if scheme == "s3":
@@ -97,7 +97,7 @@ def filesystem(scheme: str):
         if scheme == "gs":
             return pafs.GcsFileSystem()
         if scheme == "hf":
-            from huggingface_hub import HfFileSystem  # loads huggingface_hub: imported when used
+            from huggingface_hub import HfFileSystem
 
             return pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem()))
     except (OSError, ImportError, ValueError) as e:
@@ -168,17 +168,17 @@ class ObjectPath:
         return self.fs.get_file_info(self.key)
 
     def exists(self) -> bool:
-        import pyarrow.fs as pafs  # loads pyarrow: imported when used
+        import pyarrow.fs as pafs
 
         return self._info().type != pafs.FileType.NotFound or self.is_dir()
 
     def is_file(self) -> bool:
-        import pyarrow.fs as pafs  # loads pyarrow: imported when used
+        import pyarrow.fs as pafs
 
         return self._info().type == pafs.FileType.File
 
     def is_dir(self) -> bool:
-        import pyarrow.fs as pafs  # loads pyarrow: imported when used
+        import pyarrow.fs as pafs
 
         if self._info().type == pafs.FileType.Directory:
             return True
@@ -189,7 +189,7 @@ class ObjectPath:
             return False
 
     def stat(self) -> ObjectStat:
-        import pyarrow.fs as pafs  # loads pyarrow: imported when used
+        import pyarrow.fs as pafs
 
         info = self._info()
         if info.type != pafs.FileType.File:
@@ -237,7 +237,7 @@ class ObjectPath:
                 raise
 
     def iterdir(self):
-        import pyarrow.fs as pafs  # loads pyarrow: imported when used
+        import pyarrow.fs as pafs
 
         sel = pafs.FileSelector(self.key, allow_not_found=True, recursive=False)
         for info in sorted(self.fs.get_file_info(sel), key=lambda i: i.path):
@@ -245,14 +245,14 @@ class ObjectPath:
 
     def files(self) -> list["ObjectPath"]:
         """Every object below this prefix (one recursive listing)."""
-        import pyarrow.fs as pafs  # loads pyarrow: imported when used
+        import pyarrow.fs as pafs
 
         sel = pafs.FileSelector(self.key, allow_not_found=True, recursive=True)
         return sorted(ObjectPath(self.scheme, i.path) for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.File)
 
     def sizes(self) -> dict[str, int]:
         """Size of every object below this prefix, by key relative to it (one recursive listing)."""
-        import pyarrow.fs as pafs  # loads pyarrow: imported when used
+        import pyarrow.fs as pafs
 
         sel = pafs.FileSelector(self.key, allow_not_found=True, recursive=True)
         n = len(self.key) + 1
@@ -337,7 +337,7 @@ def remove_tree(path) -> None:
 
 def arrow(path) -> tuple:
     """(``pyarrow.fs`` file system, path string) for ``path``, for pyarrow's readers and writers."""
-    import pyarrow.fs as pafs  # loads pyarrow: imported when used
+    import pyarrow.fs as pafs
 
     if isinstance(path, ObjectPath):
         return path.fs, path.key

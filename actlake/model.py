@@ -136,7 +136,7 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
     ``lm_head``: also load the causal-LM head (``AutoModelForCausalLM``; the base model is then its
     ``base_model``); None: when the family is causal. True for a non-causal family is an error.
     """
-    from transformers import (  # loads transformers: imported when used
+    from transformers import (
         AutoConfig,
         AutoModel,
         AutoModelForCausalLM,
@@ -200,7 +200,7 @@ def attention_implementation(requested: str, hf_config) -> str:
     softcapping), logged; else as asked."""
     if requested != "sdpa":
         return requested
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING  # loads transformers: imported when used
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     cls = MODEL_MAPPING.get(type(hf_config), None)
     why = ("transformers runs it with eager attention only" if cls is not None and not getattr(cls, "_supports_sdpa", True)

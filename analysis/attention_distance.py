@@ -75,7 +75,7 @@ class AttentionByDistance(OneTable, SumStats):
 
     @classmethod
     def charts(cls, con) -> list:
-        import altair as alt  # loads altair: imported when used
+        import altair as alt
 
         df = con.execute(f"""
             SELECT layer, distance, sum(attn_sum) / sum(n_pairs) AS mean_attention FROM attention_by_distance

@@ -80,7 +80,7 @@ class AttentionMass(OneTable, SumStats):
 
     @classmethod
     def charts(cls, con) -> list:
-        import altair as alt  # loads altair: imported when used
+        import altair as alt
 
         df = con.execute("""
             SELECT layer, key_category, avg(mean_mass) AS mean_mass FROM attention_mass_by_key

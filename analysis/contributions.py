@@ -229,7 +229,7 @@ class Contributions(OneTable, SumStats):
 
     @classmethod
     def charts(cls, con) -> list:
-        import altair as alt  # loads altair: imported when used
+        import altair as alt
 
         layers = contribution_layers(con)
         df = contribution_ranges(con, layers)

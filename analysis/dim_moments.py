@@ -134,7 +134,7 @@ class DimMoments(OneTable, Analysis):
 
     @classmethod
     def charts(cls, con) -> list:
-        import altair as alt  # loads altair: imported when used
+        import altair as alt
 
         df = con.execute(f"""
             SELECT layer, dim, mean, robust_z, abs(robust_z) > {OUTLIER_Z} AS outlier FROM outliers ORDER BY layer, dim

@@ -103,7 +103,7 @@ class Geometry(OneTable, SumStats):
 
     @classmethod
     def charts(cls, con) -> list:
-        import altair as alt  # loads altair: imported when used
+        import altair as alt
 
         df = con.execute("""
             SELECT layer, key_category, sum(k_norm_sum) / sum(n_pairs) AS mean_k_norm,

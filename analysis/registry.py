@@ -181,7 +181,7 @@ def producer_views(producers, tables: dict) -> dict:
     """The producers' declared views over ``tables`` (name -> Arrow table) in an in-memory DuckDB, in order (a
     view may read an earlier one), as Arrow tables; a view that does not bind is an AnalysisError naming it and
     its producer, with DuckDB's message."""
-    import duckdb  # loads duckdb: imported when used
+    import duckdb
 
     con = duckdb.connect()
     out = {}

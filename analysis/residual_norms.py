@@ -40,7 +40,7 @@ class ResidualNorms(ShardTable):
     def charts(cls, con) -> list:
         """Median and 10th-90th percentile band of the norms by layer, over finite norms (DuckDB orders NaN above
         every number, which would move every percentile)."""
-        import altair as alt  # loads altair: imported when used
+        import altair as alt
 
         df = con.execute("""
             SELECT layer, avg(norm) AS mean, quantile_cont(norm, 0.1) AS p10, quantile_cont(norm, 0.5) AS median,

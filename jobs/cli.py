@@ -164,7 +164,7 @@ def command_prefix() -> str:
 
 def _show(table) -> None:
     """Print an Arrow table as DuckDB draws one (the jobs' summaries; ``actlake sql`` streams its own)."""
-    import duckdb  # loads duckdb: imported when used
+    import duckdb
 
     duckdb.from_arrow(table).show(max_rows=200, max_width=200)
 
@@ -210,7 +210,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_try_analysis(args) -> int:
-    import yaml  # loads yaml: imported when used
+    import yaml
 
     from actlake.jobs.extract.try_analysis import texts_from, try_analysis  # per command (start-up)
 

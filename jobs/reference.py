@@ -12,7 +12,7 @@ from actlake.jobs.train.synthetic.config import SyntheticConfig
 
 def analyses_reference() -> str:
     """The built-in producers a config names under ``analyses:`` (the registry's), each with its options."""
-    from actlake.analysis.registry import TOGGLED_TABLES, builtin  # loads torch: imported when used
+    from actlake.analysis.registry import TOGGLED_TABLES, builtin
 
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for cls in list(builtin().values()) + list(TOGGLED_TABLES):

@@ -63,7 +63,7 @@ def verify_store(root) -> dict:
     Returns ``{"fingerprint", "plan_hash", "files"}``: a hash of the plan and of every committed
     activation file's path, rows and bytes, and those files as ``(path, record entry)``. Raises
     StorageError naming the missing or changed shards and files."""
-    from actlake.storage.shards import committed  # loads pyarrow: imported when used
+    from actlake.storage.shards import committed
 
     layout = RunLayout(location(root))
     try:
@@ -91,9 +91,9 @@ def check_store_values(files: list, layers: list[int] | None = None, max_shown: 
     ``layers``: only these layers' rows must be finite (None: all). Returns the rows checked and the
     stored windows as ``{(doc_id, window_index)}``; raises StorageError naming the file, or the
     first rows with NaN/inf (file, row, doc_id/window/position/layer)."""
-    import pyarrow.parquet as pq  # loads pyarrow: imported when used
+    import pyarrow.parquet as pq
 
-    from actlake.storage.parquet_io import verify_parquet  # loads pyarrow: imported when used
+    from actlake.storage.parquet_io import verify_parquet
 
     bad, n_bad, rows, windows = [], 0, 0, set()
     for path, meta in files:

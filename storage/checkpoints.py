@@ -112,7 +112,7 @@ def checkpoint_problem(path: Path) -> str | None:
     manifest = path / MANIFEST
     if not manifest.is_file():
         try:
-            import torch  # loads torch: imported when used
+            import torch
 
             torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
         except Exception as e:

@@ -123,7 +123,7 @@ def publish_pending(run_dir: Path, drop: tuple[str, ...] = ()) -> int:
 def publish_table(run_dir: Path, table: str, partition: str | None, data) -> None:
     """Publish one Arrow table (``partition``: e.g. ``trial=lm``, or None) at once: written whole, then
     named by the publication record."""
-    from actlake.storage.parquet_io import write_parquet  # loads pyarrow: imported when used
+    from actlake.storage.parquet_io import write_parquet
 
     layout = RunLayout(Path(run_dir))
     Path(layout.staging).mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,7 @@ def _first_line(e: Exception) -> str:
 
 def _parse(sql: str) -> list:
     """DuckDB's own parse of ``sql`` into statements."""
-    import duckdb  # loads duckdb: imported when used
+    import duckdb
 
     try:
         return duckdb.extract_statements(sql)
@@ -93,7 +93,7 @@ def check_statement(sql: str) -> None:
 
 def _file_metadata(path):
     """The Parquet footer of ``path`` (StorageError naming the file if it is not Parquet)."""
-    import pyarrow.parquet as pq  # loads pyarrow: imported when used
+    import pyarrow.parquet as pq
 
     try:
         fs, key = arrow(path)
@@ -109,7 +109,7 @@ def _fixed_size_casts(files: list[Path]) -> list[str]:
     Reads every file's footer, so a committed file that is not Parquet is named before any query. A file with
     no rows says nothing of d (an empty activation sample is written with d = 1); files of one table that
     disagree on d are an error naming both."""
-    import pyarrow as pa  # loads pyarrow: imported when used
+    import pyarrow as pa
 
     sizes: dict[str, tuple[int, object]] = {}
     empty: dict[str, int] = {}  # a table of empty files only keeps what they say
@@ -144,7 +144,7 @@ def _view_sql(files: list[Path]) -> str:
 
 def _connect(private: str, memory_limit: str, threads: int | None, max_temp_size: str):
     """An empty read-only DuckDB database in ``private``, spilling into ``private/spill``."""
-    import duckdb  # loads duckdb: imported when used
+    import duckdb
 
     db = os.path.join(private, "empty.duckdb")
     duckdb.connect(db).close()
@@ -181,7 +181,7 @@ def _check_view(layout: RunLayout, name: str, sql: str) -> None:
 def _without_terminator(sql: str) -> str:
     """One statement without its closing semicolon and what follows it (comments), so that it can stand in a
     subquery; a statement that check_statement passed."""
-    import duckdb  # loads duckdb: imported when used
+    import duckdb
 
     tokens = [(at, kind) for at, kind in duckdb.tokenize(sql) if kind != duckdb.token_type.comment]
     if tokens and sql[tokens[-1][0]] == ";":
@@ -249,7 +249,7 @@ def _side_by_side(con, runs: list[_Run], column: str = "run") -> list[str]:
     """Create, for every table and view of the runs, one view of their rows with a leading ``column`` (the run
     folder's name: ``run``, or ``checkpoint`` in a sweep), where every run has it with the same columns; the
     lines saying which were left out and why."""
-    import duckdb  # loads duckdb: imported when used
+    import duckdb
 
     names = [r.name for r in runs]
     if len(set(names)) < len(names):
@@ -301,7 +301,7 @@ def _open(run_dirs, memory_limit: str = "2GB", threads: int | None = None, max_t
     :func:`open_runs` (a list of them), a callable that closes it and removes its folder, and the lines naming
     the tables and views left out. ``tmp_dir``: where its private folder is made (the system's temporary
     folder by default; ``actlake sql`` passes one its parent process removes, also when it kills the query)."""
-    import duckdb  # loads duckdb: imported when used
+    import duckdb
 
     side_by_side = isinstance(run_dirs, (list, tuple))  # else one run: a path, a URL or an ObjectPath
     column, sweep = "run", None if side_by_side else sweep_checkpoints(location(run_dirs))
@@ -381,7 +381,7 @@ def open_runs(run_dirs: list, memory_limit: str = "2GB", threads: int | None = N
 def query(run_dir, sql: str, timeout_s: float = 60.0, **kwargs):
     """Run one read-only statement over a run (a list of run folders: side by side, as :func:`open_runs`); returns a
     pyarrow Table."""
-    import duckdb  # loads duckdb: imported when used
+    import duckdb
 
     check_statement(sql)
     con, cleanup, _ = _open(run_dir, **kwargs)

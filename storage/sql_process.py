@@ -64,7 +64,7 @@ def run_sql(run_dir: str | list[str], sql: str, fmt: str, output: str | None, ti
 
 def _run_child(run_dir, sql: str, fmt: str, output: str | None, timeout_s: float, memory_limit: str,
                max_temp_size: str, cap: int, scratch: str) -> None:
-    import psutil  # loads psutil: imported when used
+    import psutil
 
     job = {"run_dir": [str(r) for r in run_dir] if isinstance(run_dir, list) else str(run_dir), "sql": sql,
            "fmt": fmt, "output": output, "memory_limit": memory_limit, "max_temp_size": max_temp_size,
@@ -150,7 +150,7 @@ def _raise(code: int, stderr: str, memory_limit: str) -> None:
 
 def _flat(batch):
     """``batch`` with nested columns (list, struct, map) as JSON text, which CSV can hold."""
-    import pyarrow as pa  # loads pyarrow: imported when used
+    import pyarrow as pa
 
     for i, f in enumerate(batch.schema):
         if pa.types.is_nested(f.type):
@@ -163,7 +163,7 @@ def _flat(batch):
 
 def _write(reader, fmt: str, output: str | None) -> None:
     """Stream ``reader``'s batches to standard output (or ``output``) in ``fmt``."""
-    import pyarrow as pa  # loads pyarrow: imported when used
+    import pyarrow as pa
 
     if output and fmt in ("csv", "json"):  # a file: written whole under a temporary name, then renamed
         tmp = _part_path(output, os.getpid())
@@ -181,7 +181,7 @@ def _write(reader, fmt: str, output: str | None) -> None:
     if fmt in ("csv", "json"):
         _text(reader, fmt, out)
     elif fmt == "parquet":
-        import pyarrow.parquet as pq  # loads pyarrow: imported when used
+        import pyarrow.parquet as pq
 
         tmp, rows = _part_path(output, os.getpid()), 0
         try:
@@ -195,7 +195,7 @@ def _write(reader, fmt: str, output: str | None) -> None:
                 os.unlink(tmp)
         out.write(f"wrote {rows} rows to {output}\n".encode())
     else:
-        import duckdb  # loads duckdb: imported when used
+        import duckdb
 
         head, total = [], 0
         for batch in reader:
@@ -212,7 +212,7 @@ def _write(reader, fmt: str, output: str | None) -> None:
 
 def _text(reader, fmt: str, out) -> int:
     """``reader``'s rows as CSV or JSON lines into the binary stream ``out``; returns the row count."""
-    import pyarrow as pa  # loads pyarrow: imported when used
+    import pyarrow as pa
 
     rows = 0
     if fmt == "json":
@@ -220,7 +220,7 @@ def _text(reader, fmt: str, out) -> int:
             rows += batch.num_rows
             out.write("".join(json.dumps(row, default=str) + "\n" for row in batch.to_pylist()).encode())
         return rows
-    import pyarrow.csv as pacsv  # loads pyarrow: imported when used
+    import pyarrow.csv as pacsv
 
     writer = None
     for batch in reader:
@@ -238,7 +238,7 @@ def _text(reader, fmt: str, out) -> int:
 
 def _child(job: dict) -> int:
     try:
-        import duckdb  # loads duckdb: imported when used
+        import duckdb
 
         from actlake.storage.sql import (  # actlake.storage.sql imports this module; loads pyarrow: imported when used
             _first_line,

@@ -54,7 +54,7 @@ def _load() -> dict:
 def verify_files(files: list) -> int:
     """Check the page checksums of every file in ``files`` not verified in its present version
     (StorageError naming the first damaged one); returns how many were read."""
-    from actlake.storage.parquet_io import verify_parquet  # loads pyarrow: imported when used
+    from actlake.storage.parquet_io import verify_parquet
 
     known = _load()
     read = 0

@@ -130,7 +130,7 @@ def _write_frames(pieces: Iterator[list[bytes]], dest, points: list[int]) -> Non
     """Write each piece as one zstd frame of ``dest`` (atomically), appending each frame's offset to
     ``points``. On a disk: a temporary file renamed into place. In an object store: one streamed
     upload (the object appears when it completes); if writing fails, the object is deleted."""
-    import zstandard  # loads zstandard: imported when used
+    import zstandard
 
 
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True)

@@ -160,7 +160,7 @@ def _zst_pieces(f, chunk: int, path: str) -> Iterator[bytes]:
 def _zst_chunks(path: str, chunk: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
     """Decompressed bytes of every frame from byte ``offset`` (a frame start), about ``chunk`` at a time;
     raises if the file ends inside a frame. Decompressed a block at a time (:func:`_zst_pieces`)."""
-    import zstandard  # loads zstandard: imported when used
+    import zstandard
 
     dctx = zstandard.ZstdDecompressor()
     with open_file(path) as f:
@@ -319,7 +319,7 @@ def iter_parquet(path: str, start: int, end: int, text_field: str, source_field:
                  stats: ReadStats | None = None) -> Iterator[Item]:
     """Rows ``start <= index < end``: only the row groups that hold them are read (found from the
     footer's row counts), only the text and source columns, and only the range becomes Python."""
-    import pyarrow.parquet as pq  # loads pyarrow: imported when used
+    import pyarrow.parquet as pq
 
     stats = ReadStats() if stats is None else stats
     try:
@@ -383,7 +383,7 @@ def iter_hf_stream(name: str, split: str, part: int, text_field: str, source_fie
 
 def _datasets():
     try:
-        import datasets  # loads datasets (optional, actlake[hf]): imported when used
+        import datasets
     except ImportError:
         raise CorpusError("corpus.format 'hf' needs the datasets library: pip install 'actlake[hf]'") from None
     return datasets
@@ -420,7 +420,7 @@ def column_labels(path: str, fmt: str, source_field: str, start: int, end: int, 
     top, *rest = source_field.split(".")
     try:
         if fmt == "parquet":
-            import pyarrow.parquet as pq  # loads pyarrow: imported when used
+            import pyarrow.parquet as pq
 
             with (open_file(path) if is_url(path) else open(path, "rb")) as f:
                 pf = pq.ParquetFile(f)
@@ -449,8 +449,8 @@ def column_labels(path: str, fmt: str, source_field: str, start: int, end: int, 
 def _labels(column, fields: list[str], rows: int | None = None) -> set[str]:
     """The distinct labels of an Arrow column, or of its struct field ``fields`` (``meta`` -> ``pile_set_name``);
     ``column`` None: the file has no such column, and its ``rows`` rows are ``unknown``."""
-    import pyarrow as pa  # loads pyarrow: imported when used
-    import pyarrow.compute as pc  # loads pyarrow: imported when used
+    import pyarrow as pa
+    import pyarrow.compute as pc
 
     if column is None:
         return {"unknown"} if rows > 0 else set()
@@ -465,7 +465,7 @@ def _labels(column, fields: list[str], rows: int | None = None) -> set[str]:
 def count_records(path: str, fmt: str) -> int:
     """Number of records in a file (one pass; Parquet reads only the footer)."""
     if fmt == "parquet":
-        import pyarrow.parquet as pq  # loads pyarrow: imported when used
+        import pyarrow.parquet as pq
 
         try:
             if not is_url(path):

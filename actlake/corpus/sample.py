@@ -131,7 +131,7 @@ def machine_documents(n_docs: int) -> list[dict]:
 
 def build_bundle(path: str | os.PathLike = BUNDLE, n_docs: int = BUNDLE_DOCS) -> str:
     """Write this machine's documents as the bundle; returns the sha256 of its jsonl (set BUNDLE_SHA256 to it)."""
-    import zstandard  # loads zstandard: imported when used
+    import zstandard
 
     data = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in machine_documents(n_docs)).encode("utf-8")
     Path(path).write_bytes(zstandard.ZstdCompressor(level=19).compress(data))
@@ -140,7 +140,7 @@ def build_bundle(path: str | os.PathLike = BUNDLE, n_docs: int = BUNDLE_DOCS) ->
 
 def sample_documents(n_docs: int) -> list[dict]:
     """The first ``n_docs`` shipped documents (at most :data:`BUNDLE_DOCS`)."""
-    import zstandard  # loads zstandard: imported when used
+    import zstandard
 
     if not 1 <= n_docs <= BUNDLE_DOCS:
         raise ConfigError(f"--docs: the sample corpus has 1 to {BUNDLE_DOCS:,} documents, not {n_docs:,}")
@@ -157,7 +157,7 @@ def _files(n_files: int) -> list[str]:
 def write_sample(out_dir: str | os.PathLike, n_docs: int = 400, n_files: int = 2) -> list[Path]:
     """Write ``n_files`` Pile-format shards as ``.jsonl`` and ``.jsonl.zst`` (documents dealt round-robin), then
     ``SAMPLE.json``; return the written corpus files."""
-    import zstandard  # loads zstandard: imported when used
+    import zstandard
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ class Recorder(Protocol):
 def _base_kernel(name: str, module) -> Callable:
     if name == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # loads transformers: imported when used
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[name]
 
@@ -81,11 +81,11 @@ def _make_wrapper(base: str) -> Callable:
 
 def register() -> None:
     """Register the wrapping attention implementations (idempotent)."""
-    from transformers.masking_utils import (  # loads transformers: imported when used
+    from transformers.masking_utils import (
         ALL_MASK_ATTENTION_FUNCTIONS,
         AttentionMaskInterface,
     )
-    from transformers.modeling_utils import AttentionInterface  # loads transformers: imported when used
+    from transformers.modeling_utils import AttentionInterface
 
     for base in ("sdpa", "eager"):
         name = PREFIX + base

@@ -21,7 +21,7 @@ log = logging.getLogger("actlake.report")
 def open_for_report(run_dir: str | Path, tables: tuple[str, ...], missing: str):
     """(layout, read-only DuckDB connection) of a run that has at least one of ``tables``; otherwise
     StorageError "<run>: <missing>". The caller closes the connection."""
-    from actlake.storage.sql import open_run  # loads pyarrow: imported when used
+    from actlake.storage.sql import open_run
 
     layout = RunLayout(location(run_dir))
     if not any((layout.tables / t).exists() for t in tables):
@@ -32,8 +32,8 @@ def open_for_report(run_dir: str | Path, tables: tuple[str, ...], missing: str):
 def write_page(layout: RunLayout, blocks: list, header_html: str = "") -> Path:
     """Write ``report/report.html`` from ``blocks`` — (slug, title, altair chart) or raw HTML strings —
     and ``report/<slug>.png`` per chart, titled; the page inlines Vega and needs no network."""
-    import altair as alt  # loads altair: imported when used
-    import vl_convert as vlc  # loads vl_convert: imported when used
+    import altair as alt
+    import vl_convert as vlc
 
     files: dict[str, bytes] = {}
     sections, specs = [], {}
@@ -71,7 +71,7 @@ def vega_bundle() -> str:
     """vl-convert's JavaScript bundle of Vega, Vega-Lite and vega-embed that the page inlines (about 0.9 MB).
     vl-convert takes 1-2 s of CPU to build it, so it is kept per vl-convert version in actlake's cache folder
     (:func:`~actlake.storage.verified.cache_dir`); where that folder cannot be written it is built each time."""
-    import vl_convert as vlc  # loads vl_convert: imported when used
+    import vl_convert as vlc
 
     from actlake.storage.verified import cache_dir
 

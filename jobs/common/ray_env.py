@@ -18,7 +18,7 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
 
     ``dashboard``: start the embedded Ray with its dashboard, whose state API Ray Train's
     controller polls (without it, Ray Train logs a warning every second)."""
-    import ray  # loads ray: imported when used
+    import ray
 
     if ray.is_initialized():
         return False
@@ -55,7 +55,7 @@ _held: list[bool] | None = None
 def release_ray() -> None:
     """What a job that started Ray calls when it is done: ``ray.shutdown()``, or inside :func:`holding_ray`, at
     the block's end."""
-    import ray  # loads ray: imported when used
+    import ray
 
     if _held is not None:
         _held[0] = True
@@ -90,7 +90,7 @@ def _single_machine_ray():
     ``ray.init`` only: a later connection to a real cluster from this process must see the
     machine's address again.
     """
-    from ray._private import ray_constants  # loads ray: imported when used
+    from ray._private import ray_constants
 
     if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # another Ray: init_ray checks the address it took
         log.warning("this Ray has no ray_constants.ENABLE_RAY_CLUSTER; starting it as it is")

@@ -26,14 +26,14 @@ log = logging.getLogger("actlake.dispatch")
 
 
 def _is_worker_death(exc: Exception) -> bool:
-    from ray.exceptions import RayActorError  # loads ray: imported when used
+    from ray.exceptions import RayActorError
 
     return isinstance(exc, RayActorError)
 
 
 def _is_temporary(exc: Exception) -> bool:
     """The actor is restarting (it will answer again), as opposed to dead for good."""
-    from ray.exceptions import ActorUnavailableError  # loads ray: imported when used
+    from ray.exceptions import ActorUnavailableError
 
     return isinstance(exc, ActorUnavailableError)
 
@@ -47,7 +47,7 @@ WATCH_S = 2.0
 def _actor_states(workers: list) -> dict:
     """{worker: (state, restarts)} of the workers' actors in Ray's actor table (ALIVE, RESTARTING, DEAD...). A
     driver connected through Ray Client (``ray://``) has no access to the table: there one task reads it."""
-    import ray  # loads ray: imported when used
+    import ray
 
     # private _actor_id: the public get_runtime_context().get_actor_id() answers only in the actor, once it is up
     keys = {w._actor_id.hex(): w for w in workers}
@@ -62,7 +62,7 @@ def read_actor_states(actor_ids: list[str]) -> dict[str, tuple[str, int]]:
     """:func:`_actor_states` in a process of the cluster: read from Ray's control store (one call an actor). An
     actor the table does not hold is left out."""
     # private: the public ray.util.state needs the dashboard, which jobs do not start (ServerUnavailable without it)
-    from ray._private import state  # loads ray: imported when used
+    from ray._private import state
 
     out = {}
     for actor_id in actor_ids:
@@ -139,7 +139,7 @@ class Dispatcher:
 
     def run(self, shards: list) -> tuple[list[dict], list[str]]:
         """Run and commit every shard; return (summaries, failure messages)."""
-        import ray  # loads ray: imported when used
+        import ray
 
         self.idle, self.queue = deque(w for w in self.workers for _ in range(self.slots)), deque(shards)
         self.attempts: Counter = Counter()
@@ -272,7 +272,7 @@ class Dispatcher:
         after all commits a record that readers refuse: the shard is committed already); a taking from a worker
         that never died does not count as a retry. A restarted worker's open group went with it. The worker's
         slots come back when it answers."""
-        import ray  # loads ray: imported when used
+        import ray
 
         if (self.queue or not any(x in self.answered for x in self.idle)
                 or time.monotonic() - self.watched_at < WATCH_S):

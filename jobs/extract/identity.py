@@ -72,7 +72,7 @@ def model_files(cfg: JobConfig) -> dict:
         folder = Path(resolve_model_path(name))
     else:
         try:
-            from huggingface_hub import snapshot_download  # loads huggingface_hub: imported when used
+            from huggingface_hub import snapshot_download
 
             folder = Path(snapshot_download(name, revision=cfg.model.revision, local_files_only=True))
         except Exception:  # noqa: BLE001 - not in the cache (a cluster whose workers download): name and revision

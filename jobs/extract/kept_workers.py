@@ -46,7 +46,7 @@ def take_kept(key: tuple | None, n: int) -> list:
     """Up to ``n`` kept workers for ``key``, each still the process it was when kept (one that died or was
     restarted meanwhile is killed: a restart has used up one of its retries); kept workers of other shapes are
     killed (their CPUs and GPUs are the new job's)."""
-    import ray  # loads ray: imported when used
+    import ray
 
     if _kept is None or not _kept:
         return []
@@ -70,7 +70,7 @@ def take_kept(key: tuple | None, n: int) -> list:
 
 def keep(key: tuple | None, workers: list) -> list:
     """Keep ``workers`` for the next job inside :func:`keeping_workers`; the workers kept."""
-    import ray  # loads ray: imported when used
+    import ray
 
     if _kept is None or key is None:
         return []
@@ -80,7 +80,7 @@ def keep(key: tuple | None, workers: list) -> list:
 
 
 def _kill(workers: list) -> None:
-    import ray  # loads ray: imported when used
+    import ray
 
     if not ray.is_initialized():  # gone with its Ray
         return

@@ -63,7 +63,7 @@ class JobCounter:
         self.actor.add.remote(self.job, docs, tokens)  # a dead actor's call fails only when its result is read
 
     def totals(self) -> tuple[float, int, int]:
-        import ray  # loads ray: imported when used
+        import ray
 
         if not self.last.get("gone"):
             try:
@@ -88,8 +88,8 @@ def job_counter() -> JobCounter:
     CPU of the workers': the driver reads it every tick, so a worker node lost mid-job must not take it along
     (the job would end with it). The jobs of one Ray session share the actor (a sweep's checkpoints, a notebook's
     jobs): each one would otherwise start a Python process of its own to count its batches."""
-    import ray  # loads ray: imported when used
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # loads ray: imported when used
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     global _counter
     ctx = ray.get_runtime_context()
@@ -114,7 +114,7 @@ class Progress:
     ``shards``: shards to run; ``skipped``: shards committed by an earlier run."""
 
     def __init__(self, total_docs: int | None, shards: int, skipped: int = 0, stream=None):
-        from tqdm import tqdm  # loads tqdm: imported when used
+        from tqdm import tqdm
 
         self.shards, self.skipped, self.ran, self.start = shards, skipped, 0, time.monotonic()
         self.docs = self.tokens = 0

@@ -26,7 +26,7 @@ def _tables(con) -> set[str]:
 def _blocks(con, producers) -> list:
     """Report blocks ((slug, title, Altair chart) or HTML) of every producer whose tables exist, in the order of
     their positions."""
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     alt.data_transformers.disable_max_rows()
     have = _tables(con)
@@ -36,7 +36,7 @@ def _blocks(con, producers) -> list:
             try:
                 blocks += cls.charts(con)
             except Exception as e:
-                from actlake.analysis.registry import failure  # loads torch: imported when used
+                from actlake.analysis.registry import failure
 
                 raise (failure(e, [cls]) or e) from None
     return [block for _, block in sorted(blocks, key=lambda pb: pb[0])]
@@ -77,7 +77,7 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     ``analyses``: the classes whose charts to draw (the job passes its enabled ones, custom analyses
     included); default the built-in ones. ``actlake report`` never imports code named in a run folder.
     """
-    from actlake.analysis.registry import builtin, builtin_producers  # loads pyarrow, torch: imported when used
+    from actlake.analysis.registry import builtin, builtin_producers
 
     if sweep_checkpoints(location(run_dir)) is not None:
         return build_sweep_report(run_dir)
@@ -95,7 +95,7 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
 
 def build_sweep_report(run_dir) -> Path:
     """A checkpoint sweep's ``report/report.html`` (:func:`sweep_blocks`), in the sweep's folder."""
-    from actlake.storage.sql import open_run  # loads pyarrow: imported when used
+    from actlake.storage.sql import open_run
 
     layout = RunLayout(location(run_dir))
     con = open_run(layout.root)
@@ -112,7 +112,7 @@ def build_comparison(run_dirs: list, out_dir: str | Path) -> Path:
     """``actlake report --compare``: the headline statistics of several runs side by side (models or corpora
     compared), one colour per run, from :func:`~actlake.storage.sql.open_runs`; written to
     ``out_dir/report/report.html`` with a PNG per chart. Returns the HTML path."""
-    from actlake.storage.sql import open_runs  # loads pyarrow: imported when used
+    from actlake.storage.sql import open_runs
 
     if len(run_dirs) < 2:
         raise StorageError(f"--compare needs two runs or more, got {len(run_dirs)}")
@@ -137,7 +137,7 @@ def headline_frames(con, series: str = "run") -> list:
     (:class:`~actlake.analysis.protocol.Headline`) that ``con`` offers, by ``series``: ``run`` (a side-by-side
     connection, :func:`~actlake.storage.sql.open_runs`), ``checkpoint`` (a sweep) -- their rows over every
     document -- or ``source`` (one run's rows per source label)."""
-    from actlake.analysis.registry import builtin_producers  # loads torch: imported when used
+    from actlake.analysis.registry import builtin_producers
 
     have = _tables(con)
     by = "_by_source" if series == "source" else ""  # a view by its name: every document's rows only
@@ -155,7 +155,7 @@ def headline_frames(con, series: str = "run") -> list:
 
 def comparison_blocks(con, series: str = "run") -> list:
     """(slug, title, chart) per headline statistic (:func:`headline_frames`), a line per ``series`` over the layers."""
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     alt.data_transformers.disable_max_rows()
     blocks = []
@@ -172,7 +172,7 @@ def comparison_blocks(con, series: str = "run") -> list:
 def sweep_blocks(con) -> list:
     """A checkpoint sweep's report: each headline statistic against the training step (the checkpoint's place
     in the sweep where it has no step), a line per layer; then the checkpoints table, copies flagged."""
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     alt.data_transformers.disable_max_rows()
     points = con.execute("SELECT checkpoint, ordinal, step, sha256, same_as FROM checkpoints ORDER BY ordinal").df()

@@ -49,7 +49,7 @@ def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
     """(workers, cpus each, gpus each, torch threads) from the config and the cluster. A worker that no
     node could hold (more GPUs or memory than any node has) is an error naming the key, not a job that
     waits for ever."""
-    import ray  # loads ray: imported when used
+    import ray
 
     r = cfg.resources
     res = ray.cluster_resources()
@@ -171,9 +171,9 @@ def check_inputs_after_failure(layout: RunLayout, inputs: dict, n_failed: int) -
 
 def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
     """Print the store's size per token and an upper bound for the documents about to run."""
-    from transformers import AutoConfig  # loads transformers: imported when used
+    from transformers import AutoConfig
 
-    from actlake.analysis.activation_sample import bytes_per_token, resolve_layers  # loads torch: imported when used
+    from actlake.analysis.activation_sample import bytes_per_token, resolve_layers
 
     hf = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), revision=cfg.model.revision,
                                     trust_remote_code=cfg.model.trust_remote_code)
@@ -250,9 +250,9 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
         )
 
         return run_sweep(cfg, address, report, on_shard)
-    from actlake.analysis.registry import check_table_names, enabled  # loads torch: imported when used
+    from actlake.analysis.registry import check_table_names, enabled
     from actlake.architectures import check_model
-    from actlake.model import require_accelerate  # loads torch: imported when used
+    from actlake.model import require_accelerate
 
     t0 = time.perf_counter()
     import_custom_analyses(cfg)
@@ -266,7 +266,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     if not shards:
         raise ActlakeError("the corpus has no documents: nothing to do")
     if cfg.analyses.by_source:  # too many labels: one error before Ray, where the source column can be listed
-        from actlake.analysis.by_source import check_labels  # loads pyarrow: imported when used
+        from actlake.analysis.by_source import check_labels
 
         check_labels(planned_labels(cfg, shards), cfg.analyses.max_sources)
     phash = plan_hash(cfg, shards)
@@ -309,7 +309,7 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
 
 def _close_workers(workers) -> None:
     """Let each live worker remove its offload folder before it is killed (a dead one's stays behind)."""
-    import ray  # loads ray: imported when used
+    import ray
 
     for w in workers:
         try:
@@ -321,9 +321,9 @@ def _close_workers(workers) -> None:
 def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs=None) -> list[dict]:
     """Run ``pending`` shards on fresh actors; return their summaries. Raises if any shard failed:
     one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
-    import ray  # loads ray: imported when used
+    import ray
 
-    from actlake.jobs.extract.worker import ShardWorker, Target  # loads ray, torch: imported when used
+    from actlake.jobs.extract.worker import ShardWorker, Target
 
     started = init_ray(address)
     try:

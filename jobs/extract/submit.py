@@ -62,7 +62,7 @@ def auth_token() -> str | None:
 
 def client(address: str):
     """A Jobs API client that sends the cluster token when one is known (Ray token authentication)."""
-    from ray.job_submission import JobSubmissionClient  # loads ray: imported when used
+    from ray.job_submission import JobSubmissionClient
 
     token = auth_token()
     headers = {"Authorization": f"Bearer {token}"} if token else None

@@ -69,7 +69,7 @@ def weights_digest(cfg: JobConfig, c, known: dict | None = None) -> tuple[str, d
 
 def _hub_digests(repo: str, revision: str | None, label: str) -> list[tuple[str, str]]:
     """(file, sha256) of a hub model's weight files at ``revision``, from the hub's file metadata."""
-    from huggingface_hub import HfApi  # loads huggingface_hub: imported when used
+    from huggingface_hub import HfApi
 
     try:
         info = HfApi().model_info(repo, revision=revision, files_metadata=True)
@@ -114,7 +114,7 @@ def run_sweep(cfg: JobConfig, address: str | None = None, report: bool | None = 
 
 def sweep_totals(totals: list[dict], wall: float) -> dict:
     """The checkpoints' job totals added up (documents, windows, tokens: once per checkpoint)."""
-    from actlake.jobs.extract.reduce import COUNTS, add_counts  # loads the analyses (torch): imported when used
+    from actlake.jobs.extract.reduce import COUNTS, add_counts
 
     out = {"wall_seconds": wall} | add_counts(totals, ("shards",) + COUNTS + ("tokens_run",))
     out["tokens_per_second"] = out["tokens_run"] / wall if out["tokens_run"] else None

@@ -174,7 +174,7 @@ class ShardWorker:
         :class:`~actlake.jobs.extract.progress.JobCounter`, told of every finished batch. ``read_in_process``:
         shards are read by a :class:`~actlake.jobs.extract.read.ReaderProcess` (``resources.read_in_process``)."""
         os.environ.update(store_env or {})
-        import torch  # loads torch: imported when used
+        import torch
 
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
@@ -189,15 +189,15 @@ class ShardWorker:
     def _aim(self, target: Target) -> None:
         """Take on ``target``'s job: its config, run directory, plan and progress counter, and its model, loaded
         after the previous job's is freed (a sweep's next checkpoint reuses this process, not the weights)."""
-        from actlake.jobs.extract.driver import Extractor  # loads pyarrow, torch: imported when used
-        from actlake.model import load_model  # loads torch: imported when used
-        from actlake.storage.shards import CommitPolicy, Group  # loads pyarrow: imported when used
+        from actlake.jobs.extract.driver import Extractor
+        from actlake.model import load_model
+        from actlake.storage.shards import CommitPolicy, Group
 
         if self.extractor is not None:
             self.close()
             self.extractor = None
             release_free_memory()
-            import torch  # loads torch: imported when used
+            import torch
 
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -208,7 +208,7 @@ class ShardWorker:
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
         if target.read_in_process:
             from actlake.jobs.extract.read import (
-                ReaderProcess,  # loads transformers (the tokenizer): imported when used
+                ReaderProcess,
             )
 
             self.extractor.reader = ReaderProcess(target.cfg_dict, self.extractor.lm.tokenizer)
@@ -230,7 +230,7 @@ class ShardWorker:
         """Run one shard of ``target``'s job; ``committed``: the shard ids this call committed (its group's, when
         due or ``last``). An exception raised by an analysis's code is an AnalysisFailed naming it, file, line and
         method, its traceback logged here (the job's log)."""
-        import psutil  # loads psutil: imported when used
+        import psutil
 
         self._on(target)
         shard = Shard(**shard_dict)

@@ -83,7 +83,7 @@ class TrainLoop(ABC):
         self.after_checkpoint(done)
 
     def run(self) -> None:
-        import ray.train  # loads ray: imported when used
+        import ray.train
 
         self.rank, self.world, self.device = worker_setup(self.config)
         latest = latest_checkpoint(self.ck_root)
@@ -130,7 +130,7 @@ class ModelLoop(TrainLoop):
         self._prepare(self.new_model(), None)
 
     def resume(self, folder: Path) -> int:
-        import torch  # loads torch: imported when used
+        import torch
 
         model = self.load_model(folder / "model")
         state = torch.load(folder / STATE_FILE, weights_only=False)
@@ -139,8 +139,8 @@ class ModelLoop(TrainLoop):
         return state["step"]
 
     def _prepare(self, model, optimizer_state) -> None:
-        import ray.train  # loads ray: imported when used
-        import torch  # loads torch: imported when used
+        import ray.train
+        import torch
 
         self.model = ray.train.torch.prepare_model(model)
         self.raw = self.model.module if hasattr(self.model, "module") else self.model  # unwrapped from DDP
@@ -150,7 +150,7 @@ class ModelLoop(TrainLoop):
         self.model.train()
 
     def save(self, folder: Path, done: int) -> None:
-        import torch  # loads torch: imported when used
+        import torch
 
         self.raw.save_pretrained(folder / "model")
         torch.save({"step": done, "optimizer": self.opt.state_dict(), "curve": self.curve}, folder / STATE_FILE)

@@ -62,8 +62,8 @@ value set, was not timed on its own)."""
 
 
 def _fit(trial: Trial, run_dir: str, resources: Resources) -> dict:
-    import ray.train  # loads ray: imported when used
-    from ray.train.torch import TorchTrainer  # loads ray, torch: imported when used
+    import ray.train
+    from ray.train.torch import TorchTrainer
 
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # workers keep the job's working directory (relative paths)
     os.environ.setdefault(HEALTH_CHECK, HEALTH_CHECK_SECONDS)  # read by the controller fit() starts
@@ -90,7 +90,7 @@ def _fit(trial: Trial, run_dir: str, resources: Resources) -> dict:
 
 def run_trials(trials: list[Trial], run_dir: Path, resources: Resources) -> dict[str, dict]:
     """Run every trial (in parallel as far as the cluster's CPUs/GPUs allow); last metrics per trial."""
-    import ray  # loads ray: imported when used
+    import ray
 
     names = [t.name for t in trials]
     if len(set(names)) != len(names):
@@ -145,7 +145,7 @@ def check_fits(resources: Resources, nodes: list[dict]) -> None:
 def concurrent_trials(resources: Resources) -> int:
     """Trials whose worker groups fit in the cluster at once (at least 1), so none waits for resources
     until Ray Train's start-up timeout."""
-    import ray  # loads ray: imported when used
+    import ray
 
     total = ray.cluster_resources()
     fit = int(total.get("CPU", 1) // max(resources.cpus_per_worker * resources.num_workers, 1e-9))
@@ -156,8 +156,8 @@ def concurrent_trials(resources: Resources) -> int:
 
 def worker_setup(config: dict):
     """In a training loop: threads, the worker's rank and device. Returns (rank, world_size, device)."""
-    import ray.train  # loads ray: imported when used
-    import torch  # loads torch: imported when used
+    import ray.train
+    import torch
 
     torch.set_num_threads(max(1, int(config.get("cpus_per_worker", 1))))
     ctx = ray.train.get_context()
@@ -173,7 +173,7 @@ def check_settings(layout, kind: str, key: str, settings: dict, what: str, world
 
     ``world_size`` (Ray Train workers) changes the effective batch, so it is compared too. The error names the
     keys that differ; a run folder of another format is refused by name."""
-    from actlake.storage.manifest import read_run  # loads pyarrow: imported when used
+    from actlake.storage.manifest import read_run
 
     if not layout.run_json.exists():
         return

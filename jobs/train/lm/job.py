@@ -66,7 +66,7 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
                        layout.root, Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
         finally:
             if started:
-                import ray  # loads ray: imported when used
+                import ray
 
                 ray.shutdown()
     step, ck = latest_checkpoint(layout.root / "checkpoints" / TRIAL)
@@ -80,7 +80,7 @@ def train_lm(cfg: LMConfig, address: str | None = None) -> dict:
     if snapshots:
         print(f"train-lm: {len(snapshots)} snapshots for a checkpoint sweep in {layout.root / 'snapshots'} (steps "
               f"{', '.join(str(s['step']) for s in snapshots)})", flush=True)
-    import torch  # loads torch: imported when used
+    import torch
 
     curve = torch.load(ck / "trainer_state.pt", weights_only=False)["curve"]
     summary = {"model": str(final), "step": step, "snapshots": snapshots, **sizes,
@@ -136,7 +136,7 @@ def _token_streams(cfg: LMConfig, data: Path, inputs: dict) -> dict:
 
 
 def _write_curve(layout: RunLayout, curve: list[dict]) -> None:
-    import pyarrow as pa  # loads pyarrow: imported when used
+    import pyarrow as pa
 
 
     if curve:

@@ -46,8 +46,8 @@ def iter_texts(cfg) -> "Iterator[tuple[int, str]]":  # noqa: F821
 
 def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
     """A byte-level BPE tokenizer (GPT-NeoX style, EOS doubles as BOS), saved with save_pretrained."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # loads tokenizers: imported when used
-    from transformers import PreTrainedTokenizerFast  # loads transformers: imported when used
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -66,7 +66,7 @@ def held_out(doc: int, fraction: float) -> bool:
 
 def build_token_streams(cfg, out: Path) -> dict:
     """Tokenizer + train/eval token streams (uint32 .npy) under ``out``; returns their sizes."""
-    from transformers import AutoTokenizer  # loads transformers: imported when used
+    from transformers import AutoTokenizer
 
 
     out.mkdir(parents=True, exist_ok=True)
@@ -125,8 +125,8 @@ def windows(stream: np.ndarray, n: int, length: int, rng: np.random.Generator) -
 
 
 def build_model(cfg, vocab_size: int, tokenizer):
-    import torch  # loads torch: imported when used
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM  # loads transformers: imported when used
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     m, t = cfg.model, cfg.training
     torch.manual_seed(t.seed)
@@ -143,7 +143,7 @@ class LMLoop(ModelLoop):
     """train-lm's trial: ``config`` has job (LMConfig as dict) and data (the folder of the token streams)."""
 
     def __init__(self, config: dict):
-        from transformers import AutoTokenizer  # loads transformers: imported when used
+        from transformers import AutoTokenizer
 
         super().__init__(config)
         self.cfg = parse_config(config["job"], where="train-lm config", root=LMConfig)
@@ -159,7 +159,7 @@ class LMLoop(ModelLoop):
         return build_model(self.cfg, len(self.tokenizer), self.tokenizer)
 
     def load_model(self, folder: Path):
-        from transformers import GPTNeoXForCausalLM  # loads transformers: imported when used
+        from transformers import GPTNeoXForCausalLM
 
         return GPTNeoXForCausalLM.from_pretrained(folder)
 
@@ -171,7 +171,7 @@ class LMLoop(ModelLoop):
         return {"lr": self.t.lr, "weight_decay": self.t.weight_decay, "betas": (0.9, 0.95)}
 
     def train_step(self, step: int) -> float:
-        import torch  # loads torch: imported when used
+        import torch
 
         t = self.t
         for group in self.opt.param_groups:
@@ -186,7 +186,7 @@ class LMLoop(ModelLoop):
         return loss.item()
 
     def evaluate(self, done: int, train_loss: float) -> dict:
-        import torch  # loads torch: imported when used
+        import torch
 
         self.model.eval()
         with torch.no_grad():

@@ -27,9 +27,9 @@ log = logging.getLogger("actlake.predictive")
 
 def store_info(store: str | Path) -> dict:
     """Layers in the store and the analysed model's attention shape (from the store's run.json)."""
-    from transformers import AutoConfig  # loads transformers: imported when used
+    from transformers import AutoConfig
 
-    from actlake.storage.sql import query  # loads pyarrow: imported when used
+    from actlake.storage.sql import query
 
     root = Path(store)
     layers = [r["layer"] for r in query(root, "SELECT DISTINCT layer FROM activations ORDER BY layer").to_pylist()]
@@ -78,7 +78,7 @@ def run_predictor_job(cfg: PredictorJobConfig, address: str | None = None, repor
         run_trials(trials, layout.root, Resources(r.num_workers, r.cpus_per_worker, r.use_gpu))
     finally:
         if started:
-            import ray  # loads ray: imported when used
+            import ray
 
             ray.shutdown()
     # every layer's tables at once (none if a layer failed); probes turned off leave no old probe_scores

@@ -37,7 +37,7 @@ def held_out(doc_ids, windows, fraction: float) -> np.ndarray:
 
 
 def predictor_config(job, d: int, model_heads: tuple[int, int]):
-    from actlake.jobs.train.predictor.model import PredictorConfig, default_heads  # loads torch: imported when used
+    from actlake.jobs.train.predictor.model import PredictorConfig, default_heads
 
     p = job.predictor
     n_heads, head_dim = (p.n_heads, p.head_dim) if p.n_heads else default_heads(*model_heads)
@@ -49,10 +49,10 @@ class PredictorLoop(TrainLoop):
     """One layer's trial: ``config`` has job (PredictorJobConfig as dict), layer and model_heads."""
 
     def __init__(self, config: dict):
-        import torch  # loads torch: imported when used
+        import torch
 
-        from actlake.jobs.train.predictor.model import fit_standardisation  # loads torch: imported when used
-        from actlake.storage.sql import open_run  # loads pyarrow: imported when used
+        from actlake.jobs.train.predictor.model import fit_standardisation
+        from actlake.storage.sql import open_run
 
         super().__init__(config)
         self.job = parse_config(config["job"], where="train-predictor config", root=PredictorJobConfig)
@@ -72,13 +72,13 @@ class PredictorLoop(TrainLoop):
         self.resumes, self.last_eval = [], None
 
     def start(self) -> None:
-        from actlake.jobs.train.predictor.model import PredictorTrainer  # loads torch: imported when used
+        from actlake.jobs.train.predictor.model import PredictorTrainer
 
         cfg = predictor_config(self.job, self.data[0].shape[2], tuple(self.config["model_heads"]))
         self.trainer = PredictorTrainer(cfg, *self.standardisation, seed=self.job.predictor.seed, device=self.device)
 
     def resume(self, folder: Path) -> int:
-        import torch  # loads torch: imported when used
+        import torch
 
         self.start()
         state = torch.load(folder / STATE_FILE, weights_only=False)
@@ -103,7 +103,7 @@ class PredictorLoop(TrainLoop):
         return f"eval MSE {row['mse']:.4g}, R2 {row['r2']:.3f}"
 
     def save(self, folder: Path, done: int) -> None:
-        import torch  # loads torch: imported when used
+        import torch
 
         torch.save({"trainer": self.trainer.state_dict(), "curve": self.curve, "resumes": self.resumes}, folder / STATE_FILE)
 
@@ -122,9 +122,9 @@ def train_loop(config: dict) -> None:
 def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarray, run_dir: Path,
                  resumes: list[int], res) -> None:
     """Final evaluation tables (from ``res``, the evaluation at the last step) and probes of one layer."""
-    import pyarrow as pa  # loads pyarrow: imported when used
+    import pyarrow as pa
 
-    from actlake.storage.parquet_io import write_parquet_atomic  # loads pyarrow: imported when used
+    from actlake.storage.parquet_io import write_parquet_atomic
 
     h, valid, meta = data
     norms = res.residual_norm  # (Ne, T-1): ‖r‖ of the state at positions 1..T-1
@@ -157,7 +157,7 @@ def finish_layer(job, layer: int, trainer, curve: list[dict], data, ev: np.ndarr
 
 
 def _token_table(meta, ev, norms, surprisal):
-    import pyarrow as pa  # loads pyarrow: imported when used
+    import pyarrow as pa
 
     rows, cols = np.nonzero(np.isfinite(norms))
     return pa.table({
@@ -171,7 +171,7 @@ def _token_table(meta, ev, norms, surprisal):
 
 def last_position_features(trainer, h, valid) -> dict[str, np.ndarray]:
     """h, ĥ, r and [ĥ, r] at the last real position of every window: name -> (N, F)."""
-    import torch  # loads torch: imported when used
+    import torch
 
     pred = trainer.predict(torch.from_numpy(h), torch.from_numpy(valid))  # (N, T-1, d): ĥ of positions 1..T-1
     last = valid.sum(1) - 1  # (N,) index of the last real token (>= 1 for windows of 2+ tokens)
@@ -186,7 +186,7 @@ def probe_rows(job, trainer, h, valid, meta, held: np.ndarray) -> list[dict]:
     """Probe scores of every task and representation, on the windows the predictor never trained on
     (``held``, its evaluation windows) with at least two tokens: ĥ and r of a training window would carry
     what the predictor memorised there."""
-    from actlake.jobs.train.predictor.probes import (  # loads pyarrow, scipy, sklearn: imported when used
+    from actlake.jobs.train.predictor.probes import (
         fit_probe,
         split_per_class,
         split_total,

@@ -78,7 +78,7 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 
     NaN when either input is constant. Inputs must be finite (mask them first).
     """
-    from scipy.stats import ConstantInputWarning, spearmanr  # loads scipy: imported when used
+    from scipy.stats import ConstantInputWarning, spearmanr
 
     x, y = np.asarray(x, dtype=np.float64).ravel(), np.asarray(y, dtype=np.float64).ravel()
     if x.shape != y.shape:
@@ -124,7 +124,7 @@ def macro_f1(y_true, y_pred, labels=None) -> float:
     ``f1_score(y_true, y_pred, labels=labels, average="macro", zero_division=0)``.
     Labels are class labels (sklearn refuses continuous floats and a mix of strings and numbers).
     """
-    from sklearn.metrics import f1_score  # loads sklearn: imported when used
+    from sklearn.metrics import f1_score
 
     t, p = np.asarray(y_true).ravel(), np.asarray(y_pred).ravel()
     if t.shape != p.shape:

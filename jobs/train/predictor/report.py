@@ -9,7 +9,7 @@ from actlake.jobs.common.page import open_for_report, write_page
 
 
 def _curves(con, column: str, title: str):
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     df = con.execute(f"SELECT layer, step, {column} FROM predictor_curve ORDER BY layer, step").df()
     return alt.Chart(df).mark_line(point=True).encode(
@@ -19,7 +19,7 @@ def _curves(con, column: str, title: str):
 
 
 def _by_position(con, column: str, title: str):
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     df = con.execute(f"SELECT layer, position, {column} FROM predictor_position WHERE n_tokens > 0 ORDER BY layer, position").df()
     return alt.Chart(df).mark_line().encode(
@@ -29,7 +29,7 @@ def _by_position(con, column: str, title: str):
 
 
 def _f1_heatmap(con, task: str):
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     df = con.execute("SELECT layer, representation, macro_f1 FROM probe_scores WHERE task = ? ORDER BY layer",
                      [task]).df()

@@ -32,9 +32,9 @@ TABLES = ("factored_dimension", "factored_fit", "factor_overlap", "belief_scatte
 
 def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
     """Pooled final-residual activations (N*(L-1), D) and their positions (1 .. L-1)."""
-    import torch  # loads torch: imported when used
+    import torch
 
-    from actlake.jobs.train.synthetic.models import final_residual, with_bos  # loads torch: imported when used
+    from actlake.jobs.train.synthetic.models import final_residual, with_bos
 
     x = with_bos(torch.from_numpy(tokens), bos)
     h = final_residual(model, x)[:, 1:].double().numpy()  # (N, L-1, D): BOS dropped
@@ -44,7 +44,7 @@ def _acts(model, tokens: np.ndarray, bos: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _model_rows(model, data: dict, dims: list[int], threshold: float) -> dict:
     """Every measurement of one model on the analysis data."""
-    from actlake.jobs.train.synthetic import factored as F  # loads pyarrow, scipy, sklearn: imported when used
+    from actlake.jobs.train.synthetic import factored as F
 
     acts, pos = _acts(model, data["tokens"], data["bos"])
     out = {"effective_dim": F.effective_dimension(acts, threshold), "fits": [], "preds": [], "acts": (acts, pos)}
@@ -86,11 +86,11 @@ def token_rows(data: dict) -> list[dict]:
 
 def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -> dict:
     """Measure every kept checkpoint of one trial and the random-init band; write its tables."""
-    import pyarrow as pa  # loads pyarrow: imported when used
-    import torch  # loads torch: imported when used
+    import pyarrow as pa
+    import torch
 
-    from actlake.jobs.train.synthetic import factored as F  # loads pyarrow, scipy, sklearn: imported when used
-    from actlake.jobs.train.synthetic.models import build_model, load_model  # loads torch: imported when used
+    from actlake.jobs.train.synthetic import factored as F
+    from actlake.jobs.train.synthetic.models import build_model, load_model
 
     torch.set_num_threads(max(1, threads))
     cfg = config_from_dict(cfg_dict)
@@ -127,7 +127,7 @@ def analyze_trial(cfg_dict: dict, trial: dict, run_dir: str, threads: int = 1) -
                                     for r, (p, a) in enumerate(zip(pos, acts))]
         log.info("trial %s %s %d: effective dim %d, R2 %s", name, kind, step, m["effective_dim"],
                  " ".join(f"{t}={r2:.3f}" for t, r2, _ in m["fits"]))
-    from actlake.storage.parquet_io import write_parquet_atomic  # loads pyarrow: imported when used
+    from actlake.storage.parquet_io import write_parquet_atomic
 
     layout = RunLayout(Path(run_dir))
     for t, r in rows.items():  # published by the driver once every trial is analysed (analyze_run)
@@ -147,7 +147,7 @@ def _scatter_rows(step: int, beliefs: list[np.ndarray], preds: list[np.ndarray],
 def analyze_run(cfg, run_dir: Path, cpus: float = 1) -> list[dict]:
     """One Ray task per trial; returns each trial's reference dimensions. Every checkpoint the tasks read is
     checked first, here: present, whole (its manifest) and this run's (its identity)."""
-    import ray  # loads ray: imported when used
+    import ray
 
 
     steps = log_spaced_steps(cfg.training.steps, cfg.training.n_checkpoints)

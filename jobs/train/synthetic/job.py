@@ -80,7 +80,7 @@ def _on_ray(cfg: SyntheticConfig, layout: RunLayout, trials: list[dict], to_trai
             analyze_run(cfg, layout.root, cpus=r.cpus_per_worker)
     finally:
         if started:
-            import ray  # loads ray: imported when used
+            import ray
 
             ray.shutdown()
 
@@ -98,7 +98,7 @@ def _finish(cfg: SyntheticConfig, layout: RunLayout, trials: list[dict], t0: flo
 
 def summary_lines(run_dir: str | Path) -> list[str]:
     """Effective dimension and factor R² at the first and last checkpoint of each trial (from SQL)."""
-    from actlake.storage.sql import query  # loads pyarrow: imported when used
+    from actlake.storage.sql import query
 
     sql = """
         WITH d AS (SELECT trial, step, effective_dim, factored_reference, joint_reference, belief_dimension

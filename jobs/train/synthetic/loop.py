@@ -65,12 +65,12 @@ class SyntheticLoop(ModelLoop):
         self.optimal = float(self.process.optimal_loss(self.eval_tokens).mean())
 
     def new_model(self):
-        from actlake.jobs.train.synthetic.models import build_model  # loads torch: imported when used
+        from actlake.jobs.train.synthetic.models import build_model
 
         return build_model(self.cfg.model, self.config["arch"], self.bos + 1, self.t.seed)
 
     def load_model(self, folder: Path):
-        from actlake.jobs.train.synthetic.models import load_model  # loads torch: imported when used
+        from actlake.jobs.train.synthetic.models import load_model
 
         return load_model(folder)
 
@@ -84,9 +84,9 @@ class SyntheticLoop(ModelLoop):
                 self.checkpoint(0)
 
     def train_step(self, step: int) -> float:
-        import torch  # loads torch: imported when used
+        import torch
 
-        from actlake.jobs.train.synthetic.models import logits, with_bos  # loads torch: imported when used
+        from actlake.jobs.train.synthetic.models import logits, with_bos
 
         t = self.t
         toks = self.process.sample(t.batch_size, self.cfg.model.context, np.random.default_rng([t.seed, step + 1, self.rank]))
@@ -99,9 +99,9 @@ class SyntheticLoop(ModelLoop):
         return loss.item()
 
     def _eval_loss(self) -> float:
-        import torch  # loads torch: imported when used
+        import torch
 
-        from actlake.jobs.train.synthetic.models import logits, with_bos  # loads torch: imported when used
+        from actlake.jobs.train.synthetic.models import logits, with_bos
 
         self.model.eval()
         with torch.no_grad():
@@ -130,7 +130,7 @@ def train_loop(config: dict) -> None:
 
 
 def _write_curve(run_dir: Path, trial: str, curve: list[dict]) -> None:
-    import pyarrow as pa  # loads pyarrow: imported when used
+    import pyarrow as pa
 
 
     table = pa.Table.from_pylist(curve, schema=pa.schema([("step", pa.int64()), ("train_loss", pa.float64()),

@@ -38,7 +38,7 @@ class RecurrentLM(nn.Module):
         return self.head(self.hidden(input_ids))  # (B, T, V)
 
     def save_pretrained(self, folder: str | Path) -> None:
-        from safetensors.torch import save_file  # loads safetensors: imported when used
+        from safetensors.torch import save_file
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -47,7 +47,7 @@ class RecurrentLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> "RecurrentLM":
-        from safetensors.torch import load_file  # loads safetensors: imported when used
+        from safetensors.torch import load_file
 
         folder = Path(folder)
         cfg = json.loads((folder / "config.json").read_text())
@@ -61,7 +61,7 @@ def build_model(cfg: SyntheticModelConfig, arch: str, vocab_size: int, seed: int
     """A freshly initialised model; ``vocab_size`` includes BOS."""
     torch.manual_seed(seed)
     if arch == "transformer":
-        from transformers import GPT2Config, GPT2LMHeadModel  # loads transformers: imported when used
+        from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(vocab_size=vocab_size, n_positions=cfg.context, n_embd=cfg.d_model, n_layer=cfg.n_layers,
                             n_head=cfg.n_heads, n_inner=cfg.d_mlp, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -75,7 +75,7 @@ def load_model(folder: str | Path) -> nn.Module:
     kind = json.loads((folder / "config.json").read_text()).get("model_type")
     if kind == "actlake_recurrent":
         return RecurrentLM.from_pretrained(folder)
-    from transformers import GPT2LMHeadModel  # loads transformers: imported when used
+    from transformers import GPT2LMHeadModel
 
     return GPT2LMHeadModel.from_pretrained(folder)
 

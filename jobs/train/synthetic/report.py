@@ -13,7 +13,7 @@ from actlake.jobs.common.page import open_for_report, write_page
 
 
 def _dimension_chart(con):
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     df = con.execute("""
         SELECT trial, step, step + 1 AS step1, effective_dim, factored_reference, joint_reference, belief_dimension
@@ -36,7 +36,7 @@ def _dimension_chart(con):
 
 
 def _r2_chart(con):
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     df = con.execute("""SELECT trial, step, step + 1 AS step1, target, r2 FROM factored_fit
                         WHERE kind = 'checkpoint' ORDER BY trial, step""").df()
@@ -48,7 +48,7 @@ def _r2_chart(con):
 
 
 def _overlap_chart(con):
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     trial = con.execute("SELECT min(trial) FROM factor_overlap").fetchall()[0][0]
     steps = [r[0] for r in con.execute(
@@ -76,8 +76,8 @@ def _simplex_xy(b: np.ndarray) -> tuple[float, float]:
 
 
 def _scatter_chart(con):
-    import altair as alt  # loads altair: imported when used
-    import pandas as pd  # loads pandas: imported when used
+    import altair as alt
+    import pandas as pd
 
     trial = con.execute("SELECT min(trial) FROM belief_scatter").fetchall()[0][0]
     rows = con.execute("""SELECT step, factor, "true", pred FROM belief_scatter
@@ -97,7 +97,7 @@ def _scatter_chart(con):
 
 
 def _curve_chart(con):
-    import altair as alt  # loads altair: imported when used
+    import altair as alt
 
     df = con.execute("""SELECT trial, step + 1 AS step1, eval_loss, optimal_loss FROM training_curves ORDER BY trial, step""").df()
     lines = alt.Chart(df).mark_line().encode(
