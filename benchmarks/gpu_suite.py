@@ -365,9 +365,9 @@ def shard_figure(lm, batches, args) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from actlake.batching import make_batches
+    from actlake.jobs.extract.group import OpenGroup as Group
     from actlake.jobs.extract.plan import Shard
     from actlake.storage.layout import RunLayout
-    from actlake.storage.shards import Group
 
     ex = extractor("suite", lm, args)
     texts = [lm.tokenizer.decode(w.ids, skip_special_tokens=True) for b in batches for w in b]

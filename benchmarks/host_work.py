@@ -141,9 +141,10 @@ def beside_compute(ex, result, args) -> None:
     """The second thread's stages alone and beside an operations thread (see the module's docstring)."""
     from actlake.batching import CHARS_PER_TOKEN_CAP, documents_windows
     from actlake.jobs.extract import read
+    from actlake.jobs.extract.group import OpenGroup as Group
     from actlake.jobs.extract.plan import Shard
     from actlake.storage.layout import RunLayout
-    from actlake.storage.shards import Group, ShardFiles
+    from actlake.storage.shards import ShardFiles
 
     texts = gpu_suite.sample_texts(args.docs)
     tok, cfg = ex.lm.tokenizer, ex.cfg.tokenization

@@ -86,71 +86,61 @@ class CommitPolicy:
     """Commit once the group's partials would be at most this fraction of the bytes of its shards' tables."""
 
 
-def _sets(stats: dict | None) -> int:
-    """Sets of statistics in a group's ``{name: BySource}`` (one per source label each; at least 1)."""
-    return max(1, max((len(getattr(s, "parts", (0,))) for s in (stats or {}).values()), default=1))
-
-
 @dataclass
 class Group:
-    """A worker's shards since its last commit, with their statistics merged (on the model's device)."""
+    """A worker's shards since its last commit: their files and summaries, and the bytes of their tables. Storage
+    sees Arrow tables and records only: the worker merges the shards' statistics and hands the merged partials to
+    :meth:`commit` (:class:`~actlake.jobs.extract.group.OpenGroup`)."""
 
     layout: RunLayout
     plan_hash: str
     policy: CommitPolicy = field(default_factory=CommitPolicy)
     shards: dict = field(default_factory=dict)  # shard id -> {"files": ..., "summary": ...}
-    stats: dict | None = None  # analysis name -> merged statistics
     started: float = field(default_factory=time.monotonic)  # the last commit (or the worker's start)
     table_bytes: int = 0
-    partial_bytes: int | None = None  # estimated once: partials have the same size whatever the data
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     """Held by ``add`` and ``commit``; a worker running two shards at once holds it to decide and commit."""
 
-    def add(self, shard_id: int, files: dict, summary: dict, stats: dict) -> None:
+    def add(self, shard_id: int, files: dict, summary: dict) -> None:
         with self.lock:
-            self._add(shard_id, files, summary, stats)
+            self.shards[shard_id] = {"files": files, "summary": summary}
+            self.table_bytes += sum(m["bytes"] for m in files.values())
 
-    def _add(self, shard_id: int, files: dict, summary: dict, stats: dict) -> None:
-        if self.stats is None:
-            if self.partial_bytes is None:  # per set of statistics: by_source keeps one per source label
-                self.partial_bytes = sum(t.nbytes for s in stats.values() for t in s.to_tables().values()) / _sets(stats)
-            merged = stats
-        else:  # merged first: a merge that fails (analyses.max_sources) leaves the shard out of the group
-            merged = {name: self.stats[name].merge(part) for name, part in stats.items()}
-        self.stats = merged
-        self.shards[shard_id] = {"files": files, "summary": summary}
-        self.table_bytes += sum(m["bytes"] for m in files.values())
-
-    def due(self) -> bool:
+    def due(self, partial_bytes: float) -> bool:
+        """Whether to commit now, the group's partials being ``partial_bytes`` (an estimate) when written."""
         if not self.shards:
             return False
         if time.monotonic() - self.started >= self.policy.max_seconds:
             return True
-        return (self.partial_bytes or 0) * _sets(self.stats) <= self.policy.partial_fraction * self.table_bytes
+        return partial_bytes <= self.policy.partial_fraction * self.table_bytes
 
-    def commit(self) -> list[int]:
-        """Write the partials, then the record (last); the shard ids now complete. Afterwards the group
-        is empty, also when writing failed (its shards are then not complete; the dispatcher runs them again)."""
+    def commit(self, partials: dict) -> list[int]:
+        """Write the ``partials`` (table -> Arrow table), then the record (last); the shard ids now complete.
+        Afterwards the group is empty, also when writing failed (its shards are then not complete; the dispatcher
+        runs them again)."""
         with self.lock:
-            return self._commit()
+            return self._commit(partials)
 
-    def _commit(self) -> list[int]:
+    def _commit(self, partials: dict) -> list[int]:
         if not self.shards:
             return []
         try:
             gid = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
-            partials = {}
-            for analysis in (self.stats or {}).values():
-                for table, data in analysis.to_tables().items():
-                    path = self.layout.partial_file(table, gid)
-                    size = write_parquet_atomic(data, path, self.layout.staging)
-                    partials[table] = {"path": self.layout.relative(path), "rows": data.num_rows, "bytes": size}
-            record = {"group": gid, "plan_hash": self.plan_hash, "partials": partials,
+            written = {}
+            for table, data in partials.items():
+                path = self.layout.partial_file(table, gid)
+                size = write_parquet_atomic(data, path, self.layout.staging)
+                written[table] = {"path": self.layout.relative(path), "rows": data.num_rows, "bytes": size}
+            record = {"group": gid, "plan_hash": self.plan_hash, "partials": written,
                       "shards": {str(sid): entry for sid, entry in sorted(self.shards.items())}}
             write_json_atomic(self.layout.group_record(gid), record)
             return sorted(self.shards)
         finally:
-            self.shards, self.stats, self.table_bytes, self.started = {}, None, 0, time.monotonic()
+            self.clear()
+
+    def clear(self) -> None:
+        """Empty the group (its shards are not complete unless a commit recorded them)."""
+        self.shards, self.table_bytes, self.started = {}, 0, time.monotonic()
 
 
 @dataclass

@@ -24,7 +24,7 @@ from actlake.jobs.extract.plan import Shard
 from actlake.jobs.extract.read import read_shard
 from actlake.model import LoadedModel
 from actlake.storage.layout import RunLayout
-from actlake.storage.shards import Group, ShardFiles
+from actlake.storage.shards import ShardFiles
 
 
 class Extractor:
@@ -57,7 +57,7 @@ class Extractor:
         stats = {name: BySource(zero, a.by_source, a.max_sources) for name, zero in self.forward.new_stats().items()}
         return ShardResults(stats, on_batch, docs_per_window)
 
-    def process(self, shard: Shard, layout: RunLayout, group: Group, compute_lock=None, on_batch=None) -> dict:
+    def process(self, shard: Shard, layout: RunLayout, group, compute_lock=None, on_batch=None) -> dict:
         """Run one shard: its tables go into their tables (not yet committed), its statistics into ``group``,
         which the caller commits (:mod:`actlake.storage.shards`). Returns the shard's summary.
 

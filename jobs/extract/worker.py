@@ -190,8 +190,9 @@ class ShardWorker:
         """Take on ``target``'s job: its config, run directory, plan and progress counter, and its model, loaded
         after the previous job's is freed (a sweep's next checkpoint reuses this process, not the weights)."""
         from actlake.jobs.extract.driver import Extractor
+        from actlake.jobs.extract.group import OpenGroup
         from actlake.model import load_model
-        from actlake.storage.shards import CommitPolicy, Group
+        from actlake.storage.shards import CommitPolicy
 
         if self.extractor is not None:
             self.close()
@@ -204,7 +205,7 @@ class ShardWorker:
         self.target = None  # until the new model is loaded: a failed load is tried again by the next call
         self.cfg = parse_config(target.cfg_dict)
         self.layout = RunLayout(location(target.run_dir))
-        self.group = Group(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
+        self.group = OpenGroup(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
         if target.read_in_process:
             from actlake.jobs.extract.read import (

@@ -131,11 +131,11 @@ def test_killed_workers_leave_the_same_tables_and_readers_see_whole_shards(minil
 def _process_in_process(cfg, ex) -> list[dict]:
     """Plan, process every shard with ``ex`` in this process, commit, reduce: a job without Ray."""
     from actlake.analysis.registry import enabled
+    from actlake.jobs.extract.group import OpenGroup as Group
     from actlake.jobs.extract.plan import make_plan, plan_hash
     from actlake.jobs.extract.reduce import reduce_run
     from actlake.jobs.extract.run import prepare_run_dir
     from actlake.storage.layout import RunLayout
-    from actlake.storage.shards import Group
 
     shards = make_plan(cfg)
     phash = plan_hash(cfg, shards)
