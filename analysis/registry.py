@@ -79,7 +79,7 @@ def check_analysis_entries(cfg) -> None:
     named = {cls.name: cls for cls in list(builtin().values()) + list(TOGGLED_TABLES)}
     for key in cfg.analyses.model_extra or {}:
         if key not in named:
-            close = difflib.get_close_matches(key, list(named), n=1)
+            close = difflib.get_close_matches(key, list(named) + list(type(cfg.analyses).model_fields), n=1)
             raise ConfigError(f"analyses.{key}: no built-in analysis or table of that name"
                               + (f" (did you mean '{close[0]}'?)" if close else f" (built in: {', '.join(named)})")
                               + "; your own go under analyses.custom")

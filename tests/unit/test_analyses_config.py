@@ -35,6 +35,7 @@ def test_each_builtin_is_named_by_its_key_with_its_options():
     ({"contributions": {"weigthed": False}}, "analyses.contributions.weigthed: contributions has no such option "
                                              "(its options: weighted, by_query_category)"),
     ({"geometry": {"x": 1}}, "analyses.geometry.x: geometry has no such option (it has none)"),
+    ({"by_sourse": True}, "analyses.by_sourse: no built-in analysis or table of that name (did you mean 'by_source'?)"),
     ({"contributions": {"weighted": "no"}}, "analyses.contributions.weighted: input should be a valid boolean, got 'no'"),
     ({"attention_weights": "fused"}, "analyses.attention_weights: 'fused' computes no attention weights, which "
                                      "analyses.contributions needs (weighted_qsum)"),
