@@ -108,7 +108,7 @@ def test_merge_order_does_not_change_aggregates(minilm_path, sample_corpus, tmp_
     assert len(records) == res.shards_total >= 4 and all(len(r["shards"]) == 1 for r in records)
     published = json.loads((layout.complete / REDUCE_RECORD).read_text())["files"]
     orders = [records[::-1], [records[2], records[0], *records[3:], records[1]]]
-    for cls in builtin().values():
+    for cls in (c for c in builtin().values() if c.tables[0] in published):  # the ones on by default
         forward = merge_partials(layout, records, cls).to_tables()
         others = [merge_partials(layout, o, cls).to_tables() for o in orders]
         others.append({t: pq.read_table(layout.root / published[t]["path"]) for t in cls.tables})  # what the job published

@@ -244,43 +244,6 @@ def test_report_compares_runs_side_by_side(run_dir, other_run, tmp_path, capsys)
     assert "with --compare" in capsys.readouterr().err
 
 
-def test_a_run_reduced_before_the_source_column_is_every_documents_and_still_reports(run_dir, tmp_path):
-    """Reduced tables written before ``source`` existed (and their recorded views, which never name it) read as
-    the rows over every document: ``source = '*'``, the same values; the report still draws."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    import pyarrow.parquet as pq
-
-    import actlake
-    from actlake.jobs.extract.report import build_report
-    from actlake.storage.parquet_io import write_parquet_atomic
-
-    old = Path(shutil.copytree(run_dir, tmp_path / "old"))
-    record_path = old / "_complete" / "reduced.json"
-    record = json.loads(record_path.read_text())
-    for table, meta in record["files"].items():
-        path = old / meta["path"]
-        data = pq.read_table(path).drop_columns(["source"])
-        path.unlink()
-        meta["bytes"] = write_parquet_atomic(data, path, old / "_staging")
-    for view in record["views"].values():  # as recorded before the column: the same SQL without it
-        view["sql"] = view["sql"].replace("m.source, ", "").replace("source, ", "")
-        assert "source" not in view["sql"]
-    record_path.write_text(json.dumps(record))
-    new, before = actlake.open_run(run_dir), actlake.open_run(old)
-    for name in ("attention_mass", "dim_moments"):
-        assert before.execute(f"SELECT DISTINCT source FROM {name}").fetchall() == [("*",)]
-    for name in ("attention_mass", "dim_moments", "outliers", "attention_mass_by_key", "massive_activations"):
-        cols = [c for c, *_ in new.execute(f"DESCRIBE {name}").fetchall() if c != "source"]
-        q = f"SELECT {', '.join(cols)} FROM {name} ORDER BY ALL"
-        assert before.execute(q).fetchall() == new.execute(q).fetchall(), name
-    new.close()
-    before.close()
-    assert build_report(old).is_file()
-
-
 def test_a_closed_pipe_ends_the_query_at_once_quietly(run_dir):
     """`actlake sql … --format csv | head -1`: the reader goes away after one line; the query ends at once with
     exit 0 and nothing on standard error (it printed a BrokenPipeError traceback, hung until the time limit and
