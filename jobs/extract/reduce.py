@@ -13,9 +13,10 @@ from actlake.storage.parquet_io import read_parquet, verify_parquet, write_parqu
 from actlake.storage.shards import Committed, committed
 
 
-def collect(layout: RunLayout, shard_ids: list[int], plan_hash: str) -> Committed:
-    """The accepted commit records of the plan; StorageError naming the shards no record covers."""
-    done = committed(layout, plan_hash)
+def collect(layout: RunLayout, shard_ids: list[int], plan_hash: str, done: Committed | None = None) -> Committed:
+    """The accepted commit records of the plan (``done``: as the caller has just read them); StorageError naming the
+    shards no record covers."""
+    done = committed(layout, plan_hash) if done is None else done
     missing = [sid for sid in shard_ids if sid not in done.shards]
     if missing:
         shown = ", ".join(f"{s:05d}" for s in missing[:20]) + (" ..." if len(missing) > 20 else "")
@@ -86,11 +87,11 @@ def totals_of(summaries: list[dict]) -> dict:
 
 
 def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses, verify_files: bool = True,
-               max_sources: int | None = None) -> dict:
+               max_sources: int | None = None, done: Committed | None = None) -> dict:
     """Verify every shard, merge the partials of each analysis in ``analyses`` (the classes of the job's
     enabled analyses), publish the reduced tables (by source label, with the rows over every document);
-    return the job's totals."""
-    done = collect(layout, shard_ids, plan_hash)
+    return the job's totals. ``done``: the commit records as the job last read them (None: read here)."""
+    done = collect(layout, shard_ids, plan_hash, done)
     planned = set(shard_ids)
     groups = [g for g in done.groups if all(int(s) in planned for s in g["shards"])]
     if verify_files:

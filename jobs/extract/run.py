@@ -279,8 +279,8 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
 
     prepare_run_dir(cfg, layout, shards, phash, inputs)
     remove_tree(layout.staging)  # leftovers of attempts that died mid-write
-    done = committed(layout, phash).shards
-    pending = [s for s in shards if s.shard_id not in done]
+    record = committed(layout, phash)  # read once per round, and handed to the reduce step
+    pending = [s for s in shards if s.shard_id not in record.shards]
     if cfg.activations.layers and pending and not cfg.corpus.hf_streaming:  # a streamed dataset's rows are not counted
         announce_activation_store(cfg, sum(s.end - s.start for s in pending))
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
@@ -290,12 +290,13 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
         if not todo:
             break
         ran += _dispatch(cfg, layout, phash, todo, len(shards), address or cfg.resources.address, on_shard, inputs)
-        done = committed(layout, phash).shards
-        todo = [s for s in shards if s.shard_id not in done]  # a record skipped as a duplicate lost its shards
+        record = committed(layout, phash)
+        todo = [s for s in shards if s.shard_id not in record.shards]  # a record skipped as a duplicate lost its shards
         if todo:
             log.warning("%d shard(s) not committed after dispatch (a commit record was skipped); running them again",
                         len(todo))
-    totals = reduce_run(layout, [s.shard_id for s in shards], phash, analyses, max_sources=cfg.analyses.max_sources)
+    totals = reduce_run(layout, [s.shard_id for s in shards], phash, analyses, max_sources=cfg.analyses.max_sources,
+                        done=record)
     wall = time.perf_counter() - t0
     tokens_run = sum(r["tokens"] for r in ran)
     totals.update(wall_seconds=wall, shards_run=len(pending), tokens_run=tokens_run,
