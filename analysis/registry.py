@@ -147,8 +147,15 @@ def check_table_names(cfg) -> None:
                                   f"underscores, a letter first, not ending in {PARTIAL_SUFFIX} or {BY_SOURCE_SUFFIX}")
             if table in seen:
                 raise ConfigError(f"analyses: {seen[table]!r} and {cls.name!r} both write a table {table!r}")
+            if table in RESERVED:
+                raise ConfigError(f"analyses: {cls.name!r} names a table {table!r}, a name actlake keeps for "
+                                  f"{RESERVED[table]}; rename it")
             seen[table] = cls.name
     check_view_names(cfg)
+
+
+RESERVED = {"checkpoints": "a checkpoint sweep's table"}
+"""Names no producer's table or view may take."""
 
 
 def check_view_names(cfg) -> None:
@@ -162,6 +169,9 @@ def check_view_names(cfg) -> None:
             if not is_table_name(view) or view.endswith((PARTIAL_SUFFIX, BY_SOURCE_SUFFIX)):
                 raise ConfigError(f"analyses: {cls.name!r} names a view {view!r}: use lower-case letters, digits and "
                                   f"underscores, a letter first, not ending in {PARTIAL_SUFFIX} or {BY_SOURCE_SUFFIX}")
+            if view in RESERVED:
+                raise ConfigError(f"analyses: {cls.name!r} declares a view {view!r}, a name actlake keeps for "
+                                  f"{RESERVED[view]}; rename the view")
             clash = tables.get(view) or seen.get(view)
             if clash:
                 what = "table" if view in tables else "view"
@@ -178,8 +188,8 @@ def custom_views(producers) -> list:
 
 
 def producer_views(producers, tables: dict) -> dict:
-    """The producers' declared views over ``tables`` (name -> Arrow table) in an in-memory DuckDB, in order (a
-    view may read an earlier one), as Arrow tables; a view that does not bind is an AnalysisError naming it and
+    """The producers' declared views over ``tables`` (name -> Arrow table) in an in-memory DuckDB, by name (a
+    view may read one whose name sorts before it, as in ``actlake sql``), as Arrow tables; a view that does not bind is an AnalysisError naming it and
     its producer, with DuckDB's message."""
     import duckdb
 
@@ -188,15 +198,16 @@ def producer_views(producers, tables: dict) -> dict:
     try:
         for name, table in tables.items():
             con.register(name, table)
-        for cls in producers:
-            for name, sql in getattr(cls, "views", {}).items():
-                try:
-                    out[name] = con.sql(sql).to_arrow_table()
-                except duckdb.Error as e:
-                    why = " ".join(str(e).split())[:300]
-                    raise AnalysisError(f"analysis {cls.name!r}: its view {name!r} does not run over its tables "
-                                        f"({type(e).__name__}: {why})") from None
-                con.register(name, out[name])
+        views = sorted(((name, cls, sql) for cls in producers for name, sql in getattr(cls, "views", {}).items()),
+                       key=lambda v: v[0])
+        for name, cls, sql in views:  # in the order the run records them and actlake sql creates them: by name
+            try:
+                out[name] = con.sql(sql).to_arrow_table()
+            except duckdb.Error as e:
+                why = " ".join(str(e).split())[:300]
+                raise AnalysisError(f"analysis {cls.name!r}: its view {name!r} does not run over its tables "
+                                    f"({type(e).__name__}: {why})") from None
+            con.register(name, out[name])
         return out
     finally:
         con.close()

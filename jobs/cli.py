@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
             from actlake.jobs.extract.submit import submit  # per command (start-up)
 
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None)
+            from actlake.analysis.registry import check_analysis_entries  # loads torch; per command (start-up)
+
+            check_analysis_entries(cfg)  # a wrong analyses entry is one line here, not a failed job on the cluster
             sid = submit(cfg, args.address, args.submission_id)
             print(sid)
             print(f"follow it with: {command_prefix()} status {sid} --address {shlex.quote(args.address)}", file=sys.stderr)

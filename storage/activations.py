@@ -63,13 +63,14 @@ def verify_store(root) -> dict:
     Returns ``{"fingerprint", "plan_hash", "files"}``: a hash of the plan and of every committed
     activation file's path, rows and bytes, and those files as ``(path, record entry)``. Raises
     StorageError naming the missing or changed shards and files."""
+    from actlake.storage.manifest import read_run
     from actlake.storage.shards import committed
 
     layout = RunLayout(location(root))
     try:
-        run = json.loads(layout.run_json.read_text())
+        run = read_run(layout)  # a store of another run format: refused by name
         plan_hash, shard_ids = run["plan_hash"], [s["shard_id"] for s in run["shards"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (KeyError, TypeError) as e:
         raise StorageError(f"{layout.run_json}: not the run.json of an extraction ({type(e).__name__}: {e})") from None
     done = committed(layout, plan_hash)
     problems = [f"shard {sid:05d} is not committed" for sid in shard_ids if sid not in done.shards]

@@ -100,9 +100,11 @@ def write_run_json(layout: RunLayout, record: dict) -> None:
 def check_run_format(run: dict, where) -> None:
     """StorageError naming ``where`` (a run.json) unless ``run`` is of this actlake's :data:`RUN_FORMAT`."""
     got = run.get("format", 1)
-    if got != RUN_FORMAT:
-        raise StorageError(f"{where}: run format {got} (written by {'an older' if got < RUN_FORMAT else 'a newer'} "
-                           f"actlake); this actlake reads format {RUN_FORMAT}: run the job again under a new run id")
+    if got != RUN_FORMAT or isinstance(got, bool):
+        who = ("an older" if got < RUN_FORMAT else "a newer") if isinstance(got, int) and not isinstance(got, bool) \
+            else "no known"
+        raise StorageError(f"{where}: run format {got!r} (written by {who} actlake); this actlake reads format "
+                           f"{RUN_FORMAT}: run the job again under a new run id, or delete the folder")
 
 
 def write_json_atomic(path, obj) -> None:

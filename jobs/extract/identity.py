@@ -2,11 +2,11 @@
 them. A run records it in ``run.json`` when it begins; a resume (or a rerun of a finished run, or of a sweep's
 checkpoint) with other weights or other code is refused by name, so no run merges two models or two code versions.
 
-- **model**: each weight and config file of a local model folder (or a hub model's cached snapshot) by size,
-  modification time and content hash (:func:`actlake.corpus.fingerprint.file_fingerprint`: whole up to 64 MiB,
-  sampled blocks plus the change time above); a hub model not in the local cache by name and revision.
-- **code**: a SHA-256 over actlake's own sources (every ``.py`` file of the package as installed) and its
-  version, and one over each custom analysis's code (the files shipped to the workers, or the installed module's).
+- **model**: each file of a local model folder that ``from_pretrained`` reads (weights, configs, vocabularies, remote
+  code), by size and a SHA-256 of all of its bytes, computed once per version of the file (cached by its size,
+  modification and change times); a hub model by name, revision and the commit its cached snapshot holds.
+- **code**: a SHA-256 over actlake's own sources (each ``.py`` file of the package once, under its module path) and
+  its version, and one over each custom analysis's code (the files shipped to the workers, or the installed module's).
 """
 
 from __future__ import annotations
@@ -14,34 +14,45 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import json
 import re
 from pathlib import Path
 
 from actlake.config import JobConfig, looks_local, resolve_model_path
-from actlake.corpus.fingerprint import describe_change, file_fingerprint
 from actlake.errors import ActlakeError, StorageError
+from actlake.fs import write_atomic
+from actlake.hashing import file_sha256
 
-MODEL_FILES = re.compile(r"(.*\.safetensors|pytorch_model.*\.bin|tf_model.*\.h5|flax_model.*\.msgpack|.*\.json|.*\.model|.*\.txt|.*\.tiktoken)")
-"""Files of a model folder its numbers depend on: weights, configs (model, generation, tokenizer), vocabularies."""
+MODEL_FILES = re.compile(r"(.*\.safetensors|pytorch_model.*\.bin|tf_model.*\.h5|flax_model.*\.msgpack|.*\.json|.*\.model"
+                         r"|.*\.txt|.*\.tiktoken|.*\.py)")
+"""Files of a model folder its numbers depend on: weights, configs, vocabularies, remote code (``trust_remote_code``)."""
 PACKAGES = ("actlake", "actlake.jobs", "actlake.analysis", "actlake.storage")
 
 
-def _sources_sha(folders) -> str:
-    """SHA-256 over the ``.py`` files under ``folders`` (relative path and bytes, in path order)."""
+def _sources_sha(files: list[tuple[str, Path]]) -> str:
+    """SHA-256 over ``(name, file)`` pairs: each name and the file's bytes, in name order."""
     h = hashlib.sha256()
-    for folder in folders:
-        root = Path(folder)
-        for p in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
-            h.update(p.relative_to(root.parent).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    for name, p in sorted(files):
+        h.update(name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
 
+def _py_files(folder: Path, skip=()) -> list[tuple[str, Path]]:
+    return [(p.relative_to(folder).as_posix(), p) for p in folder.rglob("*.py")
+            if "__pycache__" not in p.parts and p.relative_to(folder).parts[0] not in skip]
+
+
 def actlake_code() -> dict:
-    """actlake's version and the hash of its sources as installed (an editable install: the working tree)."""
+    """actlake's version and the hash of its sources, each file once under its module path (the same for an
+    editable install, a wheel and the copy ``actlake submit`` ships)."""
     from actlake import __version__
 
-    folders = [list(importlib.import_module(p).__path__)[0] for p in PACKAGES]
-    return {"version": __version__, "sha256": _sources_sha(folders)}
+    files = []
+    for pkg in PACKAGES:
+        folder = Path(list(importlib.import_module(pkg).__path__)[0])
+        skip = ("jobs", "analysis", "storage") if pkg == "actlake" else ()  # nested in a wheel: hashed as their own
+        files += [(f"{pkg}/{name}", p) for name, p in _py_files(folder, skip)]
+    return {"version": __version__, "sha256": _sources_sha(files)}
 
 
 def custom_code_sha(cfg: JobConfig, shipped: dict[str, bytes]) -> dict[str, str]:
@@ -61,29 +72,57 @@ def custom_code_sha(cfg: JobConfig, shipped: dict[str, bytes]) -> dict[str, str]
         if spec is None or spec.origin is None and not spec.submodule_search_locations:
             raise ActlakeError(f"analyses.custom: {c.analysis}: module '{module}' is not importable")
         where = list(spec.submodule_search_locations or [])
-        out[c.analysis] = _sources_sha(where) if where else hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
+        out[c.analysis] = _sources_sha(_py_files(Path(where[0]))) if where else \
+            hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
     return out
 
 
+def _hash_cache() -> Path:
+    from actlake.storage.verified import cache_dir
+
+    return cache_dir() / "model-hashes.json"
+
+
+def _content_sha(p: Path, cache: dict) -> str:
+    """SHA-256 of the file's bytes, from ``cache`` when its size, modification and change times are as recorded."""
+    st = p.stat()
+    key, stamp = str(p.resolve()), [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    hit = cache.get(key)
+    if isinstance(hit, list) and len(hit) == 2 and hit[0] == stamp:
+        return hit[1]
+    digest = file_sha256(p)
+    cache[key] = [stamp, digest]
+    return digest
+
+
 def model_files(cfg: JobConfig) -> dict:
-    """``{"files": {relative path: fingerprint}}`` of the model's folder, or ``{"hub": name, "revision": r}``."""
+    """``{"files": {name: {"size", "sha256"}}}`` of a local model folder's top-level files that ``from_pretrained``
+    reads, or ``{"hub", "revision", "commit"}`` of a hub model (commit: its cached snapshot's; None if not cached)."""
     name = cfg.model.name_or_path
-    if looks_local(name) or name.startswith("package:"):
-        folder = Path(resolve_model_path(name))
-    else:
+    if not (looks_local(name) or name.startswith("package:")):
         try:
             from huggingface_hub import snapshot_download
 
-            folder = Path(snapshot_download(name, revision=cfg.model.revision, local_files_only=True))
+            commit = Path(snapshot_download(name, revision=cfg.model.revision, local_files_only=True)).name
         except Exception:  # noqa: BLE001 - not in the cache (a cluster whose workers download): name and revision
-            return {"hub": name, "revision": cfg.model.revision}
+            commit = None
+        return {"hub": name, "revision": cfg.model.revision, "commit": commit}
+    folder = Path(resolve_model_path(name))
+    try:
+        cache = json.loads(_hash_cache().read_text())
+        cache = cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError):
+        cache = {}
     files = {}
-    for p in sorted(p for p in folder.rglob("*") if p.is_file() and MODEL_FILES.fullmatch(p.name)):
+    for p in sorted(p for p in folder.iterdir() if p.is_file() and MODEL_FILES.fullmatch(p.name)):
         try:
-            fp = file_fingerprint(str(p))
-        except ActlakeError as e:
-            raise StorageError(f"model.name_or_path: {p}: cannot fingerprint the model file ({e})") from None
-        files[p.relative_to(folder).as_posix()] = fp
+            files[p.name] = {"size": p.stat().st_size, "sha256": _content_sha(p, cache)}
+        except OSError as e:
+            raise StorageError(f"model.name_or_path: {p}: cannot read the model file ({e.strerror or e})") from None
+    try:
+        write_atomic(_hash_cache(), json.dumps(cache).encode())
+    except OSError:  # a read-only home: hashed again next time
+        pass
     return {"files": files}
 
 
@@ -97,15 +136,16 @@ def identity_change(old: dict, new: dict) -> str | None:
     om, nm = old.get("model", {}), new["model"]
     if ("files" in om) != ("files" in nm) or om.get("hub") != nm.get("hub") or om.get("revision") != nm.get("revision"):
         return f"the model is {_model_name(nm)} now, {_model_name(om)} when the run began"
+    if om.get("commit") and nm.get("commit") and om["commit"] != nm["commit"]:
+        return f"the model {nm['hub']} is at commit {nm['commit'][:12]} now, {om['commit'][:12]} when the run began"
     of, nf = om.get("files", {}), nm.get("files", {})
     for rel in sorted(set(of) | set(nf)):
         if rel not in nf:
             return f"model file {rel} is gone"
         if rel not in of:
             return f"model file {rel} is new"
-        why = describe_change(of[rel], nf[rel])
-        if why:
-            return f"model file {rel}: {why}"
+        if of[rel] != nf[rel]:
+            return f"model file {rel}: content changed"
     oc, nc = old.get("code", {}), new["code"]
     if oc.get("sha256") != nc["sha256"]:
         versions = f"{oc.get('version')} then, {nc['version']} now" if oc.get("version") != nc["version"] else \

@@ -221,6 +221,21 @@ CUSTOM_CODE_LIMIT = 16 << 20
 """Bytes of custom-analysis code shipped to each worker, at most."""
 
 
+def check_custom_views(cfg: JobConfig) -> None:
+    """ConfigError naming the view and its analysis when a custom view is not one SELECT (``actlake sql`` would
+    refuse it, and every query of the run with it)."""
+    from actlake.analysis.registry import custom_views, enabled, shard_tables
+    from actlake.errors import QueryError
+    from actlake.storage.sql import check_statement
+
+    for cls in custom_views([c for c, _ in enabled(cfg) + shard_tables(cfg)]):
+        for name, sql in cls.views.items():
+            try:
+                check_statement(sql)
+            except QueryError as e:
+                raise ConfigError(f"analysis {cls.name!r}: its view {name!r} is not one SELECT ({e})") from None
+
+
 def custom_code(cfg: JobConfig) -> dict[str, bytes]:
     """The custom analyses' code, ``{path relative to its parent folder: bytes}``, for the workers (Ray
     accepts local ``py_modules`` only for a whole job, not per actor, so the code travels as an argument)."""
@@ -257,6 +272,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     t0 = time.perf_counter()
     import_custom_analyses(cfg)
     check_table_names(cfg)  # imports custom classes: a bad one fails here
+    check_custom_views(cfg)
     analyses = [cls for cls, _ in enabled(cfg)]
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
     check_model(cfg)  # from the model's config alone: an unsupported model is one line, before Ray

@@ -14,7 +14,7 @@ from tests.conftest import job_config
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kept_workers")]
 
 LIGHT = {"analyses.contributions": False, "analyses.geometry": False, "analyses.attention_by_distance": False,
-         "analyses.contributions": {"weighted": False}, "corpus.max_docs": 8}
+         "corpus.max_docs": 8}
 
 
 def _windows(con):

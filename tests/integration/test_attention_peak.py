@@ -67,6 +67,7 @@ def test_two_halves_merge_into_the_whole(minilm_path, tmp_path):
     whole = forward.run_batch(windows).stats["attention_peak"]
     a, b = (forward.run_batch(part).stats["attention_peak"] for part in (windows[:1], windows[1:]))
     merged = a.merge(b)
-    assert torch.allclose(merged.peak, whole.peak, rtol=1e-5, atol=1e-5)  # float32 weights; batches pad differently and torch.equal(merged.n_queries, whole.n_queries)
+    # float32 weights: the batches pad differently
+    assert torch.allclose(merged.peak, whole.peak, rtol=1e-5, atol=1e-5) and torch.equal(merged.n_queries, whole.n_queries)
     assert float(whole.n_queries.sum()) == sum(len(w.ids) for w in windows) * whole.peak.shape[0]
     assert len(ROLE) == whole.peak.shape[1]

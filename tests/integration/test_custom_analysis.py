@@ -299,3 +299,21 @@ def test_a_recorded_view_that_does_not_run_leaves_the_other_tables_queryable(min
     assert out.splitlines()[0] == '"n"' and int(out.splitlines()[1]) > 0
     assert "entropy_layers: not offered, the recorded view does not run" in err
     assert main(["sql", str(run), "SELECT * FROM outliers LIMIT 1", "--format", "csv"]) == 0
+
+
+@pytest.mark.parametrize("view,sql,message", [
+    ("two_statements", "SELECT 1 AS a; SELECT 2 AS b",
+     "analysis 'attention_entropy': its view 'two_statements' is not one SELECT"),
+    ("checkpoints", "SELECT 1 AS a", "analyses: 'attention_entropy' declares a view 'checkpoints', a name actlake "
+                                     "keeps for a checkpoint sweep's table"),
+])
+def test_a_custom_view_that_sql_would_refuse_is_refused_before_anything_runs(view, sql, message, minilm_path,
+                                                                             sample_corpus, tmp_path, capsys):
+    """A view of two statements ran on the first shard (DuckDB runs the last) and then made every query of the run
+    fail; a view named ``checkpoints`` would break a sweep's."""
+    module = _with_view(tmp_path, f"refused_{view}", view, sql)
+    job = _job(minilm_path, sample_corpus, tmp_path, f"refused_{view}:AttentionEntropy", module)
+    assert main(["run", str(job)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"actlake: error: {message}"), err
+    assert not (tmp_path / "runs").exists()

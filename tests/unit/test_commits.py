@@ -6,6 +6,7 @@ import json
 import os
 
 import pyarrow as pa
+import pytest
 
 from actlake.storage.layout import RunLayout
 from actlake.storage.parquet_io import write_parquet
@@ -89,3 +90,16 @@ def test_malformed_records_are_named_not_tracebacks(tmp_path):
     write_json_atomic(layout.complete / "reduced.json", {"plan_hash": "p", "files": ["tables/x/part-0.parquet"]})
     with pytest.raises(StorageError, match=r"reduced.json: its files are not table -> \{path, bytes\}"):
         committed_files(layout)
+
+
+def test_a_run_format_that_is_not_a_number_is_refused_by_name(tmp_path):
+    from actlake.errors import StorageError
+    from actlake.storage.layout import RunLayout, write_json_atomic
+    from actlake.storage.manifest import committed_files
+
+    layout = RunLayout(tmp_path)
+    for bad in ("2", None, True, 3):
+        write_json_atomic(layout.run_json, {"format": bad, "plan_hash": "p", "shards": [{"shard_id": 0}]})
+        with pytest.raises(StorageError, match=rf"run format {bad!r} .* reads format 2: run the job again under a new "
+                                               r"run id, or delete the folder"):
+            committed_files(layout)
