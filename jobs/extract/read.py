@@ -107,7 +107,12 @@ class ReaderProcess:
     def __init__(self, cfg_dict: dict, tokenizer):
         self.cfg_dict, self.tokenizer = cfg_dict, tokenizer
         self.starting = threading.Lock()
-        self.pool, self.ready = self._start()
+        self.current = self._start()
+        """(pool, future of its set-up), replaced as one value: a thread never pairs one pool with another's set-up."""
+
+    @property
+    def pool(self) -> ProcessPoolExecutor:
+        return self.current[0]
 
     def _start(self):
         """A new process and the future of its set-up. The config and tokenizer (megabytes) go as its first task,
@@ -123,17 +128,18 @@ class ReaderProcess:
         """The shard's windows, documents and rejects. A reader process that died (killed for memory, also
         while it starts) is replaced once per call, with a warning, and the shard read again; dying again raises
         BrokenProcessPool, on which the worker exits as one killed while reading (its shards requeued)."""
-        pool, ready = self.pool, self.ready
+        current = self.current
         try:
-            ready.result()
-            return pool.submit(_read_in_reader, shard).result()
+            current[1].result()
+            return current[0].submit(_read_in_reader, shard).result()
         except BrokenProcessPool:
             with self.starting:  # two threads may find it broken: one new process
-                if self.pool is pool:
+                if self.current is current:
                     log.warning("the reader process died; starting another and reading shard %d again", shard.shard_id)
-                    self.pool, self.ready = self._start()
-            self.ready.result()
-            return self.pool.submit(_read_in_reader, shard).result()
+                    self.current = self._start()
+            pool, ready = self.current
+            ready.result()
+            return pool.submit(_read_in_reader, shard).result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
