@@ -25,8 +25,9 @@ QKV = ("separate", "stacked", "per_head", "conv1d")
 """Where k sits in the output of the module at ``Family.key``: the whole output (``separate``); rows
 [q (H d_h) | k (H_kv d_h) | v] (``stacked``); rows (head, [q | k | v], d_h) (``per_head``); GPT-2's Conv1D,
 columns [q | k | v] (``conv1d``)."""
-ROPE = (None, "half", "interleaved", "interleaved_half", "sin_cos_half")
-"""How positions rotate q and k: pairs (i, i + rot/2) with the model's (cos, sin) (``half``); pairs (2i, 2i+1)
+ROPE = (None, "half", "half_narrow", "interleaved", "interleaved_half", "sin_cos_half")
+"""How positions rotate q and k: pairs (i, i + rot/2) with the model's (cos, sin) (``half``), or with (cos, sin)
+of half width, one angle per pair (``half_narrow``, gpt-oss); pairs (2i, 2i+1)
 with (cos, sin) of full width (``interleaved``, Cohere), or with the first half of rotate-half (cos, sin), each
 angle repeated (``interleaved_half``, GLM); GPT-J's (sin, cos) of half width, interleaved (``sin_cos_half``)."""
 NO_INTERFACE = "attention computed outside the transformers attention interface (its q and k cannot be read)"
@@ -102,8 +103,7 @@ FAMILIES = (
     Family("no_interface", ("gpt_neo", "falcon", "bloom", "deberta-v2", "mpt", "codegen"), refuse=NO_INTERFACE),
     Family("deepseek_v3", ("deepseek_v3", "deepseek_v2"), refuse="multi-head latent attention (keys from a compressed "
            "latent through a norm and an up-projection) is not modelled yet"),
-    Family("gpt_oss", ("gpt_oss",), refuse="learned attention sinks (a per-head sink logit in the softmax) are not "
-           "modelled yet"),
+    Family("gpt_oss", ("gpt_oss",), rope="half_narrow"),  # learned sinks: read from the kernel call (capture.py)
     Family("llama4_text", ("llama4_text",), refuse="chunked attention, NoPE layers with temperature tuning and complex "
            "RoPE are not modelled yet"),
 )

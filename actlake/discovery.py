@@ -65,8 +65,6 @@ def _discover(config) -> Family:
     source = inspect.getsource(sys.modules[type(attn).__module__])
     if "ALL_ATTENTION_FUNCTIONS" not in source:
         raise refuse(NO_INTERFACE)
-    if "s_aux" in source or "sinks" in source:
-        raise refuse("its attention has learned sinks, which are not modelled yet")
     if "view_as_complex" in source:
         raise refuse("its RoPE is applied through complex numbers, which is not modelled yet")
     key = next(((name, layout) for name, layout in KEYS if hasattr(attn, name)), None)

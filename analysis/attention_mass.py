@@ -5,12 +5,16 @@ keys n of category ck of alpha_mn. The mass each query gives each key category i
 the ``mass`` product of :mod:`actlake.analysis.engine.attention_weights`: read off the
 explicit weights, or, without them, the attention output for V = the one-hot
 key-category matrix (one fused kernel call on a (T, C) value).
+
+A model with learned attention sinks (gpt-oss) gives part of each query's softmax to no key: that share is
+key category ``sink`` (rows only for such models), so a query's mass over its key categories sums to 1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -18,6 +22,9 @@ from actlake.analysis.engine import grid
 from actlake.analysis.protocol import Headline, OneTable
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
+
+KEYS = ROLE + ("sink",)
+"""Key categories of the table: the token roles, and the learned sink (rows only when a sink took weight)."""
 
 
 @dataclass
@@ -45,11 +52,13 @@ class AttentionMass(OneTable, SumStats):
     """(L, Cq) valid queries of each category (the same for every head)."""
     nonfinite: torch.Tensor
     """(L,) tokens left out of every attention statistic of that layer: their q, k or x held inf/NaN."""
+    sink: torch.Tensor
+    """(L, H, Cq) summed share of the softmax the learned sink took from queries of category cq (0 without one)."""
 
     @classmethod
     def zeros(cls, n_layers: int, n_heads: int, n_cat: int = len(ROLE), device=None) -> "AttentionMass":
         return cls(zeros(n_layers, n_heads, n_cat, n_cat, device=device), zeros(n_layers, n_cat, device=device),
-                   zeros(n_layers, device=device))
+                   zeros(n_layers, device=device), zeros(n_layers, n_heads, n_cat, device=device))
 
     @classmethod
     def create(cls, spec, **options) -> "AttentionMass":
@@ -64,18 +73,25 @@ class AttentionMass(OneTable, SumStats):
         per_q = lq.product("mass").double()  # (B, H, T, C), zero on invalid queries
         mass = torch.einsum("bhtk,btq->hqk", per_q, lq.query_onehot.double())
         accumulate([self.mass[lq.layer], self.n_queries[lq.layer]], [mass, lq.batch.queries_by_category])
+        if lq.sinks is not None:  # zero on invalid queries
+            sink = torch.einsum("bht,btq->hq", lq.product("sink").double(), lq.query_onehot.double())
+            accumulate([self.sink[lq.layer]], [sink])
 
     def to_arrow(self) -> pa.Table:
         L, H = self.mass.shape[:2]
-        axes = [("layer", L), ("query_category", ROLE), ("head", H), ("key_category", ROLE)]
+        mass, keys = np64(self.mass), ROLE
+        if bool((self.sink != 0).any()):
+            mass, keys = np.concatenate([mass, np64(self.sink)[..., None]], axis=-1), KEYS
+        axes = [("layer", L), ("query_category", ROLE), ("head", H), ("key_category", keys)]
         return grid.to_arrow(axes, {"nonfinite_tokens": np64(self.nonfinite), "n_queries": np64(self.n_queries),
-                                    "mass": np64(self.mass).transpose(0, 2, 1, 3)})
+                                    "mass": mass.transpose(0, 2, 1, 3)})
 
     @classmethod
     def from_arrow(cls, t: pa.Table) -> "AttentionMass":
-        axes = [("layer", 0), ("query_category", ROLE), ("head", 0), ("key_category", ROLE)]
+        axes = [("layer", 0), ("query_category", ROLE), ("head", 0), ("key_category", KEYS)]
         v = grid.from_arrow(t, axes, {"nonfinite_tokens": 1, "n_queries": 2, "mass": 4})
-        return cls(tensor(v["mass"].transpose(0, 2, 1, 3)), tensor(v["n_queries"]), tensor(v["nonfinite_tokens"]))
+        mass = v["mass"].transpose(0, 2, 1, 3)  # (L, H, Cq, Ck + 1)
+        return cls(tensor(mass[..., :-1]), tensor(v["n_queries"]), tensor(v["nonfinite_tokens"]), tensor(mass[..., -1]))
 
 
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from actlake.analysis.attention_distance import AttentionByDistance
+from actlake.analysis.attention_mass import AttentionMass
 from actlake.analysis.contributions import QUERY_GROUPS_ALL, Contributions
 from actlake.analysis.engine import capture
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
@@ -37,14 +38,26 @@ def batch(vocab: int, seed: int = 0, B: int = 3, T: int = 24):
 
 
 class _Keep:
-    """A recorder that keeps each layer's q and k as the kernel receives them (the reference's)."""
+    """A recorder that keeps each layer's q and k as the kernel receives them (the reference's), and for a layer
+    with learned sinks its weights brute force: some kernels return weights without the sink's share (Granite
+    SWA scales the output instead), so ``output_attentions`` is not the weights the model uses there."""
 
     def __init__(self, layer_of):
-        self.layer_of, self.qk = layer_of, {}
+        self.layer_of, self.qk, self.sink_weights = layer_of, {}, {}
 
     def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None,
-                     sliding_window=None):
-        self.qk[self.layer_of[id(module)]] = (query.detach().double(), key.detach().double(), sliding_window)
+                     sliding_window=None, sinks=None):
+        layer = self.layer_of[id(module)]
+        q, k = query.detach().double(), key.detach().double()
+        self.qk[layer] = (q, k, sliding_window)
+        if sinks is not None:
+            logits = q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * scaling
+            if attention_mask is not None:
+                mask = attention_mask[..., -q.shape[2]:, -k.shape[2]:]
+                logits = (logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                          else logits + mask.double())
+            sink = sinks.detach().double()[None, :, None, None].expand(*logits.shape[:3], 1)
+            self.sink_weights[layer] = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
         return None
 
 
@@ -60,7 +73,8 @@ def reference(folder: str, ids, valid):
         out = model(input_ids=ids, attention_mask=valid, output_attentions=True, output_hidden_states=True,
                     use_cache=False)
     logits = out.logits if lm.causal_lm is not None else None
-    return out.hidden_states, out.attentions, keep.qk, logits, lm
+    alphas = [keep.sink_weights.get(i, a) for i, a in enumerate(out.attentions)]
+    return out.hidden_states, alphas, keep.qk, logits, lm
 
 
 def engine(folder: str, ids, valid, role, attn: str = "sdpa"):
@@ -71,7 +85,7 @@ def engine(folder: str, ids, valid, role, attn: str = "sdpa"):
     L, H, d = mqk.n_layers, mqk.n_heads, lm.model.config.hidden_size
     geo, dist = Geometry.zeros(L, H), AttentionByDistance.zeros(L, H, ids.shape[1])
     con = Contributions.zeros(L, H, d, QUERY_GROUPS_ALL)
-    analyses = [geo, dist, con]
+    analyses = [geo, dist, con, AttentionMass.zeros(L, H)]
     hidden = {}
     check = SelfCheck(torch.float32, ["attention_geometry", "attention_by_distance", "contributions"], ["contributions"])
     with capture.LayerInputs(lm.model, lm.family) as inputs, capture.HiddenStream(lm.model, lm.family) as stream:
@@ -90,7 +104,7 @@ def engine(folder: str, ids, valid, role, attn: str = "sdpa"):
         with torch.no_grad():
             own = lm.causal_lm(input_ids=ids[:1, :n], use_cache=False).logits[0]
         check.surprisal(surprisal[0, :n], own, ids[0, :n], valid[0, :n])
-    return hidden, geo, dist, con, surprisal, check, lm
+    return hidden, geo, dist, con, surprisal, check, lm, analyses[-1]
 
 
 def relative(a, b) -> float:
@@ -104,7 +118,7 @@ def compare(folder: str, seed: int = 0, attn: str = "sdpa", T: int = 24) -> dict
     probe = load_model(ModelConfig(name_or_path=folder, dtype="float32"), lm_head=False)
     ids, valid, role = batch(probe.model.config.vocab_size, seed, T=T)
     hs, alphas, qk, logits, _ = reference(folder, ids, valid)
-    hidden, geo, dist, con, surprisal, check, lm = engine(folder, ids, valid, role, attn)
+    hidden, geo, dist, con, surprisal, check, lm, am = engine(folder, ids, valid, role, attn)
     v = valid.double()
     kcat = one_hot(role, len(ROLE), valid).double()  # (B, T, C)
     err = {"residual_norms": max(relative(hidden[i].norm(dim=-1) * v, hs[i].norm(dim=-1) * v) for i in range(len(hs)))}
@@ -112,7 +126,11 @@ def compare(folder: str, seed: int = 0, attn: str = "sdpa", T: int = 24) -> dict
     T = ids.shape[1]
     for layer, alpha in enumerate(alphas):
         a = alpha * v[:, None, :, None]  # valid queries only
-        mass.append(relative(geo.mass[layer], torch.einsum("bhmn,bnc->hc", a, kcat)))
+        want = torch.einsum("bhmn,bnc->hc", a, kcat)
+        sink = ((1 - alpha.sum(-1)) * v[:, None]).sum((0, 2))  # (H,) what a learned sink took (0 without one)
+        mass.append(relative(geo.mass[layer], want))
+        mass.append(relative(torch.cat([am.mass[layer].sum(1), am.sink[layer].sum(-1, keepdim=True)], -1),
+                             torch.cat([want, sink[:, None]], -1)))
         q, k, window = qk[layer]  # the window the model's own attention call was handed
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         causal = lm.family.causal

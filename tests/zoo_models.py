@@ -13,10 +13,10 @@ import torch
 
 CAUSAL = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
           "gemma3_text", "olmo", "olmo2", "olmoe", "phi", "phi3", "stablelm", "starcoder2", "cohere", "granite", "gptj",
-          "gpt_bigcode", "opt", "smollm3", "gpt2", "gpt_neox")
+          "gpt_bigcode", "opt", "smollm3", "gpt2", "gpt_neox", "gpt_oss")
 """Causal LM types that run exactly (tests/integration/test_families.py)."""
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert")
-REFUSED = ("llama4_text", "gpt_neo", "falcon", "bloom", "deepseek_v3", "gpt_oss", "deberta-v2")
+REFUSED = ("llama4_text", "gpt_neo", "falcon", "bloom", "deepseek_v3", "deberta-v2")
 """Types refused before Ray, each with its reason (actlake/architectures.py)."""
 
 SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -71,6 +71,8 @@ def build(model_type: str, out: Path, knobs: bool = True, scale: float = 8.0, se
                 p.mul_(scale)
             elif "norm" in name.lower() and p.dim() == 1:
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.3 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # learned sink logits: from a small share of the softmax to most of it
+                p.copy_(torch.linspace(-2.0, 4.0, p.numel()).reshape(p.shape))
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if head is not None and config.model_type not in ENCODERS:  # logits of several units: logit caps and scales matter
             head.weight.mul_(logit_scale)

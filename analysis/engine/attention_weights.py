@@ -8,7 +8,10 @@ Products (all over the batch's valid queries; padded or excluded queries give no
 - ``weighted_qsum`` (B, H, T, d_h): at each key n, sum_m alpha_mn q'_m, from which the
   attention-weighted contributions follow (METHODS.md §3);
 - ``distance`` (H, 2T - 1) float64: summed weight at each m - n (index m - n + T - 1);
-- ``output`` (B, H, T, d_h): alpha V, the layer's attention output (only with ``value``).
+- ``output`` (B, H, T, d_h): alpha V, the layer's attention output (only with ``value``);
+- ``sink`` (B, H, T): the share of each query's softmax that a learned sink takes (gpt-oss; METHODS.md §2), zero
+  without one. With a sink, the weights over keys sum to 1 minus it, and every product above uses them as the
+  model does; it comes with any explicit pass of a layer that has one.
 
 Two ways to get them:
 
@@ -34,8 +37,8 @@ import torch.nn.functional as F
 from actlake.analysis.engine.heads import capped, expand_kv
 from actlake.errors import ConfigError
 
-PRODUCTS = ("mass", "mass_keynorm", "weighted_qsum", "distance", "output")
-EXPLICIT_ONLY = frozenset({"weighted_qsum", "distance", "output"})
+PRODUCTS = ("mass", "mass_keynorm", "weighted_qsum", "distance", "output", "sink")
+EXPLICIT_ONLY = frozenset({"weighted_qsum", "distance", "output", "sink"})
 """Products only the explicit pass gives."""
 FLASH = frozenset({"output", "mass", "mass_keynorm", "weighted_qsum"})
 """Products :func:`flash_products` gives (causal attention, right padding, 16-bit q and k on CUDA)."""
@@ -70,6 +73,17 @@ def diagonal_sums_from(rows: torch.Tensor) -> torch.Tensor:
     return skewed.sum(1, dtype=torch.float64)
 
 
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> tuple:
+    """(weights (..., H, M, T), the sink's share (..., H, M) or None): the softmax of each row of ``logits``
+    (..., H, M, T) with one more logit per head, ``sinks`` (H,), that no key owns (dropped from the weights, as
+    the model's kernel drops it), or the plain softmax without sinks."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1), None
+    s = sinks.to(logits.dtype)[:, None]  # (H, 1): against (..., H, M)
+    total = torch.logaddexp(torch.logsumexp(logits, dim=-1), s)  # (..., H, M): log of each row's normaliser
+    return torch.exp(logits - total[..., None]), torch.exp(s - total)
+
+
 def explicit_products(lq, names, value: torch.Tensor | None = None, max_elements: int | None = None) -> dict:
     """The requested products from explicit weights, block by block.
 
@@ -93,7 +107,7 @@ class _ExplicitPass:
         self.names, self.batch = names, lq.batch
         self.k = lq.key_per_query_head  # (B, H, T, d_h)
         self.q = lq.query * lq.scaling  # the softmax scale folded into q once
-        self.softcap = lq.softcap
+        self.softcap, self.sinks = lq.softcap, lq.sinks
         B, H, T, dh = self.q.shape
         self.B, self.H, self.T, self.dh, self.C = B, H, T, dh, lq.key_onehot.shape[-1]
         self.mb = T if H * T * T <= budget else max(1, budget // (H * T))  # queries per block
@@ -122,6 +136,9 @@ class _ExplicitPass:
         if "distance" in names:
             self.distance = torch.zeros(H, 2 * T - 1, dtype=torch.float64, device=self.q.device)
             self.diag = self.batch.distance_index(T)
+        if self.sinks is not None or "sink" in names:  # the sink's share comes with every pass of a layer with one
+            self.names.add("sink")
+            self.sink_buf = self.q.new_zeros(B, H, T)
 
     def run(self) -> dict:
         T = self.T
@@ -147,8 +164,10 @@ class _ExplicitPass:
         if self.keynorm_buf is not None:  # rescaling key n rescales its scores (before any cap)
             logits_kn = capped(raw * self.kscale[s], self.softcap) if self.softcap else logits * self.kscale[s]
         del raw
-        alpha = torch.softmax(logits, dim=-1)
+        alpha, sink = softmax_with_sinks(logits, self.sinks)
         del logits
+        if sink is not None:
+            self.sink_buf[s, :, m] = sink
         if "output" in names:
             self._product(self.out_v, s, m, alpha, self.v[s])  # (b, H, mb, d_h [+ 8])
         if self.mass_buf is not None:
@@ -165,7 +184,7 @@ class _ExplicitPass:
                 dist += alpha.mul_(batch.validf[s, None, m, None]).sum(0)
         del alpha
         if self.keynorm_buf is not None:
-            self._category_mass(self.keynorm_buf, s, m, torch.softmax(logits_kn, dim=-1))
+            self._category_mass(self.keynorm_buf, s, m, softmax_with_sinks(logits_kn, self.sinks)[0])
 
     def _product(self, buf, s, m, a, b) -> None:
         """buf[s, :, m] = a @ b, written in place when blocks hold whole sequences."""
@@ -197,6 +216,8 @@ class _ExplicitPass:
             out["weighted_qsum"] = self.wq
         if "distance" in names:
             out["distance"] = self.distance
+        if "sink" in names:
+            out["sink"] = self.sink_buf * self.batch.validf[:, None, :]
         return out
 
 

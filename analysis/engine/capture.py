@@ -36,11 +36,12 @@ class Recorder(Protocol):
     def on_attention(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float,
                      attention_mask: torch.Tensor | None, is_causal: bool,
                      value: torch.Tensor | None, softcap: float | None = None,
-                     sliding_window: int | None = None) -> torch.Tensor | None:
+                     sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
         """Called once per layer, before the kernel. ``value`` is given when the recorder may return the
         attention output (B, H, T, d_h) in place of the kernel's; return None to let the kernel run.
         ``softcap``: the kernel's attention logit softcapping, or None; ``sliding_window``: the layer's window
-        (transformers' convention), or None."""
+        (transformers' convention), or None; ``sinks``: (H,) learned sink logits, one extra column of each
+        head's softmax that no key owns (gpt-oss's ``s_aux``), or None."""
 
 
 def _base_kernel(name: str, module) -> Callable:
@@ -65,7 +66,8 @@ def _make_wrapper(base: str) -> Callable:
         replaceable = (base == "sdpa" and not module.training and not kwargs.get("dropout")
                        and all(kwargs.get(k) is None for k in REPLACEABLE_UNLESS))
         out = rec.on_attention(module, query, key, scaling, attention_mask, is_causal, value if replaceable else None,
-                               softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"))
+                               softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"),
+                               sinks=sink_logits(kwargs))
         if getattr(rec, "check", None) is not None:  # the self-checked batch: the kernel runs, for the comparison
             result = kernel(module, query, key, value, attention_mask, **kwargs)
             rec.kernel_output(module, value, result[0])
@@ -77,6 +79,15 @@ def _make_wrapper(base: str) -> Callable:
 
     attention.__name__ = f"{PREFIX}{base}"
     return attention
+
+
+def sink_logits(kwargs: dict) -> torch.Tensor | None:
+    """The (H,) learned sink logits a kernel call carries (``s_aux`` in transformers' kernels, ``sinks`` in
+    some remote code), or None."""
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
 
 
 def register() -> None:

@@ -287,6 +287,9 @@ class LayerQK:
     """(B, H_kv, T) float32 1 / r_n of a key norm (METHODS.md §3: k = R(g (x W_K + b_K) / r)), or None."""
     softcap: float | None = None
     """Attention logit softcapping: weights from cap * tanh(score / cap) (contributions are of the score)."""
+    sinks: torch.Tensor | None = None
+    """(H,) float32 learned sink logits (gpt-oss): one more column in each query's softmax that no key owns, so
+    the weights over keys sum to 1 minus the sink's share (the ``sink`` product)."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     # shortcuts to the batch
@@ -343,14 +346,14 @@ class LayerQK:
         return self.batch.queries_per_key
 
     def weights(self) -> torch.Tensor:
-        """(B, H, T, T) float32 attention weights: softmax over the keys each query may see, zero rows for
-        padded or excluded queries. Built whole (O(B H T^2) memory), for analyses that need alpha itself;
+        """(B, H, T, T) float32 attention weights: softmax over the keys each query may see (and the sink, which
+        takes its share of each row, when the model has one), zero rows for padded or excluded queries. Built whole (O(B H T^2) memory), for analyses that need alpha itself;
         the built-in ones read :meth:`product` instead."""
         if "weights" not in self._cache:
             logits = torch.matmul(self.query * self.scaling, self.key_per_query_head.transpose(-1, -2))
             logits = capped(logits, self.softcap)
             logits = logits.masked_fill(~self.batch.weight_mask, float("-inf"))
-            self._cache["weights"] = torch.softmax(logits, -1) * self.batch.validf[:, None, :, None]
+            self._cache["weights"] = aw.softmax_with_sinks(logits, self.sinks)[0] * self.batch.validf[:, None, :, None]
         return self._cache["weights"]
 
     def product(self, name: str) -> torch.Tensor:
@@ -363,6 +366,8 @@ class LayerQK:
         """
         if name not in self._cache:
             todo = (set(self.needs) | {name}) - self._cache.keys()
+            if self.method != "explicit" and self.sinks is not None:
+                raise ValueError("a layer with sinks has its products from explicit weights only (method='explicit')")
             if self.method == "flash":
                 flash = aw.FLASH | (aw.TRITON if self.triton else frozenset())
                 self._cache.update(aw.flash_products(self, todo & flash))
@@ -388,7 +393,7 @@ class LayerQK:
                        None if self.unrotation is None else (cut(self.unrotation[0]), cut(self.unrotation[1]), self.unrotation[2]),
                        self.needs,
                        "explicit" if self.method in ("flash", "padded") else self.method, cut(self.value),
-                       self.max_elements, key_scale=cut(self.key_scale), softcap=self.softcap)
+                       self.max_elements, key_scale=cut(self.key_scale), softcap=self.softcap, sinks=self.sinks)
 
     @property
     def key_scale_per_query_head(self) -> torch.Tensor | None:

@@ -93,7 +93,7 @@ class AttentionRecorder:
         return [torch.cat([self._problems[d], (~torch.isfinite(self._totals[d])).double()]) for d in self._problems]
 
     def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None,
-                     sliding_window=None):
+                     sliding_window=None, sinks=None):
         layer = self.mqk.layer_of[id(module)]
         dev = query.device  # with device_map, each layer's analyses run where that layer lives
         if dev not in self._batch:
@@ -103,7 +103,8 @@ class AttentionRecorder:
         window = self._window(dev, sliding_window)
         self._check_mask(layer, self._batch[window], attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
         t = {"query": query.detach(), "key": key.detach(), "value": value.detach() if value is not None else None,
-             "x": None, "w_key": None, "b_key": None, "key_scale": None}
+             "x": None, "w_key": None, "b_key": None, "key_scale": None,
+             "sinks": sinks.detach().float() if sinks is not None else None}
         rope = None
         if self.inputs is not None:
             t["x"] = self.inputs.x.pop(layer).detach()  # not kept past its layer
@@ -112,7 +113,7 @@ class AttentionRecorder:
             rope = self.inputs.rope.get(layer) if self.mqk.rope_on(layer) else None
         self.seen.add(layer)
         softcap = None if softcap is None else float(softcap)
-        if self.replay is None or self.strict or softcap is not None:
+        if self.replay is None or self.strict or softcap is not None or sinks is not None:
             out = self._layer(layer, t, float(scaling), rope, self.consumers, softcap, window)
         else:
             out = self._replayed(layer, t, float(scaling), rope, window)
@@ -168,7 +169,7 @@ class AttentionRecorder:
             for tell in self.on_excluded:
                 tell(layer, bad.sum())
         method = self.method
-        if softcap is not None or batch.window is not None:  # only explicit weights know the cap and the window
+        if softcap is not None or batch.window is not None or t["sinks"] is not None:  # known to explicit weights only
             method = "explicit"
         if method == "auto" and not any_bad and flash_applies(query, batch):
             method = "flash"
@@ -182,7 +183,7 @@ class AttentionRecorder:
         lq = LayerQK(layer, q, k, scaling, batch, needs=self.needs | ({"output"} if replace else frozenset()),
                      method=method, value=f32(value) if replace and method == "explicit" else None,
                      native=(query, t["key"], value), triton=self.triton and method in ("flash", "padded"),
-                     key_scale=t.get("key_scale"), softcap=softcap)
+                     key_scale=t.get("key_scale"), softcap=softcap, sinks=t["sinks"])
         with tf32_when_exact(query):
             if self.inputs is not None:
                 lq.x, lq.w_key, lq.b_key = x, t["w_key"], t["b_key"]

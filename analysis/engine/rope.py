@@ -44,6 +44,8 @@ def from_model(kind: str, pe: tuple) -> tuple[torch.Tensor, torch.Tensor, bool]:
         sin, cos = pe
         return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1), True
     cos, sin = pe
+    if kind == "half_narrow":  # gpt-oss: rotate-half pairs, one angle per pair
+        return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1), False
     if kind == "interleaved_half":  # GLM: rotate-half (cos, sin), one angle per pair taken and repeated
         half = cos.shape[-1] // 2
         return cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True

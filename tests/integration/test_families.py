@@ -111,6 +111,17 @@ def test_a_fused_layout_that_does_not_fit_the_kernels_k_is_refused_by_name(zoo, 
         engine(zoo("phi3"), ids, valid, role)
 
 
+def test_the_self_check_catches_sinks_the_engine_does_not_see(zoo, monkeypatch):
+    """gpt-oss with its learned sinks hidden from the engine (as a kernel argument of another name would be): the
+    engine's weights times V differ from the model's attention output, and every attention analysis is named."""
+    from actlake.analysis.engine import capture
+
+    monkeypatch.setattr(capture, "sink_logits", lambda kwargs: None)
+    ids, valid, role = batch(512)
+    check = engine(zoo("gpt_oss"), ids, valid, role)[5]
+    assert check.failures and all("the attention weights" in f and "attention_geometry" in f for f in check.failures)
+
+
 def test_the_self_check_catches_attention_outside_the_interface(tmp_path, monkeypatch):
     """Falcon declared as if its attention went through the interface: no layer is ever recorded."""
     folder = str(build("falcon", tmp_path / "falcon"))
@@ -229,7 +240,8 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
     assert not ex.forward.checked
 
 
-@pytest.mark.parametrize("model_type", ["internlm3", "granitemoe", "camembert", "glm"])  # glm: GLM's RoPE layout
+@pytest.mark.parametrize("model_type", ["internlm3", "granitemoe", "camembert", "glm",  # glm: GLM's RoPE layout
+                                        "granite_swa"])  # learned sinks, applied by scaling the kernel's output
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
     from actlake.discovery import discover
@@ -252,7 +264,7 @@ def test_a_discovered_layout_that_is_wrong_is_caught(zoo):
 def test_discovery_refuses_what_it_cannot_read_in_one_line():
     from actlake.discovery import discover
 
-    for model_type, why in [("bart", "encoder-decoder models"), ("flint", "learned sinks")]:
+    for model_type, why in [("bart", "encoder-decoder models"), ("gpt_neox_japanese", "outside the transformers attention")]:
         with pytest.raises(ModelLoadError, match=rf"model_type '{model_type}' is not supported: it has no declaration, "
                                                  rf"and .*{why}"):
             discover(tiny_config(model_type))
