@@ -8,7 +8,9 @@ interface (:mod:`actlake.analysis.engine.capture`), so q and k are always the te
 each worker's first batch checks the declaration against them (:mod:`actlake.analysis.engine.selfcheck`).
 
 Key path (METHODS.md §3): k_n = R_n(g ⊙ (x_n W_K + b_K) / r_n), r_n = rms(x_n W_K + b_K) with a key
-norm (per head or over all key heads, as the model's norm module does), r_n = 1 and g = 1 without.
+norm (per head or over all key heads, as the model's norm module does), r_n = 1 and g = 1 without. Multi-head
+latent attention (DeepSeek V3): k_n = [(g ⊙ c_n / r_n) W_up | R_n(x_n W_rot + b_rot)] with the latent
+c_n = x_n W_c + b_c, r_n = rms(c_n): the same form, with 1 / r_n on the latent dims only (:func:`latent_key_weights`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,13 @@ class Family:
     rope_layers: str | None = None
     """Config attribute listing per layer whether RoPE is applied (1) or not (0), for NoPE layers."""
     key_norm: str | None = None
-    """Dotted path from a block to an RMS-type norm applied to k before RoPE (q/k norm), or None."""
+    """Dotted path from a block to an RMS-type norm applied to k before RoPE (q/k norm), or None; with ``latent``,
+    the norm of the latent."""
+    latent: str | None = None
+    """Multi-head latent attention: dotted path from a block to the up-projection of the normed latent (rows per
+    head: [key (``qk_nope_head_dim``) | value]); ``key`` is then the down-projection whose output is [latent
+    (``kv_lora_rank``) | rotary key (``qk_rope_head_dim``, shared by the heads)], and the rotary dims are the
+    last of each head. Config attributes as DeepSeek V3 names them; ``rope_interleave`` read as it does."""
     logits: tuple[str, ...] = ()
     """Output-logit transforms, ``op:config_attribute`` in order: ``multiply``, ``divide``, ``softcap``."""
     refuse_if: tuple[tuple[str, str], ...] = ()
@@ -101,8 +109,10 @@ FAMILIES = (
            key_norm="self_attn.k_norm"),
     Family("gemma3", ("gemma3_text",), key_norm="self_attn.k_norm", logits=("softcap:final_logit_softcapping",)),
     Family("no_interface", ("gpt_neo", "falcon", "bloom", "deberta-v2", "mpt", "codegen"), refuse=NO_INTERFACE),
-    Family("deepseek_v3", ("deepseek_v3", "deepseek_v2"), refuse="multi-head latent attention (keys from a compressed "
-           "latent through a norm and an up-projection) is not modelled yet"),
+    Family("deepseek_v3", ("deepseek_v3",), key="self_attn.kv_a_proj_with_mqa", key_norm="self_attn.kv_a_layernorm",
+           latent="self_attn.kv_b_proj"),
+    Family("deepseek_v2", ("deepseek_v2",), refuse="its RoPE is applied through complex numbers, which is not "
+           "modelled yet"),
     Family("gpt_oss", ("gpt_oss",), rope="half_narrow"),  # learned sinks: read from the kernel call (capture.py)
     Family("llama4_text", ("llama4_text",), refuse="chunked attention, NoPE layers with temperature tuning and complex "
            "RoPE are not modelled yet"),
@@ -182,6 +192,8 @@ def blocks(base_model, family: Family):
 def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple:
     """The key path of one block as (W_K (H_kv, d, d_h), b_K (H_kv, d_h) or None), in float32, with the key
     norm's gain folded in (W_K g, b_K g). Head counts and width come from the kernel's q and k."""
+    if family.latent is not None:
+        return latent_key_weights(block, family, config, n_kv_heads, head_dim)
     mod = get_path(block, family.key)
     with onloaded(mod):  # the tensors read here stay valid when an offloaded module goes back to meta
         w = mod.weight.detach().float()
@@ -204,6 +216,44 @@ def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, he
         g = key_norm_gain(get_path(block, family.key_norm), n_kv_heads, head_dim)  # (H_kv, d_h)
         wk, bk = wk * g[:, None], (bk * g if bk is not None else None)
     return wk, bk
+
+
+def latent_key_weights(block, family: Family, config, n_heads: int, head_dim: int) -> tuple:
+    """:func:`key_weights` of multi-head latent attention: per head, W_K = [W_c g W_up,h | W_rot] (H, d, d_h) and
+    b_K = [b_c g W_up,h | b_rot], the latent norm's 1 / r_n applied on the latent dims by the engine
+    (:meth:`~actlake.analysis.engine.layer_qk.LayerQK.scale_keys`). DeepSeek's ``rope_interleave`` takes the rotary
+    dims in pairs (2i, 2i + 1) and returns them in rotate-half order: that fixed permutation is folded into W_rot."""
+    import torch
+
+    down, up = get_path(block, family.key), get_path(block, family.latent)
+    c, r, nope = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim
+    with onloaded(down), onloaded(up):
+        wa = down.weight.detach().float()  # (c + r, d)
+        ba = down.bias.detach().float() if getattr(down, "bias", None) is not None else None
+        wb = up.weight.detach().float().reshape(n_heads, -1, c)[:, :nope]  # (H, nope, c)
+    if nope + r != head_dim or wa.shape[0] != c + r:
+        raise ModelLoadError(f"{family.name}: {family.key} gives {wa.shape[0]} rows and the kernel's k has {head_dim} "
+                             f"dims, where kv_lora_rank {c}, qk_rope_head_dim {r} and qk_nope_head_dim {nope} need "
+                             f"{c + r} and {nope + r}: the declared latent layout is wrong")
+    g = key_norm_gain(get_path(block, family.key_norm), 1, c)[0]  # (c,)
+    order = (torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]) if getattr(config, "rope_interleave", False)
+             else torch.arange(r))
+    w_rot = wa[c:][order].T  # (d, r)
+    wk = torch.cat([torch.einsum("cd,c,hkc->hdk", wa[:c], g, wb), w_rot.expand(n_heads, *w_rot.shape)], -1)
+    bk = None
+    if ba is not None:
+        bk = torch.cat([torch.einsum("c,c,hkc->hk", ba[:c], g, wb), ba[c:][order].expand(n_heads, r)], -1)
+    return wk.contiguous(), bk
+
+
+def latent_scaled_dims(family: Family, config, head_dim: int):
+    """(d_h,) float32: 1 on the latent dims of a multi-head latent attention key (what its norm scales), 0 on the
+    rotary ones; None for any other family (a key norm scales every dim)."""
+    if family.latent is None:
+        return None
+    import torch
+
+    return torch.cat([torch.ones(config.qk_nope_head_dim), torch.zeros(head_dim - config.qk_nope_head_dim)])
 
 
 def key_norm_gain(norm, n_kv_heads: int, head_dim: int):

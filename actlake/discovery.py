@@ -2,7 +2,7 @@
 
 The common layouts are recognised by module names (blocks at ``layers`` / ``h`` / ``decoder.layers`` /
 ``encoder.layer``, attention at ``self_attn`` / ``attn`` / ``attention``, keys from ``k_proj`` / ``key`` /
-``k_lin`` or a stacked ``qkv_proj`` / ``Wqkv``, a ``k_norm``), the RoPE layout and the output-logit transforms by
+``k_lin`` or a stacked ``qkv_proj`` / ``Wqkv``, a ``k_norm``, DeepSeek V3's latent attention), the RoPE layout and the output-logit transforms by
 the modeling module's own source. What is found is announced, and each worker's first batch checks it against
 the model's own numbers (:mod:`actlake.analysis.engine.selfcheck`): a wrong guess stops the job before anything
 is written, so guessing never publishes a wrong number. Anything not recognised is refused, naming what is missing.
@@ -20,6 +20,8 @@ LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "tr
 ATTENTION = ("self_attn", "attn", "attention.self", "attention", "self_attention")
 KEYS = (("k_proj", "separate"), ("key", "separate"), ("k_lin", "separate"), ("qkv_proj", "stacked"),
         ("Wqkv", "stacked"))
+LATENT = ("kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm")
+"""Multi-head latent attention as DeepSeek V3 names its modules: down-projection, up-projection, latent norm."""
 LOGITS = (("final_logit_softcapping", "softcap"), ("logits_scaling", "divide"), ("logit_scale", "multiply"))
 _found: dict = {}
 
@@ -68,6 +70,9 @@ def _discover(config) -> Family:
     if "view_as_complex" in source:
         raise refuse("its RoPE is applied through complex numbers, which is not modelled yet")
     key = next(((name, layout) for name, layout in KEYS if hasattr(attn, name)), None)
+    latent = all(hasattr(attn, n) for n in LATENT) and getattr(config, "kv_lora_rank", None)
+    if latent:
+        key = (LATENT[0], "separate")
     if key is None:
         raise refuse(f"no key projection was found in its attention module ({type(attn).__name__})")
     causal = getattr(attn, "is_causal", None)
@@ -79,7 +84,8 @@ def _discover(config) -> Family:
     logits = tuple(f"{op}:{attr}" for attr, op in LOGITS if f"config.{attr}" in head_source or f"self.{attr}" in head_source)
     return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
                   rope=rope, rope_layers="no_rope_layers" if getattr(config, "no_rope_layers", None) else None,
-                  key_norm=f"{attention}.k_norm" if hasattr(attn, "k_norm") else None, logits=logits)
+                  key_norm=f"{attention}.{LATENT[2] if latent else 'k_norm'}" if latent or hasattr(attn, "k_norm") else None,
+                  latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits)
 
 
 def _rope_layout(module) -> str | None:
@@ -99,4 +105,5 @@ def describe(fam: Family) -> str:
     return (f"blocks at {fam.layers!r}, attention at {fam.attention!r}, keys from {fam.key!r} ({fam.qkv}), "
             f"{'causal' if fam.causal else 'bidirectional'}, RoPE {fam.rope or 'none'}"
             + (f", key norm {fam.key_norm!r}" if fam.key_norm else "")
+            + (f", latent keys up-projected by {fam.latent!r}" if fam.latent else "")
             + (f", logits {', '.join(fam.logits)}" if fam.logits else ""))

@@ -49,8 +49,7 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
     C_j = sum_k W_K[j, k] M[j, k] per head. Cost O(T d d_h) per head and qsum, the order of one projection.
     """
     q = lq.unrotate(torch.stack(qsums, dim=3))  # (B, H, T, k, d_h)
-    if lq.key_scale is not None:  # a key norm: the pair's contributions scale with 1 / r_n
-        q = q * lq.key_scale_per_query_head[..., None, None]
+    q = lq.scale_keys(q)  # a key norm: the pair's contributions scale with 1 / r_n (on the dims it norms)
     B, H, T, k, dh = q.shape
     d, C = lq.x.shape[-1], lq.key_onehot.shape[-1]
     keys = lq.batch.key_order
@@ -93,8 +92,7 @@ def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
     """(B, H, T): (R_n^T qsum(n)) . b_K, the part of the summed scores no dimension of x owns."""
     if lq.b_key is None:
         return qsum.new_zeros(qsum.shape[:3])
-    out = torch.einsum("bhtk,hk->bht", lq.unrotate(qsum), _kv_expanded(lq, lq.b_key))
-    return out if lq.key_scale is None else out * lq.key_scale_per_query_head
+    return torch.einsum("bhtk,hk->bht", lq.scale_keys(lq.unrotate(qsum)), _kv_expanded(lq, lq.b_key))
 
 
 @dataclass

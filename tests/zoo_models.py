@@ -13,10 +13,10 @@ import torch
 
 CAUSAL = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
           "gemma3_text", "olmo", "olmo2", "olmoe", "phi", "phi3", "stablelm", "starcoder2", "cohere", "granite", "gptj",
-          "gpt_bigcode", "opt", "smollm3", "gpt2", "gpt_neox", "gpt_oss")
+          "gpt_bigcode", "opt", "smollm3", "gpt2", "gpt_neox", "gpt_oss", "deepseek_v3")
 """Causal LM types that run exactly (tests/integration/test_families.py)."""
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert")
-REFUSED = ("llama4_text", "gpt_neo", "falcon", "bloom", "deepseek_v3", "deberta-v2")
+REFUSED = ("llama4_text", "gpt_neo", "falcon", "bloom", "deepseek_v2", "deberta-v2")
 """Types refused before Ray, each with its reason (actlake/architectures.py)."""
 
 SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -32,7 +32,8 @@ KNOBS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0, logit_scal
              partial_rotary_factor=0.5)
 """Scaling knobs away from their defaults, where a config has them (RoPE bases live in ``rope_parameters`` in
 transformers 5: not set here)."""
-SCALED = ("q_proj", "k_proj", "query", "key", "qkv", "c_attn", "Wqkv", "query_key_value", "q_lin", "k_lin")
+SCALED = ("q_proj", "k_proj", "query", "key", "qkv", "c_attn", "Wqkv", "query_key_value", "q_lin", "k_lin",
+          "kv_a_proj_with_mqa", "kv_b_proj", "q_b_proj")  # latent attention: the rotary key, the latent key, q
 
 
 def tiny_config(model_type: str, knobs: bool = True, **overrides):
@@ -51,6 +52,8 @@ def tiny_config(model_type: str, knobs: bool = True, **overrides):
         c.layer_types = ["sliding_attention", "full_attention"] if local else ["full_attention"] * 2
     if getattr(c, "no_rope_layers", None) is not None:
         c.no_rope_layers = [1, 0]
+    if getattr(c, "kv_lora_rank", None) and "head_dim" not in overrides:  # latent attention: one key per head,
+        c.head_dim, c.num_key_value_heads = c.qk_rope_head_dim, c.num_attention_heads  # rotary as wide as its dims
     return c
 
 

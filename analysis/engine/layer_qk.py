@@ -285,6 +285,9 @@ class LayerQK:
     (:mod:`~actlake.analysis.engine.kernels`) instead of explicit blocks and FlashAttention's backward."""
     key_scale: torch.Tensor | None = None
     """(B, H_kv, T) float32 1 / r_n of a key norm (METHODS.md §3: k = R(g (x W_K + b_K) / r)), or None."""
+    key_scale_dims: torch.Tensor | None = None
+    """(d_h,) float32: 1 on the dims of k that ``key_scale`` scales, 0 on the others (multi-head latent attention:
+    the latent part of k is normed, its rotary part is not); None: every dim."""
     softcap: float | None = None
     """Attention logit softcapping: weights from cap * tanh(score / cap) (contributions are of the score)."""
     sinks: torch.Tensor | None = None
@@ -390,10 +393,11 @@ class LayerQK:
         cut = lambda t: None if t is None else t[rows]
         return LayerQK(self.layer, self.query[rows], self.key[rows], self.scaling, self.batch.select(rows),
                        cut(self.x), self.w_key, self.b_key, cut(self.cos), cut(self.sin),
-                       None if self.unrotation is None else (cut(self.unrotation[0]), cut(self.unrotation[1]), self.unrotation[2]),
+                       None if self.unrotation is None else (cut(self.unrotation[0]), cut(self.unrotation[1]), *self.unrotation[2:]),
                        self.needs,
                        "explicit" if self.method in ("flash", "padded") else self.method, cut(self.value),
-                       self.max_elements, key_scale=cut(self.key_scale), softcap=self.softcap, sinks=self.sinks)
+                       self.max_elements, key_scale=cut(self.key_scale), softcap=self.softcap, sinks=self.sinks,
+                       key_scale_dims=self.key_scale_dims)
 
     @property
     def key_scale_per_query_head(self) -> torch.Tensor | None:
@@ -401,5 +405,16 @@ class LayerQK:
         if self.key_scale is None:
             return None
         return expand_kv(self.key_scale[..., None], self.n_heads)[..., 0]
+
+    def scale_keys(self, y: torch.Tensor, per_query_head: bool = True) -> torch.Tensor:
+        """y (B, H, T, ..., d_h) times the key scale at each key position n, on the dims it applies to
+        (:attr:`key_scale_dims`); y itself without a key norm. ``per_query_head`` False: y has H_kv heads."""
+        if self.key_scale is None:
+            return y
+        s = self.key_scale_per_query_head if per_query_head else self.key_scale  # (B, H, T)
+        s = s.reshape(s.shape + (1,) * (y.dim() - 3))
+        if self.key_scale_dims is not None:
+            s = 1 + (s - 1) * self.key_scale_dims.to(s.dtype)
+        return y * s
 
 

@@ -13,7 +13,7 @@ from actlake.analysis.engine.capture import LayerInputs, attention_modules
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.engine.layer_replay import LayerReplay
-from actlake.architectures import blocks, key_weights
+from actlake.architectures import blocks, key_weights, latent_scaled_dims
 from actlake.errors import AnalysisError
 
 
@@ -29,6 +29,7 @@ class ModelQK:
         self.n_layers = len(self.layer_of)
         self._blocks = blocks(model, family)
         self._weights: dict[int, tuple] = {}
+        self._scaled_dims: dict = {}
 
     def weights(self, layer: int, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple:
         """(W_K (H_kv, d, d_h), b_K) in float32 of one layer, on its device (head counts and width: the kernel's)."""
@@ -36,6 +37,13 @@ class ModelQK:
             self._weights[layer] = key_weights(self._blocks[layer], self.family, self.config, n_heads, n_kv_heads,
                                                head_dim)
         return self._weights[layer]
+
+    def key_scale_dims(self, head_dim: int, device) -> torch.Tensor | None:
+        """(d_h,) the dims of k its key norm scales (multi-head latent attention), or None: every dim."""
+        if (head_dim, device) not in self._scaled_dims:
+            dims = latent_scaled_dims(self.family, self.config, head_dim)
+            self._scaled_dims[head_dim, device] = None if dims is None else dims.to(device)
+        return self._scaled_dims[head_dim, device]
 
     def rope_on(self, layer: int) -> bool:
         return self.family.rope_on(self.config, layer)
@@ -183,7 +191,8 @@ class AttentionRecorder:
         lq = LayerQK(layer, q, k, scaling, batch, needs=self.needs | ({"output"} if replace else frozenset()),
                      method=method, value=f32(value) if replace and method == "explicit" else None,
                      native=(query, t["key"], value), triton=self.triton and method in ("flash", "padded"),
-                     key_scale=t.get("key_scale"), softcap=softcap, sinks=t["sinks"])
+                     key_scale=t.get("key_scale"), softcap=softcap, sinks=t["sinks"],
+                     key_scale_dims=self.mqk.key_scale_dims(query.shape[-1], query.device))
         with tf32_when_exact(query):
             if self.inputs is not None:
                 lq.x, lq.w_key, lq.b_key = x, t["w_key"], t["b_key"]
@@ -201,7 +210,8 @@ class AttentionRecorder:
         if self._rope is None or self._rope[0] is not rope[0] or self._rope[1] is not rope[1]:
             cos, sin, interleaved = rope_.from_model(self.mqk.family.rope, rope)
             cos, sin = (t.detach().float().expand(B, T, -1) for t in (cos, sin))
-            self._rope = (rope[0], rope[1], (cos, sin, rope_.factors(cos, sin, -1.0, interleaved)))
+            self._rope = (rope[0], rope[1], (cos, sin, rope_.factors(cos, sin, -1.0, interleaved,
+                                                                               self.mqk.family.latent is not None)))
         return self._rope[2]
 
     @staticmethod

@@ -13,28 +13,31 @@ from __future__ import annotations
 import torch
 
 
-def factors(cos: torch.Tensor, sin: torch.Tensor, sign: float, interleaved: bool = False) -> tuple:
-    """(cos, signed sin, interleaved), each tensor (B, 1, T, rot), from the model's (B, T, rot): R_n (``sign`` 1)
-    or R_n^T (-1)."""
+def factors(cos: torch.Tensor, sin: torch.Tensor, sign: float, interleaved: bool = False, last: bool = False) -> tuple:
+    """(cos, signed sin, interleaved, last), each tensor (B, 1, T, rot), from the model's (B, T, rot): R_n (``sign``
+    1) or R_n^T (-1). ``last``: the rotated dims are the last ``rot`` of a head (multi-head latent attention), not
+    the first."""
     rot = cos.shape[-1]
     signs = torch.tensor([-1.0, 1.0], dtype=sin.dtype, device=sin.device)
     signs = signs.repeat(rot // 2) if interleaved else signs.repeat_interleave(rot // 2)
-    return cos[:, None], (sign * sin * signs)[:, None], interleaved
+    return cos[:, None], (sign * sin * signs)[:, None], interleaved, last
 
 
 def apply(y: torch.Tensor, f: tuple) -> torch.Tensor:
     """R y (or R^T y) for y (B, H, T, ..., d_h): :func:`factors` broadcast over heads and any axes
     between T and d_h (several stacked vectors per token)."""
-    c, s, interleaved = f
+    c, s, interleaved, last = f
     for _ in range(y.dim() - 4):
         c, s = c.unsqueeze(-2), s.unsqueeze(-2)
     c, s = c.to(y.dtype), s.to(y.dtype)
-    rot = c.shape[-1]
-    head = y[..., :rot]
+    rot, width = c.shape[-1], y.shape[-1]
+    head = y[..., width - rot :] if last else y[..., :rot]
     shape = (rot // 2, 2) if interleaved else (2, rot // 2)
     swapped = head.unflatten(-1, shape).flip(-1 if interleaved else -2).flatten(-2)  # pairs exchanged
     out = torch.addcmul(head * c, swapped, s)
-    return torch.cat([out, y[..., rot:]], dim=-1) if y.shape[-1] > rot else out
+    if width == rot:
+        return out
+    return torch.cat([y[..., : width - rot], out] if last else [out, y[..., rot:]], dim=-1)
 
 
 def from_model(kind: str, pe: tuple) -> tuple[torch.Tensor, torch.Tensor, bool]:

@@ -49,10 +49,9 @@ class SelfCheck:
         k = torch.einsum("btd,hdk->bhtk", lq.x, lq.w_key)  # (B, H_kv, T, d_h)
         if lq.b_key is not None:
             k = k + lq.b_key[None, :, None]
-        if lq.key_scale is not None:
-            k = k * lq.key_scale[..., None]
+        k = lq.scale_keys(k, per_query_head=False)
         if lq.cos is not None:
-            k = rope.apply(k, rope.factors(lq.cos, lq.sin, 1.0, lq.unrotation[2]))
+            k = rope.apply(k, rope.factors(lq.cos, lq.sin, 1.0, *lq.unrotation[2:]))
         self._compare("the key path (k rebuilt from the key projection's input along the declared path)",
                       lq.layer, k, lq.key, lq.valid, self.key_path)
 

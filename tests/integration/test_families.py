@@ -103,6 +103,29 @@ def test_the_self_check_catches_a_wrong_declaration(model_type, changes, what, a
         check.raise_if_failed(model_type)
 
 
+@pytest.mark.parametrize("plant", ["norm on every dim", "rotary pairs not reordered"])
+def test_the_self_check_catches_a_wrong_latent_key_path(plant, zoo, monkeypatch):
+    """DeepSeek V3's keys through its latent: the latent norm's 1 / r_n put on the rotary dims too, or the
+    interleaved rotary dims taken in the order the down-projection gives them. Either is caught at the key path."""
+    import copy
+
+    from actlake.analysis.engine import recorder
+
+    if plant == "norm on every dim":
+        monkeypatch.setattr(recorder, "latent_scaled_dims", lambda family, config, head_dim: torch.ones(head_dim))
+    else:
+        real = architectures.latent_key_weights
+
+        def unordered(block, family, config, *args):
+            config = copy.copy(config)
+            config.rope_interleave = False
+            return real(block, family, config, *args)
+        monkeypatch.setattr(architectures, "latent_key_weights", unordered)
+    ids, valid, role = batch(512)
+    check = engine(zoo("deepseek_v3"), ids, valid, role)[5]
+    assert check.failures and all("the key path" in f and "contributions" in f for f in check.failures), check.failures
+
+
 def test_a_fused_layout_that_does_not_fit_the_kernels_k_is_refused_by_name(zoo, monkeypatch):
     _declared(monkeypatch, "phi3", qkv="per_head")
     ids, valid, role = batch(512)
@@ -241,7 +264,8 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("model_type", ["internlm3", "granitemoe", "camembert", "glm",  # glm: GLM's RoPE layout
-                                        "granite_swa"])  # learned sinks, applied by scaling the kernel's output
+                                        "granite_swa",  # learned sinks, applied by scaling the kernel's output
+                                        "minicpm3"])  # multi-head latent attention, rotate-half
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
     from actlake.discovery import discover
