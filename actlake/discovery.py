@@ -61,8 +61,8 @@ def _discover(config) -> Family:
     layers, blocks = _find(model, LAYERS)
     if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
         raise refuse("no list of transformer blocks was found") from None
-    attention, attn = _find(blocks[0], ATTENTION)
-    if attn is None:
+    attention, attn = next(((p, m) for p, m in (_find(b, ATTENTION) for b in blocks) if m is not None), (None, None))
+    if attn is None:  # a hybrid's first blocks may be linear-attention or recurrent ones: the first that has one
         raise refuse("no attention module was found in its blocks")
     source = inspect.getsource(sys.modules[type(attn).__module__])
     if "ALL_ATTENTION_FUNCTIONS" not in source:

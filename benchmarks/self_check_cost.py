@@ -49,7 +49,7 @@ def one_batch(lm, mqk, ids, valid, role, checked: bool) -> float:
                 own = lm.causal_lm(input_ids=ids[:1], use_cache=False).logits[0]
             check.surprisal(s[0], own, ids[0], valid[0])
     if checked:
-        check.layers(L, rec.seen)
+        check.layers(mqk.attention_layers, rec.seen)
         check.raise_if_failed(lm.model.config.model_type)
     return time.perf_counter() - t0
 

@@ -62,7 +62,7 @@ class _Keep:
 
 
 def reference(folder: str, ids, valid):
-    """Float64 eager: (hidden states, attention weights, q/k per layer, logits or None)."""
+    """Float64 eager: (hidden states, attention weights and q/k per attention layer, logits or None)."""
     lm = load_model(ModelConfig(name_or_path=folder, attn_implementation="eager", dtype="float32"), lm_head=None)
     model = (lm.causal_lm or lm.model).double()
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
@@ -73,7 +73,10 @@ def reference(folder: str, ids, valid):
         out = model(input_ids=ids, attention_mask=valid, output_attentions=True, output_hidden_states=True,
                     use_cache=False)
     logits = out.logits if lm.causal_lm is not None else None
-    alphas = [keep.sink_weights.get(i, a) for i, a in enumerate(out.attentions)]
+    layers = sorted(keep.qk)  # a hybrid's attention layers only (its other layers return no weights)
+    own = [a for a in out.attentions if a is not None]
+    assert len(own) == len(layers), (len(own), layers)
+    alphas = {i: keep.sink_weights.get(i, a) for i, a in zip(layers, own)}
     return out.hidden_states, alphas, keep.qk, logits, lm
 
 
@@ -96,7 +99,7 @@ def engine(folder: str, ids, valid, role, attn: str = "sdpa"):
         with torch.no_grad(), capture.recording(rec):
             out = lm.model(input_ids=ids, attention_mask=valid, use_cache=False)
         stream.last(out.last_hidden_state)
-    check.layers(L, rec.seen)
+    check.layers(mqk.attention_layers, rec.seen)
     surprisal = None
     if lm.lm_head is not None:
         surprisal = token_surprisal(lm.lm_head, out.last_hidden_state, ids, valid, transform=lm.logit_transform)
@@ -124,7 +127,7 @@ def compare(folder: str, seed: int = 0, attn: str = "sdpa", T: int = 24) -> dict
     err = {"residual_norms": max(relative(hidden[i].norm(dim=-1) * v, hs[i].norm(dim=-1) * v) for i in range(len(hs)))}
     mass, qn, kn, dst, rule = [], [], [], [], []
     T = ids.shape[1]
-    for layer, alpha in enumerate(alphas):
+    for layer, alpha in alphas.items():
         a = alpha * v[:, None, :, None]  # valid queries only
         want = torch.einsum("bhmn,bnc->hc", a, kcat)
         sink = ((1 - alpha.sum(-1)) * v[:, None]).sum((0, 2))  # (H,) what a learned sink took (0 without one)

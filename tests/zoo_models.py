@@ -44,12 +44,20 @@ def tiny_config(model_type: str, knobs: bool = True, **overrides):
     except (KeyError, ValueError) as e:
         raise ValueError(f"{model_type}: unknown to this transformers ({e})") from None
     have = set(c.to_dict()) | set(getattr(c, "attribute_map", {}))
+    n_layers = getattr(c, "num_hidden_layers", None)
+    types = list(getattr(c, "layer_types", None) or [])
     for k, v in {**SIZES, **(KNOBS if knobs else {}), **overrides}.items():
         if k in have or k in overrides:
             setattr(c, k, v)
+    for k, v in c.to_dict().items():  # per-layer lists (MoE layer kinds, heads per layer): the first two layers
+        if (isinstance(v, list) and n_layers and len(v) == n_layers and k not in overrides and k != "layer_types"
+                and getattr(type(c), k, None) is None):  # not a property
+            setattr(c, k, v[:2])
     if getattr(c, "layer_types", None) is not None:  # alternating local / global where the family has windows
         local = any("sliding" in str(t) for t in c.layer_types) and getattr(c, "use_sliding_window", True) is not False
-        c.layer_types = ["sliding_attention", "full_attention"] if local else ["full_attention"] * 2
+        other = [t for t in types if "attention" not in str(t) or "linear" in str(t)]  # a hybrid's other layers
+        c.layer_types = ([other[0], "full_attention"] if other else ["sliding_attention", "full_attention"] if local
+                         else ["full_attention"] * 2)
     if getattr(c, "no_rope_layers", None) is not None:
         c.no_rope_layers = [1, 0]
     if getattr(c, "kv_lora_rank", None) and "head_dim" not in overrides:  # latent attention: one key per head,

@@ -19,7 +19,7 @@ class ModelSpec:
     """What a producer needs to size its accumulators."""
 
     n_layers: int
-    """Attention layers (hidden states: n_layers + 1, 0 = embeddings)."""
+    """Transformer blocks (hidden states: n_layers + 1, 0 = embeddings); the layer axis of attention statistics."""
     n_heads: int
     n_kv_heads: int
     d_model: int
@@ -27,6 +27,13 @@ class ModelSpec:
     """Tokens per window (tokenization.max_length)."""
     device: torch.device
     """Where the accumulators live while a shard runs (the model's device)."""
+    attention_layers: tuple[int, ...] = ()
+    """The layers with attention (every one but a hybrid's linear-attention, recurrent or state-space layers,
+    which no attention statistic has rows for); empty: all ``n_layers``."""
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.attention_layers) and len(self.attention_layers) < self.n_layers
 
 
 @dataclass

@@ -125,8 +125,20 @@ def recording(recorder: Recorder):
 
 
 def attention_modules(model, family) -> dict[int, int]:
-    """``id(attention module) -> layer index`` for a loaded model."""
-    return {id(get_path(block, family.attention)): i for i, block in enumerate(blocks(model, family))}
+    """``id(attention module) -> layer index`` for a loaded model; a hybrid's blocks without one (linear
+    attention, recurrent or state-space layers) are left out."""
+    return {id(attn): i for i, attn in attention_blocks(model, family)}
+
+
+def attention_blocks(model, family) -> list[tuple[int, torch.nn.Module]]:
+    """(layer index, attention module) of every block that has one at ``family.attention``."""
+    out = []
+    for i, block in enumerate(blocks(model, family)):
+        try:
+            out.append((i, get_path(block, family.attention)))
+        except AttributeError:
+            continue
+    return out
 
 
 class _Hooks:
@@ -166,8 +178,9 @@ class LayerInputs(_Hooks):
         self.x: dict[int, torch.Tensor] = {}
         self.rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.norm_in: dict[int, torch.Tensor] = {}
-        self._targets = [(i, key_input_module(b, family), get_path(b, family.attention), key_norm_module(b, family))
-                         for i, b in enumerate(blocks(model, family))]
+        every = blocks(model, family)
+        self._targets = [(i, key_input_module(every[i], family), attn, key_norm_module(every[i], family))
+                         for i, attn in attention_blocks(model, family)]
         self._eps = {i: norm_eps(n) for i, _, _, n in self._targets if n is not None}
 
     def _register(self, handles: list) -> None:

@@ -57,7 +57,12 @@ class ForwardPass:
         self.inputs = capture.LayerInputs(lm.model, lm.family)  # hooks attached per batch, when needed
         self.stream = capture.HiddenStream(lm.model, lm.family)  # likewise
         self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
-                              cfg.tokenization.max_length, lm.device)
+                              cfg.tokenization.max_length, lm.device, tuple(m.attention_layers))
+        if self.spec.hybrid:
+            others = sorted(set(range(m.n_layers)) - set(m.attention_layers))
+            log.warning("model_type %r is a hybrid: layers %s have no attention (linear attention, recurrent or "
+                        "state-space blocks), so the attention tables have rows for layers %s only",
+                        lm.model.config.model_type, others, list(m.attention_layers))
         self.producers = [c for c, _ in analyses + token_tables]
         self.oom_splits = 0
         self.checked = False
@@ -170,7 +175,7 @@ class ForwardPass:
         """The first batch's self-check: every attention layer recorded, surprisal against the model's own logits
         (its full forward pass on the batch's first sequence); raises AnalysisError naming what failed."""
         if check.attention:
-            check.layers(self.mqk.n_layers, recorder.seen)
+            check.layers(self.mqk.attention_layers, recorder.seen)
         if check.hidden or surprisal is not None:  # the model's own pass on the first sequence, the hooks on
             n = int(mask[0].sum())
             hooked: dict = {}

@@ -14,7 +14,7 @@ from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.engine.layer_replay import LayerReplay
 from actlake.architectures import blocks, key_weights, latent_scaled_dims
-from actlake.errors import AnalysisError
+from actlake.errors import AnalysisError, ModelLoadError
 
 
 class ModelQK:
@@ -26,8 +26,12 @@ class ModelQK:
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.layer_of = attention_modules(model, family)
-        self.n_layers = len(self.layer_of)
         self._blocks = blocks(model, family)
+        self.n_layers = len(self._blocks)
+        self.attention_layers = sorted(self.layer_of.values())
+        """Layers with attention: all of them but a hybrid's linear-attention, recurrent or state-space layers."""
+        if not self.attention_layers:
+            raise ModelLoadError(f"{family.name}: no block has an attention module at '{family.attention}'")
         self._weights: dict[int, tuple] = {}
         self._scaled_dims: dict = {}
 

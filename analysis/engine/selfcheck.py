@@ -64,10 +64,10 @@ class SelfCheck:
         self._compare("the attention weights (the engine's weights times V against the model's attention output)",
                       layer, ours, output.detach().float().transpose(1, 2), lq.valid, self.attention)
 
-    def layers(self, n_layers: int, seen: set) -> None:
-        missing = sorted(set(range(n_layers)) - seen)
+    def layers(self, attention_layers: list[int], seen: set) -> None:
+        missing = sorted(set(attention_layers) - seen)
         if missing and self.attention:
-            self.failures.append(f"attention layers {missing} of {n_layers} never called the transformers attention "
+            self.failures.append(f"attention layers {missing} of {len(attention_layers)} never called the transformers attention "
                                  f"interface (nothing recorded there); affected: {', '.join(self.attention)}")
 
     def surprisal(self, ours: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> None:

@@ -93,6 +93,8 @@ class Extractor:
                        "cut_docs": sum(d["cut"] for d in docs),
                        "rejects": dict(Counter(r["reason"] for r in rejects)), "seconds": time.perf_counter() - t0,
                        "read_seconds": read_s, "compute_seconds": compute_s}
+            if self.forward.spec.hybrid:
+                summary["attention_layers"] = list(self.forward.spec.attention_layers)
             group.add(shard.shard_id, files.publish(), summary, acc.stats)
         except BaseException:
             files.abort()

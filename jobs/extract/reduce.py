@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from actlake.analysis.by_source import BySource
 from actlake.analysis.registry import failure
 from actlake.errors import ConfigError, StorageError
@@ -98,6 +101,7 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
         verify(layout, done)
     summaries = [done.shards[sid]["summary"] for sid in shard_ids]
     dtype = model_dtype(layout, summaries)  # before anything is published
+    layers = next((s["attention_layers"] for s in summaries if "attention_layers" in s), None)  # a hybrid's
     published = {}
     for cls in analyses:
         having = [g for g in groups if cls.tables[0] in g["partials"]]
@@ -109,6 +113,8 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
             except Exception as e:
                 raise (failure(e, [cls]) or e) from None
             for table, data in merged.items():
+                if layers is not None and "attention" in cls.sites and "layer" in data.column_names:
+                    data = data.filter(pc.is_in(data["layer"], pa.array(layers, data["layer"].type)))
                 path = layout.aggregate_file(table, unique=True)
                 published[table] = (path, write_parquet_atomic(data, path, layout.staging))
     replaced = previous_aggregates(layout)
@@ -119,5 +125,7 @@ def reduce_run(layout: RunLayout, shard_ids: list[int], plan_hash: str, analyses
             path.unlink(missing_ok=True)
     totals = totals_of(summaries)
     totals["dtype"] = dtype
+    if layers is not None:
+        totals["attention_layers"] = layers
     totals["groups"] = len(groups)
     return totals

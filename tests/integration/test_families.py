@@ -227,6 +227,24 @@ def test_a_real_job_on_the_family_equals_transformers(model_type, zoo, sample_co
         assert worst < 1e-3
 
 
+def test_a_hybrid_job_has_attention_rows_for_its_attention_layers_only(zoo, sample_corpus, tmp_path, ray_local):
+    """OLMo Hybrid's tiny model: layer 0 linear attention, layer 1 full attention. Hidden-state tables have every
+    layer; the attention tables layer 1 only; the summary names the attention layers."""
+    import json
+    from pathlib import Path
+
+    from actlake.jobs.extract.run import run_job
+    from actlake.storage.sql import open_run
+
+    result = run_job(job_config(zoo("olmo_hybrid"), sample_corpus, tmp_path / "out", **{"corpus.max_docs": 6}))
+    con = open_run(result.run_dir)
+    for table in ("attention_mass", "attention_geometry", "contributions"):
+        assert con.sql(f"SELECT DISTINCT layer FROM {table} ORDER BY layer").fetchall() == [(1,)], table
+    assert con.sql("SELECT min(n_queries) FROM attention_mass_by_key").fetchall()[0][0] > 0
+    assert con.sql("SELECT count(DISTINCT layer) FROM residual_norms").fetchall()[0][0] == 3  # embeddings, 2 blocks
+    assert json.loads((Path(result.run_dir) / "summary.json").read_text())["attention_layers"] == [1]
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "modernbert"])
 def test_a_worker_checks_its_first_batch_and_only_it(model_type, zoo, tmp_path):
     """The Extractor as a worker runs it: the first batch passes the check (hidden states from the block hooks
@@ -265,13 +283,21 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("model_type", ["internlm3", "granitemoe", "camembert", "glm",  # glm: GLM's RoPE layout
                                         "granite_swa",  # learned sinks, applied by scaling the kernel's output
-                                        "minicpm3"])  # multi-head latent attention, rotate-half
+                                        "minicpm3",  # multi-head latent attention, rotate-half
+                                        "qwen3_next"])  # a hybrid: layer 0 gated delta rule, layer 1 attention
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
     from actlake.discovery import discover
 
     assert declared(model_type) is None
     assert discover(tiny_config(model_type)).name == f"discovered:{model_type}"
+    if model_type == "qwen3_next":
+        from actlake.analysis.engine.recorder import ModelQK
+        from actlake.config import ModelConfig
+        from actlake.model import load_model
+
+        lm = load_model(ModelConfig(name_or_path=zoo(model_type)), lm_head=None)
+        assert ModelQK(lm.model, lm.family).attention_layers == [1]
     err = compare(zoo(model_type))
     assert err.pop("self_check") == []
     assert max(err.values()) < EXACT, err
