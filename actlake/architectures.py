@@ -27,9 +27,10 @@ QKV = ("separate", "stacked", "per_head", "conv1d")
 """Where k sits in the output of the module at ``Family.key``: the whole output (``separate``); rows
 [q (H d_h) | k (H_kv d_h) | v] (``stacked``); rows (head, [q | k | v], d_h) (``per_head``); GPT-2's Conv1D,
 columns [q | k | v] (``conv1d``)."""
-ROPE = (None, "half", "half_narrow", "interleaved", "interleaved_half", "sin_cos_half")
-"""How positions rotate q and k: pairs (i, i + rot/2) with the model's (cos, sin) (``half``), or with (cos, sin)
-of half width, one angle per pair (``half_narrow``, gpt-oss); pairs (2i, 2i+1)
+ROPE = (None, "half", "half_negated", "half_narrow", "interleaved", "interleaved_half", "sin_cos_half")
+"""How positions rotate q and k: pairs (i, i + rot/2) with the model's (cos, sin) (``half``), or with -sin
+(``half_negated``: NanoChat's rotate_half is (x2, -x1)), or with (cos, sin) of half width, one angle per pair
+(``half_narrow``, gpt-oss); pairs (2i, 2i+1)
 with (cos, sin) of full width (``interleaved``, Cohere), or with the first half of rotate-half (cos, sin), each
 angle repeated (``interleaved_half``, GLM); GPT-J's (sin, cos) of half width, interleaved (``sin_cos_half``)."""
 NO_INTERFACE = "attention computed outside the transformers attention interface (its q and k cannot be read)"
@@ -53,7 +54,8 @@ class Family:
     rope: str | None = "half"
     """:data:`ROPE`."""
     rope_layers: str | None = None
-    """Config attribute listing per layer whether RoPE is applied (1) or not (0), for NoPE layers."""
+    """Config attribute listing per layer whether RoPE is applied (1) or not (0), for NoPE layers; or ``sliding``:
+    RoPE on the sliding-window layers only (``layer_types``), when the config has a window (Cohere 2, EXAONE 4)."""
     key_norm: str | None = None
     """Dotted path from a block to an RMS-type norm applied to k before RoPE (q/k norm), or None; with ``latent``,
     the norm of the latent."""
@@ -79,6 +81,9 @@ class Family:
     def rope_on(self, config, layer: int) -> bool:
         if self.rope is None:
             return False
+        if self.rope_layers == "sliding":
+            types = getattr(config, "layer_types", None)
+            return not types or getattr(config, "sliding_window", None) is None or types[layer] == "sliding_attention"
         if self.rope_layers is None or getattr(config, self.rope_layers, None) is None:
             return True
         return bool(getattr(config, self.rope_layers)[layer])
@@ -104,10 +109,12 @@ FAMILIES = (
     Family("phi3", ("phi3",), key="self_attn.qkv_proj", qkv="stacked"),
     Family("cohere", ("cohere",), rope="interleaved", logits=("multiply:logit_scale",),
            refuse_if=(("use_qk_norm", "q/k LayerNorm (use_qk_norm: true)"),)),
+    Family("cohere2", ("cohere2",), rope="interleaved", rope_layers="sliding", logits=("multiply:logit_scale",)),
     Family("gemma2", ("gemma2",), logits=("softcap:final_logit_softcapping",)),
     Family("qk_norm", ("qwen3", "qwen3_moe", "olmo2", "olmoe", "olmo3", "apertus", "apertus1p5_text"),
            key_norm="self_attn.k_norm"),
     Family("gemma3", ("gemma3_text",), key_norm="self_attn.k_norm", logits=("softcap:final_logit_softcapping",)),
+    Family("exaone4", ("exaone4",), key_norm="self_attn.k_norm", rope_layers="sliding"),  # global layers: NoPE
     Family("no_interface", ("gpt_neo", "falcon", "bloom", "deberta-v2", "mpt", "codegen"), refuse=NO_INTERFACE),
     Family("deepseek_v3", ("deepseek_v3",), key="self_attn.kv_a_proj_with_mqa", key_norm="self_attn.kv_a_layernorm",
            latent="self_attn.kv_b_proj"),

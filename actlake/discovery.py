@@ -2,7 +2,7 @@
 
 The common layouts are recognised by module names (blocks at ``layers`` / ``h`` / ``decoder.layers`` /
 ``encoder.layer``, attention at ``self_attn`` / ``attn`` / ``attention``, keys from ``k_proj`` / ``key`` /
-``k_lin`` or a stacked ``qkv_proj`` / ``Wqkv``, a ``k_norm``, DeepSeek V3's latent attention), the RoPE layout and the output-logit transforms by
+``k_lin`` or a stacked ``qkv_proj`` / ``Wqkv``, a ``k_norm`` or ``k_layernorm``, DeepSeek V3's latent attention), the RoPE layout and the output-logit transforms by
 the modeling module's own source. What is found is announced, and each worker's first batch checks it against
 the model's own numbers (:mod:`actlake.analysis.engine.selfcheck`): a wrong guess stops the job before anything
 is written, so guessing never publishes a wrong number. Anything not recognised is refused, naming what is missing.
@@ -20,6 +20,8 @@ LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "tr
 ATTENTION = ("self_attn", "attn", "attention.self", "attention", "self_attention")
 KEYS = (("k_proj", "separate"), ("key", "separate"), ("k_lin", "separate"), ("qkv_proj", "stacked"),
         ("Wqkv", "stacked"))
+KEY_NORMS = ("k_norm", "k_layernorm", "key_layernorm", "key_norm")
+"""Names of a norm on k after the projection (q/k norm)."""
 LATENT = ("kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm")
 """Multi-head latent attention as DeepSeek V3 names its modules: down-projection, up-projection, latent norm."""
 LOGITS = (("final_logit_softcapping", "softcap"), ("logits_scaling", "divide"), ("logit_scale", "multiply"))
@@ -82,9 +84,12 @@ def _discover(config) -> Family:
     head = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     head_source = inspect.getsource(sys.modules[head.__module__]) if head is not None else ""
     logits = tuple(f"{op}:{attr}" for attr, op in LOGITS if f"config.{attr}" in head_source or f"self.{attr}" in head_source)
+    norm = LATENT[2] if latent else next((n for n in KEY_NORMS if hasattr(attn, n)), None)
+    rope_layers = ("no_rope_layers" if getattr(config, "no_rope_layers", None)
+                   else "sliding" if _rope_on_local_layers_only(type(attn)) else None)
     return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
-                  rope=rope, rope_layers="no_rope_layers" if getattr(config, "no_rope_layers", None) else None,
-                  key_norm=f"{attention}.{LATENT[2] if latent else 'k_norm'}" if latent or hasattr(attn, "k_norm") else None,
+                  rope=rope, rope_layers=rope_layers,
+                  key_norm=f"{attention}.{norm}" if norm else None,
                   latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits)
 
 
@@ -95,10 +100,24 @@ def _rope_layout(module) -> str | None:
         return None
     src = inspect.getsource(rotate)
     if "::2" not in src:
-        return "half"
+        return "half_negated" if "-x1" in src.replace(" ", "") else "half"
     apply = getattr(module, "apply_rotary_pos_emb", None)
     halved = apply is not None and "// 2].repeat_interleave(2" in inspect.getsource(apply)
     return "interleaved_half" if halved else "interleaved"
+
+
+def _rope_on_local_layers_only(attention_class) -> bool:
+    """Whether the attention module applies RoPE under an ``if`` on its window (``sliding``, ``local``): RoPE on
+    the sliding-window layers, none on the global ones (Cohere 2, EXAONE 4, AFMoE)."""
+    try:
+        lines = [s.strip() for s in inspect.getsource(attention_class.forward).splitlines()]
+    except (OSError, TypeError):
+        return False
+    for i, line in enumerate(lines):
+        if "apply_rotary_pos_emb(" in line:
+            before = [s for s in lines[max(0, i - 3) : i] if s.startswith("if ")]
+            return any("sliding" in s or "local" in s for s in before)
+    return False
 
 
 def describe(fam: Family) -> str:
@@ -106,4 +125,5 @@ def describe(fam: Family) -> str:
             f"{'causal' if fam.causal else 'bidirectional'}, RoPE {fam.rope or 'none'}"
             + (f", key norm {fam.key_norm!r}" if fam.key_norm else "")
             + (f", latent keys up-projected by {fam.latent!r}" if fam.latent else "")
+            + (", RoPE on sliding-window layers only" if fam.rope_layers == "sliding" else "")
             + (f", logits {', '.join(fam.logits)}" if fam.logits else ""))

@@ -47,6 +47,8 @@ def from_model(kind: str, pe: tuple) -> tuple[torch.Tensor, torch.Tensor, bool]:
         sin, cos = pe
         return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1), True
     cos, sin = pe
+    if kind == "half_negated":  # rotate_half = (x2, -x1): the rotation by -angle
+        return cos, -sin, False
     if kind == "half_narrow":  # gpt-oss: rotate-half pairs, one angle per pair
         return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1), False
     if kind == "interleaved_half":  # GLM: rotate-half (cos, sin), one angle per pair taken and repeated

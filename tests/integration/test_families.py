@@ -92,6 +92,7 @@ def _declared(monkeypatch, model_type: str, **changes) -> None:
     ("qwen3", {"key_norm": None}, "the key path", "contributions"),  # the k norm left out
     ("gpt_neox", {"qkv": "stacked"}, "the key path", "contributions"),  # a fused projection's layout wrong
     ("gemma2", {"logits": ()}, "surprisal", "surprisal"),  # the final logit softcap left out
+    ("cohere2", {"rope_layers": None}, "the key path", "contributions"),  # RoPE assumed on its NoPE global layers
 ])
 def test_the_self_check_catches_a_wrong_declaration(model_type, changes, what, affected, zoo, monkeypatch):
     folder = zoo(model_type)
@@ -284,7 +285,9 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
 @pytest.mark.parametrize("model_type", ["internlm3", "granitemoe", "camembert", "glm",  # glm: GLM's RoPE layout
                                         "granite_swa",  # learned sinks, applied by scaling the kernel's output
                                         "minicpm3",  # multi-head latent attention, rotate-half
-                                        "qwen3_next"])  # a hybrid: layer 0 gated delta rule, layer 1 attention
+                                        "qwen3_next",  # a hybrid: layer 0 gated delta rule, layer 1 attention
+                                        "afmoe",  # RoPE on the sliding-window layers only
+                                        "nanochat", "lfm2"])  # rotate_half negated; a key norm named k_layernorm
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
     from actlake.discovery import discover
