@@ -27,12 +27,13 @@ QKV = ("separate", "stacked", "per_head", "conv1d")
 """Where k sits in the output of the module at ``Family.key``: the whole output (``separate``); rows
 [q (H d_h) | k (H_kv d_h) | v] (``stacked``); rows (head, [q | k | v], d_h) (``per_head``); GPT-2's Conv1D,
 columns [q | k | v] (``conv1d``)."""
-ROPE = (None, "half", "half_negated", "half_narrow", "interleaved", "interleaved_half", "sin_cos_half")
+ROPE = (None, "half", "half_negated", "half_narrow", "interleaved", "interleaved_half", "sin_cos_half", "complex")
 """How positions rotate q and k: pairs (i, i + rot/2) with the model's (cos, sin) (``half``), or with -sin
 (``half_negated``: NanoChat's rotate_half is (x2, -x1)), or with (cos, sin) of half width, one angle per pair
 (``half_narrow``, gpt-oss); pairs (2i, 2i+1)
 with (cos, sin) of full width (``interleaved``, Cohere), or with the first half of rotate-half (cos, sin), each
-angle repeated (``interleaved_half``, GLM); GPT-J's (sin, cos) of half width, interleaved (``sin_cos_half``)."""
+angle repeated (``interleaved_half``, GLM); GPT-J's (sin, cos) of half width, interleaved (``sin_cos_half``); pairs
+(2i, 2i+1) multiplied by complex ``freqs_cis`` (``complex``, Llama 4)."""
 NO_INTERFACE = "attention computed outside the transformers attention interface (its q and k cannot be read)"
 
 
@@ -121,8 +122,8 @@ FAMILIES = (
     Family("deepseek_v2", ("deepseek_v2",), refuse="its RoPE is applied through complex numbers, which is not "
            "modelled yet"),
     Family("gpt_oss", ("gpt_oss",), rope="half_narrow"),  # learned sinks: read from the kernel call (capture.py)
-    Family("llama4_text", ("llama4_text",), refuse="chunked attention, NoPE layers with temperature tuning and complex "
-           "RoPE are not modelled yet"),
+    Family("llama4_text", ("llama4_text",), rope="complex", rope_layers="no_rope_layers", key_norm="self_attn.qk_norm"),
+    # the L2 q/k norm (no gain) on its RoPE layers only, after the rotation it commutes with; chunked attention: below
 )
 
 
@@ -160,6 +161,17 @@ def check_config(config) -> Family:
             raise ModelLoadError(f"{what} with {attr}: {getattr(config, attr)!r} is not supported: {reason} is not "
                                  "modelled yet")
     return fam
+
+
+def check_chunks(config, max_length: int) -> None:
+    """Chunked attention (Llama 4: queries see only keys of their own chunk of ``attention_chunk_size`` tokens) is
+    not modelled: refused by name when a window is longer than a chunk (shorter windows never cross one)."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked = any("chunked" in str(t) for t in getattr(config, "layer_types", None) or ["chunked_attention"])
+    if chunk and chunked and max_length > chunk:
+        raise ModelLoadError(f"model_type {config.model_type!r} with attention_chunk_size {chunk} and "
+                             f"tokenization.max_length {max_length}: chunked attention (keys of a query's own chunk "
+                             f"only) is not modelled yet; set tokenization.max_length to {chunk} or less")
 
 
 def read_model_config(name_or_path: str, revision=None, trust_remote_code: bool = False):
@@ -219,7 +231,7 @@ def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, he
                              f"({n_kv_heads} heads of {head_dim}): the declared qkv layout {layout!r} is wrong")
     wk = w.reshape(n_kv_heads, head_dim, -1).transpose(1, 2).contiguous()  # (H_kv, d, d_h)
     bk = b.reshape(n_kv_heads, head_dim) if b is not None else None
-    if family.key_norm is not None:
+    if key_norm_module(block, family) is not None:
         g = key_norm_gain(get_path(block, family.key_norm), n_kv_heads, head_dim)  # (H_kv, d_h)
         wk, bk = wk * g[:, None], (bk * g if bk is not None else None)
     return wk, bk
@@ -319,7 +331,13 @@ def key_input_module(block, family: Family):
 
 
 def key_norm_module(block, family: Family):
-    return get_path(block, family.key_norm) if family.key_norm else None
+    """The block's key norm, or None (no declared norm, or a block without one: Llama 4's NoPE layers)."""
+    if not family.key_norm:
+        return None
+    try:
+        return get_path(block, family.key_norm)
+    except AttributeError:
+        return None
 
 
 def precheck(cfg) -> None:
@@ -336,7 +354,9 @@ def precheck(cfg) -> None:
     with open(os.path.join(path, "config.json")) as f:
         data = json.load(f)
     if isinstance(data, dict) and isinstance(data.get("model_type"), str) and declared(data["model_type"]):
-        check_config(types.SimpleNamespace(**data))  # an undeclared type is left to check_model's discovery
+        config = types.SimpleNamespace(**data)
+        check_config(config)  # an undeclared type is left to check_model's discovery
+        check_chunks(config, cfg.tokenization.max_length)
 
 
 def check_model(cfg) -> Family:
@@ -347,6 +367,7 @@ def check_model(cfg) -> Family:
     m = cfg.model
     config = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
     fam = check_config(config)
+    check_chunks(config, cfg.tokenization.max_length)
     if declared(config.model_type) is None:
         from actlake.discovery import describe
 

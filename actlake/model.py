@@ -172,7 +172,7 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         head = None
         if want_head:
             full = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-            model, head = full.base_model, full.get_output_embeddings()
+            model, head = base_of(full), full.get_output_embeddings()
         else:
             model = AutoModel.from_pretrained(path, **kwargs)
     except Exception as e:
@@ -192,6 +192,13 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return LoadedModel(model, tokenizer, family, device, path, head, placement, kwargs.get("offload_folder"),
                        full if head is not None else None, logit_transform(family, hf_config) if head is not None else None)
+
+
+def base_of(full):
+    """The base model inside a model with a head (``base_model``; ``model`` where the class's
+    ``base_model_prefix`` names no attribute of it, as for Llama 4's text-only model)."""
+    base = full.base_model
+    return getattr(full, "model", full) if base is full else base
 
 
 def attention_implementation(requested: str, hf_config) -> str:

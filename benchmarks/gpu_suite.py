@@ -112,7 +112,7 @@ def build(args):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from actlake.architectures import family_for
-    from actlake.model import LoadedModel
+    from actlake.model import LoadedModel, base_of
 
     dtype = getattr(torch, args.dtype)
     dev = torch.device(args.device)
@@ -135,7 +135,7 @@ def build(args):
     with dev:
         if family.causal:
             full = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-            model, head = full.base_model, full.get_output_embeddings()
+            model, head = base_of(full), full.get_output_embeddings()
         else:
             model, head = AutoModel.from_config(cfg, dtype=dtype, attn_implementation="sdpa"), None
     model.eval()

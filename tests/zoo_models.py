@@ -14,10 +14,10 @@ import torch
 CAUSAL = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
           "gemma3_text", "olmo", "olmo2", "olmoe", "phi", "phi3", "stablelm", "starcoder2", "cohere", "granite", "gptj",
           "gpt_bigcode", "opt", "smollm3", "gpt2", "gpt_neox", "gpt_oss", "deepseek_v3", "cohere2",
-          "exaone4")
+          "exaone4", "llama4_text")
 """Causal LM types that run exactly (tests/integration/test_families.py)."""
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert")
-REFUSED = ("llama4_text", "gpt_neo", "falcon", "bloom", "deepseek_v2", "deberta-v2")
+REFUSED = ("gpt_neo", "falcon", "bloom", "deepseek_v2", "deberta-v2")
 """Types refused before Ray, each with its reason (actlake/architectures.py)."""
 
 SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -30,7 +30,7 @@ SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
              max_window_layers=2, sliding_window=512, sep_token_id=2, cls_token_id=0)
 KNOBS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0, logit_scale=0.5, logits_scaling=2.5,
              embedding_multiplier=3.0, residual_multiplier=0.7, attention_multiplier=0.3, query_pre_attn_scalar=24,
-             partial_rotary_factor=0.5)
+             partial_rotary_factor=0.5, floor_scale=4, attn_scale=0.5)
 """Scaling knobs away from their defaults, where a config has them (RoPE bases live in ``rope_parameters`` in
 transformers 5: not set here)."""
 SCALED = ("q_proj", "k_proj", "query", "key", "qkv", "c_attn", "Wqkv", "query_key_value", "q_lin", "k_lin",
@@ -54,7 +54,7 @@ def tiny_config(model_type: str, knobs: bool = True, **overrides):
         if (isinstance(v, list) and n_layers and len(v) == n_layers and k not in overrides and k != "layer_types"
                 and getattr(type(c), k, None) is None):  # not a property
             setattr(c, k, v[:2])
-    if getattr(c, "layer_types", None) is not None:  # alternating local / global where the family has windows
+    if getattr(c, "layer_types", None) is not None and "layer_types" not in overrides:  # local / global alternating
         local = any("sliding" in str(t) for t in c.layer_types) and getattr(c, "use_sliding_window", True) is not False
         other = [t for t in types if "attention" not in str(t) or "linear" in str(t)]  # a hybrid's other layers
         c.layer_types = ([other[0], "full_attention"] if other else ["sliding_attention", "full_attention"] if local

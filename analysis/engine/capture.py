@@ -222,6 +222,8 @@ class LayerInputs(_Hooks):
     def _keep_rope(self, i):
         def hook(module, args, kwargs):
             pe = kwargs.get("position_embeddings")
+            if isinstance(pe, torch.Tensor):  # complex freqs_cis (Llama 4): one tensor, kept as a pair
+                pe = (pe, pe)
             if pe is not None:
                 self.rope[i] = pe
         return hook

@@ -46,6 +46,8 @@ def from_model(kind: str, pe: tuple) -> tuple[torch.Tensor, torch.Tensor, bool]:
     if kind == "sin_cos_half":  # GPT-J: (sin, cos), one angle per pair
         sin, cos = pe
         return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1), True
+    if kind == "complex":  # Llama 4: x_pairs * freqs_cis, pairs (2i, 2i+1), angle i (pe: (freqs_cis, freqs_cis))
+        return pe[0].real.repeat_interleave(2, -1), pe[0].imag.repeat_interleave(2, -1), True
     cos, sin = pe
     if kind == "half_negated":  # rotate_half = (x2, -x1): the rotation by -angle
         return cos, -sin, False

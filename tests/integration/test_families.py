@@ -34,7 +34,7 @@ def zoo(tmp_path_factory):
     made: dict = {}
 
     def get(model_type: str, **overrides):
-        key = (model_type, tuple(sorted(overrides.items())))
+        key = (model_type, repr(sorted(overrides.items())))
         if key not in made:
             made[key] = str(build(model_type, root / f"{model_type}-{len(made)}", **overrides))
         return made[key]
@@ -60,6 +60,19 @@ def test_refused_families_say_why_in_one_line(model_type):
 def test_an_unknown_model_type_names_itself_and_the_supported_ones():
     with pytest.raises(ModelLoadError, match=r"model_type 'mamba' is not supported: .*supported: .*qwen3"):
         family_for("mamba")
+
+
+def test_windows_longer_than_a_llama4_chunk_are_refused_before_ray(zoo, tmp_path, sample_corpus):
+    """Llama 4's chunked attention is not modelled: windows that fit in a chunk run (exact, above), longer ones
+    are refused by name, from the local folder's config.json (precheck) and from its transformers config."""
+    from actlake.architectures import check_model, precheck
+
+    folder = zoo("llama4_text", attention_chunk_size=16, layer_types=["chunked_attention", "full_attention"])
+    for check in (precheck, check_model):
+        check(job_config(folder, sample_corpus, tmp_path / "out", **{"tokenization.max_length": 16}))
+        with pytest.raises(ModelLoadError, match=r"'llama4_text' with attention_chunk_size 16 and tokenization.max_"
+                                                 r"length 32: chunked attention .* set tokenization.max_length to 16"):
+            check(job_config(folder, sample_corpus, tmp_path / "out", **{"tokenization.max_length": 32}))
 
 
 def test_a_config_feature_that_is_not_modelled_is_refused_by_name():
