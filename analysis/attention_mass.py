@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import html
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -110,7 +112,9 @@ class AttentionMass(OneTable, SumStats):
         ).properties(width=420, height=260)
         blocks = [(2, ("attention_mass", "Fig. 2 (seed 001): attention mass by key category per layer", c))]
         heads = first_token_mass(con)
-        if len(heads):
+        if not len(heads):
+            blocks.append((2.5, f"<p class='note'>{html.escape(NO_FIRST_TOKEN)}</p>"))
+        else:
             h = alt.Chart(heads).mark_rect().encode(
                 x=alt.X("head:O", title="head"), y=alt.Y("layer:O", title="layer"),
                 color=alt.Color("mean_mass:Q", title="mass on it", scale=alt.Scale(scheme="viridis")),
@@ -119,6 +123,16 @@ class AttentionMass(OneTable, SumStats):
             blocks.append((2.5, ("first_token_mass", "Attention mass on the leading special token ([CLS] or BOS) "
                                                      "per layer and head: the sink, head by head", h)))
         return blocks
+
+
+NO_FIRST_TOKEN = ("No first-token chart: no key of category 'bos' took any attention, because no window starts with "
+                  "a special token (this tokenizer puts none first). The attention-sink statistics of the first "
+                  "token are empty; set tokenization.prepend_bos: true to put the tokenizer's BOS token first.")
+
+
+def no_first_token(con) -> bool:
+    """Whether a run's ``attention_mass`` has no attention on key category ``bos`` (no window began with one)."""
+    return con.execute("SELECT count(*) FROM attention_mass WHERE key_category = 'bos' AND mass > 0").fetchall()[0][0] == 0
 
 
 def first_token_mass(con):

@@ -317,11 +317,30 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
     tokens_run = sum(r["tokens"] for r in ran)
     totals.update(wall_seconds=wall, shards_run=len(pending), tokens_run=tokens_run,
                   tokens_per_second=tokens_run / wall if ran else None, provenance=provenance(inputs))
-    write_json_atomic(layout.summary_json, totals)
+    if pending or not layout.summary_json.exists():
+        write_json_atomic(layout.summary_json, totals)
+    else:  # a rerun that ran nothing keeps the record of the run that did (its wall time, its throughput)
+        log.info("run %s: every shard was already complete; summary.json keeps the run that computed them", layout.root)
+    if any(cls.name == "attention_mass" for cls in analyses):
+        warn_if_no_first_token(layout)
     report_path = None
     if cfg.output.report if report is None else report:
         report_path = str(build_report(layout.root, analyses))
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
+
+
+def warn_if_no_first_token(layout: RunLayout) -> None:
+    """Say so when no window began with a special token (a decoder whose tokenizer adds no BOS): the first-token
+    statistics are empty, and the report has no first-token chart."""
+    from actlake.analysis.attention_mass import NO_FIRST_TOKEN, no_first_token
+    from actlake.storage.sql import open_run
+
+    con = open_run(layout.root)
+    try:
+        if no_first_token(con):
+            log.warning("%s", NO_FIRST_TOKEN)
+    finally:
+        con.close()
 
 
 def _close_workers(workers) -> None:

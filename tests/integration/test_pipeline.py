@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import numpy as np
@@ -76,8 +77,10 @@ def test_minilm_matches_output_attentions_and_reruns_are_idempotent(minilm_path,
     _check_against_reference(first.run_dir, minilm_path)
     snapshot = {p.relative_to(first.run_dir): p.read_bytes() for p in sorted((tmp_path / "a" / "tables").rglob("*.parquet"))}
 
+    summary = (tmp_path / "a" / "summary.json").read_bytes()
     again = run_job(cfg)  # same run id: nothing to do, identical tables
     assert again.shards_run == 0
+    assert (tmp_path / "a" / "summary.json").read_bytes() == summary  # the record of the run that did the work
     assert {p.relative_to(first.run_dir): p.read_bytes() for p in sorted((tmp_path / "a" / "tables").rglob("*.parquet"))} == snapshot
 
     other = run_job(job_config(minilm_path, sample_corpus, tmp_path, **{"corpus.max_docs": 16, "output.run_id": "b"}))
@@ -202,3 +205,24 @@ def test_fused_attention_weights_give_the_same_mass_and_geometry_tables(tiny_mod
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     tables = {p.name for p in (Path(fused.run_dir) / "tables").iterdir()}
     assert "attention_by_distance" not in tables
+
+
+def test_a_decoder_without_a_first_special_token_is_told_about_prepend_bos(tiny_models, sample_corpus, tmp_path,
+                                                                          ray_local, caplog):
+    """The tiny GPT-2's tokenizer puts nothing first: the job's output and the report say the first-token
+    statistics are empty and name tokenization.prepend_bos; with it set, the note is gone."""
+    import logging
+
+    from actlake.analysis.attention_mass import NO_FIRST_TOKEN
+    from actlake.jobs.extract.report import build_report
+
+    with caplog.at_level(logging.WARNING, logger="actlake.run"):
+        res = run_job(job_config(tiny_models["gpt2"], sample_corpus, tmp_path / "a", **{"corpus.max_docs": 4}))
+    assert any("tokenization.prepend_bos: true" in r.getMessage() for r in caplog.records), caplog.text
+    assert html.escape(NO_FIRST_TOKEN) in build_report(res.run_dir).read_text()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="actlake.run"):
+        res = run_job(job_config(tiny_models["gpt2"], sample_corpus, tmp_path / "b", **{
+            "corpus.max_docs": 4, "tokenization.prepend_bos": True}))
+    assert not any("prepend_bos" in r.getMessage() for r in caplog.records), caplog.text
+    assert html.escape(NO_FIRST_TOKEN) not in build_report(res.run_dir).read_text()
