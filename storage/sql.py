@@ -87,6 +87,10 @@ def check_statement(sql: str) -> None:
         if len(inner) != 1 or inner[0].type.name not in READ_ONLY_STATEMENTS:
             raise QueryError(f"read-only: EXPLAIN of anything but one SELECT is not allowed: {text.strip()[:80]}")
         return
+    if kind == "MULTI":  # DuckDB's form of a PIVOT whose ON has no IN list: it first creates a type (a write)
+        raise QueryError("read-only: a PIVOT without the values of its ON column is run by DuckDB as two statements, "
+                         "the first creating a type of those values (a write); list them: PIVOT ... ON key_category IN "
+                         "('bos', 'eos', 'other') USING ...")
     if kind not in READ_ONLY_STATEMENTS:
         raise QueryError(f"read-only: {kind} statements are not allowed (only SELECT and EXPLAIN SELECT)")
 
