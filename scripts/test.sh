@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Fresh machine -> test results: install with test extras, install Chromium (for the report
-# check) when it is missing and we may, then run the whole suite.
+# check) when it is missing, we may, and the tests asked for need it, then run the suite (or the tests named).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+browser=1  # only the integration tests draw the report in a browser: a run of tests/unit alone needs none
+if [ $# -gt 0 ]; then
+  browser=0
+  for arg in "$@"; do case "$arg" in tests/unit|tests/unit/*|-*) ;; *) browser=1 ;; esac; done
+fi
+if [ -n "${ACTLAKE_TEST_PLAN:-}" ]; then echo "browser=$browser"; exit 0; fi  # what it would do (its test)
 bash scripts/setup.sh test,hf
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+if [ "$browser" = 1 ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing chromium for the report test" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
