@@ -177,12 +177,15 @@ def sweep_blocks(con) -> list:
     alt.data_transformers.disable_max_rows()
     points = con.execute("SELECT checkpoint, ordinal, step, sha256, same_as FROM checkpoints ORDER BY ordinal").df()
     by_step = points["step"].notna().all()
-    x = alt.X("step:Q" if by_step else "ordinal:O", title="training step" if by_step else "checkpoint (sweep order)")
+    # training snapshots are log-spaced (Pythia: 0, 1, 2, 4, …, 512, 1000, 2000, …): a symlog axis spreads them out
+    x = (alt.X("step:Q", title="training step (symlog scale)", scale=alt.Scale(type="symlog")) if by_step
+         else alt.X("ordinal:O", title="checkpoint (sweep order)"))
     blocks = []
     for slug, title, y, df in headline_frames(con, "checkpoint"):
         df = df.merge(points[["checkpoint", "ordinal", "step"]], on="checkpoint")
         c = alt.Chart(df).mark_line(point=True).encode(
-            x=x, y=alt.Y("value:Q", title=y), color=alt.Color("layer:O", title="layer"),
+            x=x, y=alt.Y("value:Q", title=y),
+            color=alt.Color("layer:N", title="layer", scale=alt.Scale(scheme="category10")),  # layers told apart
             tooltip=[c for c in df.columns],
         ).properties(width=480, height=240)
         blocks.append((f"sweep_{slug}", f"Across checkpoints: {title[0].lower()}{title[1:]}", c))

@@ -70,6 +70,7 @@ def test_a_sweep_flags_the_copy_and_each_checkpoint_equals_a_run_on_it(series, s
     page = (run / "report" / "report.html").read_text()
     assert "same weights as step-0" in page and "Across checkpoints: attention mass on the leading" in page
     assert (run / "report" / "sweep_first_token_mass.png").read_bytes()[:4] == b"\x89PNG"
+    assert re.search(r'"type":\s*"symlog"', page) and re.search(r'"scheme":\s*"category10"', page)  # issue 53
     assert main(["sql", str(run), "SELECT checkpoint, count(*) AS n FROM documents GROUP BY 1 ORDER BY 1"]) == 0
     assert capsys.readouterr().out.count("│ step-") == 3
     shown = subprocess.run(["bash", "-c", command("sweep-sql").replace("runs/sweep", str(run))], capture_output=True,
