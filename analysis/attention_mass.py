@@ -110,7 +110,7 @@ class AttentionMass(OneTable, SumStats):
             color=alt.Color("key_category:N", title="key category"),
             tooltip=["layer", "key_category", alt.Tooltip("mean_mass:Q", format=".3f")],
         ).properties(width=420, height=260)
-        blocks = [(2, ("attention_mass", "Fig. 2 (seed 001): attention mass by key category per layer", c))]
+        blocks = [(2, ("attention_mass", "Attention mass by key category per layer (after Maruta & Matsuzaki, Fig. 2)", c))]
         heads = first_token_mass(con)
         if not len(heads):
             blocks.append((2.5, f"<p class='note'>{html.escape(NO_FIRST_TOKEN)}</p>"))

@@ -239,8 +239,8 @@ class Contributions(OneTable, SumStats):
                                                y2="highest:Q", tooltip=tips),
             base.mark_circle(size=8, color="black").encode(y="mean:Q", tooltip=tips),
         ).properties(width=640, height=150).facet(row=alt.Row("layer:O", title="layer"))
-        blocks = [(6, ("contributions", "Fig. 4 (seed 001): per-dimension contributions to attention scores over all "
-                                        "keys, each dimension's range over the heads and their mean", c))]
+        blocks = [(6, ("contributions", "Per-dimension contributions to attention scores over all keys, each "
+                                        "dimension's range over the heads and their mean (after Maruta & Matsuzaki, Fig. 4)", c))]
         have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         if "outliers" in have:
             blocks.append((5, table1_html(con)))
@@ -287,7 +287,7 @@ def table1_html(con) -> str:
         f"<tr><td>{layer}</td><td>{dim}</td>" + "".join(
             f"<td>{'' if vals.get(c) is None else f'{vals[c]:.3f}'}</td>" for c in cats) + "</tr>"
         for (layer, dim), vals in sorted(grid_.items()))
-    return ("<section><h2>Table 1 (seed 001): mean contribution C_j of the top outlier dimensions, by key category "
-            "(all heads, all valid pairs)</h2>"
+    return ("<section><h2>Mean contribution C_j of the top outlier dimensions, by key category (all heads, all "
+            "valid pairs; after Maruta & Matsuzaki, Table 1)</h2>"
             f"<table class='t1'><tr><th>layer</th><th>dim</th>{head}</tr>{body}</table>"
             "<p>SQL: <code>SELECT * FROM contributions_mean WHERE layer = L AND dim = J</code></p></section>")

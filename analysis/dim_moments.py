@@ -145,7 +145,7 @@ class DimMoments(OneTable, Analysis):
             color=alt.Color("outlier:N", title=f"|robust z| > {OUTLIER_Z:g}", scale=alt.Scale(range=["#9aa5b1", "#d62728"])),
             tooltip=["layer", "dim", alt.Tooltip("mean:Q", format=".3f"), alt.Tooltip("robust_z:Q", format=".1f")],
         ).properties(width=640, height=90).facet(row=alt.Row("layer:O", title="layer (0 = embeddings)"))
-        blocks = [(1, ("dim_means", "Fig. 1 (seed 001): per-dimension mean of the residual stream by layer, outliers marked",
+        blocks = [(1, ("dim_means", "Per-dimension mean of the residual stream by layer, outliers marked (after Maruta & Matsuzaki, Fig. 1)",
                        means))]
         dims = top_outlier_dims(con)
         if dims:
@@ -159,7 +159,7 @@ class DimMoments(OneTable, Analysis):
                 tooltip=["layer", "dim", "category", alt.Tooltip("mean:Q", format=".3f")],
             ).properties(width=260, height=200).facet(column=alt.Column("dim:O", title="outlier dimension"))
             blocks.append((4, ("outlier_dims_by_category",
-                               "Fig. 3 (seed 001): outlier dimensions' mean value by token category", c)))
+                               "Outlier dimensions' mean value by token category (after Maruta & Matsuzaki, Fig. 3)", c)))
         blocks.append((4.5, massive_activations_html(con)))
         return blocks
 

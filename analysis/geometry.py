@@ -125,7 +125,7 @@ class Geometry(OneTable, SumStats):
             shape=alt.Shape("logits:N", title="keys"),  # the legend's marks; the labels name the dashes
             tooltip=["layer", "key_category", "logits", alt.Tooltip("m:Q", format=".3f")],
         ).properties(width=520, height=260)
-        return [(7, ("geometry_norms", "Attention geometry (seed 002): key norm and q-k angle by key category", norms)),
+        return [(7, ("geometry_norms", "Attention geometry: key norm and q-k angle by key category (norm or direction?)", norms)),
                 (8, ("keynorm_mass", "How much of each category's attention is key norm: mass with keys rescaled to "
                                      "their mean norm", keynorm))]
 

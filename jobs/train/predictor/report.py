@@ -45,7 +45,7 @@ def build_predictive_report(run_dir: str | Path) -> Path:
     try:
         have = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         blocks = [
-            ("mse_curve", "Fig. 1 (seed 003): evaluation MSE/d of the predictor per layer during training",
+            ("mse_curve", "Fig. 1 (after Sekiguchi, Ishigaki & Maeda): evaluation MSE/d of the predictor per layer during training",
              _curves(con, "mse", "MSE / d (evaluation windows)")),
             ("r2_curve", "Fig. 2: R² = 1 − MSE/Var per layer during training", _curves(con, "r2", "R²")),
             ("mse_position", "Fig. 3: MSE by token position (trained predictor, evaluation windows)",
