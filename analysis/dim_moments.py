@@ -160,12 +160,33 @@ class DimMoments(OneTable, Analysis):
             ).properties(width=260, height=200).facet(column=alt.Column("dim:O", title="outlier dimension"))
             blocks.append((4, ("outlier_dims_by_category",
                                "Outlier dimensions' mean value by token category (after Maruta & Matsuzaki, Fig. 3)", c)))
+        top = top_dimension_by_role(con)
+        if len(top):
+            bars = alt.Chart(top).mark_bar().encode(
+                x=alt.X("layer:O", title="layer (0 = embeddings)"), xOffset=alt.XOffset("category:N"),
+                y=alt.Y("share:Q", title="share of the role's mean squared norm"),
+                color=alt.Color("category:N", title="token role"),
+                tooltip=["layer", "category", "dim", alt.Tooltip("mean:Q", format=".3g"),
+                         alt.Tooltip("share:Q", format=".3f")])
+            labels = bars.mark_text(dy=-5, fontSize=9).encode(text="dim:N")  # the dimension, on its bar
+            blocks.append((4.4, ("massive_activations", "Massive activations: per layer and token role, the dimension "
+                                 "with the largest |mean| (its number on the bar) and its share of the role's squared "
+                                 "norm", (bars + labels).properties(width=640, height=220))))
         blocks.append((4.5, massive_activations_html(con)))
         return blocks
 
 
 MASSIVE_TOP = 2
 """Dimensions per layer and token role in the report's massive-activations table."""
+
+
+def top_dimension_by_role(con):
+    """(layer, category, dim, mean, share) of the rank-1 dimension of each layer and token role (view
+    ``massive_activations``), as a DataFrame: the massive-activations chart's data."""
+    return con.execute("""
+        SELECT layer, category, dim, mean, share FROM massive_activations
+        WHERE scheme = 'role' AND rank = 1 ORDER BY layer, category
+    """).df()
 
 
 def massive_activations_html(con, top: int = MASSIVE_TOP) -> str:

@@ -26,7 +26,7 @@ def test_report_files(report_run):
     assert "<script src=" not in html
     for png in ("dim_means.png", "attention_mass.png", "residual_norms.png", "outlier_dims_by_category.png",
                 "contributions.png", "geometry_norms.png", "keynorm_mass.png", "attention_by_distance.png",
-                "first_token_mass.png"):
+                "first_token_mass.png", "massive_activations.png"):
         data = (report.parent / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
@@ -74,6 +74,14 @@ def test_report_draws_the_sink_head_by_head_and_the_massive_activations(report_r
     for row, (_, t) in zip(rows, top.sort_values("layer").iterrows()):
         bos_cell = row.split("<td>")[2]  # after the layer, the first role: bos
         assert bos_cell.startswith(f"<b>{int(t.dim)}</b>: {t['mean']:.3g} ")
+    from actlake.analysis.dim_moments import top_dimension_by_role  # the chart's data names the same dimensions
+
+    con = open_run(str(report_run.run_dir))
+    drawn = top_dimension_by_role(con)
+    con.close()
+    bos = drawn[drawn.category == "bos"].sort_values("layer")
+    assert bos.dim.tolist() == [int(d) for d in top.sort_values("layer").dim]
+    assert set(bos[bos.layer.between(1, 4)].dim) == {99}  # MiniLM's [CLS] dimension, named on the chart
 
 
 def test_fig4_draws_each_dimensions_range_over_the_heads(report_run):
