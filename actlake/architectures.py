@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 from actlake.errors import ConfigError, ModelLoadError
 
-QKV = ("separate", "stacked", "per_head", "conv1d")
+QKV = ("separate", "stacked", "per_head", "conv1d", "codegen")
 """Where k sits in the output of the module at ``Family.key``: the whole output (``separate``); rows
 [q (H d_h) | k (H_kv d_h) | v] (``stacked``); rows (head, [q | k | v], d_h) (``per_head``); GPT-2's Conv1D,
-columns [q | k | v] (``conv1d``)."""
+columns [q | k | v] (``conv1d``); CodeGen's rows (4 model-parallel blocks, [q | v | k], d/4) (``codegen``)."""
 ROPE = (None, "half", "half_negated", "half_narrow", "interleaved", "interleaved_half", "sin_cos_half", "complex")
 """How positions rotate q and k: pairs (i, i + rot/2) with the model's (cos, sin) (``half``), or with -sin
 (``half_negated``: NanoChat's rotate_half is (x2, -x1)), or with (cos, sin) of half width, one angle per pair
@@ -60,6 +60,9 @@ class Family:
     key_norm: str | None = None
     """Dotted path from a block to an RMS-type norm applied to k before RoPE (q/k norm), or None; with ``latent``,
     the norm of the latent."""
+    attention_class: str | None = None
+    """Class name of the attention modules, for a hybrid whose other blocks hold another module at the same path
+    (MiniMax's lightning attention, Kimi Linear's delta rule); None: every module at ``attention``."""
     latent: str | None = None
     """Multi-head latent attention: dotted path from a block to the up-projection of the normed latent (rows per
     head: [key (``qk_nope_head_dim``) | value]); ``key`` is then the down-projection whose output is [latent
@@ -99,6 +102,7 @@ FAMILIES = (
     Family("gpt_bigcode", ("gpt_bigcode",), "h", "attn", "attn.c_attn", qkv="stacked|per_head:multi_query", rope=None),
     Family("gpt_neox", ("gpt_neox",), attention="attention", key="attention.query_key_value", qkv="per_head"),
     Family("gptj", ("gptj",), "h", "attn", "attn.k_proj", rope="sin_cos_half"),
+    Family("codegen", ("codegen",), "h", "attn", "attn.qkv_proj", qkv="codegen", rope="sin_cos_half"),
     Family("opt", ("opt",), "decoder.layers", rope=None),
     Family("llama", ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "gemma", "olmo", "starcoder2")),
     Family("smollm3", ("smollm3",), rope_layers="no_rope_layers"),
@@ -116,7 +120,7 @@ FAMILIES = (
            key_norm="self_attn.k_norm"),
     Family("gemma3", ("gemma3_text",), key_norm="self_attn.k_norm", logits=("softcap:final_logit_softcapping",)),
     Family("exaone4", ("exaone4",), key_norm="self_attn.k_norm", rope_layers="sliding"),  # global layers: NoPE
-    Family("no_interface", ("gpt_neo", "falcon", "bloom", "deberta-v2", "mpt", "codegen"), refuse=NO_INTERFACE),
+    Family("no_interface", ("gpt_neo", "falcon", "bloom", "deberta-v2", "mpt"), refuse=NO_INTERFACE),
     Family("deepseek_v3", ("deepseek_v3",), key="self_attn.kv_a_proj_with_mqa", key_norm="self_attn.kv_a_layernorm",
            latent="self_attn.kv_b_proj"),
     Family("deepseek_v2", ("deepseek_v2",), refuse="its RoPE is applied through complex numbers, which is not "
@@ -223,6 +227,9 @@ def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, he
     if layout in ("stacked", "conv1d"):
         start = n_heads * head_dim
         w, b = w[start : start + kd], (b[start : start + kd] if b is not None else None)
+    elif layout == "codegen":  # rows (4, [q | v | k], d / 4): its 4 model-parallel shards, interleaved
+        w = w.reshape(4, 3, kd // 4, -1)[:, 2].reshape(kd, -1)
+        b = b.reshape(4, 3, kd // 4)[:, 2].reshape(kd) if b is not None else None
     elif layout == "per_head" and w.shape[0] == 3 * kd:  # rows (H, [q | k | v], d_h)
         w = w.reshape(n_kv_heads, 3, head_dim, -1)[:, 1].reshape(kd, -1)
         b = b.reshape(n_kv_heads, 3, head_dim)[:, 1].reshape(kd) if b is not None else None

@@ -63,8 +63,13 @@ def _discover(config) -> Family:
     layers, blocks = _find(model, LAYERS)
     if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
         raise refuse("no list of transformer blocks was found") from None
-    attention, attn = next(((p, m) for p, m in (_find(b, ATTENTION) for b in blocks) if m is not None), (None, None))
-    if attn is None:  # a hybrid's first blocks may be linear-attention or recurrent ones: the first that has one
+    found = [(p, m) for p, m in (_find(b, ATTENTION) for b in blocks) if m is not None]
+    # a hybrid's first blocks may be linear-attention or recurrent ones, at the same path: the first module that
+    # says whether it is causal (softmax attention modules do), else the first found
+    attention, attn = next(((p, m) for p, m in found if getattr(m, "is_causal", None) is not None),
+                           found[0] if found else (None, None))
+    classes = {type(m).__name__ for _, m in found}
+    if attn is None:
         raise refuse("no attention module was found in its blocks")
     source = inspect.getsource(sys.modules[type(attn).__module__])
     if "ALL_ATTENTION_FUNCTIONS" not in source:
@@ -90,7 +95,8 @@ def _discover(config) -> Family:
     return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
                   rope=rope, rope_layers=rope_layers,
                   key_norm=f"{attention}.{norm}" if norm else None,
-                  latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits)
+                  latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits,
+                  attention_class=type(attn).__name__ if len(classes) > 1 else None)
 
 
 def _rope_layout(module) -> str | None:
@@ -126,4 +132,5 @@ def describe(fam: Family) -> str:
             + (f", key norm {fam.key_norm!r}" if fam.key_norm else "")
             + (f", latent keys up-projected by {fam.latent!r}" if fam.latent else "")
             + (", RoPE on sliding-window layers only" if fam.rope_layers == "sliding" else "")
+            + (f", attention in the blocks whose module is a {fam.attention_class}" if fam.attention_class else "")
             + (f", logits {', '.join(fam.logits)}" if fam.logits else ""))

@@ -73,10 +73,11 @@ def reference(folder: str, ids, valid):
         out = model(input_ids=ids, attention_mask=valid, output_attentions=True, output_hidden_states=True,
                     use_cache=False)
     logits = out.logits if lm.causal_lm is not None else None
-    layers = sorted(keep.qk)  # a hybrid's attention layers only (its other layers return no weights)
-    own = [a for a in out.attentions if a is not None]
-    assert len(own) == len(layers), (len(own), layers)
-    alphas = {i: keep.sink_weights.get(i, a) for i, a in zip(layers, own)}
+    layers = sorted(keep.qk)  # a hybrid's attention layers only
+    own = list(out.attentions)
+    if len(own) != len(out.hidden_states) - 1:  # weights of the attention layers only (not one entry per block)
+        own = dict(zip(layers, [a for a in own if a is not None]))
+    alphas = {i: keep.sink_weights.get(i, own[i]) for i in layers}
     return out.hidden_states, alphas, keep.qk, logits, lm
 
 

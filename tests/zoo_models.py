@@ -14,7 +14,7 @@ import torch
 CAUSAL = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
           "gemma3_text", "olmo", "olmo2", "olmoe", "phi", "phi3", "stablelm", "starcoder2", "cohere", "granite", "gptj",
           "gpt_bigcode", "opt", "smollm3", "gpt2", "gpt_neox", "gpt_oss", "deepseek_v3", "cohere2",
-          "exaone4", "llama4_text")
+          "exaone4", "llama4_text", "codegen")
 """Causal LM types that run exactly (tests/integration/test_families.py)."""
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert")
 REFUSED = ("gpt_neo", "falcon", "bloom", "deepseek_v2", "deberta-v2")

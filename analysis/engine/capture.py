@@ -131,13 +131,16 @@ def attention_modules(model, family) -> dict[int, int]:
 
 
 def attention_blocks(model, family) -> list[tuple[int, torch.nn.Module]]:
-    """(layer index, attention module) of every block that has one at ``family.attention``."""
+    """(layer index, attention module) of every block that has one at ``family.attention`` (of the class
+    ``family.attention_class`` names, where it names one)."""
     out = []
     for i, block in enumerate(blocks(model, family)):
         try:
-            out.append((i, get_path(block, family.attention)))
+            module = get_path(block, family.attention)
         except AttributeError:
             continue
+        if family.attention_class is None or type(module).__name__ == family.attention_class:
+            out.append((i, module))
     return out
 
 

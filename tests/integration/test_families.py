@@ -300,7 +300,8 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
                                         "minicpm3",  # multi-head latent attention, rotate-half
                                         "qwen3_next",  # a hybrid: layer 0 gated delta rule, layer 1 attention
                                         "afmoe",  # RoPE on the sliding-window layers only
-                                        "nanochat", "lfm2"])  # rotate_half negated; a key norm named k_layernorm
+                                        "nanochat", "lfm2",  # rotate_half negated; a key norm named k_layernorm
+                                        "minimax"])  # a hybrid whose lightning-attention blocks also hold self_attn
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
     from actlake.discovery import discover
