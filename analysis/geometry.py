@@ -36,7 +36,14 @@ class Geometry(OneTable, SumStats):
                q_norm_sum / nullif(n_pairs, 0) AS mean_q_norm, k_norm_sum / nullif(n_pairs, 0) AS mean_k_norm,
                cos_sum / nullif(n_pairs, 0) AS mean_cos, mass / nullif(n_queries, 0) AS mean_mass,
                mass_keynorm / nullif(n_queries, 0) AS mean_mass_keynorm
-        FROM attention_geometry"""}
+        FROM attention_geometry""",
+             # which key category draws the most attention per key token (mean_mass favours the most frequent)
+             "attention_per_key": """
+        SELECT source, layer, key_category, sum(n_pairs) AS n_pairs, sum(mass) / nullif(sum(n_pairs), 0) AS weight_per_key,
+               (sum(mass) / nullif(sum(n_pairs), 0))
+                 / (sum(sum(mass)) OVER w / nullif(sum(sum(n_pairs)) OVER w, 0)) AS lift
+        FROM attention_geometry GROUP BY source, layer, key_category
+        WINDOW w AS (PARTITION BY source, layer)"""}
 
     n_pairs: torch.Tensor
     """(L, C) valid pairs with the key in category c."""
