@@ -13,6 +13,8 @@ key="$( (cat pyproject.toml scripts/setup.sh; echo "${TORCH_SPEC:-}") | sha256su
 stamp=".venv/.actlake-setup-$key-${extras:-none}"
 [ -f "$stamp" ] && exit 0
 [ -z "$extras" ] && compgen -G ".venv/.actlake-setup-$key-*" >/dev/null && exit 0
+echo "setup: installing actlake${extras:+ [$extras]} and its dependencies (torch's CPU build, Ray, DuckDB, ...) into" \
+     ".venv: about 2-3 minutes the first time, nothing to do after" >&2
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
 if [ -n "$extras" ]; then "${pip[@]}" install -e ".[$extras]"; else "${pip[@]}" install -e .; fi
