@@ -118,6 +118,9 @@ class Progress:
 
         self.shards, self.skipped, self.ran, self.start = shards, skipped, 0, time.monotonic()
         self.docs = self.tokens = 0
+        self.first: tuple[float, float] | None = None
+        """(time, documents) when the first documents were counted: the ETA's rate is measured from there, leaving
+        out the start-up (Ray, the workers, the model's load), which is not paid again."""
         self.last_log, self.logged = 0.0, (0, 0)
         # disable=None: a bar only when the stream is a terminal
         self.bar = tqdm(total=total_docs, unit="doc", file=stream or sys.stderr, disable=None, dynamic_ncols=True,
@@ -132,6 +135,8 @@ class Progress:
         self.docs = docs
         self.bar.set_postfix_str(self._status(), refresh=True)
         now = time.monotonic()
+        if self.first is None and docs > 0:
+            self.first = (now, docs)
         if self.bar.disable and (int(self.docs), self.tokens) != self.logged and now - self.last_log >= LOG_EVERY_S:
             self.last_log, self.logged = now, (int(self.docs), self.tokens)
             total = f"/{self.bar.total:,}" if self.bar.total is not None else ""
@@ -157,7 +162,11 @@ class Progress:
         return f"{self.tokens:,} tokens, {rate:,.0f} tokens/s, shards {self.ran + self.skipped}/{self.shards + self.skipped}"
 
     def _eta(self) -> str:
-        if not self.bar.total or self.docs <= 0:
+        """Time left at the rate since the first documents were counted (none before a second count)."""
+        if not self.bar.total or self.first is None:
             return ""
-        left = (time.monotonic() - self.start) * (self.bar.total - self.docs) / self.docs
+        (t0, d0), now = self.first, time.monotonic()
+        if self.docs <= d0 or now <= t0:
+            return ""
+        left = (now - t0) * (self.bar.total - self.docs) / (self.docs - d0)
         return time.strftime("%H:%M:%S", time.gmtime(left))
