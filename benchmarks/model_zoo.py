@@ -125,8 +125,8 @@ sum rule, surprisal). **ok**: every quantity within {EXACT:g} of the reference (
 **refused**: `actlake run` refuses it before Ray starts, with the reason. **caught**: the first-batch self-check
 stops the job (nothing written), naming the layer and the analyses. A `*` marks a type with no declaration in
 `actlake/architectures.py`, whose layout `actlake/discovery.py` read off its modules (announced when the job
-starts; only the self-check vouches for it). **not built**: the tiny model could not be made (a multimodal,
-hybrid or remote-code config); no verdict. **error**: the engine failed on it (a job stops with the error).
+starts; only the self-check vouches for it). **not built**: the tiny model could not be made (a multimodal
+or remote-code config, or one the zoo's scaling down breaks); no verdict. **error**: the engine failed on it (a job stops with the error).
 Counts: {", ".join(f"{k} {v}" for k, v in counts.most_common())}.
 
 Exact, declared: {", ".join(ok)}.

@@ -350,7 +350,8 @@ class LayerQK:
 
     def weights(self) -> torch.Tensor:
         """(B, H, T, T) float32 attention weights: softmax over the keys each query may see (and the sink, which
-        takes its share of each row, when the model has one), zero rows for padded or excluded queries. Built whole (O(B H T^2) memory), for analyses that need alpha itself;
+        takes its share of each row, when the model has one), zero rows for padded or excluded queries. Built
+        whole (O(B H T^2) memory), for analyses that need alpha itself;
         the built-in ones read :meth:`product` instead."""
         if "weights" not in self._cache:
             logits = torch.matmul(self.query * self.scaling, self.key_per_query_head.transpose(-1, -2))

@@ -106,7 +106,12 @@ class AttentionRecorder:
 
     def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None,
                      sliding_window=None, sinks=None):
-        layer = self.mqk.layer_of[id(module)]
+        layer = self.mqk.layer_of.get(id(module))
+        if layer is None:
+            raise AnalysisError(f"an attention module of the model ({type(module).__name__}) called the attention "
+                                f"interface outside the layers declared for {self.mqk.family.name!r} (blocks at "
+                                f"{self.mqk.family.layers!r}, attention at {self.mqk.family.attention!r}): its attention "
+                                "would be missing from every statistic; the model type needs a declaration")
         dev = query.device  # with device_map, each layer's analyses run where that layer lives
         if dev not in self._batch:
             self._batch[dev] = self.host.to(dev)

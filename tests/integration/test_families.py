@@ -368,3 +368,18 @@ def test_a_discovered_layout_the_engine_cannot_run_ends_the_job_by_name(zoo, tmp
     with pytest.raises(AnalysisError, match=r"model_type 'mobilebert' has no declaration, and the layout read off its "
                                             r"modules does not fit it \(RuntimeError: .*needs a declaration"):
         ex.forward.run_batch(_windows(ex.lm))
+
+
+def test_attention_outside_the_declared_layers_stops_the_batch_by_name(zoo, monkeypatch):
+    """A module that calls the attention interface but is not among the declared attention layers (here: layer 1
+    hidden from the engine) would be missing from every statistic: the batch stops, naming its class."""
+    from actlake.analysis.engine import capture, recorder
+    from actlake.errors import AnalysisError
+
+    real = capture.attention_modules
+    monkeypatch.setattr(recorder, "attention_modules", lambda model, family: {
+        k: v for k, v in real(model, family).items() if v != 1})
+    ids, valid, role = batch(512)
+    with pytest.raises(AnalysisError, match=r"an attention module of the model \(LlamaAttention\) called the attention "
+                                            r"interface outside the layers declared for 'llama'"):
+        engine(zoo("llama"), ids, valid, role)
