@@ -56,7 +56,8 @@ class Family:
     """:data:`ROPE`."""
     rope_layers: str | None = None
     """Config attribute listing per layer whether RoPE is applied (1) or not (0), for NoPE layers; or ``sliding``:
-    RoPE on the sliding-window layers only (``layer_types``), when the config has a window (Cohere 2, EXAONE 4)."""
+    RoPE on the layers ``layer_types`` calls sliding, when the config sets a window (none without one: Cohere 2); or
+    ``sliding_or_all``: the same, but every layer when the config sets no window (EXAONE 4)."""
     key_norm: str | None = None
     """Dotted path from a block to an RMS-type norm applied to k before RoPE (q/k norm), or None; with ``latent``,
     the norm of the latent."""
@@ -85,9 +86,11 @@ class Family:
     def rope_on(self, config, layer: int) -> bool:
         if self.rope is None:
             return False
-        if self.rope_layers == "sliding":
-            types = getattr(config, "layer_types", None)
-            return not types or getattr(config, "sliding_window", None) is None or types[layer] == "sliding_attention"
+        if self.rope_layers in ("sliding", "sliding_or_all"):
+            types, window = getattr(config, "layer_types", None), getattr(config, "sliding_window", None)
+            if window is None:
+                return self.rope_layers == "sliding_or_all"
+            return not types or types[layer] == "sliding_attention"
         if self.rope_layers is None or getattr(config, self.rope_layers, None) is None:
             return True
         return bool(getattr(config, self.rope_layers)[layer])
@@ -119,7 +122,7 @@ FAMILIES = (
     Family("qk_norm", ("qwen3", "qwen3_moe", "olmo2", "olmoe", "olmo3", "apertus", "apertus1p5_text"),
            key_norm="self_attn.k_norm"),
     Family("gemma3", ("gemma3_text",), key_norm="self_attn.k_norm", logits=("softcap:final_logit_softcapping",)),
-    Family("exaone4", ("exaone4",), key_norm="self_attn.k_norm", rope_layers="sliding"),  # global layers: NoPE
+    Family("exaone4", ("exaone4",), key_norm="self_attn.k_norm", rope_layers="sliding_or_all"),  # global: NoPE
     Family("no_interface", ("gpt_neo", "falcon", "bloom", "deberta-v2", "mpt"), refuse=NO_INTERFACE),
     Family("deepseek_v3", ("deepseek_v3",), key="self_attn.kv_a_proj_with_mqa", key_norm="self_attn.kv_a_layernorm",
            latent="self_attn.kv_b_proj"),

@@ -90,8 +90,7 @@ def _discover(config) -> Family:
     head_source = inspect.getsource(sys.modules[head.__module__]) if head is not None else ""
     logits = tuple(f"{op}:{attr}" for attr, op in LOGITS if f"config.{attr}" in head_source or f"self.{attr}" in head_source)
     norm = LATENT[2] if latent else next((n for n in KEY_NORMS if hasattr(attn, n)), None)
-    rope_layers = ("no_rope_layers" if getattr(config, "no_rope_layers", None)
-                   else "sliding" if _rope_on_local_layers_only(type(attn)) else None)
+    rope_layers = "no_rope_layers" if getattr(config, "no_rope_layers", None) else _rope_on_local_layers(type(attn))
     return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
                   rope=rope, rope_layers=rope_layers,
                   key_norm=f"{attention}.{norm}" if norm else None,
@@ -112,18 +111,23 @@ def _rope_layout(module) -> str | None:
     return "interleaved_half" if halved else "interleaved"
 
 
-def _rope_on_local_layers_only(attention_class) -> bool:
-    """Whether the attention module applies RoPE under an ``if`` on its window (``sliding``, ``local``): RoPE on
-    the sliding-window layers, none on the global ones (Cohere 2, EXAONE 4, AFMoE)."""
+def _rope_on_local_layers(attention_class) -> str | None:
+    """``sliding`` when the attention module applies RoPE under an ``if`` on its window (``sliding``, ``local``; not
+    ``if not …``): RoPE on the sliding-window layers, none on the global ones (Cohere 2, AFMoE); ``sliding_or_all`` when
+    that ``if`` also rotates every layer of a config without a window (``sliding_window is None or``: EXAONE 4);
+    else None."""
     try:
         lines = [s.strip() for s in inspect.getsource(attention_class.forward).splitlines()]
     except (OSError, TypeError):
-        return False
+        return None
     for i, line in enumerate(lines):
         if "apply_rotary_pos_emb(" in line:
-            before = [s for s in lines[max(0, i - 3) : i] if s.startswith("if ")]
-            return any("sliding" in s or "local" in s for s in before)
-    return False
+            tests = [s for s in lines[max(0, i - 3) : i] if s.startswith("if ") and not s.startswith("if not ")
+                     and ("sliding" in s or "local" in s)]
+            if not tests:
+                return None
+            return "sliding_or_all" if any("sliding_window is None or" in s for s in tests) else "sliding"
+    return None
 
 
 def describe(fam: Family) -> str:
@@ -131,6 +135,6 @@ def describe(fam: Family) -> str:
             f"{'causal' if fam.causal else 'bidirectional'}, RoPE {fam.rope or 'none'}"
             + (f", key norm {fam.key_norm!r}" if fam.key_norm else "")
             + (f", latent keys up-projected by {fam.latent!r}" if fam.latent else "")
-            + (", RoPE on sliding-window layers only" if fam.rope_layers == "sliding" else "")
+            + (", RoPE on sliding-window layers only" if fam.rope_layers in ("sliding", "sliding_or_all") else "")
             + (f", attention in the blocks whose module is a {fam.attention_class}" if fam.attention_class else "")
             + (f", logits {', '.join(fam.logits)}" if fam.logits else ""))

@@ -248,9 +248,11 @@ class Contributions(OneTable, SumStats):
 
 
 def contribution_layers(con) -> list[int]:
-    """First, middle and last attention layer (seed 001 shows layers 2, 6 and 12 of 12)."""
-    n = con.execute("SELECT max(layer) + 1 FROM contributions").fetchall()[0][0]
-    return sorted({min(1, n - 1), n // 2, n - 1})
+    """The second, middle and last attention layer of the table (Maruta & Matsuzaki show layers 2, 6 and 12 of 12);
+    a hybrid's table has its attention layers only, so they are picked among those."""
+    layers = [r[0] for r in con.execute("SELECT DISTINCT layer FROM contributions ORDER BY layer").fetchall()]
+    n = len(layers)
+    return sorted({layers[min(1, n - 1)], layers[n // 2], layers[n - 1]})
 
 
 def contribution_ranges(con, layers: list[int]):

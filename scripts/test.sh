@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 browser=1  # only the integration tests draw the report in a browser: a run of tests/unit alone needs none
-if [ $# -gt 0 ]; then
+paths=0  # test paths named (options alone run the whole suite)
+for arg in "$@"; do case "$arg" in -*) ;; *) paths=1 ;; esac; done
+if [ "$paths" = 1 ]; then
   browser=0
   for arg in "$@"; do case "$arg" in tests/unit|tests/unit/*|-*) ;; *) browser=1 ;; esac; done
 fi

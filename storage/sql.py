@@ -89,8 +89,8 @@ def check_statement(sql: str) -> None:
         return
     if kind == "MULTI":  # DuckDB's form of a PIVOT whose ON has no IN list: it first creates a type (a write)
         raise QueryError("read-only: a PIVOT without the values of its ON column is run by DuckDB as two statements, "
-                         "the first creating a type of those values (a write); list them: PIVOT ... ON key_category IN "
-                         "('bos', 'eos', 'other') USING ...")
+                         "the first creating a type of those values (a write); list them all (SELECT DISTINCT gives them): "
+                         "PIVOT ... ON key_category IN ('bos', 'eos', ...) USING ...")
     if kind not in READ_ONLY_STATEMENTS:
         raise QueryError(f"read-only: {kind} statements are not allowed (only SELECT and EXPLAIN SELECT)")
 

@@ -383,3 +383,14 @@ def test_attention_outside_the_declared_layers_stops_the_batch_by_name(zoo, monk
     with pytest.raises(AnalysisError, match=r"an attention module of the model \(LlamaAttention\) called the attention "
                                             r"interface outside the layers declared for 'llama'"):
         engine(zoo("llama"), ids, valid, role)
+
+
+@pytest.mark.parametrize("model_type, no_window", [("cohere2", [False, False]), ("exaone4", [True, True])])
+def test_rope_on_sliding_layers_follows_each_model_without_a_window(model_type, no_window):
+    """With a window, both rotate their sliding layers only; without one, Cohere 2 rotates no layer (its attention
+    rotates where it has a window) and EXAONE 4 every layer (``sliding_window is None or is_sliding``)."""
+    fam = family_for(model_type)
+    config = tiny_config(model_type)
+    assert [fam.rope_on(config, i) for i in range(2)] == [True, False]  # layer_types: sliding, full
+    config.sliding_window = None
+    assert [fam.rope_on(config, i) for i in range(2)] == no_window

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["tests/unit/test_rope.py", "-x", "-q"], 0),
     (["tests/unit", "tests/integration/test_report.py"], 1),
     (["tests/integration"], 1),
+    (["-x", "-q"], 1),  # options alone: the whole suite
 ])
 def test_a_browser_only_for_tests_that_need_one(args, browser):
     out = subprocess.run(["bash", "scripts/test.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
