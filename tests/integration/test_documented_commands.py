@@ -62,6 +62,9 @@ def test_the_five_minute_tour(quickstart):
     assert "robust_z" not in outliers and " z " in outliers
     by_source = _bash(ACTIVATE + command("tour-by-source")).stdout
     assert all(label in by_source for label in ("PythonSource", "Licenses", "│ *")), by_source
+    by_norm = _bash(ACTIVATE + command("norms-by-source")).stdout  # docs/querying.md: the join through documents
+    assert all(label in by_norm for label in ("PythonSource", "Licenses", "mean_norm")), by_norm
+    _norms_by_source_equal_pandas(command("norms-by-source"))
     massive = _bash(ACTIVATE + command("tour-massive")).stdout
     assert "share_of_norm2" in massive and sum(ln.startswith("│") for ln in massive.splitlines()) == 2 + 7, massive
     for code in (command("tour-python"), command("querying-python")):
@@ -120,3 +123,22 @@ def test_the_tour_s_sweep_and_runs_side_by_side(quickstart, tmp_path):
                    "SELECT count(*) FILTER (WHERE role = 'bos') AS bos, count(*) FILTER (WHERE role = 'bos' AND position = 0) "
                    "AS first, count(DISTINCT (doc_id, window_index)) AS windows FROM tokens").to_pylist()[0]
     assert tokens["bos"] == tokens["first"] == tokens["windows"] > 0  # prepend_bos: the BOS first in every window
+
+
+def _norms_by_source_equal_pandas(cmd: str) -> None:
+    """The documented query's numbers against the same join and means in pandas, over the run's tables."""
+    import re
+
+    import numpy as np
+
+    from actlake import open_run
+
+    sql = re.search(r'"(SELECT.*)"', cmd, re.S).group(1)
+    con = open_run(str(ROOT / "runs" / "quickstart"))
+    got = con.sql(sql.replace("round(avg(r.norm), 2)", "avg(r.norm)")).df()
+    norms = con.sql("SELECT doc_id, layer, norm FROM residual_norms WHERE layer IN (0, 6)").df()
+    docs = con.sql("SELECT doc_id, source FROM documents").df()
+    con.close()
+    want = norms.merge(docs, on="doc_id").groupby(["source", "layer"]).norm.mean()
+    assert len(got) == len(want) > 2
+    np.testing.assert_allclose(got.set_index(["source", "layer"]).mean_norm.loc[want.index], want, rtol=1e-9)
