@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -168,13 +169,14 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
     # weights are read straight into the target dtype (and, with device_map, onto their devices)
     kwargs.update(_placement_kwargs(cfg), dtype=resolve_dtype(cfg, device))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **common)
-        head = None
-        if want_head:
-            full = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-            model, head = base_of(full), full.get_output_embeddings()
-        else:
-            model = AutoModel.from_pretrained(path, **kwargs)
+        with _no_progress_bars():
+            tokenizer = AutoTokenizer.from_pretrained(path, **common)
+            head = None
+            if want_head:
+                full = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+                model, head = base_of(full), full.get_output_embeddings()
+            else:
+                model = AutoModel.from_pretrained(path, **kwargs)
     except Exception as e:
         hint = " (set model.offload_folder)" if "offload_folder" in str(e) and not cfg.offload_folder else ""
         raise ModelLoadError(f"model {path}: cannot load ({type(e).__name__}: {e}){hint}") from None
@@ -192,6 +194,21 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return LoadedModel(model, tokenizer, family, device, path, head, placement, kwargs.get("offload_folder"),
                        full if head is not None else None, logit_transform(family, hf_config) if head is not None else None)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' "Loading weights" bar off while a model loads: in a Ray worker it reaches the user's
+    console through Ray's log forwarding, one interleaved bar per worker."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def base_of(full):

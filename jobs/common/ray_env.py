@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 
 from actlake.errors import ActlakeError
 
@@ -24,13 +25,16 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+        quiet_forwarded_logs()
         return True
-    with _single_machine_ray():
+    with _single_machine_ray(), _quiet(TOKEN_AUTH_LOGGER):
         # address="local": always a new Ray. With None, Ray would join the last cluster that `ray start` or a
         # crashed test recorded in <ray temp dir>/ray_current_cluster, live or long dead.
         ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1",
-                 _node_ip_address="127.0.0.1", log_to_driver=True, runtime_env={"env_vars": local_worker_env()})
+                 _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.WARNING,
+                 runtime_env={"env_vars": local_worker_env()})
+    quiet_forwarded_logs()
     node_ip = ray.util.get_node_ip_address()
     if node_ip not in ("127.0.0.1", "::1"):
         ray.shutdown()
@@ -75,6 +79,77 @@ def holding_ray():
         started, _held = _held[0], outer
         if started:
             release_ray()
+
+
+RAY_NOISE = re.compile(r"core_worker\.cc:\d+: Actor with class name: '\w+' and ID: '\w+' has constructor arguments in the "
+                       r"object store and max_restarts > 0")
+"""Lines other processes of Ray print that say nothing to a user of a job: Ray Train's controller starts its
+``PreemptionWatcher`` with an argument in the object store and restarts allowed, and Ray's C++ core logs it as an
+error at every trial (ray-project/ray#53727; our own actors take no such argument)."""
+
+
+def quiet_forwarded_logs() -> bool:
+    """Leave :data:`RAY_NOISE` out of the worker output Ray forwards to this driver's console (Ray's log files
+    keep it). False when this Ray forwards through something else (its dispatcher is not public API): then the
+    lines show, as before."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return False
+    with dispatcher._lock:
+        for i, (name, handle) in enumerate(dispatcher.handlers):
+            if name == "ray_print_logs" and not getattr(handle, "actlake_filter", False):
+                dispatcher.handlers[i] = (name, _without_noise(handle))
+                return True
+    return False
+
+
+def _without_noise(handle):
+    def filtered(data):
+        lines = [ln for ln in data.get("lines", ()) if not RAY_NOISE.search(ln)]
+        if lines:
+            handle(dict(data, lines=lines))
+
+    filtered.actlake_filter = True
+    return filtered
+
+
+class RayInfoFilter(logging.Filter):
+    """On a Ray Train worker's console: no INFO lines logged by Ray's own modules (Ray Train logs each report
+    through a logger named by its file, which escapes ``LoggingConfig``'s level). Ray's log files keep them."""
+
+    def __init__(self):
+        import ray
+
+        super().__init__()
+        self.ray_dir = os.path.dirname(ray.__file__) + os.sep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or not record.pathname.startswith(self.ray_dir)
+
+
+def quiet_ray_info_on_console() -> None:
+    """In a Ray Train worker: :class:`RayInfoFilter` on the root logger's console handlers."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not any(isinstance(f, RayInfoFilter) for f in handler.filters):
+            handler.addFilter(RayInfoFilter())
+
+
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""Ray enables token authentication for a new local cluster and logs a warning saying it did, at every
+start: nothing for a user to do (a user's ``RAY_AUTH_MODE`` is respected, and then Ray says nothing)."""
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    """The logger ``name`` says only errors inside the block."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

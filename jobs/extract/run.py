@@ -365,7 +365,6 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
     try:
         n, cpus, gpus, threads = _worker_shape(cfg)
         files = custom_code(cfg)
-        code = ray.put(files) if files else {}  # a kept worker outlives this job's references: no code, none
         n = min(n, len(pending))
         retries = cfg.resources.max_retries
         env = store_env(local=not (address or os.environ.get("RAY_ADDRESS")))
@@ -378,8 +377,8 @@ def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs
         key = kept_key(cfg, options, threads, env)
         workers, kept = take_kept(key, n), []
         try:  # from here on every worker held is killed or kept, whatever happens
-            workers += [ShardWorker.options(**options).remote(target.cfg_dict, target.run_dir, phash, threads, code,
-                                                              env, counter, target.read_in_process)
+            workers += [ShardWorker.options(**options).remote(target.cfg_dict, target.run_dir, phash, threads, files,
+                                                              env, target.read_in_process)
                         for _ in range(n - len(workers))]
             log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus,
                      gpus, f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb

@@ -167,12 +167,15 @@ class ShardWorker:
     while the other is read and tokenised, so the device does not wait for the CPU between shards."""
 
     def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None,
-                 store_env: dict | None = None, counter=None, read_in_process: bool = False):
+                 store_env: dict | None = None, read_in_process: bool = False):
         """``store_env``: the driver's object-store variables (:func:`actlake.jobs.common.ray_env.store_env`), set in
         this process before any store is opened. An argument, never a ``runtime_env``: Ray writes a
-        runtime_env's variables in plain text to its agent's log. ``counter``: the job's
-        :class:`~actlake.jobs.extract.progress.JobCounter`, told of every finished batch. ``read_in_process``:
-        shards are read by a :class:`~actlake.jobs.extract.read.ReaderProcess` (``resources.read_in_process``)."""
+        runtime_env's variables in plain text to its agent's log. ``read_in_process``: shards are read by a
+        :class:`~actlake.jobs.extract.read.ReaderProcess` (``resources.read_in_process``).
+
+        Every argument is a plain value sent inline with the actor's creation: no object reference and no
+        actor handle, which Ray keeps in its object store and warns it may lose before a restart
+        (ray-project/ray#53727). The job's progress counter comes with each call's ``target``."""
         os.environ.update(store_env or {})
         import torch
 
@@ -184,7 +187,7 @@ class ShardWorker:
         self.aiming = threading.Lock()  # one retarget at a time (two shards may arrive at once)
         self.pid = os.getpid()
         self.extractor = None
-        self._aim(Target(cfg_dict, run_dir, plan_hash, counter, read_in_process))
+        self._aim(Target(cfg_dict, run_dir, plan_hash, None, read_in_process))
 
     def _aim(self, target: Target) -> None:
         """Take on ``target``'s job: its config, run directory, plan and progress counter, and its model, loaded

@@ -13,6 +13,7 @@ Steps are counted as completed optimiser steps: ``done`` runs from the resumed s
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -20,6 +21,36 @@ from actlake.jobs.train.training import worker_setup
 from actlake.storage.checkpoints import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint
 
 log = logging.getLogger("actlake.training")
+
+
+class Pace:
+    """Between evaluations, a line every ``every_s`` seconds: the mean training loss since the last line, and
+    the time left at the pace of the steps this attempt took so far."""
+
+    def __init__(self, start: int, steps: int, every_s: float = 15.0, clock=time.monotonic):
+        self.start, self.steps, self.every_s, self.clock = start, steps, every_s, clock
+        self.t0 = self.last = clock()
+        self.done, self.losses = start, []
+
+    def step(self, loss: float) -> None:
+        self.done += 1
+        self.losses.append(float(loss))
+
+    def due(self) -> bool:
+        return self.clock() - self.last >= self.every_s
+
+    def mean_loss(self) -> float:
+        return sum(self.losses) / max(1, len(self.losses))
+
+    def said(self) -> None:
+        self.last, self.losses = self.clock(), []
+
+    def eta(self) -> str:
+        """``, ETA 00:01:05`` (empty when no step has run or none is left)."""
+        ran, left = self.done - self.start, self.steps - self.done
+        if ran <= 0 or left <= 0:
+            return ""
+        return ", ETA " + time.strftime("%H:%M:%S", time.gmtime((self.clock() - self.t0) / ran * left))
 
 
 class TrainLoop(ABC):
@@ -94,15 +125,23 @@ class TrainLoop(ABC):
             start = self.resume(latest[1])
             log.info("%s: resuming from step %d", self.config["trial"], start)
         self.begin(resumed=latest is not None)
+        pace = Pace(start, self.steps)
         for step in range(start, self.steps):
             loss = self.train_step(step)
             done = step + 1
+            pace.step(loss)
             if done % self.eval_every == 0 or done == self.steps:
                 row = self.evaluate(done, loss)
                 self.curve.append(row)
                 ray.train.report(self.reported(row))
                 if self.rank == 0:
-                    log.info("%s step %d/%d: %s", self.config["trial"], done, self.steps, self.describe(row))
+                    log.info("%s step %d/%d: %s%s", self.config["trial"], done, self.steps, self.describe(row),
+                             pace.eta())
+                pace.said()
+            elif self.rank == 0 and pace.due():
+                log.info("%s step %d/%d: train loss %.4g (mean since the last line)%s", self.config["trial"], done,
+                         self.steps, pace.mean_loss(), pace.eta())
+                pace.said()
             if self.rank == 0 and (done % self.checkpoint_every == 0 or done == self.steps or done in self.keep_steps):
                 self.checkpoint(done)
         if self.rank == 0:

@@ -77,7 +77,10 @@ def _fit(trial: Trial, run_dir: str, resources: Resources) -> dict:
             resources_per_worker={"CPU": resources.cpus_per_worker}),
         run_config=ray.train.RunConfig(name=trainer_name,
                                        storage_path=str(Path(run_dir) / "_ray_train"),
-                                       failure_config=ray.train.FailureConfig(max_failures=2)),
+                                       failure_config=ray.train.FailureConfig(max_failures=2),
+                                       # Ray Train's own INFO lines (resources, worker group, every report) stay
+                                       # in its log files; the console gets the loop's progress and warnings
+                                       logging_config=ray.train.LoggingConfig(log_level="WARNING")),
     )
     try:
         result = trainer.fit()
@@ -158,8 +161,13 @@ def worker_setup(config: dict):
     """In a training loop: threads, the worker's rank and device. Returns (rank, world_size, device)."""
     import ray.train
     import torch
+    from transformers.utils import logging as hf_logging
+
+    from actlake.jobs.common.ray_env import quiet_ray_info_on_console
 
     torch.set_num_threads(max(1, int(config.get("cpus_per_worker", 1))))
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar at every checkpoint
+    quiet_ray_info_on_console()
     ctx = ray.train.get_context()
     device = ray.train.torch.get_device() if torch.cuda.is_available() else torch.device("cpu")
     return ctx.get_world_rank(), ctx.get_world_size(), device

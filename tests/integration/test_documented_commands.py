@@ -28,8 +28,21 @@ def quickstart():
     return _bash(command("quickstart"), timeout=1800)
 
 
+RAY_NOISE = ("core_worker.cc", "Token authentication", "Started a local Ray instance", "Loading weights",
+             "TrainingReport(", "Writing model shards", "PreemptionWatcher", "Moving model to device",
+             "Requesting resources", "Setting up process group", "worker group")
+"""What Ray and transformers printed on every run's console before issue 53 (a user's console shows actlake's
+progress and real problems only)."""
+
+
+def quiet(done) -> list[str]:
+    """The lines of a command's console that carry any of :data:`RAY_NOISE`."""
+    return [ln for ln in (done.stdout + done.stderr).splitlines() if any(m in ln for m in RAY_NOISE)]
+
+
 def test_the_quick_start_prints_a_command_that_runs_in_a_new_shell(quickstart):
     assert "actlake.progress: shard 00000 done" in quickstart.stderr  # progress lines from the workers
+    assert quiet(quickstart) == []
     (line,) = [ln for ln in quickstart.stdout.splitlines() if ln.startswith("example: ")]
     printed = line.removeprefix("example: ")
     assert printed.startswith(str(BIN / "actlake")), printed  # the venv is not on this shell's PATH
@@ -108,7 +121,10 @@ def test_the_tour_s_sweep_and_runs_side_by_side(quickstart, tmp_path):
     (tmp_path / "lm_tiny.yaml").write_text(yaml.safe_dump(lm))
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "quickstart").symlink_to(ROOT / "runs" / "quickstart")
-    out = _bash(f"source {ROOT}/.venv/bin/activate\n" + command("tour-sweep").replace("configs/lm_quick.yaml", "lm_tiny.yaml"), cwd=tmp_path).stdout
+    done = _bash(f"source {ROOT}/.venv/bin/activate\n" + command("tour-sweep").replace("configs/lm_quick.yaml", "lm_tiny.yaml"),
+                 cwd=tmp_path)
+    out = done.stdout
+    assert quiet(done) == [] and re.search(r"lm step 800/800: train loss", done.stderr), done.stderr
     assert "train-lm: 7 snapshots" in out and "(every one's weights differ)" in out
     (table,) = [t for t in out.split("┌") if re.search(r"│\s*layer\s*│\s*step\s*│\s*mass_on_first", t)]
     sweep = {(int(a), int(b)) for a, b in re.findall(r"^│\s*(\d+)\s*│\s*(\d+)\s*│\s*[\d.]+\s*│$", table, re.M)}

@@ -1,0 +1,73 @@
+"""What reaches a user's console besides actlake's own lines (issue 53: Ray's noise on every run). The jobs'
+consoles are checked whole in tests/integration/test_documented_commands.py; here the pieces, on Ray's real
+objects (no cluster started)."""
+
+import logging
+
+from actlake.jobs.common import ray_env
+from actlake.jobs.train.loop import Pace
+
+NOISE = ("[2026-11-29 07:57:45,890 E 30336 30366] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' "
+         "and ID: 'a32f7cab621cf562c35ea87101000000' has constructor arguments in the object store and max_restarts > 0. If "
+         "the arguments in the object store go out of scope or are lost, the actor restart will fail.")
+
+
+def test_forwarded_worker_output_loses_only_ray_s_known_noise():
+    """Through Ray's own dispatcher of forwarded worker output: the constructor-argument line goes, every other
+    line (an error included) comes through in order; a batch left empty is not printed at all."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    seen = []
+    saved = list(dispatcher.handlers)
+    dispatcher.handlers = [("ray_print_logs", seen.append)]
+    try:
+        assert ray_env.quiet_forwarded_logs()
+        assert ray_env.quiet_forwarded_logs() is False  # once: not wrapped twice
+        kept = ["lm step 38/250: train loss 6.982", "[2026-11-29 07:57:45 E 1 2] core_worker.cc:99: a real error"]
+        dispatcher.emit({"lines": [kept[0], NOISE, kept[1]], "pid": 7, "is_err": True})
+        dispatcher.emit({"lines": [NOISE], "pid": 7, "is_err": True})
+    finally:
+        dispatcher.handlers = saved
+    assert [d["lines"] for d in seen] == [kept] and seen[0]["pid"] == 7
+
+
+def test_a_ray_train_worker_console_keeps_warnings_and_our_lines_but_not_ray_s_info():
+    """Ray Train logs each report at INFO through a logger named by its file: off the console; a warning of Ray's
+    and an INFO line of ours stay."""
+    import ray
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    records = []
+    handler.emit = records.append
+    root.addHandler(handler)
+    try:
+        ray_env.quiet_ray_info_on_console()
+        ray_env.quiet_ray_info_on_console()
+        assert sum(isinstance(f, ray_env.RayInfoFilter) for f in handler.filters) == 1
+        inside = f"{ray.__path__[0]}/train/v2/_internal/execution/context.py"
+        for name, path, level in ((inside, inside, logging.INFO), (inside, inside, logging.WARNING),
+                                  ("actlake.training", __file__, logging.INFO)):
+            handler.handle(logging.LogRecord(name, level, path, 1, "m", (), None))
+    finally:
+        root.removeHandler(handler)
+    assert [(r.levelno, r.name) for r in records] == [(logging.WARNING, inside), (logging.INFO, "actlake.training")]
+
+
+def test_the_training_pace_gives_the_loss_since_the_last_line_and_the_time_left():
+    """A resumed attempt (from step 40 of 100), 2 s a step on a simulated clock."""
+    clock = [0.0]
+    pace = Pace(40, 100, every_s=15.0, clock=lambda: clock[0])
+    assert pace.eta() == "" and not pace.due()
+    for i, loss in enumerate((3.0, 5.0, 4.0, 6.0)):
+        clock[0] += 2.0
+        pace.step(loss)
+    assert pace.mean_loss() == 4.5 and not pace.due()
+    assert pace.eta() == ", ETA 00:01:52"  # 56 steps left at 2 s each
+    clock[0] += 8.0
+    assert pace.due()
+    pace.said()
+    assert not pace.due() and pace.losses == []
+    for _ in range(56):
+        pace.step(1.0)
+    assert pace.eta() == ""  # none left
