@@ -21,8 +21,11 @@ class ModelSpec:
     n_layers: int
     """Transformer blocks (hidden states: n_layers + 1, 0 = embeddings); the layer axis of attention statistics."""
     n_heads: int
+    """Query heads per attention layer (H)."""
     n_kv_heads: int
+    """Key/value heads (H_kv; fewer than H with grouped-query attention)."""
     d_model: int
+    """Width of the residual stream (d)."""
     max_length: int
     """Tokens per window (tokenization.max_length)."""
     device: torch.device
@@ -33,6 +36,7 @@ class ModelSpec:
 
     @property
     def hybrid(self) -> bool:
+        """Some layers have no attention (``attention_layers`` lists fewer than ``n_layers``)."""
         return bool(self.attention_layers) and len(self.attention_layers) < self.n_layers
 
 
@@ -41,8 +45,11 @@ class HiddenBatch:
     """A batch as :meth:`Producer.add_hidden` sees it. Masks and categories are the host's (B, T) tensors."""
 
     valid: torch.Tensor
+    """(B, T) 1 for real tokens, 0 for padding."""
     role: torch.Tensor
+    """(B, T) int64 ``ROLE`` ids (bos, eos, period, comma, other)."""
     type8: torch.Tensor
+    """(B, T) int64 ``TYPE8`` ids (newline, whitespace, letters, digits, ...)."""
     strict: bool
     """Look for inf/NaN values as they come (may read the device back). False: count them on the device
     and report them through :meth:`Producer.problems`; the batch is then run again strictly."""

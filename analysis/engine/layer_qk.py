@@ -25,9 +25,13 @@ HOST_FACTS = ("needs_mask", "has_invalid", "lengths", "key_order")
 
 @dataclass(eq=False)
 class BatchInfo:
+    """A batch's masks and token categories, on the model's device, shared by every attention layer (C = 5 token
+    roles, in the order of ``actlake.categories.ROLE``: bos, eos, period, comma, other)."""
+
     valid: torch.Tensor
     """(B, T) 1 for real tokens, 0 for padding."""
     causal: bool
+    """Whether a query sees only earlier keys (a decoder)."""
     key_onehot: torch.Tensor
     """(B, T, C) key categories (zero on padding), float64."""
     query_onehot: torch.Tensor
@@ -251,13 +255,20 @@ def diagonal_sums(a: torch.Tensor, max_len: int) -> torch.Tensor:
 
 @dataclass(eq=False)
 class LayerQK:
+    """One attention layer of one batch, as ``Producer.add_layer`` receives it: q and k as the model's attention
+    kernel received them, the batch (``valid``, categories), and with the ``layer_inputs`` site what k was made
+    from; ``product`` gives the attention products the analyses declared, computed once for all of them."""
+
     layer: int
+    """The block's index (0-based), as in the tables' ``layer`` column for attention statistics."""
     query: torch.Tensor
     """(B, H, T, d_h) q as the model uses it (after RoPE), float32."""
     key: torch.Tensor
     """(B, H_kv, T, d_h) k as the model uses it (after RoPE), float32."""
     scaling: float
+    """The factor on q·k before the softmax (usually 1/sqrt(d_h); the model's own, read from its kernel call)."""
     batch: BatchInfo
+    """The batch's masks and token categories (:class:`BatchInfo`), shared by every layer."""
     x: torch.Tensor | None = None
     """(B, T, d) the input of the key projection (METHODS.md x), float32."""
     w_key: torch.Tensor | None = None
@@ -267,6 +278,7 @@ class LayerQK:
     cos: torch.Tensor | None = None
     """(B, T, rot) rotary cos (None without RoPE), in the layout of ``unrotation``."""
     sin: torch.Tensor | None = None
+    """(B, T, rot) rotary sin, like ``cos``."""
     unrotation: tuple | None = None
     """:func:`~actlake.analysis.engine.rope.factors` of R_n^T for cos and sin (None: computed when first used)."""
     needs: frozenset = frozenset()
@@ -296,13 +308,29 @@ class LayerQK:
     _cache: dict = field(default_factory=dict, repr=False)
 
     # shortcuts to the batch
-    valid = property(lambda self: self.batch.valid)
-    causal = property(lambda self: self.batch.causal)
-    key_onehot = property(lambda self: self.batch.key_onehot)
-    query_onehot = property(lambda self: self.batch.query_onehot)
+    @property
+    def valid(self) -> torch.Tensor:
+        """(B, T): 1 for real tokens, 0 for padding (``batch.valid``)."""
+        return self.batch.valid
+
+    @property
+    def causal(self) -> bool:
+        """Whether a query sees only earlier keys (``batch.causal``)."""
+        return self.batch.causal
+
+    @property
+    def key_onehot(self) -> torch.Tensor:
+        """(B, T, C) float64: each key token's category, one-hot over the C categories (zero on padding)."""
+        return self.batch.key_onehot
+
+    @property
+    def query_onehot(self) -> torch.Tensor:
+        """(B, T, C) float64: each query token's category, one-hot (zero on padding)."""
+        return self.batch.query_onehot
 
     @property
     def n_heads(self) -> int:
+        """H, the query heads (``query.shape[1]``); ``key`` has H_kv <= H (grouped-query attention)."""
         return self.query.shape[1]
 
     @property
@@ -335,6 +363,8 @@ class LayerQK:
         return self._cache["key_norms_safe"]
 
     def sum_over_queries(self, per_query: torch.Tensor) -> torch.Tensor:
+        """For each key n, the sum of ``per_query`` (B, H, T, ...) over the queries that may attend to n (zero it
+        on padded queries first)."""
         return self.batch.sum_over_queries(per_query)
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
@@ -346,6 +376,7 @@ class LayerQK:
         return rope.apply(y, self.unrotation)
 
     def queries_per_key(self) -> torch.Tensor:
+        """(B, T) float64: valid queries that may attend to each key (0 on padded keys)."""
         return self.batch.queries_per_key
 
     def weights(self) -> torch.Tensor:

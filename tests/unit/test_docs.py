@@ -34,6 +34,25 @@ def test_the_site_builds_strictly(tmp_path):
         assert name in api, name
 
 
+def test_the_api_reference_is_current_and_readable_unbuilt():
+    """docs/api.md is Markdown generated from the docstrings (a reader on GitHub sees it whole): current, no
+    Sphinx role left raw, and the attributes a custom analysis reads listed with their shapes."""
+    from actlake.jobs.api_reference import api_page
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert text == api_page(), "docs/api.md is stale: run python scripts/sync_docs.py"
+    assert ":::" not in text and not re.search(r":(class|meth|func|data|attr|mod|param|returns?):", text)
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)`(?: \(property\))? \| `[^`]*` \| (.*) \|$",
+                                                      text, re.M)}
+    for name, shape in (("layer", ""), ("query", "(B, H, T, d_h)"), ("valid", "(B, T)"), ("n_heads", "H"),
+                        ("query_onehot", "(B, T, C)"), ("key_onehot", "(B, T, C)"), ("surprisal", "(B, T)")):
+        assert name in rows and rows[name] and shape in rows[name], (name, rows.get(name))
+    anchors = set(re.findall(r'<a id="([\w.]+)"></a>', text))
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"api\.md#([\w.]+)", page.read_text()):
+            assert target in anchors, f"{page.name} links to api.md#{target}, which is not there"
+
+
 def test_every_command_block_is_run_by_a_test_or_says_why_not():
     found = blocks()  # raises naming a block without a mark
     idents = {i for *_, i in found if i}
