@@ -31,6 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from actlake.analysis.engine.batch import BatchOutputs, HiddenBatch, ModelSpec  # noqa: F401 - part of the protocol
+from actlake.deprecation import deprecated
 
 Site = Literal["attention", "layer_inputs", "hidden_states"]
 """Where a producer reads. ``attention``: :meth:`Producer.add_layer` is called with each layer's LayerQK.
@@ -73,6 +74,16 @@ class Headline:
 
 class Producer(ABC):
     """What every producer declares (see the module docstring); the hooks it does not use keep their defaults."""
+
+    def __init_subclass__(cls, **kwargs):
+        """0.1.0's ``reads`` (sites and products in one set) still works, with a deprecation warning: it is split
+        into :attr:`sites` and :attr:`products` (a name in neither stays in ``sites``, where the check names it)."""
+        super().__init_subclass__(**kwargs)
+        if "reads" in cls.__dict__:
+            reads = frozenset(cls.__dict__["reads"])
+            cls.sites, cls.products = reads - PRODUCTS, reads & PRODUCTS
+            deprecated(f"{cls.__qualname__}.reads is deprecated: declare sites = {set(cls.sites) or 'frozenset()'} "
+                       f"and products = {set(cls.products) or 'frozenset()'}; reads goes in the release after 0.2.0")
 
     name: ClassVar[str] = ""
     """Name in configs, logs and errors."""

@@ -103,9 +103,6 @@ def load_class(target: str, where: str = "analyses.custom") -> type[Producer]:
         raise ConfigError(f"{where}: cannot import '{target}' ({type(e).__name__}: {e})") from None
     if not (isinstance(cls, type) and issubclass(cls, (Analysis, ShardTable))):
         raise ConfigError(f"{where}: '{target}' is not a subclass of actlake.analysis.protocol.Analysis or ShardTable")
-    if "reads" in vars(cls):
-        raise ConfigError(f"{where}: '{target}' sets 'reads', which is now two attributes: 'sites' "
-                          f"(of {sorted(SITES)}) and 'products' (of {sorted(PRODUCTS)})")
     bad = (set(cls.sites) - SITES) | (set(cls.products) - PRODUCTS)
     if bad or not cls.name or not cls.tables or (cls.products and "attention" not in cls.sites):
         raise ConfigError(f"{where}: '{target}' must set name and tables, read sites of {sorted(SITES)} and products "
