@@ -82,7 +82,9 @@ class Extractor:
             compute_s = time.perf_counter() - t1
         files = ShardFiles(layout, shard.shard_id)
         try:
+            t2 = time.perf_counter()
             written = self.write_tables(files, acc, docs, rejects)
+            write_s = time.perf_counter() - t2
             if self.views_to_check:  # a custom view that does not run stops the job at its first shard, not at reduce
                 reduced = {t: table for s in acc.stats.values() for t, table in s.to_tables(with_total=True).items()}
                 producer_views(self.views_to_check, reduced | written)
@@ -92,7 +94,7 @@ class Extractor:
                        "dtype": str(self.lm.dtype).removeprefix("torch."),
                        "cut_docs": sum(d["cut"] for d in docs),
                        "rejects": dict(Counter(r["reason"] for r in rejects)), "seconds": time.perf_counter() - t0,
-                       "read_seconds": read_s, "compute_seconds": compute_s}
+                       "read_seconds": read_s, "compute_seconds": compute_s, "write_seconds": write_s}
             if self.forward.spec.hybrid:
                 summary["attention_layers"] = list(self.forward.spec.attention_layers)
             group.add(shard.shard_id, files.publish(), summary, acc.stats)

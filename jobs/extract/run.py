@@ -302,21 +302,28 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
     ran: list[dict] = []
     todo = pending
+    phases = {"before_dispatch": time.perf_counter() - t0, "ray_start": 0.0, "dispatch": 0.0}
     for _ in range(REDISPATCH):
         if not todo:
             break
-        ran += _dispatch(cfg, layout, phash, todo, len(shards), address or cfg.resources.address, on_shard, inputs)
+        t1 = time.perf_counter()
+        ran += _dispatch(cfg, layout, phash, todo, len(shards), address or cfg.resources.address, on_shard, inputs,
+                         phases)
+        phases["dispatch"] += time.perf_counter() - t1
         record = committed(layout, phash)
         todo = [s for s in shards if s.shard_id not in record.shards]  # a record skipped as a duplicate lost its shards
         if todo:
             log.warning("%d shard(s) not committed after dispatch (a commit record was skipped); running them again",
                         len(todo))
+    t1 = time.perf_counter()
     totals = reduce_run(layout, [s.shard_id for s in shards], phash, analyses, max_sources=cfg.analyses.max_sources,
                         done=record)
+    phases["reduce"] = time.perf_counter() - t1
     wall = time.perf_counter() - t0
     tokens_run = sum(r["tokens"] for r in ran)
     totals.update(wall_seconds=wall, shards_run=len(pending), tokens_run=tokens_run,
-                  tokens_per_second=tokens_run / wall if ran else None, provenance=provenance(inputs))
+                  tokens_per_second=tokens_run / wall if ran else None, provenance=provenance(inputs),
+                  seconds=time_breakdown(phases, ran))
     if pending or not layout.summary_json.exists():
         write_json_atomic(layout.summary_json, totals)
     else:  # a rerun that ran nothing keeps the record of the run that did (its wall time, its throughput)
@@ -354,14 +361,29 @@ def _close_workers(workers) -> None:
             log.warning("a worker could not remove its offload folder: %s", e)
 
 
-def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs=None) -> list[dict]:
+def time_breakdown(phases: dict, ran: list[dict]) -> dict:
+    """Where a job's wall time went, in seconds (``summary.json``'s ``seconds``; benchmarks/end_to_end.py prints
+    it). The driver's phases: ``before_dispatch`` (checks, plan, run folder), ``ray_start`` (inside ``dispatch``),
+    ``dispatch`` (Ray, the workers and every shard until the last commits), ``reduce``. The workers' time summed
+    over shards: ``model_load``, ``read`` (reading and tokenising), ``compute`` (forward pass and analyses),
+    ``write`` (the shard's tables), ``commit`` (commit groups; the last group's, at the flush, is not counted)."""
+    total = lambda key: sum(r.get(key, 0.0) for r in ran)
+    return {k: round(v, 3) for k, v in {
+        **phases, "model_load": total("load_seconds"), "read": total("read_seconds"),
+        "compute": total("compute_seconds"), "write": total("write_seconds"), "commit": total("commit_seconds")}.items()}
+
+
+def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs=None, phases=None) -> list[dict]:
     """Run ``pending`` shards on fresh actors; return their summaries. Raises if any shard failed:
     one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
     import ray
 
     from actlake.jobs.extract.worker import ShardWorker, Target
 
+    t0 = time.perf_counter()
     started = init_ray(address)
+    if phases is not None:
+        phases["ray_start"] += time.perf_counter() - t0
     try:
         n, cpus, gpus, threads = _worker_shape(cfg)
         files = custom_code(cfg)

@@ -13,6 +13,7 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +188,7 @@ class ShardWorker:
         self.aiming = threading.Lock()  # one retarget at a time (two shards may arrive at once)
         self.pid = os.getpid()
         self.extractor = None
+        self.load_seconds = 0.0
         self._aim(Target(cfg_dict, run_dir, plan_hash, None, read_in_process))
 
     def _aim(self, target: Target) -> None:
@@ -206,6 +208,7 @@ class ShardWorker:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         self.target = None  # until the new model is loaded: a failed load is tried again by the next call
+        t0 = time.perf_counter()
         self.cfg = parse_config(target.cfg_dict)
         self.layout = RunLayout(location(target.run_dir))
         self.group = OpenGroup(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
@@ -218,6 +221,7 @@ class ShardWorker:
             self.extractor.reader = ReaderProcess(target.cfg_dict, self.extractor.lm.tokenizer)
         self.counter = target.counter
         self.target = target.key
+        self.load_seconds = time.perf_counter() - t0  # reported with the next shard (the job's time breakdown)
 
     def _on(self, target: Target | None) -> None:
         """Before a call of a job's dispatcher: take on its job if this worker holds another (it served the job
@@ -246,12 +250,15 @@ class ShardWorker:
                 log.error("the reader process died twice reading shard %d; the worker exits, its shards are "
                           "requeued", shard.shard_id)
                 os._exit(1)
+            t0 = time.perf_counter()
             with self.group.lock:
                 committed = self.group.commit() if last or self.group.due() else []
+            commit_s = time.perf_counter() - t0
         release_free_memory()
         rss_mb = psutil.Process().memory_info().rss / 2**20
+        load_s, self.load_seconds = self.load_seconds, 0.0
         return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed,
-                    node_id=ray.get_runtime_context().get_node_id())
+                    node_id=ray.get_runtime_context().get_node_id(), commit_seconds=commit_s, load_seconds=load_s)
 
     def flush(self, target: Target | None = None) -> list[int]:
         """Commit the open group now; the shard ids committed."""

@@ -1,0 +1,156 @@
+"""A whole job against the plain forward pass over exactly its windows: what a user pays, and where it goes.
+
+    .venv/bin/python benchmarks/end_to_end.py [CONFIG] [--repeats 2] [--max-docs N] [--out DIR] [--json FILE]
+
+CONFIG defaults to the embedded default job (the quick start: MiniLM over the 400 sample documents). Each round
+runs the job (a real ``actlake run`` through :func:`~actlake.jobs.extract.run.run_job`: embedded Ray, workers,
+commits, reduce; the report off) under a new run id, then the plain forward pass in this process: the model
+loaded as the job loads it (same dtype and attention), ``torch.no_grad()``, with the job's worker thread count,
+over the job's own windows rebuilt from its ``tokens`` table and batched as the job batches them. Rounds
+alternate job and plain, so a busy machine slows both.
+
+Prints, per round and as the median: the job's wall time, the plain pass's (model load excluded), their ratio;
+the job's time breakdown (``summary.json``'s ``seconds``: the driver's phases and the workers' time per phase);
+"inside the shards" (read + compute + write + commit) against plain; and what the per-token tables (``tokens``,
+``residual_norms``) store per token and cost in the shards' write time. On a GPU machine without Ray or DuckDB
+(the lent device) it cannot run: ``benchmarks/gpu_session.sh`` measures the forward pass and one shard there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PER_TOKEN = ("tokens", "residual_norms")
+
+
+def run_once(cfg, run_id: str) -> dict:
+    """One job under ``run_id``: its wall time and ``summary.json``."""
+    from actlake.jobs.extract.run import run_job
+
+    cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"run_id": run_id, "report": False})})
+    t0 = time.perf_counter()
+    res = run_job(cfg, report=False)
+    return {"wall": time.perf_counter() - t0, "summary": res.totals, "run_dir": res.run_dir}
+
+
+def job_windows(run_dir: str, cfg) -> list:
+    """The job's windows, rebuilt from its ``tokens`` table, in the job's batches."""
+    from actlake.batching import Window, make_batches
+    from actlake.storage.sql import query
+
+    rows = query(run_dir, "SELECT doc_id, window_index, source, list(token_id ORDER BY position) AS ids FROM tokens "
+                          "GROUP BY ALL ORDER BY doc_id, window_index").to_pylist()
+    windows = [Window(r["doc_id"], r["window_index"], r["ids"], r["source"]) for r in rows]
+    return make_batches(windows, cfg.batching, cfg.analyses.by_source)
+
+
+def plain_forward(lm, batches, pad_id: int) -> float:
+    """Seconds for the model's own forward pass over ``batches`` (right-padded, as the job pads)."""
+    import torch
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for batch in batches:
+            T = max(len(w.ids) for w in batch)
+            ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), T), dtype=torch.long)
+            for i, w in enumerate(batch):
+                ids[i, : len(w.ids)] = torch.tensor(w.ids)
+                mask[i, : len(w.ids)] = 1
+            lm.model(input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device))
+    return time.perf_counter() - t0
+
+
+def worker_threads(cfg) -> int:
+    """The torch threads of the job's workers (from a Ray started and stopped here: each job starts its own)."""
+    import ray
+
+    from actlake.jobs.common.ray_env import init_ray
+    from actlake.jobs.extract.run import _worker_shape
+
+    init_ray(None)
+    try:
+        return _worker_shape(cfg)[3]
+    finally:
+        ray.shutdown()
+
+
+def per_token_bytes(run_dir: str, tokens: int) -> dict:
+    return {t: sum(p.stat().st_size for p in (Path(run_dir) / "tables" / t).rglob("*.parquet")) / max(tokens, 1)
+            for t in PER_TOKEN}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config", nargs="?", help="a job config (default: the embedded default job)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-docs", type=int, help="corpus.max_docs (a CI-sized run)")
+    p.add_argument("--out", help="folder for the runs (default: a temporary one, removed)")
+    p.add_argument("--json", help="write the rounds here")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from actlake.config import load_config
+    from actlake.model import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = {"output.dir": args.out or tmp}
+        if args.max_docs:
+            overrides["corpus.max_docs"] = args.max_docs
+        cfg = load_config(args.config, overrides=overrides)  # None: the embedded default
+        threads = worker_threads(cfg)
+        rounds = []
+        lm = batches = None
+        for i in range(args.repeats):
+            job = run_once(cfg, f"end-to-end-{int(time.time())}-{i}")
+            if lm is None:  # the plain pass's model, loaded once (its load is not timed)
+                if threads > 0:
+                    torch.set_num_threads(threads)
+                lm = load_model(cfg.model)
+                batches = job_windows(job["run_dir"], cfg)
+            plain = plain_forward(lm, batches, lm.tokenizer.pad_token_id or 0)
+            s = job["summary"]
+            rounds.append({"job_s": job["wall"], "plain_s": plain, "ratio": job["wall"] / plain,
+                           "tokens": s["tokens"], "seconds": s["seconds"],
+                           "bytes_per_token": per_token_bytes(job["run_dir"], s["tokens"])})
+            print(f"round {i + 1}: job {job['wall']:.1f}s, plain forward {plain:.1f}s: {job['wall'] / plain:.2f}x",
+                  flush=True)
+    _print(rounds)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rounds, indent=1))
+    return 0
+
+
+def _print(rounds: list[dict]) -> None:
+    med = lambda f: statistics.median(f(r) for r in rounds)
+    job, plain = med(lambda r: r["job_s"]), med(lambda r: r["plain_s"])
+    sec = {k: med(lambda r, k=k: r["seconds"][k]) for k in rounds[0]["seconds"]}
+    inside = sec["read"] + sec["compute"] + sec["write"] + sec["commit"]
+    workers_other = sec["dispatch"] - sec["ray_start"] - sec["model_load"] - inside
+    print(f"\n{rounds[0]['tokens']:,} tokens; medians of {len(rounds)} round(s)")
+    print(f"{'job wall':<34}{job:8.1f} s   {job / plain:5.2f}x plain")
+    print(f"{'plain forward (same windows)':<34}{plain:8.1f} s")
+    print(f"{'inside the shards':<34}{inside:8.1f} s   {inside / plain:5.2f}x plain")
+    rows = [("before dispatch (checks, plan)", sec["before_dispatch"]), ("Ray start", sec["ray_start"]),
+            ("model load (workers)", sec["model_load"]), ("read + tokenise", sec["read"]),
+            ("forward + analyses", sec["compute"]), ("write tables", sec["write"]), ("commits", sec["commit"]),
+            ("workers: start, last commit, idle", workers_other), ("reduce", sec["reduce"]),
+            ("rest of the driver", job - sec["before_dispatch"] - sec["dispatch"] - sec["reduce"])]
+    print("breakdown (worker time summed over workers):")
+    for name, v in rows:
+        print(f"  {name:<32}{v:8.2f} s  {100 * v / job:5.1f} %")
+    write_share = sec["write"] / inside if inside else 0.0
+    for t in PER_TOKEN:
+        print(f"{t:<34}{med(lambda r, t=t: r['bytes_per_token'][t]):8.1f} bytes/token")
+    print(f"{'writing every table':<34}{100 * write_share:7.1f} % of the shards' time")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
