@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 
 from actlake.errors import ConfigError, ModelLoadError
+from actlake.fs import read_regular
 
 QKV = ("separate", "stacked", "per_head", "conv1d", "codegen")
 """Where k sits in the output of the module at ``Family.key``: the whole output (``separate``); rows
@@ -188,8 +189,7 @@ def read_model_config(name_or_path: str, revision=None, trust_remote_code: bool 
 
     try:
         if os.path.isdir(name_or_path):
-            with open(os.path.join(name_or_path, "config.json")) as f:
-                data = json.load(f)
+            data = json.loads(read_regular(os.path.join(name_or_path, "config.json"), "model.name_or_path", ConfigError))
             if "model_type" not in data:
                 raise ConfigError(f"model.name_or_path: {name_or_path}/config.json names no model_type")
         return AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
@@ -361,8 +361,7 @@ def precheck(cfg) -> None:
     path = resolve_model_path(cfg.model.name_or_path)
     if not os.path.isdir(path):
         return
-    with open(os.path.join(path, "config.json")) as f:
-        data = json.load(f)
+    data = json.loads(read_regular(os.path.join(path, "config.json"), "model.name_or_path", ConfigError))
     if isinstance(data, dict) and isinstance(data.get("model_type"), str) and declared(data["model_type"]):
         config = types.SimpleNamespace(**data)
         check_config(config)  # an undeclared type is left to check_model's discovery

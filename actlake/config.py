@@ -32,7 +32,7 @@ from actlake.config_base import (
 )
 from actlake.config_base import reference_markdown as _reference_markdown
 from actlake.errors import ConfigError, StorageError
-from actlake.fs import check_scheme, location
+from actlake.fs import check_folder, check_scheme, kind_of, location, not_regular, read_regular
 from actlake.fs import glob as expand
 from actlake.fs import url_scheme as scheme_of
 from actlake.sizes import MEMORY_UNITS, memory_bytes  # noqa: F401 - part of this module's API
@@ -378,10 +378,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
     else:
         p = Path(path)
         where = str(p)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p.resolve()}")
-        try:
-            text = p.read_text()
+        try:  # a FIFO (``actlake run <(...)``) or a device is refused, never read
+            text = read_regular(p, "config file", ConfigError).decode("utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p.resolve()}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{where}: cannot read: {e}") from None
     data, lines = _compose_with_lines(text, where)
@@ -405,15 +405,34 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
 
 
 def resolve_custom_paths(cfg: "JobConfig", err) -> None:
-    """Check each ``analyses.custom[].path`` (absolute since the config was read) exists here, on the driver."""
+    """Check each ``analyses.custom[].path`` (absolute since the config was read) exists here, on the driver: a
+    ``.py`` file or a package folder, whose ``.py`` files are regular files (a FIFO would hang the import and the
+    copy shipped to the workers)."""
     for i, c in enumerate(cfg.analyses.custom):
-        p = None if c.path is None else Path(c.path)
-        if p is not None and not (p.is_dir() or (p.is_file() and p.suffix == ".py")):
+        if c.path is None:
+            continue
+        p = Path(c.path)
+        try:
+            mode = os.stat(p).st_mode
+        except OSError:
+            mode = None
+        try:
+            if mode is not None and os.path.isdir(p):
+                check_folder(p, None, ConfigError, recursive=True, pattern="*.py")
+                continue
+            if mode is not None and kind_of(mode):
+                raise ConfigError(not_regular(p, kind_of(mode)))
+        except ConfigError as e:
+            err(("analyses", "custom", i, "path"), str(e))
+            continue
+        if mode is None or p.suffix != ".py":
             err(("analyses", "custom", i, "path"), f"not a .py file or a package folder: {p}")
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """Turn ``package:MODULE/subdir`` into a folder of this machine; check a local folder is a model's."""
+def resolve_model_path(name_or_path: str, key: str = "model.name_or_path") -> str:
+    """Turn ``package:MODULE/subdir`` into a folder of this machine; check a local folder is a model's: it holds a
+    config.json, and files and folders only (``from_pretrained`` opens its files by name: a FIFO there would hang
+    it, a device never end). ``key`` names the value in the messages."""
     if name_or_path.startswith(PACKAGE_PREFIX):
         spec_text = name_or_path[len(PACKAGE_PREFIX):]
         module, _, sub = spec_text.partition("/")
@@ -425,14 +444,16 @@ def resolve_model_path(name_or_path: str) -> str:
             )
         folder = Path(list(spec.submodule_search_locations)[0]) / sub
         if not folder.is_dir():
-            raise ConfigError(f"model.name_or_path: folder {folder} not found inside package '{module}'")
+            raise ConfigError(f"{key}: folder {folder} not found inside package '{module}'")
+        check_folder(folder, key, ConfigError)
         return str(folder)
     if looks_local(name_or_path):
         folder = Path(name_or_path).expanduser().absolute()
         if not folder.is_dir():
-            raise ConfigError(f"model.name_or_path: model folder not found: {folder}")
+            raise ConfigError(f"{key}: model folder not found: {folder}")
+        check_folder(folder, key, ConfigError)
         if not (folder / "config.json").is_file():
-            raise ConfigError(f"model.name_or_path: {folder} has no config.json (not a Hugging Face model folder)")
+            raise ConfigError(f"{key}: {folder} has no config.json (not a Hugging Face model folder)")
         return str(folder)
     return name_or_path  # a hub id
 
@@ -449,6 +470,8 @@ def resolve_corpus_files(cfg: JobConfig) -> list[str]:
 
     c = cfg.corpus
     if c.format == "hf":
+        if c.hf_dataset and looks_local(c.hf_dataset) and os.path.isdir(c.hf_dataset):  # the datasets library opens
+            check_folder(c.hf_dataset, "corpus.hf_dataset", ConfigError, recursive=True)  # its files by name
         return []
     files: list[str] = []
     for i, pattern in enumerate(c.paths):
@@ -466,8 +489,12 @@ def resolve_corpus_files(cfg: JobConfig) -> list[str]:
             hint = " (build the sample corpus with: actlake corpus sample data/sample)" if "sample" in pattern else ""
             raise ConfigError(f"corpus.paths[{i}]: no file matches {pattern!r}{hint}")
         for m in matches:
-            if not remote and not os.path.isfile(m):  # a device (/dev/zero) or a FIFO would be read for ever
-                raise ConfigError(f"corpus.paths[{i}]: {m} is not a regular file (a device, FIFO or socket)")
+            try:
+                kind = None if remote else kind_of(os.stat(m).st_mode)
+            except OSError as e:  # a dangling link
+                raise ConfigError(f"corpus.paths[{i}]: cannot read {m} ({e.strerror or e})") from None
+            if kind:  # a device (/dev/zero) or a FIFO would be read for ever
+                raise ConfigError(not_regular(m, kind, f"corpus.paths[{i}]"))
             if not remote and not os.access(m, os.R_OK):
                 raise ConfigError(f"corpus.paths[{i}]: file is not readable: {m}")
             if c.format == "auto" and not m.endswith((".jsonl", ".jsonl.zst", ".json", ".parquet")):

@@ -344,10 +344,72 @@ def arrow(path) -> tuple:
     return pafs.LocalFileSystem(), str(path)
 
 
+_KINDS = ((st.S_ISDIR, "a folder"), (st.S_ISFIFO, "a FIFO"), (st.S_ISCHR, "a character device"),
+          (st.S_ISBLK, "a block device"), (st.S_ISSOCK, "a socket"))
+
+
+def kind_of(mode: int) -> str | None:
+    """None for a regular file's ``st_mode``; else what it is, in words ("a FIFO", "a character device", ...)."""
+    if st.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a file")
+
+
+def not_regular(path, kind: str, key: str | None = None) -> str:
+    """The one-line refusal of a path that is not a regular file: ``KEY: PATH is not a regular file (KIND)``."""
+    return f"{key + ': ' if key else ''}{path} is not a regular file ({kind})"
+
+
+def open_regular(path, key: str | None = None, error: type[Exception] = StorageError):
+    """A binary reader of the local file ``path``, or ``error`` naming ``key`` (the option or config key the path
+    came from), the path and what it is when it is not a regular file: a FIFO (``<(...)`` too), a device, a socket,
+    a folder. A FIFO nobody writes to blocks its reader for ever and ``/dev/zero`` never ends, so every file a user
+    hands actlake is opened here. The type is checked before the open (a device is never opened) and again on the
+    opened file, which is opened without blocking (a FIFO put there in between cannot hang the open). A missing or
+    unreadable path raises the OSError ``open`` would."""
+    kind = kind_of(os.stat(path).st_mode)
+    if kind:
+        raise error(not_regular(path, kind, key))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        kind = kind_of(os.fstat(fd).st_mode)
+        if kind:
+            raise error(not_regular(path, kind, key))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path, key: str | None = None, error: type[Exception] = StorageError) -> bytes:
+    """The bytes of a user's file through :func:`open_regular` (an object's bytes for an ObjectPath: an object
+    store holds no FIFOs or devices)."""
+    if isinstance(path, ObjectPath):
+        return path.read_bytes()
+    with open_regular(path, key, error) as f:
+        return f.read()
+
+
+def check_folder(folder, key: str, error: type[Exception], recursive: bool = False, pattern: str = "*") -> None:
+    """``error`` naming ``key`` and the first entry of ``folder`` matching ``pattern`` (all of them below it with
+    ``recursive``) that is neither a regular file nor a folder: a model's or a tokenizer's folder, whose files a
+    library (``from_pretrained``) opens by name. Links are followed (a link to a FIFO is a FIFO); a dangling one is
+    left to the reader, which names it."""
+    for p in sorted(Path(folder).rglob(pattern) if recursive else Path(folder).glob(pattern)):
+        try:
+            mode = os.stat(p).st_mode
+        except OSError:
+            continue
+        kind = None if st.S_ISDIR(mode) else kind_of(mode)
+        if kind:
+            raise error(not_regular(p, kind, key))
+
+
 def open_input(path):
     """A seekable binary reader of ``path`` (a local path string, Path or ObjectPath)."""
     p = location(path)
-    return p.open("rb") if isinstance(p, ObjectPath) else open(p, "rb")
+    return p.open("rb") if isinstance(p, ObjectPath) else open_regular(p)
 
 
 def stat(path) -> tuple[int, int]:

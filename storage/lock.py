@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from actlake.errors import StorageError
-from actlake.fs import ObjectPath
+from actlake.fs import ObjectPath, kind_of, not_regular
 
 LOCK_FILE = ".lock"
 
@@ -44,9 +44,10 @@ def run_lock(root):
         if path.is_symlink():
             raise StorageError(f"{path} is a symbolic link; a run's lock file is never followed: remove the link") from None
         raise StorageError(f"{path}: cannot open the run's lock file ({e.strerror or e})") from None
-    if not _regular(fd):  # a FIFO or a device named .lock
+    kind = kind_of(os.fstat(fd).st_mode)
+    if kind:  # a FIFO or a device named .lock
         os.close(fd)
-        raise StorageError(f"{path} is not a regular file; remove it")
+        raise StorageError(f"{not_regular(path, kind)}; remove it")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -59,12 +60,6 @@ def run_lock(root):
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-def _regular(fd: int) -> bool:
-    import stat
-
-    return stat.S_ISREG(os.fstat(fd).st_mode)
 
 
 def _holder(path: Path) -> str:

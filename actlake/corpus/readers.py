@@ -422,7 +422,7 @@ def column_labels(path: str, fmt: str, source_field: str, start: int, end: int, 
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
-            with (open_file(path) if is_url(path) else open(path, "rb")) as f:
+            with open_file(path) as f:
                 pf = pq.ParquetFile(f)
                 if top not in pf.schema_arrow.names:
                     return _labels(None, rest, end - start)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from actlake.errors import ConfigError, CorpusError
+from actlake.fs import read_regular
 
 MAX_CHARS = 6000
 
@@ -196,7 +197,7 @@ def check_sample(out_dir: str | os.PathLike, n_docs: int = 400, n_files: int = 2
                           f"({', '.join(present[:5]) or 'empty'}{' …' if len(present) > 5 else ''}); move it away or "
                           "delete it, and run the command again")
     try:
-        record = json.loads((out / RECORD).read_text())
+        record = json.loads(read_regular(out / RECORD, error=ConfigError))  # a FIFO there: refused, never read
     except (OSError, ValueError):
         return False
     want = {"documents": n_docs, "files": n_files, "bundle_sha256": BUNDLE_SHA256}

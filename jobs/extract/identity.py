@@ -114,7 +114,8 @@ def model_files(cfg: JobConfig) -> dict:
     except (OSError, ValueError):
         cache = {}
     files = {}
-    for p in sorted(p for p in folder.iterdir() if p.is_file() and MODEL_FILES.fullmatch(p.name)):
+    # not only regular files: a FIFO or device named like a model file is refused by name (file_sha256), never skipped
+    for p in sorted(p for p in folder.iterdir() if p.exists() and not p.is_dir() and MODEL_FILES.fullmatch(p.name)):
         try:
             files[p.name] = {"size": p.stat().st_size, "sha256": _content_sha(p, cache)}
         except OSError as e:

@@ -49,8 +49,9 @@ def weights_digest(cfg: JobConfig, c, known: dict | None = None) -> tuple[str, d
     name = c.path if c.path is not None else cfg.model.name_or_path
     files: dict = {}
     if c.path is not None and (looks_local(name) or name.startswith("package:")):
-        folder = Path(resolve_model_path(name))
-        for p in sorted(p for p in folder.rglob("*") if p.is_file() and WEIGHTS.fullmatch(p.name)):
+        folder = Path(resolve_model_path(name, f"model.checkpoints: {c.name}"))
+        # not only regular files: a FIFO or device named like weights is refused by name (file_sha256), never skipped
+        for p in sorted(p for p in folder.rglob("*") if p.exists() and not p.is_dir() and WEIGHTS.fullmatch(p.name)):
             rel, st = p.relative_to(folder).as_posix(), p.stat()
             old = (known or {}).get(rel)
             same = isinstance(old, list) and len(old) == 3 and old[:2] == [st.st_size, st.st_mtime_ns]

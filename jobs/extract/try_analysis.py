@@ -8,14 +8,13 @@ Arrow tables (``try_analysis``) or are printed (the command). An exception insid
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pyarrow as pa
 
 from actlake.analysis.registry import builtin, enabled, failure, producer_views, shard_tables
 from actlake.batching import Window, document_windows, make_batches
-from actlake.config import parse_config
+from actlake.config import parse_config, resolve_custom_paths
 from actlake.errors import ConfigError
+from actlake.fs import read_regular
 from actlake.jobs.extract.driver import Extractor
 from actlake.jobs.extract.run import import_custom_analyses
 from actlake.model import load_model
@@ -30,9 +29,15 @@ def job_config(target: str, model: str, path: str | None = None, args: dict | No
         analyses = off | {target: True}
     else:
         analyses = off | {"custom": [{"analysis": target, "path": path, "args": args or {}}]}
-    return parse_config({"name": "try-analysis", "model": {"name_or_path": model},
-                         "tokenization": {"max_length": max_length}, "analyses": analyses},
-                        where="try-analysis")
+    cfg = parse_config({"name": "try-analysis", "model": {"name_or_path": model},
+                        "tokenization": {"max_length": max_length}, "analyses": analyses},
+                       where="try-analysis")
+    resolve_custom_paths(cfg, _path_error)  # a FIFO as the file or in the package: refused before the import
+    return cfg
+
+
+def _path_error(key, message: str):
+    raise ConfigError(f"--path: {message}")
 
 
 def try_analysis(target: str, texts: list[str], model: str = DEFAULT_MODEL, path: str | None = None,
@@ -67,7 +72,10 @@ def texts_from(text: list[str] | None, file: str | None) -> list[str]:
     out = list(text or [])
     if file:
         try:
-            out += [line for line in Path(file).read_text(encoding="utf-8").splitlines() if line.strip()]
+            text = read_regular(file, "--texts", ConfigError).decode("utf-8")  # a FIFO or a device: refused
         except OSError as e:
             raise ConfigError(f"--texts: cannot read {file} ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--texts: {file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        out += [line for line in text.splitlines() if line.strip()]
     return out

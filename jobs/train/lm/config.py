@@ -10,6 +10,7 @@ from pydantic import Field
 from actlake.config import CorpusConfig, resolve_corpus_files
 from actlake.config_base import LocalPath, Section
 from actlake.errors import ConfigError
+from actlake.fs import check_folder
 from actlake.train_config import TrainingLoop, TrainJob, Warmup
 
 MAX_VOCAB = 1 << 20
@@ -68,3 +69,5 @@ class LMConfig(TrainJob.with_defaults(name="lm")):
         resolve_corpus_files(self)
         if self.tokenizer.path is not None and not Path(self.tokenizer.path).is_dir():
             raise ConfigError(f"{self.source_file}: 'tokenizer.path': no tokenizer folder at {self.tokenizer.path}")
+        if self.tokenizer.path is not None:  # from_pretrained opens its files by name: no FIFO, no device
+            check_folder(self.tokenizer.path, f"{self.source_file}: 'tokenizer.path'", ConfigError, recursive=True)
