@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actlake.errors import StorageError
-from actlake.fs import ObjectPath, write_atomic
+from actlake.fs import ObjectPath, read_regular, write_atomic
 from actlake.tables import PARTIAL_SUFFIX
 
 
@@ -81,7 +81,7 @@ CHECKPOINTS_DIR = "checkpoints"
 def sweep_checkpoints(root) -> list[dict] | None:
     """The checkpoint rows of a sweep folder's record (``root``: a Path or ObjectPath); None for a run."""
     try:
-        return json.loads((root / SWEEP_RECORD).read_text())["checkpoints"]
+        return json.loads(read_regular(root / SWEEP_RECORD))["checkpoints"]  # a FIFO there: refused, never read
     except FileNotFoundError:
         return None
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actlake.errors import StorageError
+from actlake.fs import read_regular
 from actlake.storage.layout import RunLayout, check_run_format, write_json_atomic
 from actlake.storage.publish import published
 from actlake.storage.shards import committed
@@ -80,8 +81,8 @@ REDUCE_RECORD = "reduced.json"
 def read_run(layout: RunLayout) -> dict:
     """The run's ``run.json``; a StorageError naming it when missing or unreadable."""
     try:
-        run = json.loads(layout.run_json.read_text())
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        run = json.loads(read_regular(layout.run_json))  # a FIFO or a device there: refused by name, never read
+    except (FileNotFoundError, NotADirectoryError):
         raise StorageError(f"{layout.run_json}: missing (is {layout.root} a run directory?)") from None
     except (OSError, ValueError) as e:
         raise StorageError(f"{layout.run_json}: unreadable ({e})") from None
@@ -117,7 +118,7 @@ def reduce_record(layout: RunLayout, plan_hash) -> dict | None:
     """The reduce record when it is one of plan ``plan_hash`` (None: none, or another plan's)."""
     path = layout.complete / REDUCE_RECORD
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(read_regular(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:

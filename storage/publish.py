@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 from actlake.errors import StorageError
+from actlake.fs import read_regular
 from actlake.storage.layout import RunLayout, write_json_atomic
 
 RECORD = "published.json"
@@ -39,7 +40,7 @@ def published(layout: RunLayout) -> dict[str, list[str]] | None:
     when the run has no record (nothing published yet)."""
     path = record_path(layout)
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(read_regular(path))  # a FIFO or a device: refused by name, never read
         files = record["files"]
         assert isinstance(files, dict)
     except FileNotFoundError:

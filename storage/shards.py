@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from actlake.fs import file_sizes, remove_tree
+from actlake.errors import StorageError
+from actlake.fs import file_sizes, read_regular, remove_tree
 from actlake.storage.layout import RunLayout, write_json_atomic
 from actlake.storage.parquet_io import write_parquet, write_parquet_atomic
 from actlake.tables import PARTIAL_SUFFIX
@@ -215,7 +216,7 @@ def committed(layout: RunLayout, plan_hash: str) -> Committed:
                    if p.name.startswith("group-") and p.name.endswith(".json"))
     for *_, path in names:
         try:
-            rec = json.loads(path.read_text())
+            rec = json.loads(read_regular(path))  # a FIFO or a device: not accepted, never read
             if rec.get("plan_hash") != plan_hash:
                 continue
             why = _problem(layout, path.name, rec, sizes, {sid: s["group"] for sid, s in out.shards.items()},
@@ -224,6 +225,8 @@ def committed(layout: RunLayout, plan_hash: str) -> Committed:
             continue
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             why = f"unreadable ({type(e).__name__})"
+        except StorageError as e:
+            why = str(e)
         if why:
             out.skipped.append(f"{path.name}: {why}")
             continue

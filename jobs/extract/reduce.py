@@ -10,6 +10,7 @@ import pyarrow.compute as pc
 from actlake.analysis.by_source import BySource
 from actlake.analysis.registry import failure
 from actlake.errors import ConfigError, StorageError
+from actlake.fs import read_regular
 from actlake.storage.layout import RunLayout
 from actlake.storage.manifest import REDUCE_RECORD, aggregate_path, write_reduce_record
 from actlake.storage.parquet_io import read_parquet, verify_parquet, write_parquet_atomic
@@ -61,7 +62,7 @@ def model_dtype(layout: RunLayout, summaries: list[dict]) -> str | None:
 def previous_aggregates(layout: RunLayout) -> set:
     """The files the last reduce record names (unique names in an object store, replaced by a new reduce)."""
     try:
-        files = json.loads((layout.complete / REDUCE_RECORD).read_text())["files"]
+        files = json.loads(read_regular(layout.complete / REDUCE_RECORD))["files"]
         return {aggregate_path(layout, "reduce record", t, m["path"]) for t, m in files.items()}
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError, StorageError):
         return set()  # nothing, or nothing we wrote: leave it

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from actlake.errors import StorageError
-from actlake.fs import ObjectPath, location
+from actlake.fs import ObjectPath, location, read_regular
 from actlake.jobs.common.page import open_for_report, write_page
 from actlake.storage.layout import RunLayout, sweep_checkpoints
 
@@ -60,7 +60,7 @@ def _nonfinite(con, producers) -> str:
 def _summary_html(layout: RunLayout, nonfinite: str = "") -> str:
     if not layout.summary_json.exists():
         return ""
-    s = json.loads(layout.summary_json.read_text())
+    s = json.loads(read_regular(layout.summary_json))
     rows = [("documents", s.get("docs")), ("windows", s.get("windows")), ("tokens", s.get("tokens")),
             ("padded tokens / real tokens", f"{s.get('padded_fraction', 0):.3f}"),
             ("shards", s.get("shards")), ("wall time (s)", f"{s.get('wall_seconds', 0):.1f}")]

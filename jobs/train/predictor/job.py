@@ -10,6 +10,7 @@ from pathlib import Path
 
 from actlake.config import resolve_model_path
 from actlake.errors import ConfigError, StorageError
+from actlake.fs import read_regular
 from actlake.jobs.common.ray_env import init_ray
 from actlake.jobs.train.predictor.config import PredictorJobConfig
 from actlake.jobs.train.predictor.loop import held_out, train_loop
@@ -33,7 +34,7 @@ def store_info(store: str | Path) -> dict:
 
     root = Path(store)
     layers = [r["layer"] for r in query(root, "SELECT DISTINCT layer FROM activations ORDER BY layer").to_pylist()]
-    run = json.loads((root / "run.json").read_text())
+    run = json.loads(read_regular(root / "run.json"))
     hf = AutoConfig.from_pretrained(resolve_model_path(run["config"]["model"]["name_or_path"]))
     heads = hf.num_attention_heads
     return {"layers": layers, "model_heads": (heads, hf.hidden_size // heads), "model": run["config"]["model"]["name_or_path"]}
