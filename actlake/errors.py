@@ -4,6 +4,26 @@ Every class keeps its constructor arguments in ``args`` so instances pickle and
 unpickle unchanged: Ray moves exceptions between processes.
 """
 
+import re
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+"""Characters a terminal acts on instead of showing: C0 controls (escape, carriage return, newline, ...), DEL, C1
+controls (``\x9b`` is a CSI too), bidirectional marks and overrides, line and paragraph separators."""
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal, on one line: each character a terminal would act on (an escape
+    sequence that clears the screen or retitles the window, a carriage return that overwrites the line, a newline
+    that forges another, a bidirectional override) as its Python escape (``\x1b``, ``\r``, ``\n``, ``\u202e``);
+    the rest unchanged. For what reaches a terminal only: CSV, JSON and Parquet output are data, kept as they are."""
+    return _UNPRINTABLE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def printable_lines(text: str) -> str:
+    """:func:`printable` line by line: the newlines of a message of several lines (a line per failed shard) or of a
+    drawn table are kept, every other character a terminal acts on is escaped."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
 
 class ActlakeError(Exception):
     """Base class of every error actlake raises on purpose."""

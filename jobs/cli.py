@@ -19,7 +19,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from actlake.errors import ActlakeError, AnalysisFailed
+from actlake.errors import ActlakeError, AnalysisFailed, printable, printable_lines
 
 EXAMPLE_SQL = "SELECT layer, round(avg(norm), 2) AS mean_norm FROM residual_norms GROUP BY layer ORDER BY layer"
 EXAMPLE_TOKENS_SQL = ("SELECT source, count(*) AS tokens, round(avg(surprisal), 3) AS mean_surprisal "
@@ -163,10 +163,11 @@ def command_prefix() -> str:
 
 
 def _show(table) -> None:
-    """Print an Arrow table as DuckDB draws one (the jobs' summaries; ``actlake sql`` streams its own)."""
-    import duckdb
+    """Print an Arrow table as DuckDB draws one, control characters escaped (the jobs' summaries, try-analysis's
+    tables; ``actlake sql`` streams its own the same way)."""
+    from actlake.storage.sql_process import show_table  # per command (start-up)
 
-    duckdb.from_arrow(table).show(max_rows=200, max_width=200)
+    show_table(table)
 
 
 def _cmd_run(args) -> int:
@@ -180,7 +181,7 @@ def _cmd_run(args) -> int:
 
     res = run_job(cfg, address=args.address, report=False if args.no_report else None)
     t = res.totals
-    print(f"run:     {res.run_dir}  ({res.shards_run} of {res.shards_total} shards ran)")
+    print(printable(f"run:     {res.run_dir}  ({res.shards_run} of {res.shards_total} shards ran)"))
     speed = (f"{t['tokens_per_second']:,.0f} tokens/s over the shards run" if t["tokens_per_second"]
              else "nothing left to run")
     print(f"tokens:  {t['tokens']:,} in {t['windows']:,} windows of {t['docs']:,} documents; "
@@ -189,22 +190,23 @@ def _cmd_run(args) -> int:
     print(f"input:   rejected records: {skipped}; documents cut to the window limit: {t['cut_docs']}")
     if t.get("checkpoints"):  # a sweep
         copies = [f"{c['checkpoint']}: same weights as {c['same_as']}" for c in t["checkpoints"] if c["same_as"]]
-        print(f"checkpoints: {', '.join(c['checkpoint'] for c in t['checkpoints'])}"
-              + (f" (IDENTICAL WEIGHTS, {'; '.join(copies)})" if copies else " (every one's weights differ)"))
+        print(printable(f"checkpoints: {', '.join(c['checkpoint'] for c in t['checkpoints'])}"
+                        + (f" (IDENTICAL WEIGHTS, {'; '.join(copies)})" if copies else " (every one's weights differ)")))
     if res.report:
-        print(f"report:  {res.report}")
+        print(printable(f"report:  {res.report}"))
     from actlake.storage.sql import query  # per command (start-up)
 
     act = os.path.join(res.run_dir, "tables", "activations")
     if os.path.isdir(act):
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(act) for f in fs)
-        print(f"store:   activation store {size / 2**20:,.1f} MiB on disk ({act})")
+        print(printable(f"store:   activation store {size / 2**20:,.1f} MiB on disk ({act})"))
     norms = cfg.analyses.entry("residual_norms") is not False  # the table is on by default
     if cfg.model.checkpoints:
         example = EXAMPLE_SWEEP_SQL if norms else EXAMPLE_SWEEP_TOKENS_SQL
     else:
         example = EXAMPLE_SQL if norms else EXAMPLE_TOKENS_SQL
-    print(f"\nexample: {command_prefix()} sql {shlex.quote(str(res.run_dir))} {shlex.quote(example)}")
+    print()
+    print(printable(f"example: {command_prefix()} sql {shlex.quote(str(res.run_dir))} {shlex.quote(example)}"))
     _show(query(res.run_dir, example))
     return 0
 
@@ -223,7 +225,7 @@ def _cmd_try_analysis(args) -> int:
     tables = try_analysis(args.analysis, texts_from(args.text, args.texts), model=args.model, path=args.path,
                           args=options, max_length=args.max_length)
     for name, table in tables.items():
-        print(f"{name}: {table.num_rows:,} rows")
+        print(printable(f"{name}: {table.num_rows:,} rows"))
         _show(table.slice(0, args.rows))
     return 0
 
@@ -239,12 +241,12 @@ def _cmd_train_synthetic(args) -> int:
     cfg = load_config(args.config, overrides=overrides, root=SyntheticConfig)
     res = run_synthetic(cfg, address=args.address, train=not args.analysis_only,
                         analyze=False if args.no_analysis else None, report=False if args.no_report else None)
-    print(f"run:     {res.run_dir}  (trials: {', '.join(res.trials)}; wall {res.wall_seconds:.0f}s)")
+    print(printable(f"run:     {res.run_dir}  (trials: {', '.join(res.trials)}; wall {res.wall_seconds:.0f}s)"))
     if os.path.isdir(os.path.join(res.run_dir, "tables", "factored_dimension")):
         for line in summary_lines(res.run_dir):
-            print(line)
+            print(printable(line))
     if res.report:
-        print(f"report:  {res.report}")
+        print(printable(f"report:  {res.report}"))
     return 0
 
 
@@ -257,12 +259,12 @@ def _cmd_train_predictor(args) -> int:
     cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None,
                       root=PredictorJobConfig)
     res = run_predictor_job(cfg, address=args.address, report=False if args.no_report else None)
-    print(f"run:     {res['run_dir']}  (layers {res['layers']}; wall {res['wall_seconds']:.0f}s)")
+    print(printable(f"run:     {res['run_dir']}  (layers {res['layers']}; wall {res['wall_seconds']:.0f}s)"))
     _show(query(res["run_dir"], SUMMARY_SQL))
     if cfg.probes.enabled:
         _show(query(res["run_dir"], PROBE_SQL))
     if res["report"]:
-        print(f"report:  {res['report']}")
+        print(printable(f"report:  {res['report']}"))
     return 0
 
 
@@ -275,12 +277,12 @@ def _cmd_report(args) -> int:
             warnings.simplefilter("always")
             page = build_comparison(args.run_dir, out)
         for note in notes:  # the tables and views the runs do not share
-            print(f"actlake: note: {note.message}", file=sys.stderr)
-        print(page)
+            print(f"actlake: note: {printable(str(note.message))}", file=sys.stderr)
+        print(printable(str(page)))
         return 0
     if len(args.run_dir) > 1 or args.out:
         raise ActlakeError("report: one run folder (several, or --out, with --compare)")
-    print(build_report(args.run_dir[0]))
+    print(printable(str(build_report(args.run_dir[0]))))
     return 0
 
 
@@ -337,8 +339,9 @@ def _cmd_corpus_index(args) -> int:
     for s in shards:
         records[s.path] += s.end - s.start
     for path, n in per_file.items():
-        print(f"{path}: {records[path]:,} records in {n:,} shards")
-    print(f"planned {len(shards):,} shards in {time.perf_counter() - t0:.1f} s; index cached in {cfg.output.dir}", file=sys.stderr)
+        print(printable(f"{path}: {records[path]:,} records in {n:,} shards"))
+    print(printable(f"planned {len(shards):,} shards in {time.perf_counter() - t0:.1f} s; index cached in {cfg.output.dir}"),
+          file=sys.stderr)
     return 0
 
 
@@ -346,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command.startswith("train-"):  # parallel trials log alike; Ray's dedup would hide all but one
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    console = logging.StreamHandler()  # used unless logging is set up already (a test calling main)
+    console.setFormatter(PrintableFormatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[console])
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
@@ -361,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None, root=LMConfig)
             res = train_lm(cfg, address=args.address)
             last = res["last"] or {}
-            print(f"model:   {res['model']}  (step {res['step']}, held-out loss {last.get('eval_loss', float('nan')):.3f}, "
-                  f"wall {res['wall_seconds']:.0f}s)")
+            print(printable(f"model:   {res['model']}  (step {res['step']}, held-out loss "
+                            f"{last.get('eval_loss', float('nan')):.3f}, wall {res['wall_seconds']:.0f}s)"))
             return 0
         if args.command == "train-synthetic":
             return _cmd_train_synthetic(args)
@@ -413,9 +417,17 @@ def main(argv: list[str] | None = None) -> int:
         print("actlake: interrupted; committed shards and checkpoints are kept (rerun to resume)", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the one error path of the command line
-        print(f"actlake: error: {error_line(e)}", file=sys.stderr)
+        print(f"actlake: error: {printable_lines(error_line(e))}", file=sys.stderr)
         return 2
     return 1
+
+
+class PrintableFormatter(logging.Formatter):
+    """The console's log lines with their message :func:`~actlake.errors.printable` (a label, a file name or a
+    config value a line echoes cannot drive the terminal or forge another line); a traceback stays as it is."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record))
 
 
 def error_line(e: BaseException) -> str:

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from actlake.errors import QueryError, StorageError
+from actlake.errors import QueryError, StorageError, printable, printable_lines
 from actlake.sizes import memory_bytes
 
 MAX_TEMP_SIZE = "4GB"
@@ -110,7 +110,7 @@ def _run_child(run_dir, sql: str, fmt: str, output: str | None, timeout_s: float
     stderr = b"".join(err).decode("utf-8", "replace")
     for line in stderr.splitlines():  # first: they may say why a query names a view that is not there
         if line.startswith("note\t"):
-            print(f"actlake: note: {line.partition(chr(9))[2]}", file=sys.stderr)
+            print(f"actlake: note: {printable(line.partition(chr(9))[2])}", file=sys.stderr)
     if proc.returncode:
         _raise(proc.returncode, stderr, memory_limit)
 
@@ -195,8 +195,6 @@ def _write(reader, fmt: str, output: str | None) -> None:
                 os.unlink(tmp)
         out.write(f"wrote {rows} rows to {output}\n".encode())
     else:
-        import duckdb
-
         head, total = [], 0
         for batch in reader:
             total += batch.num_rows
@@ -204,10 +202,43 @@ def _write(reader, fmt: str, output: str | None) -> None:
                 head.append(batch)
         shown = pa.Table.from_batches(head, reader.schema).slice(0, TABLE_ROWS)
         sys.stdout.flush()
-        duckdb.from_arrow(shown).show(max_rows=TABLE_ROWS, max_width=200)
+        show_table(shown, TABLE_ROWS)
         if total > TABLE_ROWS:
             print(f"({total:,} rows in all, the first {TABLE_ROWS} shown; --format csv or json for every row)")
     sys.stdout.flush()
+
+
+def show_table(table, max_rows: int = TABLE_ROWS) -> None:
+    """Print an Arrow table as DuckDB draws one, for a terminal: every character a terminal acts on is escaped
+    (:func:`~actlake.errors.printable`) in values, column names and nested types alike, so a source label, a token
+    piece or a file name cannot clear the screen, retitle the window or overwrite a line. DuckDB escapes C0 controls
+    in top-level values itself, but not C1 ones (``\\x9b`` is a CSI) nor a struct's key in the type line: text
+    columns and names are escaped before the drawing (their widths then count the escapes), the drawing after."""
+    import contextlib
+    import io
+
+    import duckdb
+    import pyarrow as pa
+
+    safe = pa.Table.from_arrays([_printable_column(c) for c in table.columns],
+                                names=[printable(n) for n in table.column_names])
+    drawn = io.StringIO()
+    with contextlib.redirect_stdout(drawn):
+        duckdb.from_arrow(safe).show(max_rows=max_rows, max_width=200)
+    sys.stdout.write(printable_lines(drawn.getvalue()))
+    sys.stdout.flush()
+
+
+def _printable_column(col):
+    """A text column (plain or dictionary-encoded) with :func:`~actlake.errors.printable` values; others as they are."""
+    import pyarrow as pa
+
+    t = col.type
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)):
+        return col
+    return pa.array([None if v is None else printable(v) for v in col.to_pylist()], pa.string())
 
 
 def _text(reader, fmt: str, out) -> int:
