@@ -406,8 +406,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
 
 def resolve_custom_paths(cfg: "JobConfig", err) -> None:
     """Check each ``analyses.custom[].path`` (absolute since the config was read) exists here, on the driver: a
-    ``.py`` file or a package folder, whose ``.py`` files are regular files (a FIFO would hang the import and the
-    copy shipped to the workers)."""
+    ``.py`` file or a package folder holding files and folders only (a FIFO would hang the import, the copy of its
+    ``.py`` files ``run`` ships to the workers, and the zip of the whole folder ``submit`` sends)."""
     for i, c in enumerate(cfg.analyses.custom):
         if c.path is None:
             continue
@@ -418,7 +418,7 @@ def resolve_custom_paths(cfg: "JobConfig", err) -> None:
             mode = None
         try:
             if mode is not None and os.path.isdir(p):
-                check_folder(p, None, ConfigError, recursive=True, pattern="*.py")
+                check_folder(p, None, ConfigError, recursive=True)
                 continue
             if mode is not None and kind_of(mode):
                 raise ConfigError(not_regular(p, kind_of(mode)))

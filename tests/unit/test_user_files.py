@@ -166,7 +166,7 @@ def test_texts_file_that_is_a_fifo_is_refused_before_the_model_loads(tmp_path):
 
 def test_a_custom_analysis_file_or_module_that_is_a_fifo_is_refused_with_its_key(tmp_path):
     """Before: a FIFO ``.py`` was 'not a .py file or a package folder'; a FIFO module in a package folder passed, and
-    the driver hung reading it to ship to the workers."""
+    the driver hung reading it to ship to the workers (``submit`` zips the whole folder: a FIFO data file too)."""
     from actlake.config import load_config
 
     os.mkfifo(tmp_path / "mine.py")
@@ -174,8 +174,12 @@ def test_a_custom_analysis_file_or_module_that_is_a_fifo_is_refused_with_its_key
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     os.mkfifo(pkg / "sub" / "an.py")
+    data = tmp_path / "data_pkg"
+    data.mkdir()
+    (data / "an.py").write_text("")
+    os.mkfifo(data / "table.csv")
     for path, module, bad in ((tmp_path / "mine.py", "mine:X", tmp_path / "mine.py"),
-                              (pkg, "pkg.sub.an:X", pkg / "sub" / "an.py")):
+                              (pkg, "pkg.sub.an:X", pkg / "sub" / "an.py"), (data, "data_pkg.an:X", data / "table.csv")):
         cfg = _job_yaml(tmp_path, analyses={"custom": [{"analysis": module, "path": str(path)}]})
         with pytest.raises(ConfigError, match=r"'analyses\.custom\.0\.path'.*: " + re.escape(str(bad)) +
                            r" is not a regular file \(a FIFO\)$"):
