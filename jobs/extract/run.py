@@ -17,7 +17,7 @@ from actlake.config import JobConfig, resolve_model_path
 from actlake.corpus.fingerprint import current_fingerprints, first_change
 from actlake.corpus.readers import HF_STREAM
 from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
-from actlake.fs import ObjectPath, location, remove_tree
+from actlake.fs import ObjectPath, location, read_regular, remove_tree
 from actlake.jobs.common.ray_env import init_ray, release_ray, store_env
 from actlake.jobs.extract.dispatch import Dispatcher
 from actlake.jobs.extract.identity import identity_change, run_identity
@@ -246,7 +246,7 @@ def custom_code(cfg: JobConfig) -> dict[str, bytes]:
         root = Path(c.path)
         members = [root] if root.is_file() else [p for p in root.rglob("*.py") if "__pycache__" not in p.parts]
         for p in members:
-            files[str(p.relative_to(root.parent))] = p.read_bytes()
+            files[str(p.relative_to(root.parent))] = read_regular(p, f"analyses.custom: {c.analysis}", ConfigError)
     if sum(map(len, files.values())) > CUSTOM_CODE_LIMIT:
         raise ConfigError(f"analyses.custom: more than {CUSTOM_CODE_LIMIT >> 20} MiB of code to ship; install it "
                           "on the workers instead and leave path empty")

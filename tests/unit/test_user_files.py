@@ -186,6 +186,20 @@ def test_a_custom_analysis_file_or_module_that_is_a_fifo_is_refused_with_its_key
             load_config(cfg)
 
 
+def test_the_code_shipped_to_the_workers_is_read_through_the_same_check(tmp_path, fifo):
+    """A FIFO put into the package after the config was read is refused where the code is read for the workers
+    (before: the driver hung there)."""
+    from actlake.jobs.extract.run import custom_code
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    fifo(tmp_path / "pkg" / "an.py")
+    cfg = SimpleNamespace(analyses=SimpleNamespace(custom=[SimpleNamespace(path=str(tmp_path / "pkg"),
+                                                                           analysis="pkg.an:X")]))
+    with pytest.raises(ConfigError, match=r"^analyses\.custom: pkg\.an:X: .*an\.py is not a regular file \(a FIFO\)$"):
+        custom_code(cfg)
+
+
 def test_try_analysis_path_that_is_a_fifo_is_refused(tmp_path):
     """Before: ``cannot import 'mine:X' (ModuleNotFoundError ...)``, which does not say why."""
     os.mkfifo(tmp_path / "mine.py")
