@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Literal, Optional, Union
 
@@ -31,6 +30,7 @@ from actlake.config_base import (
     validate,
 )
 from actlake.config_base import reference_markdown as _reference_markdown
+from actlake.deprecation import deprecated
 from actlake.errors import ConfigError, StorageError
 from actlake.fs import check_folder, check_scheme, kind_of, location, not_regular, read_regular
 from actlake.fs import glob as expand
@@ -161,8 +161,7 @@ class AnalysesConfig(Section):
         data = dict(data)
         for old, (name, option) in DEPRECATED_ANALYSES_KEYS.items():
             if old in data:
-                warnings.warn(f"analyses.{old} is deprecated: write analyses.{name}: {{{option}: ...}}",
-                              DeprecationWarning, stacklevel=2)
+                deprecated(f"analyses.{old} is deprecated: write analyses.{name}: {{{option}: ...}}")
                 value, entry = data.pop(old), data.get(name, True)
                 if entry is not False:
                     data[name] = {option: value, **(entry if isinstance(entry, dict) else {})}

@@ -19,6 +19,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
+from actlake.deprecation import ActlakeDeprecationWarning
 from actlake.errors import ActlakeError, AnalysisFailed, printable, printable_lines
 
 EXAMPLE_SQL = "SELECT layer, round(avg(norm), 2) AS mean_norm FROM residual_norms GROUP BY layer ORDER BY layer"
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[console])
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    warnings.simplefilter("default", ActlakeDeprecationWarning)  # an old name in a config or a custom analysis
+    warnings.showwarning = _show_warning
     try:
         if args.command == "run":
             return _cmd_run(args)
@@ -420,6 +423,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"actlake: error: {printable_lines(error_line(e))}", file=sys.stderr)
         return 2
     return 1
+
+
+_python_show_warning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """An old name of actlake's as one line (``actlake: deprecated: ...``); other warnings as Python shows them."""
+    if issubclass(category, ActlakeDeprecationWarning):
+        print(f"actlake: deprecated: {printable(str(message))}", file=file or sys.stderr)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
 
 
 class PrintableFormatter(logging.Formatter):

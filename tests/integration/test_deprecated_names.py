@@ -98,3 +98,16 @@ def test_a_0_1_0_analysis_runs_with_warnings_and_equals_today_s_example(minilm_p
     assert old_rows.keys() == new_rows.keys() and len(old_rows) == 6 * 12 * 5
     assert all(old_rows[k] == pytest.approx(new_rows[k], rel=1e-12, abs=1e-12) for k in new_rows)
     assert sum(new_rows.values()) > 0
+
+
+def test_the_command_line_shows_an_old_name_in_one_line(minilm_path, tmp_path, capsys):
+    """Python hides a DeprecationWarning raised outside ``__main__``; the command line shows actlake's own, one line
+    each, and runs on."""
+    from actlake.jobs.cli import main
+
+    (tmp_path / "old_entropy_cli.py").write_text(OLD_EXAMPLE)
+    assert main(["try-analysis", "old_entropy_cli:AttentionEntropy", "--path", str(tmp_path / "old_entropy_cli.py"),
+                 "--model", minilm_path, "--text", "The cat sat on the mat."]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert ("actlake: deprecated: AttentionEntropy.reads is deprecated: declare sites = {'attention'} and products = "
+            "frozenset(); reads goes in the release after 0.2.0") in err, err
