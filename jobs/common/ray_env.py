@@ -44,11 +44,18 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
 
 
 def local_worker_env() -> dict[str, str]:
-    """Variables of an embedded Ray's workers. ``OMP_WAIT_POLICY=PASSIVE`` (unless set): torch's OpenMP threads
-    sleep at the end of each parallel region instead of spinning for the next one. Alone on a machine that
-    costs nothing (the quick start's job: 55.9 s passive, 55.3 s spinning); beside another CPU job it
-    halves the time (two quick starts side by side on 2 cores: 92-95 s each, against 189-195 s spinning),
-    since spinning threads take the cores the other job's threads wait for."""
+    """Variables of an embedded Ray's workers. ``OMP_WAIT_POLICY=PASSIVE`` unless the driver's environment sets
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (then those): torch's OpenMP threads sleep at the end of each parallel
+    region instead of spinning for the next one. A trade-off, measured 2026-11-29 on 2 cores with the 40-document
+    job of docs/benchmarks.md: alone, spinning computes 1.2-1.4x faster (compute 9.1-9.4 s with ``OMP_WAIT_POLICY=ACTIVE``
+    against 11.5-13.2 s passive; in one process, a shard of the quick start 4.4-4.6 s with libgomp's default
+    spinning against 5.8-6.0 s); two jobs side by
+    side, passive is 1.4-1.5x faster (17 s each against 23-27 s with ``GOMP_SPINCOUNT=10000``; the quick start's
+    pair earlier: 92-95 s against 189-195 s), since spinning threads take the cores the other job's threads wait
+    for. Passive is the default because a slower job alone beats two stalled ones; a machine running one job may
+    set ``OMP_WAIT_POLICY=ACTIVE`` (or a ``GOMP_SPINCOUNT``) before ``actlake run``."""
+    if "GOMP_SPINCOUNT" in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        return {"TOKENIZERS_PARALLELISM": "false", "GOMP_SPINCOUNT": os.environ["GOMP_SPINCOUNT"]}
     return {"TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 

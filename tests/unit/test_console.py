@@ -71,3 +71,17 @@ def test_the_training_pace_gives_the_loss_since_the_last_line_and_the_time_left(
     for _ in range(56):
         pace.step(1.0)
     assert pace.eta() == ""  # none left
+
+
+def test_an_embedded_ray_s_workers_wait_passively_unless_the_driver_says_otherwise(monkeypatch):
+    """OpenMP's wait policy of the workers: passive by default (docs/benchmarks.md: two jobs side by side), the
+    driver's OMP_WAIT_POLICY or GOMP_SPINCOUNT when set (one job alone computes faster spinning)."""
+    from actlake.jobs.common.ray_env import local_worker_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert local_worker_env()["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in local_worker_env()
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    assert local_worker_env()["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in local_worker_env()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert local_worker_env()["OMP_WAIT_POLICY"] == "ACTIVE"
