@@ -100,6 +100,27 @@ def script_json(value) -> str:
     return text
 
 
+def check_ours(report: Path) -> None:
+    """A ``report/`` folder a new report may replace: none, or one an earlier report wrote (``report.html`` whose
+    title is actlake's, and PNGs). Anything else (``actlake report --compare --out DIR`` where DIR holds a folder
+    of the user's named ``report``, a link) is refused naming it: nothing overwrites what actlake did not write."""
+    if not os.path.lexists(report):
+        return
+    if report.is_symlink() or not report.is_dir():
+        raise StorageError(f"{report} exists and is not a report folder actlake wrote (a link or a file); "
+                           "remove it or write the report elsewhere")
+    names = sorted(p.name for p in report.iterdir())
+    foreign = [n for n in names if n != "report.html" and not n.endswith(".png")]
+    page = report / "report.html"
+    head = b""
+    if page.is_file() and not page.is_symlink():
+        with page.open("rb") as f:
+            head = f.read(512)
+    if foreign or (names and b"<title>actlake report:" not in head):
+        raise StorageError(f"{report} holds files no actlake report wrote ({', '.join((foreign or names)[:3])}); "
+                           "remove them or write the report elsewhere")
+
+
 def _replace_report(layout: RunLayout, files: dict[str, bytes]) -> None:
     """Put ``files`` in ``report/`` as a whole: on a disk they are written to a new folder that then takes
     the old one's place, so a failed write (a full disk) keeps the previous report and names the folder;
@@ -109,6 +130,7 @@ def _replace_report(layout: RunLayout, files: dict[str, bytes]) -> None:
         for name in sorted(files, key=lambda n: n == "report.html"):
             write_atomic(layout.report / name, files[name])
         return
+    check_ours(layout.report)
     tmp, old = (layout.root / f".report-{kind}-{uuid.uuid4().hex[:8]}" for kind in ("new", "old"))
     try:
         tmp.mkdir()

@@ -46,3 +46,39 @@ def test_the_residual_norm_chart_leaves_non_finite_norms_out():
                 "(0, 'NaN'::DOUBLE), (0, 'NaN'::DOUBLE), (0, 'inf'::DOUBLE)) t(layer, norm)")
     df = ResidualNorms.charts(con)[0][1][2].data  # the layered chart's data
     assert df["median"].tolist() == [2.0] and df["mean"].tolist() == [2.0]
+
+
+def test_a_report_replaces_only_a_report_folder_actlake_wrote(tmp_path):
+    """Principle 2 (issue 50): ``report --compare --out DIR`` over a DIR holding the user's own ``report`` folder (or a
+    link named so) is refused naming it, and nothing of it is touched; an earlier report is replaced whole."""
+    import pytest
+
+    from actlake.errors import StorageError
+    from actlake.jobs.common.page import _replace_report
+    from actlake.storage.layout import RunLayout
+
+    page = b"<!doctype html>\n<html><head><meta charset='utf-8'><title>actlake report: x</title>"
+    layout = RunLayout(tmp_path / "out")
+    layout.report.mkdir(parents=True)
+    (layout.report / "thesis.tex").write_text("mine")
+    with pytest.raises(StorageError, match=r"report holds files no actlake report wrote \(thesis.tex\)"):
+        _replace_report(layout, {"report.html": page})
+    assert (layout.report / "thesis.tex").read_text() == "mine" and not (layout.report / "report.html").exists()
+    (layout.report / "thesis.tex").unlink()
+    (layout.report / "report.html").write_text("<html><title>my own page</title>")
+    with pytest.raises(StorageError, match="report.html"):
+        _replace_report(layout, {"report.html": page})
+    mine = tmp_path / "elsewhere"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine")
+    (layout.report / "report.html").unlink()
+    layout.report.rmdir()
+    layout.report.symlink_to(mine)
+    with pytest.raises(StorageError, match="a link or a file"):
+        _replace_report(layout, {"report.html": page})
+    assert (mine / "keep.txt").read_text() == "mine"
+    layout.report.unlink()
+    _replace_report(layout, {"report.html": page, "a.png": b"1"})
+    _replace_report(layout, {"report.html": page + b"2", "b.png": b"2"})  # an earlier report: replaced whole
+    assert sorted(p.name for p in layout.report.iterdir()) == ["b.png", "report.html"]
+    assert [p.name for p in layout.root.iterdir()] == ["report"]  # no leftovers
