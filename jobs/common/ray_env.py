@@ -7,7 +7,7 @@ import logging
 import os
 import re
 
-from actlake.errors import ActlakeError
+from actlake.errors import ActlakeError, printable
 
 log = logging.getLogger("actlake.run")
 
@@ -97,7 +97,7 @@ error at every trial (ray-project/ray#53727; our own actors take no such argumen
 
 def quiet_forwarded_logs() -> bool:
     """Leave :data:`RAY_NOISE` out of the worker output Ray forwards to this driver's console (Ray's log files
-    keep it). False when this Ray forwards through something else (its dispatcher is not public API): then the
+    keep it), and escape what a terminal would act on in the rest. False when this Ray forwards through something else (its dispatcher is not public API): then the
     lines show, as before."""
     try:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
@@ -112,8 +112,11 @@ def quiet_forwarded_logs() -> bool:
 
 
 def _without_noise(handle):
+    """``handle`` behind a filter: :data:`RAY_NOISE` left out, every other line :func:`~actlake.errors.printable`
+    (a worker's output may quote a corpus label or a file name: nothing reaches the terminal that it acts on)."""
+
     def filtered(data):
-        lines = [ln for ln in data.get("lines", ()) if not RAY_NOISE.search(ln)]
+        lines = [printable(ln) for ln in data.get("lines", ()) if not RAY_NOISE.search(ln)]
         if lines:
             handle(dict(data, lines=lines))
 

@@ -14,7 +14,8 @@ NOISE = ("[2026-11-29 07:57:45,890 E 30336 30366] core_worker.cc:2465: Actor wit
 
 def test_forwarded_worker_output_loses_only_ray_s_known_noise():
     """Through Ray's own dispatcher of forwarded worker output: the constructor-argument line goes, every other
-    line (an error included) comes through in order; a batch left empty is not printed at all."""
+    line (an error included) comes through in order, control characters escaped (principle 3 of issue 50); a batch
+    left empty is not printed at all."""
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     seen = []
@@ -24,11 +25,13 @@ def test_forwarded_worker_output_loses_only_ray_s_known_noise():
         assert ray_env.quiet_forwarded_logs()
         assert ray_env.quiet_forwarded_logs() is False  # once: not wrapped twice
         kept = ["lm step 38/250: train loss 6.982", "[2026-11-29 07:57:45 E 1 2] core_worker.cc:99: a real error"]
-        dispatcher.emit({"lines": [kept[0], NOISE, kept[1]], "pid": 7, "is_err": True})
+        label = "shard 3: source 'evil\x1b[2J\x9b31m' has no documents"
+        dispatcher.emit({"lines": [kept[0], NOISE, kept[1], label], "pid": 7, "is_err": True})
         dispatcher.emit({"lines": [NOISE], "pid": 7, "is_err": True})
     finally:
         dispatcher.handlers = saved
-    assert [d["lines"] for d in seen] == [kept] and seen[0]["pid"] == 7
+    assert [d["lines"] for d in seen] == [kept + ["shard 3: source 'evil\\x1b[2J\\x9b31m' has no documents"]]
+    assert seen[0]["pid"] == 7
 
 
 def test_a_ray_train_worker_console_keeps_warnings_and_our_lines_but_not_ray_s_info():
