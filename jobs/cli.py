@@ -76,6 +76,20 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="with --compare: the folder for report/report.html "
                                   "(default compare-A-vs-B-... in the current folder)")
 
+    ex = sub.add_parser("export", help="a run's activation store as token-level shuffled shards for SAE training",
+                        usage="actlake export RUN_DIR --format tokens --layer L -o DIR [options]")
+    ex.add_argument("run_dir")
+    ex.add_argument("--format", choices=["tokens"], required=True,
+                    help="tokens: every token of the stored windows once, globally shuffled, in fixed-size shards")
+    ex.add_argument("--layer", type=int, required=True, help="the hidden state (as stored by activations.layers)")
+    ex.add_argument("--output", "-o", required=True, help="a new local folder")
+    ex.add_argument("--shard-rows", type=int, default=65_536, help="rows per shard (default 65536)")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ex.add_argument("--file-format", choices=["safetensors", "npy"], default="safetensors")
+    ex.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
+    ex.add_argument("--memory-mb", type=float, default=512, help="about this much of the data held at once "
+                                                                 "(at most a tenth of it)")
+
     c = sub.add_parser("corpus", help="corpus tools")
     csub = c.add_subparsers(dest="corpus_command", required=True)
     cs = csub.add_parser("sample", help="write the sample corpus (the same documents on every machine) unless the "
@@ -404,6 +418,14 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_sql(args)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "export":
+            from actlake.jobs.export import export_tokens  # per command (start-up)
+
+            m = export_tokens(args.run_dir, args.layer, args.output, args.shard_rows, args.dtype, args.file_format,
+                              args.seed, args.memory_mb)
+            print(f"export:  {args.output}  ({m['rows']:,} rows of width {m['d_model']} in {len(m['shards'])} "
+                  f"shard(s), {m['dtype']}; mean norm {m['mean_norm']:.4g})")
+            return 0
         if args.command == "corpus" and args.corpus_command == "index":
             return _cmd_corpus_index(args)
         if args.command == "corpus":

@@ -1,0 +1,93 @@
+"""``actlake export RUN --format tokens`` (issue 52, step 2): every stored token once, in a seeded global order, in
+fixed-size shards with their index and the mean norm, out of core; ``actlake.activations.iterate`` streams it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from actlake.activations import iterate, read_shard
+from actlake.errors import ConfigError
+from actlake.jobs.cli import main
+from actlake.jobs.export import export_tokens
+from actlake.jobs.extract.run import run_job
+from actlake.storage.sql import open_run
+from tests.conftest import job_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kept_workers")]
+
+
+@pytest.fixture(scope="module")
+def store(tiny_models, sample_corpus, tmp_path_factory, ray_local):
+    cfg = job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path_factory.mktemp("store"),
+                     **{"analyses.contributions": False, "analyses.geometry": False,
+                        "analyses.attention_by_distance": False, "corpus.max_docs": 12,
+                        "activations.layers": [1, -1], "activations.dtype": "float16"})
+    return run_job(cfg).run_dir
+
+
+def _stored(run_dir, layer):
+    rows = open_run(run_dir).sql(f"SELECT doc_id, window_index, position, token_id, h FROM activations "
+                                 f"WHERE layer = {layer}").fetchall()
+    return {(d, w, p): (t, np.asarray(h, np.float32)) for d, w, p, t, h in rows}
+
+
+def test_every_token_once_shuffled_by_the_seed_with_its_index_and_mean_norm(store, tmp_path):
+    want = _stored(store, 1)
+    m = export_tokens(store, 1, tmp_path / "a", shard_rows=100, seed=7, memory_mb=0.05)
+    assert m["rows"] == len(want) > 300 and [s["rows"] for s in m["shards"]][:-1] == [100] * (len(m["shards"]) - 1)
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text()) == m
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(["manifest.json"] + [s["file"] for s in m["shards"]])
+    keys, vectors = [], []
+    for entry in m["shards"]:
+        h, index = read_shard(tmp_path / "a", entry, with_index=True)
+        for i, key in enumerate(zip(index["doc_id"], index["window_index"], index["position"])):
+            key = tuple(int(k) for k in key)
+            keys.append(key)
+            assert int(index["token_id"][i]) == want[key][0]
+            np.testing.assert_array_equal(h[i].numpy(), want[key][1])  # float16 stored, read back as float32 exactly
+        vectors.append(h)
+    assert len(keys) == len(set(keys)) == len(want)  # every token exactly once
+    assert keys != sorted(keys)  # shuffled: not the store's order
+    norms = torch.cat(vectors).double().norm(dim=1)
+    assert m["mean_norm"] == pytest.approx(float(norms.mean()), rel=1e-12)
+    again = export_tokens(store, 1, tmp_path / "b", shard_rows=100, seed=7, memory_mb=0.05)
+    other = export_tokens(store, 1, tmp_path / "c", shard_rows=100, seed=8, memory_mb=0.05)
+    first = lambda folder, mm: read_shard(folder, mm["shards"][0], with_index=True)[1]["doc_id"]  # noqa: E731
+    assert (first(tmp_path / "b", again) == first(tmp_path / "a", m)).all()  # the seed fixes the order
+    assert not (first(tmp_path / "c", other) == first(tmp_path / "a", m)).all()
+
+
+def test_the_reader_streams_every_row_in_batches_and_the_bf16_npy_choices(store, tmp_path):
+    m = export_tokens(store, 2, tmp_path / "bf", shard_rows=64, dtype="bfloat16", seed=1)
+    batches = list(iterate(tmp_path / "bf", batch_size=50))
+    assert [len(b) for b in batches[:-1]] == [50] * (len(batches) - 1) and sum(map(len, batches)) == m["rows"]
+    whole = torch.cat([read_shard(tmp_path / "bf", s) for s in m["shards"]])
+    assert torch.equal(torch.cat(batches), whole) and whole.dtype == torch.float32
+    loader = torch.utils.data.DataLoader(iterate(tmp_path / "bf", batch_size=32), batch_size=None, num_workers=2)
+    assert sum(len(b) for b in loader) == m["rows"]  # two workers split the shards, nothing twice
+    npy = export_tokens(store, 2, tmp_path / "npy", shard_rows=64, file_format="npy", seed=1)
+    got = torch.cat([read_shard(tmp_path / "npy", s) for s in npy["shards"]])
+    assert (got.bfloat16().float() == whole).all()  # the same rows in the same order, bf16 rounding apart
+
+
+def test_bad_requests_are_one_line_and_nothing_is_overwritten(store, tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("mine")
+    for argv, message in (
+            (["--layer", "1", "-o", str(tmp_path / "taken")], "exists; the export writes a new folder"),
+            (["--layer", "5", "-o", str(tmp_path / "x")], "no rows for hidden state 5 (it holds [1, 2])"),
+            (["--layer", "1", "-o", str(tmp_path / "x"), "--shard-rows", "0"], "--shard-rows: must be at least 1"),
+            (["--layer", "1", "-o", str(tmp_path / "x"), "--dtype", "bfloat16", "--file-format", "npy"],
+             "needs --file-format safetensors")):
+        assert main(["export", store, "--format", "tokens", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert (tmp_path / "taken" / "mine.txt").read_text() == "mine" and not (tmp_path / "x").exists()
+    assert not list(tmp_path.glob("*.partial-*"))
+    with pytest.raises(ConfigError, match="not a token export"):
+        iterate(tmp_path / "taken", 8)
+    assert main(["export", store, "--format", "tokens", "--layer", "1", "-o", str(tmp_path / "ok")]) == 0
+    assert "export:  " in capsys.readouterr().out
