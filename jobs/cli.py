@@ -79,8 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="a run's activation store as token-level shuffled shards for SAE training",
                         usage="actlake export RUN_DIR --format tokens --layer L -o DIR [options]")
     ex.add_argument("run_dir")
-    ex.add_argument("--format", choices=["tokens"], required=True,
-                    help="tokens: every token of the stored windows once, globally shuffled, in fixed-size shards")
+    ex.add_argument("--format", choices=["tokens", "saelens"], required=True,
+                    help="tokens: every token of the stored windows once, globally shuffled, in fixed-size shards; "
+                         "saelens: SAELens's activation cache (a datasets folder, one row per full window)")
     ex.add_argument("--layer", type=int, required=True, help="the hidden state (as stored by activations.layers)")
     ex.add_argument("--output", "-o", required=True, help="a new local folder")
     ex.add_argument("--shard-rows", type=int, default=65_536, help="rows per shard (default 65536)")
@@ -89,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
     ex.add_argument("--memory-mb", type=float, default=512, help="about this much of the data held at once "
                                                                  "(at most a tenth of it)")
+    ex.add_argument("--context-size", type=int, help="saelens: tokens per row (default: the longest stored window); "
+                                                     "shorter windows are left out")
+    ex.add_argument("--hook-name", help="saelens: the column's name (default blocks.L.hook_resid_pre)")
 
     c = sub.add_parser("corpus", help="corpus tools")
     csub = c.add_subparsers(dest="corpus_command", required=True)
@@ -418,6 +422,13 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_sql(args)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "export" and args.format == "saelens":
+            from actlake.jobs.export import export_saelens  # per command (start-up)
+
+            m = export_saelens(args.run_dir, args.layer, args.output, args.context_size, args.hook_name)
+            print(f"export:  {args.output}  ({m['rows']:,} windows of {m['context_size']} tokens, {m['hook_name']}, "
+                  f"width {m['d_model']}; {m['left_out']:,} shorter window(s) left out)")
+            return 0
         if args.command == "export":
             from actlake.jobs.export import export_tokens  # per command (start-up)
 

@@ -1,5 +1,6 @@
-"""``actlake export RUN --format tokens --layer L -o DIR``: a run's activation store as token-level shuffled shards
-for sparse-autoencoder (or any) training (issue 52).
+"""``actlake export RUN --format tokens|saelens --layer L -o DIR``: a run's activation store as what sparse-autoencoder
+trainers read (issue 52): SAELens's activation cache (:func:`export_saelens`), or token-level shuffled shards for any
+trainer (:func:`export_tokens`, below).
 
 Every token of the store's windows at hidden state L, exactly once, in a global random order fixed by ``--seed``,
 cut into shards of ``--shard-rows`` rows (the last one shorter): ``shard-00000.safetensors`` (or ``.npy``) holding
@@ -42,19 +43,9 @@ MANIFEST_VERSION = 1
 def export_tokens(run_dir, layer: int, out_dir, shard_rows: int = 65_536, dtype: str = "float32",
                   file_format: str = "safetensors", seed: int = 0, memory_mb: float = 512) -> dict:
     """Write the export; returns its manifest."""
-    from actlake.storage.sql import open_run
-
     out = Path(out_dir)
     _check_arguments(out, shard_rows, dtype, file_format, memory_mb)
-    con = open_run(str(run_dir))
-    if "activations" not in {r[0] for r in con.sql("SELECT table_name FROM information_schema.tables").fetchall()}:
-        raise ConfigError(f"{run_dir}: the run has no activation store; run the job with activations.layers: [{layer}]")
-    where = f"FROM activations WHERE layer = {int(layer)}"
-    rows = con.sql(f"SELECT count(*) {where}").fetchall()[0][0]
-    if not rows:
-        layers = sorted(r[0] for r in con.sql("SELECT DISTINCT layer FROM activations").fetchall())
-        raise ConfigError(f"--layer: the activation store has no rows for hidden state {layer} (it holds {layers})")
-    d = con.sql(f"SELECT len(h) {where} LIMIT 1").fetchall()[0][0]
+    con, where, rows, d = _store(run_dir, layer)
     row_bytes = 4 * d + sum(np.dtype(t).itemsize for _, t in INDEX)
     buckets = max(10, math.ceil(rows * row_bytes / (memory_mb * 2**20)))
     log.info("exporting %s rows of hidden state %d (width %d) in %d buckets: about %.0f MiB in memory at once "
@@ -76,6 +67,80 @@ def export_tokens(run_dir, layer: int, out_dir, shard_rows: int = 65_536, dtype:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+def _store(run_dir, layer: int):
+    """(connection, FROM clause, rows, width) of hidden state ``layer`` in the run's activation store, or one line
+    saying what is missing."""
+    from actlake.storage.sql import open_run
+
+    con = open_run(str(run_dir))
+    if "activations" not in {r[0] for r in con.sql("SELECT table_name FROM information_schema.tables").fetchall()}:
+        raise ConfigError(f"{run_dir}: the run has no activation store; run the job with activations.layers: [{layer}]")
+    where = f"FROM activations WHERE layer = {int(layer)}"
+    rows = con.sql(f"SELECT count(*) {where}").fetchall()[0][0]
+    if not rows:
+        layers = sorted(r[0] for r in con.sql("SELECT DISTINCT layer FROM activations").fetchall())
+        raise ConfigError(f"--layer: the activation store has no rows for hidden state {layer} (it holds {layers})")
+    return con, where, rows, con.sql(f"SELECT len(h) {where} LIMIT 1").fetchall()[0][0]
+
+
+def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None, hook_name: str | None = None) -> dict:
+    """SAELens's activation cache (``CacheActivationsRunner``'s format, read by ``ActivationsStore`` with
+    ``cached_activations_path``): a Hugging Face ``datasets`` folder (``save_to_disk``) with one row per window of
+    exactly ``context_size`` tokens (default: the store's longest), a column named by TransformerLens's hook (default
+    ``blocks.L.hook_resid_pre``: hidden state L is the residual stream entering block L) of
+    ``Array2D((context_size, d), float32)``, and ``token_ids``, ``Sequence(int32, length=context_size)``. Shorter
+    windows (a document's end) are left out and counted. Rows in the store's order (SAELens shuffles as it
+    reads). Returns what was written."""
+    import datasets
+
+    out = Path(out_dir)
+    _check_arguments(out, 1, "float32", "safetensors", 1)
+    con, where, _, d = _store(run_dir, layer)
+    lengths = con.sql(f"SELECT count(*) AS n {where} GROUP BY doc_id, window_index").fetchall()
+    T = context_size or max(n for (n,) in lengths)
+    if T < 1:
+        raise ConfigError(f"--context-size: must be at least 1, got {T}")
+    full = sum(1 for (n,) in lengths if n == T)
+    if not full:
+        raise ConfigError(f"--context-size {T}: no stored window has exactly {T} tokens "
+                          f"(the longest has {max(n for (n,) in lengths)})")
+    hook = hook_name or f"blocks.{int(layer)}.hook_resid_pre"
+    features = datasets.Features({hook: datasets.Array2D((T, d), "float32"),
+                                  "token_ids": datasets.Sequence(datasets.Value("int32"), length=T)})
+    sql = (f"SELECT doc_id, window_index, token_id, h {where} AND (doc_id, window_index) IN "
+           f"(SELECT (doc_id, window_index) {where} GROUP BY doc_id, window_index HAVING count(*) = {T}) "
+           f"ORDER BY doc_id, window_index, position")
+    staging = out.parent / f"{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        ds = datasets.Dataset.from_generator(_windows, features=features, cache_dir=str(staging / "cache"),
+                                             gen_kwargs={"run_dir": str(run_dir), "sql": sql, "T": T, "d": d, "hook": hook})
+        ds.save_to_disk(str(staging / "dataset"))
+        del ds
+        os.rename(staging / "dataset", out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    left = len(lengths) - full
+    log.info("wrote %d windows of %d tokens (%s), %d shorter window(s) left out", full, T, hook, left)
+    return {"rows": full, "context_size": T, "d_model": d, "hook_name": hook, "left_out": left}
+
+
+def _windows(run_dir: str, sql: str, T: int, d: int, hook: str):
+    """Rows of the cache, one window at a time, from the store's rows in (doc, window, position) order (its own
+    connection: ``datasets`` pickles a generator's arguments)."""
+    from actlake.storage.sql import open_run
+
+    h, ids, n = np.empty((T, d), np.float32), np.empty(T, np.int32), 0
+    for batch in open_run(run_dir).sql(sql).to_arrow_reader(READ_ROWS):
+        vec = batch.column("h").flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, d)
+        tok = batch.column("token_id").to_numpy(zero_copy_only=False)
+        for i in range(batch.num_rows):
+            h[n], ids[n] = vec[i], tok[i]
+            n += 1
+            if n == T:
+                yield {hook: h.copy(), "token_ids": ids.copy()}
+                n = 0
 
 
 def _check_arguments(out: Path, shard_rows: int, dtype: str, file_format: str, memory_mb: float) -> None:

@@ -91,3 +91,37 @@ def test_bad_requests_are_one_line_and_nothing_is_overwritten(store, tmp_path, c
         iterate(tmp_path / "taken", 8)
     assert main(["export", store, "--format", "tokens", "--layer", "1", "-o", str(tmp_path / "ok")]) == 0
     assert "export:  " in capsys.readouterr().out
+
+
+def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(store, tmp_path):
+    """SAELens's ``ActivationsStore.load_cached_activation_dataset`` (its own code, on an object carrying the
+    settings it reads) accepts the folder for its hook, context size and width; every row is one full window of the
+    store, in order, with its token ids; shorter windows are counted as left out."""
+    from types import SimpleNamespace
+
+    from sae_lens.training.activations_store import ActivationsStore
+
+    from actlake.jobs.export import export_saelens
+
+    want = _stored(store, 1)
+    lengths = {}
+    for d, w, _ in want:
+        lengths[d, w] = lengths.get((d, w), 0) + 1
+    T = max(lengths.values())
+    full = sorted(k for k, n in lengths.items() if n == T)
+    m = export_saelens(store, 1, tmp_path / "cache")
+    assert m == {"rows": len(full), "context_size": T, "d_model": 32, "hook_name": "blocks.1.hook_resid_pre",
+                 "left_out": len(lengths) - len(full)} and len(full) >= 2
+    settings = SimpleNamespace(cached_activations_path=str(tmp_path / "cache"), hook_name="blocks.1.hook_resid_pre",
+                               context_size=T, d_in=32, device="cpu", dtype=torch.float32)
+    ds = ActivationsStore.load_cached_activation_dataset(settings)
+    assert len(ds) == len(full)
+    for row, (doc, win) in zip(ds, full):
+        assert row["token_ids"].tolist() == [want[doc, win, p][0] for p in range(T)]
+        np.testing.assert_array_equal(row["blocks.1.hook_resid_pre"].numpy(),
+                                      np.stack([want[doc, win, p][1] for p in range(T)]))
+    settings.context_size = T + 1
+    with pytest.raises(ValueError, match="does not match context_size"):
+        ActivationsStore.load_cached_activation_dataset(settings)
+    with pytest.raises(ConfigError, match="no stored window has exactly"):
+        export_saelens(store, 1, tmp_path / "none", context_size=T + 5)
