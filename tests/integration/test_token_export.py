@@ -93,7 +93,7 @@ def test_bad_requests_are_one_line_and_nothing_is_overwritten(store, tmp_path, c
     assert "export:  " in capsys.readouterr().out
 
 
-def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(store, tmp_path):
+def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(store, tmp_path, capsys):
     """SAELens's ``ActivationsStore.load_cached_activation_dataset`` (its own code, on an object carrying the
     settings it reads) accepts the folder for its hook, context size and width; every row is one full window of the
     store, in order, with its token ids; shorter windows are counted as left out."""
@@ -125,3 +125,7 @@ def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(
         ActivationsStore.load_cached_activation_dataset(settings)
     with pytest.raises(ConfigError, match="no stored window has exactly"):
         export_saelens(store, 1, tmp_path / "none", context_size=T + 5)
+    assert main(["export", store, "--format", "saelens", "--layer", "1", "-o", str(tmp_path / "cli"),
+                 "--hook-name", "blocks.0.hook_resid_post"]) == 0
+    assert "blocks.0.hook_resid_post" in capsys.readouterr().out
+    assert "blocks.0.hook_resid_post" in __import__("datasets").load_from_disk(str(tmp_path / "cli")).column_names
