@@ -11,13 +11,14 @@ batches; a ``torch.utils.data.DataLoader`` with workers splits the shards betwee
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from actlake.errors import ConfigError
-from actlake.fs import read_regular
+from actlake.fs import kind_of, not_regular, read_regular
 
 INDEX = ("doc_id", "window_index", "position", "token_id")
 
@@ -40,7 +41,13 @@ def manifest(folder) -> dict:
 def read_shard(folder, entry: dict, with_index: bool = False):
     """One shard: its activations (N, d) as a float32 torch tensor, and with ``with_index`` a dict of its index
     columns (numpy)."""
-    path = Path(folder) / entry["file"]
+    name = str(entry.get("file", ""))
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise ConfigError(f"{folder}/manifest.json: shard {name!r} is not a file name of the export's folder")
+    path = Path(folder) / name
+    kind = kind_of(os.stat(path).st_mode)
+    if kind:
+        raise ConfigError(not_regular(path, kind))
     if path.suffix == ".npy":
         h = torch.from_numpy(np.load(path))
         index = np.load(path.with_name(path.stem + "-index.npy")) if with_index else None

@@ -16,6 +16,10 @@ MOVED = {name: f"actlake.analysis.engine.{name}" for name in (
 new modules with a DeprecationWarning (CHANGELOG.md), and go in the release after."""
 
 
+_SPECS: dict = {}
+"""Each moved module's own spec, by its name (keyed: two threads importing two old names do not mix them)."""
+
+
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """``import actlake.analysis.grid`` gives ``actlake.analysis.engine.grid`` itself, warning once per import."""
 
@@ -29,11 +33,11 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         new = MOVED[spec.name.rpartition(".")[2]]
         deprecated(f"{spec.name} moved to {new}; the old name goes in the release after 0.2.0")
         module = importlib.import_module(new)
-        self.spec = module.__spec__  # the import system sets the alias's spec on it: put the module's own back
+        _SPECS[new] = module.__spec__  # the import system sets the alias's spec on it next: the module's own, kept
         return module
 
     def exec_module(self, module):
-        module.__spec__ = self.spec
+        module.__spec__ = _SPECS[module.__name__]
 
 
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):

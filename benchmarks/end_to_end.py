@@ -145,7 +145,10 @@ def _print(rounds: list[dict]) -> None:
             ("rest of the driver", job - sec["before_dispatch"] - sec["dispatch"] - sec["reduce"])]
     print("breakdown (worker time summed over workers):")
     for name, v in rows:
-        print(f"  {name:<32}{v:8.2f} s  {100 * v / job:5.1f} %")
+        if v < 0:  # several workers, or read-ahead overlapping reading with compute: worker-seconds exceed the wall
+            print(f"  {name:<32}     n/a  (worker-seconds exceed dispatch's wall: several workers or read-ahead)")
+        else:
+            print(f"  {name:<32}{v:8.2f} s  {100 * v / job:5.1f} %")
     write_share = sec["write"] / inside if inside else 0.0
     for t in PER_TOKEN:
         print(f"{t:<34}{med(lambda r, t=t: r['bytes_per_token'][t]):8.1f} bytes/token")

@@ -426,16 +426,17 @@ def main(argv: list[str] | None = None) -> int:
             from actlake.jobs.export import export_saelens  # per command (start-up)
 
             m = export_saelens(args.run_dir, args.layer, args.output, args.context_size, args.hook_name)
-            print(f"export:  {args.output}  ({m['rows']:,} windows of {m['context_size']} tokens, {m['hook_name']}, "
-                  f"width {m['d_model']}; {m['left_out']:,} shorter window(s) left out)")
+            print(printable(f"export:  {args.output}  ({m['rows']:,} windows of {m['context_size']} tokens, "
+                            f"{m['hook_name']}, width {m['d_model']}; left out {m['left_out_shorter']:,} shorter and "
+                            f"{m['left_out_longer']:,} longer window(s))"))
             return 0
         if args.command == "export":
             from actlake.jobs.export import export_tokens  # per command (start-up)
 
             m = export_tokens(args.run_dir, args.layer, args.output, args.shard_rows, args.dtype, args.file_format,
                               args.seed, args.memory_mb)
-            print(f"export:  {args.output}  ({m['rows']:,} rows of width {m['d_model']} in {len(m['shards'])} "
-                  f"shard(s), {m['dtype']}; mean norm {m['mean_norm']:.4g})")
+            print(printable(f"export:  {args.output}  ({m['rows']:,} rows of width {m['d_model']} in "
+                            f"{len(m['shards'])} shard(s), {m['dtype']}; mean norm {m['mean_norm']:.4g})"))
             return 0
         if args.command == "corpus" and args.corpus_command == "index":
             return _cmd_corpus_index(args)

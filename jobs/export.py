@@ -1,20 +1,22 @@
 """``actlake export RUN --format tokens|saelens --layer L -o DIR``: a run's activation store as what sparse-autoencoder
 trainers read (issue 52): SAELens's activation cache (:func:`export_saelens`), or token-level shuffled shards for any
-trainer (:func:`export_tokens`, below).
+trainer (:func:`export_tokens`).
 
-Every token of the store's windows at hidden state L, exactly once, in a global random order fixed by ``--seed``,
-cut into shards of ``--shard-rows`` rows (the last one shorter): ``shard-00000.safetensors`` (or ``.npy``) holding
-``activations`` (N, d) in float32 or bfloat16 and the row index (``doc_id``, ``window_index``, ``position``,
-``token_id``), and ``manifest.json``: layer, width, dtype, rows, the mean activation norm (the usual SAE input
-scaling: ``sqrt(d) / mean_norm``), the seed and each shard's rows. :func:`actlake.activations.iterate` streams it.
+The store must be complete (every planned shard committed: :func:`~actlake.storage.activations.verify_store`) and
+finite; it is read file by file (one shard's file at a time, local or object storage). The output is a new local
+folder, written into ``DIR.partial-*`` beside it and renamed to DIR when whole; an existing DIR is refused (nothing
+is overwritten). A killed export leaves its ``DIR.partial-*`` folder (the next export to DIR names it).
 
-The shuffle is out of core, in two passes (Rao's bucket shuffle, which gives every order the same probability):
-pass 1 streams the store and sends each row to one of B buckets drawn at random, appended to a file per bucket; pass
-2 reads the buckets in turn, shuffles each in memory and writes the shards. B is chosen so that a bucket holds about
-``--memory-mb`` (at most a tenth of the data); the process holds one bucket and one shard's worth besides, stated
-when the export starts. The output is written into ``DIR.partial-*`` beside DIR and renamed to DIR when whole; an
-existing DIR is refused (nothing is overwritten). One process reads the whole store (local or object storage); DIR
-is a local folder.
+**tokens**: every token of the store's windows at hidden state L, exactly once, in a global random order fixed by
+``--seed``, cut into shards of ``--shard-rows`` rows (the last one shorter): ``shard-00000.safetensors`` (or
+``.npy`` with ``-index.npy``) holding ``activations`` (N, d) in float32 or bfloat16 and the row index (``doc_id``,
+``window_index``, ``position``, ``token_id``), and ``manifest.json``: layer, width, dtype, rows, the mean activation
+norm (the usual SAE input scaling: ``sqrt(d) / mean_norm``), the seed and each shard's rows.
+:func:`actlake.activations.iterate` streams it. The shuffle is out of core, in two passes (Rao's bucket shuffle,
+which gives every order the same probability): pass 1 sends each row to one of B buckets drawn at random, appended to
+a file per bucket; pass 2 reads the buckets in turn, shuffles each in memory and writes the shards. B is chosen so
+that a bucket holds about half of ``--memory-mb`` (and at most a tenth of the data, B <= :data:`MAX_BUCKETS`): pass 2
+holds a bucket twice (read, then reordered) and a shard; pass 1 a read batch.
 """
 
 from __future__ import annotations
@@ -29,60 +31,44 @@ from pathlib import Path
 
 import numpy as np
 
-from actlake.errors import ActlakeError, ConfigError
+from actlake.errors import ActlakeError, ConfigError, printable
 
 log = logging.getLogger("actlake.export")
 
 INDEX = (("doc_id", np.int64), ("window_index", np.int32), ("position", np.int32), ("token_id", np.int32))
 """The row index kept beside each activation, and its dtypes."""
 READ_ROWS = 65_536
-"""Rows per record batch read from the store in pass 1."""
+"""Rows per record batch read from a store file."""
+MAX_BUCKETS = 4096
+"""Most buckets of pass 1 (a smaller ``--memory-mb`` for more data is refused in one line)."""
 MANIFEST_VERSION = 1
 
 
 def export_tokens(run_dir, layer: int, out_dir, shard_rows: int = 65_536, dtype: str = "float32",
                   file_format: str = "safetensors", seed: int = 0, memory_mb: float = 512) -> dict:
-    """Write the export; returns its manifest."""
+    """Write the token export; returns its manifest."""
     out = Path(out_dir)
     _check_arguments(out, shard_rows, dtype, file_format, memory_mb)
-    con, where, rows, d = _store(run_dir, layer)
-    row_bytes = 4 * d + sum(np.dtype(t).itemsize for _, t in INDEX)
-    buckets = max(10, math.ceil(rows * row_bytes / (memory_mb * 2**20)))
-    log.info("exporting %s rows of hidden state %d (width %d) in %d buckets: about %.0f MiB in memory at once "
-             "(a bucket, a read batch and a shard), %.0f MiB of buckets on disk", f"{rows:,}", layer, d, buckets,
-             (rows / buckets * 1.2 + READ_ROWS + shard_rows) * row_bytes / 2**20, rows * row_bytes / 2**20)
-    staging = out.parent / f"{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    (staging / "buckets").mkdir(parents=True)
-    try:
-        _pass_one(con.sql(f"SELECT doc_id, window_index, position, token_id, h {where}"), staging / "buckets",
-                  buckets, d, seed)
+    files, rows, d = _store(run_dir, layer)
+    row_bytes = 4 * d + np.dtype(list(INDEX)).itemsize
+    buckets = max(10, math.ceil(rows * row_bytes / (memory_mb * 2**20 / 2)))
+    if buckets > MAX_BUCKETS:
+        raise ConfigError(f"--memory-mb: {memory_mb:g} MiB would need {buckets} buckets for "
+                          f"{rows * row_bytes / 2**20:,.0f} MiB of activations (at most {MAX_BUCKETS}); give more")
+    bucket_mb = rows / buckets * row_bytes / 2**20
+    log.info("exporting %s rows of hidden state %d (width %d) through %d buckets of about %.0f MiB: about %.0f MiB "
+             "in memory at once, %.0f MiB of buckets on disk beside %s", f"{rows:,}", layer, d, buckets, bucket_mb,
+             2.4 * bucket_mb + (READ_ROWS + shard_rows) * row_bytes / 2**20, rows * row_bytes / 2**20, out)
+    with _staging(out) as staging:
+        (staging / "buckets").mkdir()
+        _pass_one(_batches(files, layer), staging / "buckets", buckets, d, seed)
         manifest = _pass_two(staging, buckets, d, shard_rows, dtype, file_format, seed)
         manifest.update(run=str(run_dir), layer=int(layer))
         shutil.rmtree(staging / "buckets")
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
         if manifest["rows"] != rows:
             raise ActlakeError(f"export: {manifest['rows']} rows written where the store holds {rows}")
-        os.rename(staging, out)  # whole or not at all; an existing DIR makes this fail, not overwrite it
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
-
-
-def _store(run_dir, layer: int):
-    """(connection, FROM clause, rows, width) of hidden state ``layer`` in the run's activation store, or one line
-    saying what is missing."""
-    from actlake.storage.sql import open_run
-
-    con = open_run(str(run_dir))
-    if "activations" not in {r[0] for r in con.sql("SELECT table_name FROM information_schema.tables").fetchall()}:
-        raise ConfigError(f"{run_dir}: the run has no activation store; run the job with activations.layers: [{layer}]")
-    where = f"FROM activations WHERE layer = {int(layer)}"
-    rows = con.sql(f"SELECT count(*) {where}").fetchall()[0][0]
-    if not rows:
-        layers = sorted(r[0] for r in con.sql("SELECT DISTINCT layer FROM activations").fetchall())
-        raise ConfigError(f"--layer: the activation store has no rows for hidden state {layer} (it holds {layers})")
-    return con, where, rows, con.sql(f"SELECT len(h) {where} LIMIT 1").fetchall()[0][0]
 
 
 def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None, hook_name: str | None = None) -> dict:
@@ -90,57 +76,129 @@ def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None
     ``cached_activations_path``): a Hugging Face ``datasets`` folder (``save_to_disk``) with one row per window of
     exactly ``context_size`` tokens (default: the store's longest), a column named by TransformerLens's hook (default
     ``blocks.L.hook_resid_pre``: hidden state L is the residual stream entering block L) of
-    ``Array2D((context_size, d), float32)``, and ``token_ids``, ``Sequence(int32, length=context_size)``. Shorter
-    windows (a document's end) are left out and counted. Rows in the store's order (SAELens shuffles as it
-    reads). Returns what was written."""
+    ``Array2D((context_size, d), float32)``, and ``token_ids``, ``Sequence(int32, length=context_size)``. Windows
+    of another length are left out and counted (shorter: a document's end; longer: a smaller ``context_size`` than
+    the store's windows). Rows in the store's order (SAELens shuffles as it reads). Returns what was written."""
     import datasets
 
     out = Path(out_dir)
     _check_arguments(out, 1, "float32", "safetensors", 1)
-    con, where, _, d = _store(run_dir, layer)
-    lengths = con.sql(f"SELECT count(*) AS n {where} GROUP BY doc_id, window_index").fetchall()
-    T = context_size or max(n for (n,) in lengths)
-    if T < 1:
-        raise ConfigError(f"--context-size: must be at least 1, got {T}")
-    full = sum(1 for (n,) in lengths if n == T)
-    if not full:
-        raise ConfigError(f"--context-size {T}: no stored window has exactly {T} tokens "
-                          f"(the longest has {max(n for (n,) in lengths)})")
+    if context_size is not None and context_size < 1:
+        raise ConfigError(f"--context-size: must be at least 1, got {context_size}")
+    files, _, d = _store(run_dir, layer)
+    lengths = np.array([n for (n,) in _window_lengths(run_dir, layer)])
+    T = context_size or int(lengths.max())
+    counts = {"rows": int((lengths == T).sum()), "shorter": int((lengths < T).sum()), "longer": int((lengths > T).sum())}
+    if not counts["rows"]:
+        raise ConfigError(f"--context-size {T}: no stored window has exactly {T} tokens (the longest has "
+                          f"{int(lengths.max())})")
     hook = hook_name or f"blocks.{int(layer)}.hook_resid_pre"
     features = datasets.Features({hook: datasets.Array2D((T, d), "float32"),
                                   "token_ids": datasets.Sequence(datasets.Value("int32"), length=T)})
-    sql = (f"SELECT doc_id, window_index, token_id, h {where} AND (doc_id, window_index) IN "
-           f"(SELECT (doc_id, window_index) {where} GROUP BY doc_id, window_index HAVING count(*) = {T}) "
-           f"ORDER BY doc_id, window_index, position")
-    staging = out.parent / f"{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
-        ds = datasets.Dataset.from_generator(_windows, features=features, cache_dir=str(staging / "cache"),
-                                             gen_kwargs={"run_dir": str(run_dir), "sql": sql, "T": T, "d": d, "hook": hook})
+    with _staging(out) as staging:
+        ds = datasets.Dataset.from_generator(
+            _saelens_rows, features=features, cache_dir=str(staging / ".cache"),
+            gen_kwargs={"files": [str(p) for p, _ in files], "layer": int(layer), "T": T, "hook": hook})
         ds.save_to_disk(str(staging / "dataset"))
+        if len(ds) != counts["rows"]:
+            raise ActlakeError(f"export: {len(ds)} windows written where the store holds {counts['rows']} of {T}")
         del ds
-        os.rename(staging / "dataset", out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    left = len(lengths) - full
-    log.info("wrote %d windows of %d tokens (%s), %d shorter window(s) left out", full, T, hook, left)
-    return {"rows": full, "context_size": T, "d_model": d, "hook_name": hook, "left_out": left}
+        for name in os.listdir(staging / "dataset"):
+            os.rename(staging / "dataset" / name, staging / name)
+        shutil.rmtree(staging / "dataset")
+        shutil.rmtree(staging / ".cache")
+    log.info("wrote %d windows of %d tokens (%s); left out %d shorter and %d longer window(s)", counts["rows"], T,
+             hook, counts["shorter"], counts["longer"])
+    return {"rows": counts["rows"], "context_size": T, "d_model": d, "hook_name": hook,
+            "left_out_shorter": counts["shorter"], "left_out_longer": counts["longer"]}
 
 
-def _windows(run_dir: str, sql: str, T: int, d: int, hook: str):
-    """Rows of the cache, one window at a time, from the store's rows in (doc, window, position) order (its own
-    connection: ``datasets`` pickles a generator's arguments)."""
+def _window_lengths(run_dir, layer: int) -> list:
+    """Each stored window's token count at hidden state ``layer`` (a scan of the index columns only)."""
     from actlake.storage.sql import open_run
 
-    h, ids, n = np.empty((T, d), np.float32), np.empty(T, np.int32), 0
-    for batch in open_run(run_dir).sql(sql).to_arrow_reader(READ_ROWS):
-        vec = batch.column("h").flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, d)
-        tok = batch.column("token_id").to_numpy(zero_copy_only=False)
-        for i in range(batch.num_rows):
-            h[n], ids[n] = vec[i], tok[i]
-            n += 1
-            if n == T:
-                yield {hook: h.copy(), "token_ids": ids.copy()}
-                n = 0
+    return open_run(str(run_dir)).sql(f"SELECT count(*) FROM activations WHERE layer = {int(layer)} "
+                                      "GROUP BY doc_id, window_index").fetchall()
+
+
+# --------------------------------------------------------------------------- reading the store
+
+
+def _store(run_dir, layer: int) -> tuple[list, int, int]:
+    """(committed activation files, rows of hidden state ``layer``, width), or one line saying what is missing."""
+    from actlake.storage.activations import verify_store
+    from actlake.storage.sql import open_run
+
+    con = open_run(str(run_dir))
+    if "activations" not in {r[0] for r in con.sql("SELECT table_name FROM information_schema.tables").fetchall()}:
+        raise ConfigError(f"{run_dir}: the run has no activation store; run the job with activations.layers: [{layer}]")
+    files = verify_store(run_dir)["files"]  # every planned shard committed, else refused naming them
+    rows = con.sql(f"SELECT count(*) FROM activations WHERE layer = {int(layer)}").fetchall()[0][0]
+    if not rows:
+        layers = sorted(r[0] for r in con.sql("SELECT DISTINCT layer FROM activations").fetchall())
+        raise ConfigError(f"--layer: the activation store has no rows for hidden state {layer} (it holds {layers})")
+    d = con.sql(f"SELECT len(h) FROM activations WHERE layer = {int(layer)} LIMIT 1").fetchall()[0][0]
+    return files, rows, d
+
+
+def _batches(files, layer: int):
+    """(index record array, h (n, d) float32) of hidden state ``layer``, a store file's record batch at a time; a
+    non-finite vector is refused naming its file and token."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from actlake.fs import arrow
+
+    columns = [name for name, _ in INDEX] + ["layer", "h"]
+    index_dtype = np.dtype(list(INDEX))
+    for path, _ in files:
+        fs, key = arrow(path)
+        with fs.open_input_file(key) as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=READ_ROWS, columns=columns):
+                batch = batch.filter(pc.equal(batch.column("layer"), layer))
+                n = batch.num_rows
+                if not n:
+                    continue
+                h = batch.column("h").flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(n, -1)
+                index = np.empty(n, index_dtype)
+                for name, _ in INDEX:
+                    index[name] = batch.column(name).to_numpy(zero_copy_only=False)
+                bad = np.flatnonzero(~np.isfinite(h).all(axis=1))
+                if len(bad):
+                    r = index[bad[0]]
+                    raise ConfigError(f"{path}: hidden state {layer} of doc_id {r['doc_id']}, window "
+                                      f"{r['window_index']}, position {r['position']} is not finite (and {len(bad) - 1} "
+                                      "more in that batch); the export refuses NaN and inf")
+                yield index, h
+
+
+def _file_windows(files, layer: int):
+    """Per store file (one shard: its documents' windows are all in it): (index, h) sorted by (doc_id, window_index,
+    position) and each window's length, in that order."""
+    for path, meta in files:
+        parts = list(_batches([(path, meta)], layer))
+        if not parts:
+            continue
+        index = np.concatenate([i for i, _ in parts])
+        h = np.concatenate([v for _, v in parts])
+        order = np.lexsort((index["position"], index["window_index"], index["doc_id"]))
+        index, h = index[order], h[order]
+        new = np.r_[True, (index["doc_id"][1:] != index["doc_id"][:-1])
+                    | (index["window_index"][1:] != index["window_index"][:-1])]
+        yield index, h, np.diff(np.r_[np.flatnonzero(new), len(index)])
+
+
+def _saelens_rows(files: list, layer: int, T: int, hook: str):
+    """The cache's rows: each stored window of exactly T tokens (plain arguments: ``datasets`` pickles them)."""
+    from actlake.fs import location
+
+    for index, h, lengths in _file_windows([(location(f), None) for f in files], layer):
+        starts = np.r_[0, np.cumsum(lengths)[:-1]]
+        for s in starts[lengths == T]:
+            yield {hook: h[s:s + T], "token_ids": index["token_id"][s:s + T]}
+
+
+# --------------------------------------------------------------------------- the token shuffle
 
 
 def _check_arguments(out: Path, shard_rows: int, dtype: str, file_format: str, memory_mb: float) -> None:
@@ -150,6 +208,9 @@ def _check_arguments(out: Path, shard_rows: int, dtype: str, file_format: str, m
         raise ConfigError(f"-o: {out} exists; the export writes a new folder and overwrites nothing")
     if not out.parent.is_dir():
         raise ConfigError(f"-o: {out.parent} is not a folder")
+    left = sorted(out.parent.glob(f"{out.name}.partial-*"))
+    if left:
+        log.warning("%s: left by an export that was stopped; delete it", printable(str(left[0])))
     if shard_rows < 1:
         raise ConfigError(f"--shard-rows: must be at least 1, got {shard_rows}")
     if not memory_mb > 0:
@@ -162,58 +223,80 @@ def _check_arguments(out: Path, shard_rows: int, dtype: str, file_format: str, m
         raise ConfigError("--dtype bfloat16 needs --file-format safetensors (.npy has no bfloat16)")
 
 
-def _pass_one(relation, folder: Path, buckets: int, d: int, seed: int) -> None:
-    """Each row of the store to a random bucket: ``h-B.bin`` (float32 rows) and ``index-B.bin`` (INDEX records)."""
+class _staging:
+    """``DIR.partial-*`` beside DIR (the same file system: the last rename never copies), renamed to DIR when the
+    block ends without an error, removed when it raises."""
+
+    def __init__(self, out: Path):
+        self.out, self.path = out, out.parent / f"{out.name}.partial-{uuid.uuid4().hex[:8]}"
+
+    def __enter__(self) -> Path:
+        self.path.mkdir()
+        return self.path
+
+    def __exit__(self, kind, *_):
+        if kind is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        if os.path.lexists(self.out):  # made meanwhile: a rename would take over an empty folder
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise ConfigError(f"-o: {self.out} appeared while the export ran; nothing written there")
+        os.rename(self.path, self.out)
+
+
+def _pass_one(batches, folder: Path, buckets: int, d: int, seed: int) -> None:
+    """Each row to a random bucket, appended to ``h-B.bin`` (float32 rows) and ``index-B.bin`` (INDEX records);
+    files are opened per write (open files do not grow with the bucket count)."""
     rng = np.random.default_rng([seed, 1])
-    index_dtype = np.dtype(list(INDEX))
-    files = {}
-    try:
-        for batch in relation.to_arrow_reader(READ_ROWS):
-            n = batch.num_rows
-            h = batch.column("h").flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(n, d)
-            index = np.empty(n, index_dtype)
-            for name, _ in INDEX:
-                index[name] = batch.column(name).to_numpy(zero_copy_only=False)
-            to = rng.integers(0, buckets, n)
-            order = np.argsort(to, kind="stable")
-            bounds = np.searchsorted(to[order], np.arange(buckets + 1))
-            for b in range(buckets):
-                take = order[bounds[b]:bounds[b + 1]]
-                if len(take):
-                    if b not in files:
-                        files[b] = (open(folder / f"h-{b}.bin", "wb"), open(folder / f"index-{b}.bin", "wb"))
-                    files[b][0].write(h[take].tobytes())
-                    files[b][1].write(index[take].tobytes())
-    finally:
-        for fh, fi in files.values():
-            fh.close()
-            fi.close()
+    for index, h in batches:
+        to = rng.integers(0, buckets, len(h))
+        order = np.argsort(to, kind="stable")
+        bounds = np.searchsorted(to[order], np.arange(buckets + 1))
+        for b in np.flatnonzero(np.diff(bounds)):
+            take = order[bounds[b]:bounds[b + 1]]
+            with open(folder / f"h-{b}.bin", "ab") as fh:
+                fh.write(h[take].tobytes())
+            with open(folder / f"index-{b}.bin", "ab") as fi:
+                fi.write(index[take].tobytes())
 
 
 def _pass_two(staging: Path, buckets: int, d: int, shard_rows: int, dtype: str, file_format: str,
               seed: int) -> dict:
-    """The buckets in turn, each shuffled, cut into shards; the manifest."""
+    """The buckets in turn, each shuffled in memory, cut into shards (rows short of a shard carried to the next
+    bucket); the manifest."""
     index_dtype = np.dtype(list(INDEX))
     folder = staging / "buckets"
-    pending_h, pending_i = np.empty((0, d), np.float32), np.empty(0, index_dtype)
+    carry_h, carry_i = np.empty((0, d), np.float32), np.empty(0, index_dtype)
     shards, norm_sum, rows = [], 0.0, 0
     for b in range(buckets):
         if not (folder / f"h-{b}.bin").exists():
             continue
         h = np.fromfile(folder / f"h-{b}.bin", np.float32).reshape(-1, d)
-        index = np.fromfile(folder / f"index-{b}.bin", index_dtype)
         perm = np.random.default_rng([seed, 2, b]).permutation(len(h))
-        pending_h, pending_i = np.concatenate([pending_h, h[perm]]), np.concatenate([pending_i, index[perm]])
-        while len(pending_h) >= shard_rows:
-            shards.append(_write_shard(staging, len(shards), pending_h[:shard_rows], pending_i[:shard_rows], dtype,
-                                       file_format))
-            pending_h, pending_i = pending_h[shard_rows:], pending_i[shard_rows:]
-        norm_sum += float(np.linalg.norm(h.astype(np.float64), axis=1).sum())
+        h = h[perm]  # the bucket twice, briefly
+        index = np.fromfile(folder / f"index-{b}.bin", index_dtype)[perm]
+        for start in range(0, len(h), READ_ROWS):  # the norm's float64 sums, a chunk at a time
+            chunk = h[start:start + READ_ROWS]
+            norm_sum += float(np.sqrt(np.einsum("ij,ij->i", chunk, chunk, dtype=np.float64)).sum())
         rows += len(h)
+        at = 0
+        if len(carry_h):  # the rows the last bucket left short of a shard, first
+            at = min(shard_rows - len(carry_h), len(h))
+            carry_h, carry_i = np.concatenate([carry_h, h[:at]]), np.concatenate([carry_i, index[:at]])
+            if len(carry_h) == shard_rows:
+                shards.append(_write_shard(staging, len(shards), carry_h, carry_i, dtype, file_format))
+                carry_h, carry_i = carry_h[:0], carry_i[:0]
+        while len(h) - at >= shard_rows:
+            shards.append(_write_shard(staging, len(shards), h[at:at + shard_rows], index[at:at + shard_rows], dtype,
+                                       file_format))
+            at += shard_rows
+        if at < len(h):
+            carry_h, carry_i = h[at:].copy(), index[at:].copy()
+        del h, index
         (folder / f"h-{b}.bin").unlink()
         (folder / f"index-{b}.bin").unlink()
-    if len(pending_h):
-        shards.append(_write_shard(staging, len(shards), pending_h, pending_i, dtype, file_format))
+    if len(carry_h):
+        shards.append(_write_shard(staging, len(shards), carry_h, carry_i, dtype, file_format))
     return {"format": "actlake-tokens", "version": MANIFEST_VERSION, "d_model": d, "dtype": dtype,
             "file_format": file_format, "rows": rows, "mean_norm": norm_sum / max(rows, 1), "seed": seed,
             "shards": shards}

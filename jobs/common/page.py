@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 from actlake.errors import StorageError
-from actlake.fs import ObjectPath, location, write_atomic
+from actlake.fs import ObjectPath, location, open_regular, write_atomic
 from actlake.storage.layout import RunLayout
 
 log = logging.getLogger("actlake.report")
@@ -114,7 +114,7 @@ def check_ours(report: Path) -> None:
     page = report / "report.html"
     head = b""
     if page.is_file() and not page.is_symlink():
-        with page.open("rb") as f:
+        with open_regular(page) as f:
             head = f.read(512)
     if foreign or (names and b"<title>actlake report:" not in head):
         raise StorageError(f"{report} holds files no actlake report wrote ({', '.join((foreign or names)[:3])}); "

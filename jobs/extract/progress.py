@@ -17,6 +17,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from actlake.jobs.common.clock import hms
+
 log = logging.getLogger("actlake.progress")
 
 LOG_EVERY_S = 10.0
@@ -169,4 +171,4 @@ class Progress:
         if self.docs <= d0 or now <= t0:
             return ""
         left = (now - t0) * (self.bar.total - self.docs) / (self.docs - d0)
-        return time.strftime("%H:%M:%S", time.gmtime(left))
+        return hms(left)

@@ -176,7 +176,9 @@ class ShardWorker:
 
         Every argument is a plain value sent inline with the actor's creation: no object reference and no
         actor handle, which Ray keeps in its object store and warns it may lose before a restart
-        (ray-project/ray#53727). The job's progress counter comes with each call's ``target``."""
+        (ray-project/ray#53727). The job's progress counter comes with each call's ``target``. Custom code over
+        Ray's inline limit (100 KiB; ``CUSTOM_CODE_LIMIT`` allows 16 MiB) still goes by reference: Ray then warns,
+        and a restart after the reference is lost fails."""
         os.environ.update(store_env or {})
         import torch
 
@@ -256,7 +258,8 @@ class ShardWorker:
             commit_s = time.perf_counter() - t0
         release_free_memory()
         rss_mb = psutil.Process().memory_info().rss / 2**20
-        load_s, self.load_seconds = self.load_seconds, 0.0
+        with self.aiming:  # the other slot's shard (read-ahead) must not report the load again
+            load_s, self.load_seconds = self.load_seconds, 0.0
         return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed,
                     node_id=ray.get_runtime_context().get_node_id(), commit_seconds=commit_s, load_seconds=load_s)
 

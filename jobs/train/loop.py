@@ -17,6 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from actlake.jobs.common.clock import hms
 from actlake.jobs.train.training import worker_setup
 from actlake.storage.checkpoints import STATE_FILE, latest_checkpoint, prune_checkpoints, save_checkpoint
 
@@ -50,7 +51,7 @@ class Pace:
         ran, left = self.done - self.start, self.steps - self.done
         if ran <= 0 or left <= 0:
             return ""
-        return ", ETA " + time.strftime("%H:%M:%S", time.gmtime((self.clock() - self.t0) / ran * left))
+        return ", ETA " + hms((self.clock() - self.t0) / ran * left)
 
 
 class TrainLoop(ABC):

@@ -25,7 +25,8 @@ def store(tiny_models, sample_corpus, tmp_path_factory, ray_local):
     cfg = job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path_factory.mktemp("store"),
                      **{"analyses.contributions": False, "analyses.geometry": False,
                         "analyses.attention_by_distance": False, "corpus.max_docs": 12,
-                        "activations.layers": [1, -1], "activations.dtype": "float16"})
+                        "activations.layers": [1, -1], "activations.dtype": "float16",
+                        "tokenization.max_length": 200})  # long enough that some documents end inside a window
     return run_job(cfg).run_dir
 
 
@@ -91,6 +92,9 @@ def test_bad_requests_are_one_line_and_nothing_is_overwritten(store, tmp_path, c
         iterate(tmp_path / "taken", 8)
     assert main(["export", store, "--format", "tokens", "--layer", "1", "-o", str(tmp_path / "ok")]) == 0
     assert "export:  " in capsys.readouterr().out
+    for bad in ("../ok/shard-00000.safetensors", "/etc/passwd", ""):  # a manifest naming a file outside its folder
+        with pytest.raises(ConfigError, match="is not a file name of the export's folder"):
+            read_shard(tmp_path / "ok", {"file": bad, "rows": 1})
 
 
 def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(store, tmp_path, capsys):
@@ -111,7 +115,8 @@ def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(
     full = sorted(k for k, n in lengths.items() if n == T)
     m = export_saelens(store, 1, tmp_path / "cache")
     assert m == {"rows": len(full), "context_size": T, "d_model": 32, "hook_name": "blocks.1.hook_resid_pre",
-                 "left_out": len(lengths) - len(full)} and len(full) >= 2
+                 "left_out_shorter": len(lengths) - len(full), "left_out_longer": 0}
+    assert len(full) >= 2 and m["left_out_shorter"] > 0
     settings = SimpleNamespace(cached_activations_path=str(tmp_path / "cache"), hook_name="blocks.1.hook_resid_pre",
                                context_size=T, d_in=32, device="cpu", dtype=torch.float32)
     ds = ActivationsStore.load_cached_activation_dataset(settings)
@@ -125,6 +130,12 @@ def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(
         ActivationsStore.load_cached_activation_dataset(settings)
     with pytest.raises(ConfigError, match="no stored window has exactly"):
         export_saelens(store, 1, tmp_path / "none", context_size=T + 5)
+    with pytest.raises(ConfigError, match="--context-size: must be at least 1, got 0"):
+        export_saelens(store, 1, tmp_path / "none", context_size=0)
+    shorter = max(n for n in lengths.values() if n < T)  # a smaller context: the longer windows are named
+    small = export_saelens(store, 1, tmp_path / "small", context_size=shorter)
+    assert small["left_out_longer"] == sum(n > shorter for n in lengths.values()) > 0
+    assert not (tmp_path / "none").exists() and not list(tmp_path.glob("*.partial-*"))
     assert main(["export", store, "--format", "saelens", "--layer", "1", "-o", str(tmp_path / "cli"),
                  "--hook-name", "blocks.0.hook_resid_post"]) == 0
     assert "blocks.0.hook_resid_post" in capsys.readouterr().out

@@ -88,3 +88,13 @@ def test_an_embedded_ray_s_workers_wait_passively_unless_the_driver_says_otherwi
     assert local_worker_env()["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in local_worker_env()
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert local_worker_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_durations_past_a_day_keep_their_hours():
+    """The ETA of a long job: 100,000 s is 27:46:40, not 03:46:40 (a clock's hours wrap at 24)."""
+    from actlake.jobs.common.clock import hms
+
+    assert [hms(s) for s in (0, 59.6, 3599, 100_000, -3)] == ["00:00:00", "00:01:00", "00:59:59", "27:46:40", "00:00:00"]
+    pace = Pace(0, 10_000, clock=lambda: 0.0)
+    pace.done, pace.t0, pace.clock = 1, 0.0, lambda: 10.0
+    assert pace.eta() == ", ETA 27:46:30"  # 9,999 steps left at 10 s each
