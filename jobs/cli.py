@@ -84,12 +84,12 @@ def _parser() -> argparse.ArgumentParser:
                          "saelens: SAELens's activation cache (a datasets folder, one row per full window)")
     ex.add_argument("--layer", type=int, required=True, help="the hidden state (as stored by activations.layers)")
     ex.add_argument("--output", "-o", required=True, help="a new local folder")
-    ex.add_argument("--shard-rows", type=int, default=65_536, help="rows per shard (default 65536)")
-    ex.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ex.add_argument("--file-format", choices=["safetensors", "npy"], default="safetensors")
-    ex.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
-    ex.add_argument("--memory-mb", type=float, default=512, help="about this much of the data held at once "
-                                                                 "(at most a tenth of it)")
+    ex.add_argument("--shard-rows", type=int, help="tokens: rows per shard (default 65536)")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16"], help="tokens: stored precision (default float32)")
+    ex.add_argument("--file-format", choices=["safetensors", "npy"], help="tokens: default safetensors")
+    ex.add_argument("--seed", type=int, help="tokens: the shuffle's seed (default 0)")
+    ex.add_argument("--memory-mb", type=float, help="tokens: about this much of the data held at once "
+                                                    "(default 512; buckets of at most a tenth of the data)")
     ex.add_argument("--context-size", type=int, help="saelens: tokens per row (default: the longest stored window); "
                                                      "shorter windows are left out")
     ex.add_argument("--hook-name", help="saelens: the column's name (default blocks.L.hook_resid_pre)")
@@ -287,6 +287,31 @@ def _cmd_train_predictor(args) -> int:
     return 0
 
 
+EXPORT_ONLY = {"saelens": ("context_size", "hook_name"),
+               "tokens": ("shard_rows", "dtype", "file_format", "seed", "memory_mb")}
+"""Each ``actlake export`` format's own options (argparse leaves the others None)."""
+
+
+def _cmd_export(args) -> int:
+    from actlake.jobs.export import export_saelens, export_tokens  # per command (start-up)
+
+    wrong = [f"--{name.replace('_', '-')}" for fmt, names in EXPORT_ONLY.items() if fmt != args.format
+             for name in names if getattr(args, name) is not None]
+    if wrong:
+        raise ActlakeError(f"export --format {args.format}: {', '.join(wrong)} belong(s) to another --format")
+    given = {name: getattr(args, name) for name in EXPORT_ONLY[args.format] if getattr(args, name) is not None}
+    if args.format == "saelens":
+        m = export_saelens(args.run_dir, args.layer, args.output, **given)
+        print(printable(f"export:  {args.output}  ({m['rows']:,} windows of {m['context_size']} tokens, "
+                        f"{m['hook_name']}, width {m['d_model']}; left out {m['left_out_shorter']:,} shorter and "
+                        f"{m['left_out_longer']:,} longer window(s))"))
+        return 0
+    m = export_tokens(args.run_dir, args.layer, args.output, **given)
+    print(printable(f"export:  {args.output}  ({m['rows']:,} rows of width {m['d_model']} in {len(m['shards'])} "
+                    f"shard(s), {m['dtype']}; mean norm {m['mean_norm']:.4g})"))
+    return 0
+
+
 def _cmd_report(args) -> int:
     from actlake.jobs.extract.report import build_comparison, build_report  # per command (start-up)
 
@@ -422,22 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_sql(args)
         if args.command == "report":
             return _cmd_report(args)
-        if args.command == "export" and args.format == "saelens":
-            from actlake.jobs.export import export_saelens  # per command (start-up)
-
-            m = export_saelens(args.run_dir, args.layer, args.output, args.context_size, args.hook_name)
-            print(printable(f"export:  {args.output}  ({m['rows']:,} windows of {m['context_size']} tokens, "
-                            f"{m['hook_name']}, width {m['d_model']}; left out {m['left_out_shorter']:,} shorter and "
-                            f"{m['left_out_longer']:,} longer window(s))"))
-            return 0
         if args.command == "export":
-            from actlake.jobs.export import export_tokens  # per command (start-up)
-
-            m = export_tokens(args.run_dir, args.layer, args.output, args.shard_rows, args.dtype, args.file_format,
-                              args.seed, args.memory_mb)
-            print(printable(f"export:  {args.output}  ({m['rows']:,} rows of width {m['d_model']} in "
-                            f"{len(m['shards'])} shard(s), {m['dtype']}; mean norm {m['mean_norm']:.4g})"))
-            return 0
+            return _cmd_export(args)
         if args.command == "corpus" and args.corpus_command == "index":
             return _cmd_corpus_index(args)
         if args.command == "corpus":

@@ -83,9 +83,13 @@ def test_bad_requests_are_one_line_and_nothing_is_overwritten(store, tmp_path, c
             (["--layer", "5", "-o", str(tmp_path / "x")], "no rows for hidden state 5 (it holds [1, 2])"),
             (["--layer", "1", "-o", str(tmp_path / "x"), "--shard-rows", "0"], "--shard-rows: must be at least 1"),
             (["--layer", "1", "-o", str(tmp_path / "x"), "--dtype", "bfloat16", "--file-format", "npy"],
-             "needs --file-format safetensors")):
+             "needs --file-format safetensors"),
+            (["--layer", "1", "-o", str(tmp_path / "x"), "--context-size", "8"],
+             "export --format tokens: --context-size belong(s) to another --format")):
         assert main(["export", store, "--format", "tokens", *argv]) == 2
         assert message in capsys.readouterr().err
+    assert main(["export", store, "--format", "saelens", "--layer", "1", "-o", str(tmp_path / "x"), "--seed", "3"]) == 2
+    assert "export --format saelens: --seed belong(s) to another --format" in capsys.readouterr().err
     assert (tmp_path / "taken" / "mine.txt").read_text() == "mine" and not (tmp_path / "x").exists()
     assert not list(tmp_path.glob("*.partial-*"))
     with pytest.raises(ConfigError, match="not a token export"):
