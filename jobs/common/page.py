@@ -100,24 +100,26 @@ def script_json(value) -> str:
     return text
 
 
-def check_ours(report: Path) -> None:
-    """A ``report/`` folder a new report may replace: none, or one an earlier report wrote (``report.html`` whose
-    title is actlake's, and PNGs). Anything else (``actlake report --compare --out DIR`` where DIR holds a folder
-    of the user's named ``report``, a link) is refused naming it: nothing overwrites what actlake did not write."""
+def check_ours(report: Path, new: set) -> None:
+    """A ``report/`` folder a new report (of files ``new``) may replace: none, or one an earlier report wrote: its
+    ``report.html`` has actlake's title and the rest are PNGs, or, with the page deleted, PNGs the new report writes
+    again. Anything else (``actlake report --compare --out DIR`` where DIR holds a folder of the user's named
+    ``report``, a link) is refused naming it: nothing overwrites what actlake did not write."""
     if not os.path.lexists(report):
         return
     if report.is_symlink() or not report.is_dir():
         raise StorageError(f"{report} exists and is not a report folder actlake wrote (a link or a file); "
                            "remove it or write the report elsewhere")
     names = sorted(p.name for p in report.iterdir())
-    foreign = [n for n in names if n != "report.html" and not n.endswith(".png")]
     page = report / "report.html"
     head = b""
     if page.is_file() and not page.is_symlink():
         with open_regular(page) as f:
             head = f.read(512)
-    if foreign or (names and b"<title>actlake report:" not in head):
-        raise StorageError(f"{report} holds files no actlake report wrote ({', '.join((foreign or names)[:3])}); "
+    ours = b"<title>actlake report:" in head
+    foreign = [n for n in names if not ((ours and n.endswith(".png")) or n in new) or (n == "report.html" and not ours)]
+    if foreign:
+        raise StorageError(f"{report} holds files no actlake report wrote ({', '.join(foreign[:3])}); "
                            "remove them or write the report elsewhere")
 
 
@@ -130,7 +132,7 @@ def _replace_report(layout: RunLayout, files: dict[str, bytes]) -> None:
         for name in sorted(files, key=lambda n: n == "report.html"):
             write_atomic(layout.report / name, files[name])
         return
-    check_ours(layout.report)
+    check_ours(layout.report, set(files))
     tmp, old = (layout.root / f".report-{kind}-{uuid.uuid4().hex[:8]}" for kind in ("new", "old"))
     try:
         tmp.mkdir()

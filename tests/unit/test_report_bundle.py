@@ -81,4 +81,10 @@ def test_a_report_replaces_only_a_report_folder_actlake_wrote(tmp_path):
     _replace_report(layout, {"report.html": page, "a.png": b"1"})
     _replace_report(layout, {"report.html": page + b"2", "b.png": b"2"})  # an earlier report: replaced whole
     assert sorted(p.name for p in layout.report.iterdir()) == ["b.png", "report.html"]
+    (layout.report / "report.html").unlink()  # the page deleted (the tour does): its charts are the new report's
+    _replace_report(layout, {"report.html": page, "b.png": b"3"})
+    assert (layout.report / "b.png").read_bytes() == b"3"
+    (layout.report / "report.html").unlink()
+    with pytest.raises(StorageError, match=r"\(b.png\)"):  # without the page, PNGs the new report does not write
+        _replace_report(layout, {"report.html": page, "c.png": b"4"})
     assert [p.name for p in layout.root.iterdir()] == ["report"]  # no leftovers
