@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import pytest
 
@@ -83,7 +84,15 @@ def test_a_killed_progress_counter_does_not_fail_the_job(ray_local, caplog):
         if counter.totals()[1] == 10:
             break
     assert counter.totals()[1:] == (10, 1)
-    ray.kill(counter.actor)
+    ray.kill(counter.actor)  # asynchronous: a call sent right after it may still run (CI saw (15, 2))
+    for _ in range(600):
+        try:
+            ray.get(counter.actor.totals.remote(counter.job), timeout=60)
+        except ray.exceptions.RayActorError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the killed counter actor kept answering for a minute")
     counter.add(1.0, 5)  # a worker's batch after the kill: nothing raised
     with caplog.at_level(logging.WARNING, logger="actlake.progress"):
         assert counter.totals()[1:] == (10, 1)
