@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 from typing import Literal, Optional, Union
 
@@ -206,6 +207,34 @@ class ActivationsConfig(Section):
     dtype: Literal["float32", "float16"] = "float32"
     """Stored precision of the activation vectors."""
 
+class InterventionConfig(Section):
+    name: str
+    """The label of this intervention's rows in every statistics table's ``intervention`` column (``none`` is
+    the clean pass's)."""
+    at: Union[int, list[int]]
+    """Hidden state(s) edited: ``L`` is the residual stream entering block ``L`` (0 = the embeddings), as in
+    ``hidden_states``; a list edits each of them in the same pass."""
+    op: Literal["zero", "mean", "scale", "add", "project_out"] = "zero"
+    """What happens to ``dims`` (or ``direction``): set to 0, set to their corpus mean (``mean_from``), multiplied by
+    ``value``, ``value`` added; ``project_out``: the component along ``direction`` removed."""
+    dims: list[int] = []
+    """Dimensions of the hidden state edited (0 <= dim < the model's width)."""
+    direction: Optional[LocalPath] = None
+    """A ``.npy`` file holding one vector of the model's width: the direction ``project_out`` removes, or that
+    ``scale``/``add``/``zero`` act along (its component: multiplied, increased by ``value``, set to 0)."""
+    value: float = Field(0.0, allow_inf_nan=False)
+    """The factor of ``scale`` or the amount of ``add``."""
+    mean_from: Optional[Location] = None
+    """With ``op: mean``: a run of the same model whose ``dim_moments`` give each dimension's mean at that hidden
+    state, over the token category the edited tokens belong to (``role`` categories with ``tokens: <role>``, else
+    every token)."""
+    tokens: Literal["all", "bos", "eos", "period", "comma", "other"] = "all"
+    """Which tokens are edited: every token, or those of one token role (``actlake.categories.ROLE``)."""
+    positions: list[int] = []
+    """Only the tokens at these positions of each window (0 = its first token), among ``tokens``; empty: every
+    position."""
+
+
 class OutputConfig(Section):
     dir: Location = "runs"
     """Parent folder of run directories: a local folder (``~`` expanded, relative to the working directory, resolved to an absolute path when the config is read) or an object-store URL (``s3://bucket/runs``)."""
@@ -246,6 +275,9 @@ class JobConfig(ConfigRoot.with_defaults(name="job")):
     activations: ActivationsConfig
     output: OutputConfig
     resources: ResourcesConfig
+    interventions: list[InterventionConfig] = []
+    """Edits of the residual stream, each run on every batch beside the clean pass (paired by window): every
+    statistics table gets an ``intervention`` column, ``none`` for the clean pass (docs: Interventions)."""
 
     def check(self, err) -> None:
         _check_values(self, err)
@@ -263,6 +295,8 @@ class JobConfig(ConfigRoot.with_defaults(name="job")):
             d["model"].pop("checkpoints")
         if not d["analyses"]["by_source"]:  # off, the tables hold what they held before it (and a source column,
             d["analyses"].pop("by_source")  # which partials written before it lack: they read as source '*')
+        if not d["interventions"]:  # none: the run ids of runs made before the key existed
+            d.pop("interventions")
         if not d["tokenization"]["prepend_bos"]:  # off, the windows are those made before the key existed
             d["tokenization"].pop("prepend_bos")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
@@ -315,8 +349,47 @@ def _check_values(cfg: JobConfig, err) -> None:
         if not module or not cls or not all(p.isidentifier() for p in module.split(".") + [cls]):
             err(("analyses", "custom", i, "analysis"), f"expected 'package.module:ClassName', got {c.analysis!r}")
     _check_devices(cfg, err)
+    _check_interventions(cfg.interventions, err)
     if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):
         err(("output", "run_id"), f"not a valid folder name: {cfg.output.run_id!r}")
+
+
+def _check_interventions(interventions: list, err) -> None:
+    """What an intervention's spec says by itself (the model's width and depth: ``actlake.interventions.check``)."""
+    from actlake.categories import ROLE
+
+    names = [iv.name for iv in interventions]
+    for i, iv in enumerate(interventions):
+        def key(*k, i=i):
+            return ("interventions", i, *k)
+
+        if not TABLE_LABEL.fullmatch(iv.name) or iv.name == "none" or names.index(iv.name) != i:
+            err(key("name"), f"{iv.name!r}: give each intervention its own name of letters, digits, '_' or '-' "
+                             "('none' is the clean pass's)")
+        layers = iv.at if isinstance(iv.at, list) else [iv.at]
+        if not layers or min(layers) < 0 or len(set(layers)) < len(layers):
+            err(key("at"), f"hidden states to edit: one or more distinct numbers >= 0, got {iv.at!r}")
+        if iv.op == "project_out" and (iv.direction is None or iv.dims):
+            err(key("direction"), "op project_out removes a direction: give direction (a .npy vector), not dims")
+        elif iv.op != "project_out" and bool(iv.dims) == (iv.direction is not None):
+            err(key("dims"), f"op {iv.op}: give either dims or direction")
+        if iv.dims and (min(iv.dims) < 0 or len(set(iv.dims)) < len(iv.dims)):
+            err(key("dims"), f"distinct dimensions >= 0, got {iv.dims}")
+        if iv.direction is not None and not str(iv.direction).endswith(".npy"):
+            err(key("direction"), f"a .npy file holding one vector, got {iv.direction}")
+        if (iv.op == "mean") != (iv.mean_from is not None):
+            err(key("mean_from"), "op mean takes each dimension's mean from a run: give mean_from (and only with op mean)")
+        if iv.op == "mean" and iv.direction is not None:
+            err(key("direction"), "op mean sets dims to their means: give dims")
+        if iv.op in ("zero", "mean", "project_out") and iv.value != 0:
+            err(key("value"), f"op {iv.op} takes no value")
+        if iv.tokens != "all" and iv.tokens not in ROLE:  # the Literal above lists them: they must agree
+            err(key("tokens"), f"'all' or a token role ({', '.join(ROLE)}), got {iv.tokens!r}")
+        if iv.positions and (min(iv.positions) < 0 or len(set(iv.positions)) < len(iv.positions)):
+            err(key("positions"), f"distinct positions >= 0, got {iv.positions}")
+
+
+TABLE_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 def max_memory_map(max_memory: dict) -> dict:

@@ -18,6 +18,13 @@ SOURCE = "source"
 """The column of a reduced table that names the document source its rows are over."""
 ALL_SOURCES = "*"
 """The ``source`` of the rows over every document."""
+INTERVENTION = "intervention"
+"""With ``interventions:``: the column of a statistics table that names the pass its rows are of."""
+CLEAN = "none"
+"""The ``intervention`` of the clean pass's rows (equal to a run without interventions)."""
+BY_INTERVENTION_SUFFIX = "_by_intervention"
+"""With ``interventions:``: a table or view ``t`` by its name holds the clean pass's rows, ``t + BY_INTERVENTION_SUFFIX``
+every pass's, with a leading ``intervention`` column (``actlake sql``, ``open_run``)."""
 
 
 def is_table_name(name: str) -> bool:

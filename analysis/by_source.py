@@ -19,18 +19,22 @@ import pyarrow.compute as pc
 
 from actlake.errors import ConfigError
 from actlake.tables import ALL_SOURCES as ALL
-from actlake.tables import SOURCE
+from actlake.tables import CLEAN, INTERVENTION, SOURCE
 
 
 class BySource:
-    """One analysis's statistics by source label. ``split``: labels are the documents' sources (else every
-    batch is :data:`ALL`); ``max_sources``: more labels than this is a ConfigError naming the key."""
+    """One analysis's statistics by source label (and, with ``interventions:``, by pass: ``parts`` is keyed by
+    (intervention, source)). ``split``: labels are the documents' sources (else every batch is :data:`ALL`);
+    ``max_sources``: more labels than this is a ConfigError naming the key; ``interventions``: the tables get a
+    leading ``intervention`` column (:data:`~actlake.tables.CLEAN` for the clean pass)."""
 
-    def __init__(self, zero, split: bool = False, max_sources: int | None = None, parts: dict | None = None):
+    def __init__(self, zero, split: bool = False, max_sources: int | None = None, parts: dict | None = None,
+                 interventions: bool = False):
         self.zero, self.split, self.max_sources = zero, split, max_sources  # zero: the empty statistics (schema)
-        self.parts = dict(parts) if parts is not None else ({} if split else {ALL: zero})
-        if any(k != ALL for k in self.parts):  # a split run's ALL part is an empty shard's zero statistics
-            self.parts.pop(ALL, None)
+        self.interventions = interventions
+        self.parts = dict(parts) if parts is not None else ({} if split else {(CLEAN, ALL): zero})
+        if any(src != ALL for _, src in self.parts):  # a split run's ALL part is an empty shard's zero statistics
+            self.parts = {k: v for k, v in self.parts.items() if k[1] != ALL}
 
     @property
     def name(self) -> str:
@@ -46,42 +50,46 @@ class BySource:
                               f"every document; relabel it (corpus.source_field)")
         return label
 
-    def add(self, label: str, stats) -> None:
-        """Merge one batch's statistics (of source ``label``) in."""
-        self.parts[label] = self.parts[label].merge(stats) if label in self.parts else stats
+    def add(self, label: str, stats, intervention: str = CLEAN) -> None:
+        """Merge one batch's statistics (of source ``label``, under ``intervention``) in."""
+        key = (intervention, label)
+        self.parts[key] = self.parts[key].merge(stats) if key in self.parts else stats
         self._check()
 
     def merge(self, other: BySource) -> BySource:
         parts = dict(self.parts)
-        for label, stats in other.parts.items():
-            parts[label] = parts[label].merge(stats) if label in parts else stats
-        out = BySource(self.zero, self.split or other.split, self.max_sources or other.max_sources, parts)
+        for key, stats in other.parts.items():
+            parts[key] = parts[key].merge(stats) if key in parts else stats
+        out = BySource(self.zero, self.split or other.split, self.max_sources or other.max_sources, parts,
+                       self.interventions or other.interventions)
         out._check()
         return out
 
     def _check(self) -> None:
-        check_labels(self.parts, self.max_sources)
+        check_labels({src for _, src in self.parts}, self.max_sources)
 
-    def total(self):
-        """Every label merged (in label order)."""
-        parts = [self.parts[k] for k in sorted(self.parts)]
+    def total(self, intervention: str = CLEAN):
+        """Every label of one pass merged (in label order)."""
+        parts = [self.parts[k] for k in sorted(self.parts) if k[0] == intervention]
         return reduce(lambda a, b: a.merge(b), parts) if parts else self.zero
 
     def to_tables(self, with_total: bool = False) -> dict:
-        """``{table: pyarrow.Table}`` with a leading ``source`` column; ``with_total`` (the reduced tables) adds
-        the :data:`ALL` rows when the labels are sources."""
+        """``{table: pyarrow.Table}`` with a leading ``source`` column (and before it ``intervention``, with
+        interventions); ``with_total`` (the reduced tables) adds the :data:`ALL` rows when the labels are sources."""
         labelled = sorted(self.parts.items())
-        if with_total and any(k != ALL for k in self.parts):
-            labelled.append((ALL, self.total()))
+        if with_total and any(src != ALL for _, src in self.parts):
+            labelled += [((iv, ALL), self.total(iv)) for iv in sorted({iv for iv, _ in self.parts})]
         if not labelled:  # no batch yet: zero statistics, as without by_source
-            labelled = [(ALL, self.zero)]
+            labelled = [((CLEAN, ALL), self.zero)]
         out: dict = {}
-        for label, stats in labelled:
+        for (iv, label), stats in labelled:
             for t, data in stats.to_tables().items():
-                if SOURCE in data.column_names:
-                    raise ConfigError(f"analyses: {self.name!r} writes a column {SOURCE!r} in its table {t!r}; every "
-                                      f"statistics table gets that column from the engine (its source label): rename it")
-                out.setdefault(t, []).append(_labelled(data, label))
+                for column in (SOURCE, INTERVENTION):
+                    if column in data.column_names:
+                        raise ConfigError(f"analyses: {self.name!r} writes a column {column!r} in its table {t!r}; "
+                                          f"every statistics table gets that column from the engine: rename it")
+                data = _labelled(data, SOURCE, label)
+                out.setdefault(t, []).append(_labelled(data, INTERVENTION, iv) if self.interventions else data)
         return {t: pa.concat_tables(parts) for t, parts in out.items()}
 
     @classmethod
@@ -89,12 +97,14 @@ class BySource:
         """The inverse of :meth:`to_tables` for ``analysis`` (a class): its statistics per label, the
         :data:`ALL` rows of a reduced table left out where labelled rows sum to them."""
         first = tables[analysis.tables[0]]
-        labels = pc.unique(first.column(SOURCE)).to_pylist() if SOURCE in first.column_names else [ALL]
-        if len(labels) > 1:
-            labels = [x for x in labels if x != ALL]
-        parts = {label: analysis.from_tables({t: _of(data, label) for t, data in tables.items()})
-                 for label in labels or [ALL]}
-        return cls(next(iter(parts.values())), labels not in ([], [ALL]), None, parts)
+        interventions = INTERVENTION in first.column_names
+        keys = _keys(first, interventions)
+        split = any(src != ALL for _, src in keys)
+        if split:
+            keys = [k for k in keys if k[1] != ALL]
+        parts = {key: analysis.from_tables({t: _of(data, key, interventions) for t, data in tables.items()})
+                 for key in keys or [(CLEAN, ALL)]}
+        return cls(next(iter(parts.values())), split, None, parts, interventions)
 
 
 def check_labels(labels, max_sources: int | None) -> None:
@@ -106,12 +116,24 @@ def check_labels(labels, max_sources: int | None) -> None:
                           f"and partials grow with it) or set analyses.by_source: false")
 
 
-def _labelled(data: pa.Table, label: str) -> pa.Table:
-    return data.add_column(0, SOURCE, pa.array([label] * data.num_rows, pa.string()))
+def _labelled(data: pa.Table, column: str, label: str) -> pa.Table:
+    return data.add_column(0, column, pa.array([label] * data.num_rows, pa.string()))
 
 
-def _of(data: pa.Table, label: str) -> pa.Table:
-    """One label's rows, without the source column (a table without rows: all of it)."""
+def _keys(data: pa.Table, interventions: bool) -> list[tuple[str, str]]:
+    """The (intervention, source) labels of a table's rows, in order of appearance."""
+    sources = data.column(SOURCE).to_pylist() if SOURCE in data.column_names else [ALL] * data.num_rows
+    ivs = data.column(INTERVENTION).to_pylist() if interventions else [CLEAN] * data.num_rows
+    return list(dict.fromkeys(zip(ivs, sources)))
+
+
+def _of(data: pa.Table, key: tuple[str, str], interventions: bool) -> pa.Table:
+    """One label's rows, without the label columns (a table without rows: all of it)."""
+    labels = [c for c in (SOURCE, INTERVENTION) if c in data.column_names]
     if data.num_rows == 0:
-        return data.drop_columns([SOURCE])
-    return data.filter(pc.equal(data.column(SOURCE), label)).drop_columns([SOURCE])
+        return data.drop_columns(labels)
+    rows = pc.equal(data.column(SOURCE), key[1]) if SOURCE in data.column_names else None
+    if interventions:
+        by_pass = pc.equal(data.column(INTERVENTION), key[0])
+        rows = by_pass if rows is None else pc.and_(rows, by_pass)
+    return (data if rows is None else data.filter(rows)).drop_columns(labels)

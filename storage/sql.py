@@ -29,7 +29,7 @@ from actlake.storage.readonly_fs import ReadOnlyFiles, url
 from actlake.storage.sql_process import MAX_TEMP_SIZE  # one default for open_run and actlake sql
 from actlake.storage.verified import verify_files
 from actlake.tables import ALL_SOURCES as ALL
-from actlake.tables import BY_SOURCE_SUFFIX, SOURCE
+from actlake.tables import BY_INTERVENTION_SUFFIX, BY_SOURCE_SUFFIX, CLEAN, INTERVENTION, SOURCE
 
 
 def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
@@ -213,18 +213,46 @@ class _Run:
             ctes = [(t, labelled[t]) for t in labelled] + list(self.views.items())
             for i, (name, sql) in enumerate(list(self.views.items())):
                 self.views[name + BY_SOURCE_SUFFIX] = _with_ctes(ctes[: len(labelled) + i], sql)
+        if self.passes:
+            self._by_intervention(sorted(self.full))
+
+    def _by_intervention(self, reduced: list[str]) -> None:
+        """``<name>_by_intervention`` for every reduced table and view: each pass's rows over every document (its
+        tables bound to that pass's rows, so a view computes over one pass), under a leading ``intervention``."""
+        names = reduced + list(self.views)
+        for t in names:
+            if t + BY_INTERVENTION_SUFFIX in self.tables or not is_table_name(t + BY_INTERVENTION_SUFFIX):
+                raise StorageError(f"{self.layout.root}: {t!r} has no free name for its rows by intervention")
+        out = {}
+        for n in names:
+            arms = []
+            for iv in self.passes:
+                bound = [(t, _one_pass(self.full[t], iv)) for t in reduced]
+                ctes = [(t, q) for t, q in self.tables.items() if t not in self.full] + bound
+                views = list(self.views)
+                body = _one_pass(self.full[n], iv) if n in self.full else _with_ctes(
+                    ctes + [(v, self.views[v]) for v in views[: views.index(n)]], self.views[n])
+                arms.append(f"SELECT {_quote(iv)} AS {INTERVENTION}, * FROM (\n{body}\n)")
+            out[n + BY_INTERVENTION_SUFFIX] = "\nUNION ALL\n".join(arms)
+        self.views.update(out)
 
     def _over_every_document(self, reduced: set, files: dict) -> dict:
         """Make each reduced table's name hold its rows over every document (``source = '*'``) and, in a
         ``by_source`` run, ``<table>_by_source`` every label's rows too; returns those tables' full SELECTs."""
-        split = bool(((read_run(self.layout).get("config") or {}).get("analyses") or {}).get("by_source"))
+        config = read_run(self.layout).get("config") or {}
+        split = bool((config.get("analyses") or {}).get("by_source"))
+        self.passes = [CLEAN] + [iv.get("name") for iv in config.get("interventions") or []] if config.get(
+            "interventions") else []
+        self.full = {t: self.tables[t] for t in sorted(reduced)} if self.passes else {}
+        """With interventions: each reduced table's every row (every pass, every source)."""
         labelled = {}
         for t in sorted(reduced):
             if split and not is_table_name(t + BY_SOURCE_SUFFIX) or t + BY_SOURCE_SUFFIX in self.tables:
                 raise StorageError(f"{self.layout.root}: table {t!r} has no free name for its rows by source")
+            clean = _clean_pass(self.tables[t]) if self.passes else self.tables[t]
             if split:
-                labelled[t] = self.tables[t + BY_SOURCE_SUFFIX] = self.tables[t]
-            self.tables[t] = f"SELECT * FROM ({self.tables[t]}) WHERE {SOURCE} = {_quote(ALL)}"
+                labelled[t] = self.tables[t + BY_SOURCE_SUFFIX] = clean
+            self.tables[t] = f"SELECT * FROM ({clean}) WHERE {SOURCE} = {_quote(ALL)}"
         return labelled
 
     @property
@@ -239,6 +267,19 @@ class _Run:
         views = list(self.views)
         before = list(self.tables.items()) + [(v, self.views[v]) for v in views[: views.index(name)]]
         return _with_ctes(before, self.views[name])
+
+
+def _clean_pass(sql: str) -> str:
+    """A reduced table's rows of the clean pass, without the ``intervention`` column: as in a run without
+    interventions."""
+    return _one_pass(sql, CLEAN, every_source=True)
+
+
+def _one_pass(sql: str, intervention: str, every_source: bool = False) -> str:
+    """One pass's rows of a reduced table (over every document unless ``every_source``), without the
+    ``intervention`` column."""
+    rows = "" if every_source else f" AND {SOURCE} = {_quote(ALL)}"
+    return f"SELECT * EXCLUDE ({INTERVENTION}) FROM ({sql}) WHERE {INTERVENTION} = {_quote(intervention)}{rows}"
 
 
 def _with_ctes(ctes: list[tuple[str, str]], sql: str) -> str:

@@ -98,6 +98,9 @@ class BatchResult:
     """{name: Analysis} accumulated over this batch."""
     parts: dict = field(default_factory=dict)
     """{table: ShardTable} this batch's part of each token table."""
+    edited: dict = field(default_factory=dict)
+    """{intervention: {name: Analysis}}: the statistics of the batch run under each intervention (the clean
+    pass's are :attr:`stats`)."""
 
     @property
     def batch(self) -> list[Window]:
@@ -143,8 +146,9 @@ class Launched:
     result: BatchResult
     """Complete only once :meth:`passed` returned (its host copies may still be in flight before)."""
     checks: DeviceChecks
-    recorder: AttentionRecorder | None = None
-    """Kept until the batch is waited for: a recorded layer graph and its buffers stay alive while queued."""
+    recorder: AttentionRecorder | list | None = None
+    """Kept until the batch is waited for (the recorders of its passes): a recorded layer graph and its buffers
+    stay alive while queued."""
 
     def passed(self) -> bool:
         """Wait for the batch; False when a device-side check counted a problem (run it again strictly)."""

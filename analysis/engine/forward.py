@@ -28,6 +28,7 @@ from actlake.analysis.engine.batch import (
     ModelSpec,
 )
 from actlake.analysis.engine.device import to_device, to_host
+from actlake.analysis.engine.intervene import Editing, Intervention
 from actlake.analysis.engine.layer_replay import LayerReplay
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.engine.selfcheck import SelfCheck
@@ -48,8 +49,11 @@ class ForwardPass:
     """A worker's model with every enabled producer hooked in. ``analyses`` and ``token_tables``: (class,
     options) of the statistics and of the shard tables made batch by batch; each batch gets fresh instances."""
 
-    def __init__(self, cfg: JobConfig, lm: LoadedModel, analyses: list, token_tables: list):
+    def __init__(self, cfg: JobConfig, lm: LoadedModel, analyses: list, token_tables: list,
+                 interventions: tuple[Intervention, ...] = ()):
         self.cfg, self.lm = cfg, lm
+        self.interventions = tuple(interventions)
+        """Each batch runs again under each of them (:mod:`.intervene`), after the clean pass."""
         self.analyses, self.token_tables = analyses, token_tables
         self.cats = Categorizer(lm.tokenizer)
         capture.install(lm.model)
@@ -122,19 +126,44 @@ class ForwardPass:
     @torch.inference_mode()
     def _launch(self, batch: list[Window], strict: bool | None = None) -> Launched:
         """:meth:`run_batch` up to its synchronisation: on a GPU the batch's work is queued (the host may
-        prepare and queue the next batch while it runs) and :meth:`Launched.passed` waits for it."""
-        a = self.cfg.analyses
+        prepare and queue the next batch while it runs) and :meth:`Launched.passed` waits for it. The clean pass
+        first, then one pass per intervention (:mod:`.intervene`) over the same windows."""
         strict = self.strict if strict is None else strict
         strict = strict or (not self.checked and self.cfg.analyses.self_check)  # the self-checked batch: layer by layer
-        stats = self.new_stats()
-        parts = {cls.tables[0]: cls.create(self.spec, **options) for cls, options in self.token_tables}
         ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)  # (B, T)
         role, type8 = self.cats.batch(ids.numpy(), mask.sum(1).numpy())  # (B, T) category ids, 0 on padding
+        clean = self._pass(batch, ids, mask, role, type8, strict, tables=True)
+        stats, parts, recorder, out, checks, devices, check = clean
+        surprisal = None
+        if self.lm.lm_head is not None:
+            surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask,
+                                                transform=self.lm.logit_transform))
+        if check is not None:
+            self._finish_check(check, recorder, surprisal, ids, mask)
+        edited, keep = {}, [recorder]
+        for iv in self.interventions:
+            select = iv.selected(to_device(mask.bool(), self.lm.device), to_device(role, self.lm.device))
+            with Editing(self.lm.model, self.lm.family, iv, select):
+                e_stats, _, e_recorder, _, e_checks, e_devices, _ = self._pass(batch, ids, mask, role, type8, strict)
+            edited[iv.name], checks, devices = e_stats, checks + e_checks, devices | e_devices
+            keep.append(e_recorder)
+        result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), stats, parts, edited)
+        # the recorders (their layer graphs, the buffers replays read) live until the batch is waited for
+        return Launched(batch, result, DeviceChecks(self.lm.device, checks, devices), keep)
+
+    def _pass(self, batch, ids, mask, role, type8, strict: bool, tables: bool = False):
+        """One forward pass over a batch with every analysis hooked in (and the token tables with ``tables``):
+        (statistics, token table parts, the recorder, the model's output, device checks, devices, the
+        self-check or None)."""
+        a = self.cfg.analyses
+        stats = self.new_stats()
+        parts = {cls.tables[0]: cls.create(self.spec, **options) for cls, options in self.token_tables} if tables else {}
         dev = self.lm.device
         producers = list(stats.values()) + list(parts.values())
         attention = [x for x in producers if "attention" in x.sites]
         sink = HiddenSink([x for x in producers if "hidden_states" in x.sites],
                           HiddenBatch(mask, role, type8, strict, self.triton, batch))
+        check = self._self_check(attention) if tables else None
         with contextlib.ExitStack() as stack:
             inputs = stack.enter_context(self.inputs) if any("layer_inputs" in x.sites for x in attention) else None
             recorder = AttentionRecorder(self.mqk, mask, one_hot(role, len(ROLE), mask), [x.add_layer for x in attention],
@@ -142,7 +171,6 @@ class ForwardPass:
                                          strict=strict, on_excluded=[x.nonfinite_excluded for x in attention],
                                          triton=self.triton,
                                          replay=LayerReplay(attention) if self.layer_graphs and not strict and attention else None)
-            check = self._self_check(attention)
             recorder.check = check
             if attention:
                 stack.enter_context(capture.recording(recorder))
@@ -152,16 +180,8 @@ class ForwardPass:
                                 use_cache=False)  # causal models would keep every layer's keys and values
             if sink.readers:
                 self.stream.last(out.last_hidden_state)
-        surprisal = None
-        if self.lm.lm_head is not None:
-            surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask,
-                                                transform=self.lm.logit_transform))
-        if check is not None:
-            self._finish_check(check, recorder, surprisal, ids, mask)
-        result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), stats, parts)
         checks = [] if strict else recorder.problems() + [t for x in producers for t in x.problems()]
-        # the recorder (its layer graph, the buffers replays read) lives until the batch is waited for
-        return Launched(batch, result, DeviceChecks(dev, checks, sink.devices), recorder)
+        return stats, parts, recorder, out, checks, set(sink.devices), check
 
     def _self_check(self, attention: list):
         """A :class:`SelfCheck` for this worker's first batch (``analyses.self_check``), else None."""

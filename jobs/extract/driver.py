@@ -20,11 +20,13 @@ from actlake.analysis.engine.forward import ForwardPass
 from actlake.analysis.registry import custom_views, enabled, producer_views, shard_tables
 from actlake.batching import make_batches
 from actlake.config import JobConfig
+from actlake.jobs.extract.interventions import resolve_interventions
 from actlake.jobs.extract.plan import Shard
 from actlake.jobs.extract.read import read_shard
 from actlake.model import LoadedModel
 from actlake.storage.layout import RunLayout
 from actlake.storage.shards import ShardFiles
+from actlake.tables import CLEAN
 
 
 class Extractor:
@@ -38,7 +40,7 @@ class Extractor:
         tables = shard_tables(cfg)
         self.reading = [(c, o) for c, o in tables if c.of_reading]  # documents, rejects
         self.token_tables = [(c, o) for c, o in tables if not c.of_reading]  # made batch by batch
-        self.forward = ForwardPass(cfg, lm, enabled(cfg), self.token_tables)
+        self.forward = ForwardPass(cfg, lm, enabled(cfg), self.token_tables, resolve_interventions(cfg, lm.model.config))
         self.producers = self.forward.producers + [c for c, _ in self.reading]
         self.views_to_check = [c for c in self.producers if getattr(c, "views", None)] if custom_views(self.producers) else []
         """Every producer's views, while a custom one declares views none has run: they run over the first shard."""
@@ -54,7 +56,8 @@ class Extractor:
         """An empty :class:`ShardResults` for a shard (or for texts, try-analysis): statistics by source label
         (:mod:`~actlake.analysis.by_source`), one label ``'*'`` without ``analyses.by_source``."""
         a = self.cfg.analyses
-        stats = {name: BySource(zero, a.by_source, a.max_sources) for name, zero in self.forward.new_stats().items()}
+        stats = {name: BySource(zero, a.by_source, a.max_sources, interventions=bool(self.cfg.interventions))
+                 for name, zero in self.forward.new_stats().items()}
         return ShardResults(stats, on_batch, docs_per_window)
 
     def process(self, shard: Shard, layout: RunLayout, group, compute_lock=None, on_batch=None) -> dict:
@@ -132,9 +135,10 @@ class ShardResults:
         lengths = [len(w.ids) for w in r.batch]
         self.n_tokens += sum(lengths)
         self.n_padded += len(lengths) * max(lengths) - sum(lengths)
-        for name, part in r.stats.items():
-            acc = self.stats[name]
-            acc.add(acc.label_of(r.batch), part)
+        for iv, stats in [(CLEAN, r.stats), *r.edited.items()]:
+            for name, part in stats.items():
+                acc = self.stats[name]
+                acc.add(acc.label_of(r.batch), part, iv)
         for table, part in r.parts.items():
             part.collect(r.outputs)
             self.parts.setdefault(table, []).append(part)

