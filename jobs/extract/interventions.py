@@ -10,7 +10,7 @@ import numpy as np
 from actlake.analysis.engine.intervene import Intervention
 from actlake.config import JobConfig
 from actlake.errors import ConfigError
-from actlake.fs import read_regular
+from actlake.fs import location, read_regular
 
 
 def resolve_interventions(cfg: JobConfig, model_config) -> tuple[Intervention, ...]:
@@ -57,7 +57,7 @@ def _means(key: str, cfg: JobConfig, iv, layers: tuple[int, ...]) -> tuple[tuple
     from actlake.storage.sql import query
 
     try:
-        run = read_run(RunLayout(iv.mean_from))
+        run = read_run(RunLayout(location(iv.mean_from)))
     except (StorageError, OSError) as e:
         raise ConfigError(f"{key}.mean_from: {iv.mean_from}: not a run folder ({e})") from None
     theirs, ours = (run.get("identity") or {}).get("model"), model_files(cfg)

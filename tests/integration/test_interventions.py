@@ -171,3 +171,23 @@ def test_a_job_with_interventions_reduces_each_pass_and_sql_shows_them_apart(tin
     zeroed = a.execute("SELECT max(abs(mean)) FROM dim_moments_by_intervention WHERE intervention = 'zero' AND "
                        "layer = 1 AND dim IN (3, 7, 11)").fetchone()[0]
     assert zeroed == 0.0
+
+    from transformers import AutoConfig
+
+    u = np.random.default_rng(0).normal(size=AutoConfig.from_pretrained(model).hidden_size)
+    np.save(tmp_path / "u.npy", u)
+    means = [{"name": "mean", "at": 1, "op": "mean", "dims": [3, 7], "mean_from": str(plain.run_dir)},
+             {"name": "away", "at": 1, "op": "project_out", "direction": str(tmp_path / "u.npy")}]
+    third = run_job(job_config(model, sample_corpus, tmp_path / "c", interventions=means, **over))
+    c = open_run(third.run_dir)
+    q = ("SELECT dim, mean, m2 FROM {} WHERE layer = 1 AND scheme = 'all' AND dim IN (3, 7) {}ORDER BY dim")
+    set_to = c.execute(q.format("dim_moments_by_intervention", "AND intervention = 'mean' ")).fetchall()
+    corpus_mean = b.execute(q.format("dim_moments", "")).fetchall()
+    assert np.allclose([r[1] for r in set_to], [r[1] for r in corpus_mean], rtol=1e-6)
+    assert max(r[2] for r in set_to) < 1e-9 * max(r[2] for r in corpus_mean)  # every token holds the mean
+    layer1 = c.execute("SELECT mean FROM dim_moments_by_intervention WHERE intervention = 'away' AND layer = 1 AND "
+                       "scheme = 'all' ORDER BY dim").fetchall()
+    assert abs(np.array([r[0] for r in layer1]) @ u) < 1e-5 * np.linalg.norm(u)
+    other = [{"name": "m", "at": 1, "op": "mean", "dims": [3], "mean_from": str(plain.run_dir)}]
+    with pytest.raises(ConfigError, match="mean_from: .* is a run of another model"):
+        run_job(job_config(tiny_models["llama"], sample_corpus, tmp_path / "d", interventions=other, **over))
