@@ -22,6 +22,9 @@ INTERVENTION = "intervention"
 """With ``interventions:``: the column of a statistics table that names the pass its rows are of."""
 CLEAN = "none"
 """The ``intervention`` of the clean pass's rows (equal to a run without interventions)."""
+EFFECTS = "intervention_effects"
+"""With ``interventions:``: the table of each intervention's paired effects (its rows name the intervention, not a
+pass: shown whole by its name)."""
 BY_INTERVENTION_SUFFIX = "_by_intervention"
 """With ``interventions:``: a table or view ``t`` by its name holds the clean pass's rows, ``t + BY_INTERVENTION_SUFFIX``
 every pass's, with a leading ``intervention`` column (``actlake sql``, ``open_run``)."""

@@ -31,7 +31,7 @@ class BySource:
     def __init__(self, zero, split: bool = False, max_sources: int | None = None, parts: dict | None = None,
                  interventions: bool = False):
         self.zero, self.split, self.max_sources = zero, split, max_sources  # zero: the empty statistics (schema)
-        self.interventions = interventions
+        self.interventions = interventions and not getattr(zero, "labels_interventions", False)
         self.parts = dict(parts) if parts is not None else ({} if split else {(CLEAN, ALL): zero})
         if any(src != ALL for _, src in self.parts):  # a split run's ALL part is an empty shard's zero statistics
             self.parts = {k: v for k, v in self.parts.items() if k[1] != ALL}
@@ -83,8 +83,9 @@ class BySource:
             labelled = [((CLEAN, ALL), self.zero)]
         out: dict = {}
         for (iv, label), stats in labelled:
+            own = (INTERVENTION,) if getattr(self.zero, "labels_interventions", False) else ()
             for t, data in stats.to_tables().items():
-                for column in (SOURCE, INTERVENTION):
+                for column in (c for c in (SOURCE, INTERVENTION) if c not in own):
                     if column in data.column_names:
                         raise ConfigError(f"analyses: {self.name!r} writes a column {column!r} in its table {t!r}; "
                                           f"every statistics table gets that column from the engine: rename it")
@@ -97,7 +98,7 @@ class BySource:
         """The inverse of :meth:`to_tables` for ``analysis`` (a class): its statistics per label, the
         :data:`ALL` rows of a reduced table left out where labelled rows sum to them."""
         first = tables[analysis.tables[0]]
-        interventions = INTERVENTION in first.column_names
+        interventions = INTERVENTION in first.column_names and not getattr(analysis, "labels_interventions", False)
         keys = _keys(first, interventions)
         split = any(src != ALL for _, src in keys)
         if split:
@@ -129,7 +130,7 @@ def _keys(data: pa.Table, interventions: bool) -> list[tuple[str, str]]:
 
 def _of(data: pa.Table, key: tuple[str, str], interventions: bool) -> pa.Table:
     """One label's rows, without the label columns (a table without rows: all of it)."""
-    labels = [c for c in (SOURCE, INTERVENTION) if c in data.column_names]
+    labels = [c for c in (SOURCE, INTERVENTION) if c in data.column_names and (c == SOURCE or interventions)]
     if data.num_rows == 0:
         return data.drop_columns(labels)
     rows = pc.equal(data.column(SOURCE), key[1]) if SOURCE in data.column_names else None

@@ -18,6 +18,7 @@ from actlake.analysis.contributions import Contributions
 from actlake.analysis.dim_moments import DimMoments
 from actlake.analysis.documents import Documents, Rejects
 from actlake.analysis.geometry import Geometry
+from actlake.analysis.intervention_effects import InterventionEffects
 from actlake.analysis.protocol import PRODUCTS, SITES, Analysis, Producer, ShardTable
 from actlake.analysis.residual_norms import ResidualNorms
 from actlake.analysis.tokens import Tokens
@@ -32,7 +33,7 @@ def builtin() -> dict[str, type[Analysis]]:
 
 def builtin_producers() -> list[type[Producer]]:
     """Every built-in producer class, analyses first: what the report reads headlines and charts from."""
-    return list(builtin().values()) + [Documents, Rejects, Tokens, ResidualNorms, ActivationSample]
+    return list(builtin().values()) + [InterventionEffects, Documents, Rejects, Tokens, ResidualNorms, ActivationSample]
 
 
 TOGGLED_TABLES = (Tokens, ResidualNorms)
@@ -122,6 +123,7 @@ def custom(cfg) -> list[tuple[type[Producer], dict]]:
 def enabled(cfg) -> list[tuple[type[Analysis], dict]]:
     """(class, options) of every analysis a job's config turns on, built-ins first."""
     out = [(cls, options_of(cls, cfg.analyses.entry(name))) for name, cls in builtin().items() if is_on(cls, cfg)]
+    out += [(InterventionEffects, {})] * bool(getattr(cfg, "interventions", None))  # made from the passes' sums
     return out + [(cls, options) for cls, options in custom(cfg) if issubclass(cls, Analysis)]
 
 

@@ -29,7 +29,7 @@ from actlake.storage.readonly_fs import ReadOnlyFiles, url
 from actlake.storage.sql_process import MAX_TEMP_SIZE  # one default for open_run and actlake sql
 from actlake.storage.verified import verify_files
 from actlake.tables import ALL_SOURCES as ALL
-from actlake.tables import BY_INTERVENTION_SUFFIX, BY_SOURCE_SUFFIX, CLEAN, INTERVENTION, SOURCE
+from actlake.tables import BY_INTERVENTION_SUFFIX, BY_SOURCE_SUFFIX, CLEAN, EFFECTS, INTERVENTION, SOURCE
 
 
 def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
@@ -243,13 +243,13 @@ class _Run:
         split = bool((config.get("analyses") or {}).get("by_source"))
         self.passes = [CLEAN] + [iv.get("name") for iv in config.get("interventions") or []] if config.get(
             "interventions") else []
-        self.full = {t: self.tables[t] for t in sorted(reduced)} if self.passes else {}
+        self.full = {t: self.tables[t] for t in sorted(reduced) if t != EFFECTS} if self.passes else {}
         """With interventions: each reduced table's every row (every pass, every source)."""
         labelled = {}
         for t in sorted(reduced):
             if split and not is_table_name(t + BY_SOURCE_SUFFIX) or t + BY_SOURCE_SUFFIX in self.tables:
                 raise StorageError(f"{self.layout.root}: table {t!r} has no free name for its rows by source")
-            clean = _clean_pass(self.tables[t]) if self.passes else self.tables[t]
+            clean = _clean_pass(self.tables[t]) if t in self.full else self.tables[t]
             if split:
                 labelled[t] = self.tables[t + BY_SOURCE_SUFFIX] = clean
             self.tables[t] = f"SELECT * FROM ({clean}) WHERE {SOURCE} = {_quote(ALL)}"

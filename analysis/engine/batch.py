@@ -101,6 +101,9 @@ class BatchResult:
     edited: dict = field(default_factory=dict)
     """{intervention: {name: Analysis}}: the statistics of the batch run under each intervention (the clean
     pass's are :attr:`stats`)."""
+    window_sums: dict = field(default_factory=dict)
+    """With interventions, {pass: (sums, counts)}: (B, K) host arrays per window
+    (:mod:`~actlake.analysis.engine.window_summary`), the clean pass's under ``none``."""
 
     @property
     def batch(self) -> list[Window]:

@@ -33,11 +33,13 @@ from actlake.analysis.engine.layer_replay import LayerReplay
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.engine.selfcheck import SelfCheck
 from actlake.analysis.engine.surprisal import token_surprisal
+from actlake.analysis.engine.window_summary import WindowSums, token_kl
 from actlake.batching import Window, collate
 from actlake.categories import ROLE, Categorizer, one_hot
 from actlake.config import JobConfig
 from actlake.errors import ActlakeError, AnalysisError, ConfigError
 from actlake.model import LoadedModel
+from actlake.tables import CLEAN
 
 log = logging.getLogger("actlake.extract")
 
@@ -133,44 +135,59 @@ class ForwardPass:
         ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)  # (B, T)
         role, type8 = self.cats.batch(ids.numpy(), mask.sum(1).numpy())  # (B, T) category ids, 0 on padding
         clean = self._pass(batch, ids, mask, role, type8, strict, tables=True)
-        stats, parts, recorder, out, checks, devices, check = clean
+        stats, parts, recorder, out, checks, devices, check, sums = clean
         surprisal = None
         if self.lm.lm_head is not None:
             surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask,
                                                 transform=self.lm.logit_transform))
         if check is not None:
             self._finish_check(check, recorder, surprisal, ids, mask)
-        edited, keep = {}, [recorder]
+        edited, keep, window_sums = {}, [recorder], {}
+        if self.interventions:
+            window_sums[CLEAN] = sums.sums(surprisal, None)
         for iv in self.interventions:
             select = iv.selected(to_device(mask.bool(), self.lm.device), to_device(role, self.lm.device))
             with Editing(self.lm.model, self.lm.family, iv, select):
-                e_stats, _, e_recorder, _, e_checks, e_devices, _ = self._pass(batch, ids, mask, role, type8, strict)
+                e_stats, _, e_recorder, e_out, e_checks, e_devices, _, e_sums = self._pass(batch, ids, mask, role,
+                                                                                           type8, strict)
             edited[iv.name], checks, devices = e_stats, checks + e_checks, devices | e_devices
             keep.append(e_recorder)
-        result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), stats, parts, edited)
+            e_surprisal = kl = None
+            if self.lm.lm_head is not None:
+                h = e_out.last_hidden_state
+                e_surprisal = token_surprisal(self.lm.lm_head, h, ids, mask, transform=self.lm.logit_transform)
+                kl = token_kl(self.lm.lm_head, out.last_hidden_state, h, mask, transform=self.lm.logit_transform)
+            window_sums[iv.name] = e_sums.sums(e_surprisal, kl)
+        result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), stats, parts, edited,
+                             window_sums)
         # the recorders (their layer graphs, the buffers replays read) live until the batch is waited for
         return Launched(batch, result, DeviceChecks(self.lm.device, checks, devices), keep)
 
     def _pass(self, batch, ids, mask, role, type8, strict: bool, tables: bool = False):
         """One forward pass over a batch with every analysis hooked in (and the token tables with ``tables``):
         (statistics, token table parts, the recorder, the model's output, device checks, devices, the
-        self-check or None)."""
+        self-check or None, the per-window sums of :mod:`.window_summary` with interventions or None)."""
         a = self.cfg.analyses
         stats = self.new_stats()
         parts = {cls.tables[0]: cls.create(self.spec, **options) for cls, options in self.token_tables} if tables else {}
         dev = self.lm.device
         producers = list(stats.values()) + list(parts.values())
         attention = [x for x in producers if "attention" in x.sites]
+        check = self._self_check(attention) if tables else None
+        sums = WindowSums(self.spec, mask) if self.interventions else None  # for the paired effects
+        if sums is not None:
+            producers.append(sums)
+            attention.append(sums)
         sink = HiddenSink([x for x in producers if "hidden_states" in x.sites],
                           HiddenBatch(mask, role, type8, strict, self.triton, batch))
-        check = self._self_check(attention) if tables else None
         with contextlib.ExitStack() as stack:
             inputs = stack.enter_context(self.inputs) if any("layer_inputs" in x.sites for x in attention) else None
             recorder = AttentionRecorder(self.mqk, mask, one_hot(role, len(ROLE), mask), [x.add_layer for x in attention],
                                          inputs=inputs, needs=frozenset().union(*(x.products for x in attention)), method=a.attention_weights,
                                          strict=strict, on_excluded=[x.nonfinite_excluded for x in attention],
                                          triton=self.triton,
-                                         replay=LayerReplay(attention) if self.layer_graphs and not strict and attention else None)
+                                         replay=LayerReplay(attention) if self.layer_graphs and not strict and attention
+                                         and sums is None else None)
             recorder.check = check
             if attention:
                 stack.enter_context(capture.recording(recorder))
@@ -181,7 +198,7 @@ class ForwardPass:
             if sink.readers:
                 self.stream.last(out.last_hidden_state)
         checks = [] if strict else recorder.problems() + [t for x in producers for t in x.problems()]
-        return stats, parts, recorder, out, checks, set(sink.devices), check
+        return stats, parts, recorder, out, checks, set(sink.devices), check, sums
 
     def _self_check(self, attention: list):
         """A :class:`SelfCheck` for this worker's first batch (``analyses.self_check``), else None."""

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
+
+import numpy as np
 import time
 from collections import Counter
 
 from actlake.analysis.by_source import BySource, check_labels
 from actlake.analysis.engine.batch import BatchResult
 from actlake.analysis.engine.forward import ForwardPass
+from actlake.analysis.intervention_effects import InterventionEffects
 from actlake.analysis.registry import custom_views, enabled, producer_views, shard_tables
 from actlake.batching import make_batches
 from actlake.config import JobConfig
@@ -40,7 +43,9 @@ class Extractor:
         tables = shard_tables(cfg)
         self.reading = [(c, o) for c, o in tables if c.of_reading]  # documents, rejects
         self.token_tables = [(c, o) for c, o in tables if not c.of_reading]  # made batch by batch
-        self.forward = ForwardPass(cfg, lm, enabled(cfg), self.token_tables, resolve_interventions(cfg, lm.model.config))
+        self.interventions = resolve_interventions(cfg, lm.model.config)
+        passes = [(c, o) for c, o in enabled(cfg) if c.sites]  # intervention_effects reads the passes' window sums
+        self.forward = ForwardPass(cfg, lm, passes, self.token_tables, self.interventions)
         self.producers = self.forward.producers + [c for c, _ in self.reading]
         self.views_to_check = [c for c in self.producers if getattr(c, "views", None)] if custom_views(self.producers) else []
         """Every producer's views, while a custom one declares views none has run: they run over the first shard."""
@@ -58,7 +63,12 @@ class Extractor:
         a = self.cfg.analyses
         stats = {name: BySource(zero, a.by_source, a.max_sources, interventions=bool(self.cfg.interventions))
                  for name, zero in self.forward.new_stats().items()}
-        return ShardResults(stats, on_batch, docs_per_window)
+        effects = None
+        if self.interventions:
+            effects = InterventionEffects.create(self.forward.spec, self.lm.lm_head is not None,
+                                                 tuple(iv.name for iv in self.interventions))
+            stats[effects.name] = BySource(effects, a.by_source, a.max_sources)
+        return ShardResults(stats, on_batch, docs_per_window, effects)
 
     def process(self, shard: Shard, layout: RunLayout, group, compute_lock=None, on_batch=None) -> dict:
         """Run one shard: its tables go into their tables (not yet committed), its statistics into ``group``,
@@ -81,6 +91,7 @@ class Extractor:
             splits_before = self.forward.oom_splits
             for result in self.forward.run(batches):
                 acc.add(result)
+            acc.finish()
             splits = self.forward.oom_splits - splits_before
             compute_s = time.perf_counter() - t1
         files = ShardFiles(layout, shard.shard_id)
@@ -123,8 +134,13 @@ class Extractor:
 class ShardResults:
     """A shard's finished batches: the analyses' statistics merged, the token tables' parts kept for writing."""
 
-    def __init__(self, stats: dict, on_batch=None, docs_per_window: float = 0.0):
+    def __init__(self, stats: dict, on_batch=None, docs_per_window: float = 0.0, effects=None):
         self.stats = stats  # {name: BySource}
+        self.effects = effects
+        """With interventions: the empty :class:`~actlake.analysis.intervention_effects.InterventionEffects`;
+        :meth:`finish` fills ``stats[effects.name]`` from the windows' sums gathered in :attr:`sums`."""
+        self.sums: dict[str, list] = {}  # pass -> [(sums, counts)] per batch
+        self.windows: list = []
         self.parts: dict[str, list] = {}
         self.n_tokens = self.n_padded = 0
         self.on_batch, self.docs_per_window = on_batch, docs_per_window
@@ -142,5 +158,34 @@ class ShardResults:
         for table, part in r.parts.items():
             part.collect(r.outputs)
             self.parts.setdefault(table, []).append(part)
+        if r.window_sums:
+            self.windows += r.batch
+            for name, arrays in r.window_sums.items():
+                self.sums.setdefault(name, []).append(arrays)
         if self.on_batch is not None:
             self.on_batch(len(lengths) * self.docs_per_window, sum(lengths))
+
+    def finish(self) -> None:
+        """The shard's paired effects: each document's mean of each quantity per pass (its windows' sums over
+        their counts), edited - clean, added to ``intervention_effects`` under the document's source label."""
+        if self.effects is None or not self.windows:
+            return
+        acc = self.stats[self.effects.name]
+        keys = [(acc.label_of([w]), w.doc_id) for w in self.windows]
+        docs = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        row = np.array([docs[k] for k in keys])
+        means = {}
+        for name, parts in self.sums.items():
+            total = np.zeros((len(docs), parts[0][0].shape[1]))
+            count = np.zeros_like(total)
+            np.add.at(total, row, np.concatenate([p[0] for p in parts]))
+            np.add.at(count, row, np.concatenate([p[1] for p in parts]))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                means[name] = np.where(count > 0, total / count, np.nan)  # (D, K)
+        labels = np.array([label for label, _ in docs])
+        for label in dict.fromkeys(labels.tolist()):
+            part, of = self.effects, labels == label
+            for i, name in enumerate(self.effects.names):
+                part = part.add_documents(i, means[CLEAN][of], means[name][of])
+            acc.add(label, part)
+        self.sums, self.windows = {}, []

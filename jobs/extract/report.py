@@ -77,14 +77,15 @@ def build_report(run_dir: str | Path, analyses=None) -> Path:
     ``analyses``: the classes whose charts to draw (the job passes its enabled ones, custom analyses
     included); default the built-in ones. ``actlake report`` never imports code named in a run folder.
     """
-    from actlake.analysis.registry import builtin, builtin_producers
+    from actlake.analysis.registry import builtin_producers
 
     if sweep_checkpoints(location(run_dir)) is not None:
         return build_sweep_report(run_dir)
     layout, con = open_for_report(run_dir, ("documents",), "no committed shard to report on (did the job run?)")
     shard_tables = [cls for cls in builtin_producers() if cls.per_token]
     try:
-        blocks = _blocks(con, (list(builtin().values()) if analyses is None else list(analyses)) + shard_tables)
+        every = [cls for cls in builtin_producers() if not cls.per_token]  # built-in analyses, and interventions'
+        blocks = _blocks(con, (every if analyses is None else list(analyses)) + shard_tables)
         if len(source_labels(con)) > 1:  # analyses.by_source: the headline statistics, a line per source
             blocks += comparison_blocks(con, series="source")
         nonfinite = _nonfinite(con, builtin_producers())

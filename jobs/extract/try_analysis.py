@@ -57,6 +57,7 @@ def try_analysis(target: str, texts: list[str], model: str = DEFAULT_MODEL, path
         acc = ex.shard_results()
         for result in ex.forward.run(make_batches(windows, cfg.batching)):
             acc.add(result)
+        acc.finish()
         out = {}
         for stats in acc.stats.values():
             out.update(stats.to_tables())

@@ -24,19 +24,23 @@ SHIFT = {"name": "shift", "at": [1, 3], "op": "add", "dims": [0, 5], "value": 2.
 IDENTITY = {"name": "identity", "at": 1, "op": "scale", "dims": [2, 4], "value": 1.0}
 
 
-def _extract(model, tmp_path, interventions):
-    """Every statistics table of TEXTS run in process (the worker's Extractor), with ``interventions``."""
+def _extract(model, tmp_path, interventions, split: int = 48, lm_head=False, max_tokens: int = 512):
+    """Every statistics table of TEXTS run in process (the worker's Extractor), with ``interventions``; a text's
+    windows are its first 48 tokens cut every ``split`` tokens."""
     from actlake.jobs.extract.driver import Extractor
     from actlake.model import load_model
 
     cfg = job_config(model, tmp_path, tmp_path / "runs", **{"model.dtype": "float32", "interventions": interventions,
-                                                            "analyses.self_check": False})
-    ex = Extractor(cfg, load_model(cfg.model))
+                                                            "analyses.self_check": False,
+                                                            "batching.max_tokens": max_tokens})
+    ex = Extractor(cfg, load_model(cfg.model, lm_head=lm_head))
     tok = ex.lm.tokenizer
-    windows = [Window(i, 0, tok(t)["input_ids"][:48], "text") for i, t in enumerate(TEXTS)]
+    windows = [Window(i, w, ids[s:s + split], "text") for i, t in enumerate(TEXTS)
+               for ids in [tok(t)["input_ids"][:48]] for w, s in enumerate(range(0, len(ids), split))]
     acc = ex.shard_results()
     for result in ex.forward.run(make_batches(windows, cfg.batching)):
         acc.add(result)
+    acc.finish()
     return {t: data for s in acc.stats.values() for t, data in s.to_tables().items()}, windows, tok
 
 
@@ -101,6 +105,11 @@ def test_scale_1_is_the_clean_pass_and_the_clean_rows_are_a_run_without_interven
     model = deep_tiny_models["llama"]
     tables, *_ = _extract(model, tmp_path, [IDENTITY, SHIFT])
     plain, *_ = _extract(model, tmp_path, [])
+    effects = tables.pop("intervention_effects").to_pandas()
+    assert set(effects.intervention) == {"identity", "shift"}
+    same = effects[effects.intervention == "identity"]
+    assert (same.diff_mean == 0).all() and (same.ci_low == 0).all() and (same.ci_high == 0).all()  # scale 1: [0, 0]
+    assert same.n_docs.min() == len(TEXTS)
     for name, table in tables.items():
         assert set(pc.unique(table["intervention"]).to_pylist()) == {"none", "identity", "shift"}, name
         clean, same = _rows(table, "none"), _rows(table, "identity")
@@ -166,6 +175,11 @@ def test_a_job_with_interventions_reduces_each_pass_and_sql_shows_them_apart(tin
                        "ORDER BY ALL", ["identity"]).fetchall() if not name.endswith("_by_source") else None
         if by is not None:
             assert by == [r for r in b.execute(q).fetchall() if r[0] == "*"], name
+    fx = a.execute("SELECT intervention, max(abs(diff_mean)), max(abs(ci_low)) + max(abs(ci_high)), min(n_docs), "
+                   "max(n_docs), count(DISTINCT source) FROM intervention_effects GROUP BY 1 ORDER BY 1").fetchall()
+    assert fx[0][:5] == ("identity", 0.0, 0.0, 20, 20) and fx[1][0] == "zero" and fx[1][1] > 0  # scale 1: [0, 0]
+    assert fx[0][5] == 1  # by its name, the rows over every document
+    assert a.execute("SELECT count(DISTINCT source) FROM intervention_effects_by_source").fetchone()[0] > 2
     passes = a.execute("SELECT DISTINCT intervention FROM outliers_by_intervention ORDER BY 1").fetchall()
     assert [p for (p,) in passes] == ["identity", "none", "zero"]
     zeroed = a.execute("SELECT max(abs(mean)) FROM dim_moments_by_intervention WHERE intervention = 'zero' AND "
@@ -191,3 +205,71 @@ def test_a_job_with_interventions_reduces_each_pass_and_sql_shows_them_apart(tin
     other = [{"name": "m", "at": 1, "op": "mean", "dims": [3], "mean_from": str(plain.run_dir)}]
     with pytest.raises(ConfigError, match="mean_from: .* is a run of another model"):
         run_job(job_config(tiny_models["llama"], sample_corpus, tmp_path / "d", interventions=other, **over))
+
+
+def _per_document(model, windows, tok, iv):
+    """float64 transformers, clean and with a hand-written hook zeroing ``iv``'s dims at its hidden state: per
+    document (its windows pooled) the mean mass per (layer, head, key role), the mean surprisal and the mean
+    KL(clean || edited) of the next-token distributions."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=torch.float64).eval()
+    roles, dims = Categorizer(tok), torch.tensor(iv["dims"])
+
+    def edit_hook(module, args, output):
+        h = (output[0] if isinstance(output, tuple) else output).clone()
+        h[..., dims] = 0.0
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    docs: dict = {}
+    for w in windows:
+        ids = torch.tensor([w.ids])
+        role, _ = roles.batch(ids.numpy(), np.array([len(w.ids)]))
+        onehot = torch.nn.functional.one_hot(torch.as_tensor(role[0]).long(), len(ROLE)).double()  # (T, C)
+        outs = []
+        for edited in (False, True):
+            handle = m.model.layers[iv["at"] - 1].register_forward_hook(edit_hook) if edited else None
+            with torch.no_grad():
+                outs.append(m(input_ids=ids, output_attentions=True))
+            if handle:
+                handle.remove()
+        d = docs.setdefault(w.doc_id, {"n": 0, "ns": 0, "mass": [0, 0], "s": [0, 0], "kl": 0})
+        lp = [torch.log_softmax(o.logits[0, :-1], -1) for o in outs]  # (T-1, V)
+        for k, o in enumerate(outs):
+            d["mass"][k] = d["mass"][k] + (torch.stack(o.attentions)[:, 0].sum(2) @ onehot).numpy()  # (L, H, C)
+            d["s"][k] += float(-lp[k].gather(1, ids[0, 1:, None]).sum())
+        d["kl"] += float((lp[0].exp() * (lp[0] - lp[1])).sum())
+        d["n"], d["ns"] = d["n"] + len(w.ids), d["ns"] + len(w.ids) - 1
+    return docs
+
+
+def test_intervention_effects_equal_a_paired_t_interval_over_documents_from_transformers(deep_tiny_models, tmp_path):
+    """Documents of two windows each (pooled before differencing), in batches that mix them: the effects table's
+    mean difference and interval equal scipy's paired t test over float64 transformers' per-document values, for
+    attention mass, surprisal and KL."""
+    from scipy import stats
+
+    model = deep_tiny_models["llama"]
+    tables, windows, tok = _extract(model, tmp_path, [ZERO], split=20, lm_head=True, max_tokens=48)
+    assert len({w.doc_id for w in windows}) < len(windows)  # some documents have two windows
+    docs = _per_document(model, windows, tok, ZERO)
+    fx = tables["intervention_effects"].to_pandas()
+    assert set(fx.intervention) == {"zero"} and (fx.n_docs.max() == len(docs))
+
+    def check(quantity, per_doc, **where):
+        row = fx[(fx.quantity == quantity) & np.logical_and.reduce([fx[k] == v for k, v in where.items()] or [True])]
+        clean, edited = np.array([per_doc(d, 0) for d in docs.values()]), np.array([per_doc(d, 1) for d in docs.values()])
+        ci = stats.ttest_rel(edited, clean).confidence_interval(0.95)
+        (r,) = row.itertuples()
+        assert r.n_docs == len(docs)
+        assert r.diff_mean == pytest.approx((edited - clean).mean(), rel=1e-5, abs=1e-7), (quantity, where)
+        assert (r.ci_low, r.ci_high) == pytest.approx((ci.low, ci.high), rel=1e-4, abs=1e-6), (quantity, where)
+        assert r.clean_mean == pytest.approx(clean.mean(), rel=1e-5, abs=1e-7)
+
+    for layer, head, cat in [(1, 0, "bos"), (2, 1, "bos"), (3, 3, "other"), (3, 0, "period")]:
+        check("attention_mass", lambda d, k: d["mass"][k][layer, head, ROLE.index(cat)] / d["n"],
+              layer=layer, head=head, key_category=cat)
+    check("surprisal", lambda d, k: d["s"][k] / d["ns"])
+    check("kl_divergence", lambda d, k: d["kl"] / d["ns"] * k)  # the clean pass's KL from itself is 0
+    assert fx[(fx.quantity == "attention_mass") & (fx.layer < 2)].diff_mean.abs().max() == 0.0  # before the edit
+    assert fx[fx.quantity == "kl_divergence"].diff_mean.iloc[0] > 0
