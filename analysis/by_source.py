@@ -32,7 +32,8 @@ class BySource:
                  interventions: bool = False):
         self.zero, self.split, self.max_sources = zero, split, max_sources  # zero: the empty statistics (schema)
         self.interventions = interventions and not getattr(zero, "labels_interventions", False)
-        self.parts = dict(parts) if parts is not None else ({} if split else {(CLEAN, ALL): zero})
+        self.parts = ({(k if isinstance(k, tuple) else (CLEAN, k)): v for k, v in parts.items()}  # a source label
+                      if parts is not None else ({} if split else {(CLEAN, ALL): zero}))  # alone: the clean pass's
         if any(src != ALL for _, src in self.parts):  # a split run's ALL part is an empty shard's zero statistics
             self.parts = {k: v for k, v in self.parts.items() if k[1] != ALL}
 

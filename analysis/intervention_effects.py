@@ -1,7 +1,7 @@
 """Each intervention's effect, paired by document, with a 95 % confidence interval (issue 51, METHODS.md §7).
 
 Every batch runs clean and under each intervention (``interventions:``); each pass sums, per window, the attention
-mass each key role takes per layer and head, the residual norm per hidden state, and for causal LMs the surprisal and
+mass each key role takes per layer and head (and its mean over heads: head -1), the residual norm per hidden state, and for causal LMs the surprisal and
 the KL divergence of the edited next-token distributions from the clean ones
 (:mod:`~actlake.analysis.engine.window_summary`). At the end of a shard each document's mean of each quantity is
 formed per pass (its windows' sums over their counts), and the paired difference d = edited - clean is added to a
@@ -107,7 +107,7 @@ class InterventionEffects(OneTable, Analysis):
         rows = list(zip(*(t[k].to_pylist() for k in KEYS)))
         K = len(rows) // max(len(names), 1)
         shape = (len(names), K)
-        get = lambda c: t[c].to_numpy().astype(float).reshape(shape)  # noqa: E731
+        get = lambda c: t[c].to_numpy().astype(float).reshape(shape)
         return cls(names, tuple(rows[:K]), get("n_docs"), get("clean_sum"), get("edited_sum"), get("diff_mean"),
                    get("diff_m2"))
 
@@ -117,7 +117,7 @@ class InterventionEffects(OneTable, Analysis):
 
         df = con.execute(f"""
             SELECT intervention, layer, head, diff_mean, ci_low, ci_high, n_docs FROM intervention_effects
-            WHERE quantity = '{MASS}' AND key_category = 'bos' AND n_docs > 0 ORDER BY ALL""").df()
+            WHERE quantity = '{MASS}' AND key_category = 'bos' AND head >= 0 AND n_docs > 0 ORDER BY ALL""").df()
         blocks = []
         if len(df):
             base = alt.Chart(df).encode(x=alt.X("layer:O", title="layer"), xOffset="head:N",

@@ -20,8 +20,9 @@ MASS, NORM, SURPRISAL, KL = "attention_mass", "residual_norm", "surprisal", "kl_
 
 def cells(attention_layers: tuple[int, ...], n_heads: int, n_hidden: int, causal: bool) -> list[tuple]:
     """(quantity, layer, head, key_category) of each column of a window's sums: attention mass per attention
-    layer, head and key role; residual norm per hidden state (head -1); surprisal and KL (layer and head -1)."""
-    out = [(MASS, la, h, c) for la in attention_layers for h in range(n_heads) for c in ROLE]
+    layer, head (and head -1: the mean over heads) and key role; residual norm per hidden state (head -1);
+    surprisal and KL (layer and head -1)."""
+    out = [(MASS, la, h, c) for la in attention_layers for h in [*range(n_heads), -1] for c in ROLE]
     out += [(NORM, la, -1, "") for la in range(n_hidden)]
     return out + ([(SURPRISAL, -1, -1, ""), (KL, -1, -1, "")] if causal else [])
 
@@ -38,7 +39,7 @@ class WindowSums:
     def __init__(self, spec, mask: torch.Tensor):
         B = mask.shape[0]
         self.layers = {la: i for i, la in enumerate(spec.attention_layers)}
-        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=spec.device)  # noqa: E731
+        z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=spec.device)
         self.mass = z(B, len(self.layers), spec.n_heads, len(ROLE))  # (B, L_att, H, C)
         self.norm = z(B, spec.n_layers + 1)  # (B, L+1)
         self.valid = to_device(mask, spec.device).double()  # (B, T)
@@ -61,7 +62,8 @@ class WindowSums:
         token, NaN where not scored (None for an encoder; ``kl`` zeros for the clean pass)."""
         B = self.mass.shape[0]
         n_valid = self.valid.sum(1, keepdim=True)  # (B, 1)
-        parts = [self.mass.reshape(B, -1), self.norm]
+        mass = torch.cat([self.mass, self.mass.mean(2, keepdim=True)], 2)  # (B, L_att, H + 1, C): and over heads
+        parts = [mass.reshape(B, -1), self.norm]
         counts = [n_valid.expand(B, parts[0].shape[1]), n_valid.expand(B, parts[1].shape[1])]
         if surprisal is not None:
             s = surprisal.to(self.valid.device).double()

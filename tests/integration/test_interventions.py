@@ -269,6 +269,8 @@ def test_intervention_effects_equal_a_paired_t_interval_over_documents_from_tran
     for layer, head, cat in [(1, 0, "bos"), (2, 1, "bos"), (3, 3, "other"), (3, 0, "period")]:
         check("attention_mass", lambda d, k: d["mass"][k][layer, head, ROLE.index(cat)] / d["n"],
               layer=layer, head=head, key_category=cat)
+    check("attention_mass", lambda d, k: d["mass"][k][2, :, ROLE.index("bos")].mean() / d["n"],
+          layer=2, head=-1, key_category="bos")  # the mean over heads
     check("surprisal", lambda d, k: d["s"][k] / d["ns"])
     check("kl_divergence", lambda d, k: d["kl"] / d["ns"] * k)  # the clean pass's KL from itself is 0
     assert fx[(fx.quantity == "attention_mass") & (fx.layer < 2)].diff_mean.abs().max() == 0.0  # before the edit

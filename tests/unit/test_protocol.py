@@ -132,15 +132,15 @@ def test_statistics_by_source_round_trip_and_their_total_is_the_merge_of_every_l
     reduced = split.to_tables(with_total=True)
     assert set(reduced[cls.tables[0]].column("source").to_pylist()) == {"code", "prose", ALL}
     back = BySource.from_tables(cls, reduced)  # the '*' rows are left out: they are the labels' sum
-    assert sorted(back.parts) == ["code", "prose"]
+    assert sorted(back.parts) == [("none", "code"), ("none", "prose")]  # (intervention, source): the clean pass
     whole = parts["code"].merge(parts["prose"])
     total = BySource.from_tables(cls, {t: d.filter(pc.equal(d.column("source"), ALL)) for t, d in reduced.items()})
     for key, value in _tensors(whole).items():
-        torch.testing.assert_close(_tensors(total.parts[ALL])[key], value, rtol=1e-12, atol=1e-12, msg=key)
+        torch.testing.assert_close(_tensors(total.parts["none", ALL])[key], value, rtol=1e-12, atol=1e-12, msg=key)
     more = back.merge(BySource(cls.create(SPEC), split=True, parts={"prose": _filled(cls, 5), "web": _filled(cls, 6)}))
-    assert sorted(more.parts) == ["code", "prose", "web"]
+    assert sorted(src for _, src in more.parts) == ["code", "prose", "web"]
     for key, value in _tensors(parts["prose"].merge(_filled(cls, 5))).items():
-        torch.testing.assert_close(_tensors(more.parts["prose"])[key], value, rtol=1e-12, atol=1e-12, msg=key)
+        torch.testing.assert_close(_tensors(more.parts["none", "prose"])[key], value, rtol=1e-12, atol=1e-12, msg=key)
     plain = BySource(cls.create(SPEC))  # without by_source: one label, '*', and no extra rows
     assert set(plain.to_tables(with_total=True)[cls.tables[0]].column("source").to_pylist()) == {ALL}
     with pytest.raises(ConfigError, match=r"analyses.max_sources: .* 3 source labels \(code, prose, web\)"):
