@@ -116,8 +116,8 @@ FAMILIES = (
     Family("phi", ("phi",), refuse_if=(("qk_layernorm", "q/k LayerNorm (qk_layernorm: true)"),)),
     Family("stablelm", ("stablelm",), refuse_if=(("qk_layernorm", "per-head q/k LayerNorm (qk_layernorm: true)"),)),
     Family("phi3", ("phi3",), key="self_attn.qkv_proj", qkv="stacked"),
-    Family("cohere", ("cohere",), rope="interleaved", logits=("multiply:logit_scale",),
-           refuse_if=(("use_qk_norm", "q/k LayerNorm (use_qk_norm: true)"),)),
+    Family("cohere", ("cohere",), rope="interleaved", logits=("multiply:logit_scale",), key_norm="self_attn.k_norm"),
+    # use_qk_norm: a LayerNorm per head (no bias), its centring folded into W_K (norm_affine)
     Family("cohere2", ("cohere2",), rope="interleaved", rope_layers="sliding", logits=("multiply:logit_scale",)),
     Family("gemma2", ("gemma2",), logits=("softcap:final_logit_softcapping",)),
     Family("qk_norm", ("qwen3", "qwen3_moe", "olmo2", "olmoe", "olmo3", "apertus", "apertus1p5_text"),
@@ -132,6 +132,8 @@ FAMILIES = (
     Family("gpt_oss", ("gpt_oss",), rope="half_narrow"),  # learned sinks: read from the kernel call (capture.py)
     Family("llama4_text", ("llama4_text",), rope="complex", rope_layers="no_rope_layers", key_norm="self_attn.qk_norm"),
     # the L2 q/k norm (no gain) on its RoPE layers only, after the rotation it commutes with; chunked attention: below
+    Family("assistant", ("gemma4_assistant", "gemma4_unified_assistant"), refuse="a drafter (assistant) model attends "
+           "to its target model's keys and values (shared_kv_states), which a run of the drafter alone does not have"),
 )
 
 
@@ -156,6 +158,9 @@ def check_config(config) -> Family:
     """The family of a transformers config, or a one-line ModelLoadError naming the model type and the feature
     that is not modelled (a refused family, a refused config attribute). Sliding windows need no declaring: the
     kernel is handed each layer's window, and the statistics count the pairs it attends."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    check_heads(text)
+    check_streams(text)
     if declared(config.model_type) is None:
         from actlake.discovery import discover
 
@@ -171,9 +176,88 @@ def check_config(config) -> Family:
     return fam
 
 
+def global_attr(config, name: str, default=None):
+    """``config.name``, or ``default``; for a heterogeneous config (transformers' ``per_layer_config``) the global
+    value, which reading the attribute itself refuses when some layers override it."""
+    read = getattr(config, "_getattr_without_heterogeneous_validation", None)
+    if read is not None:
+        return read(name, default)
+    return getattr(config, name, default)
+
+
+def layer_config(config, block, family: Family):
+    """The config of one block: ``config.per_layer_config[i]`` for a heterogeneous config (layers that override
+    ``kv_lora_rank``, head widths, windows), ``i`` the block's attention module's ``layer_idx``; else ``config``."""
+    if not getattr(config, "is_heterogeneous", False):
+        return config
+    i = getattr(get_path(block, family.attention), "layer_idx", None)
+    return config if i is None else config.per_layer_config[i]
+
+
+def check_heads(config) -> None:
+    """Query heads that differ between layers (a per-layer list of head counts, a count for some layers only, a
+    ``per_layer_config`` override) are refused by name: every attention table has one row per head of every layer."""
+    h = global_attr(config, "num_attention_heads")
+    counts = {}
+    for k, v in vars(config).items():
+        if "attention_heads" in k and k != "num_attention_heads":
+            for n in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(n, int) and not isinstance(n, bool) and n != h:
+                    counts.setdefault(k, n)
+    if getattr(config, "is_heterogeneous", False):
+        for i, o in config._heterogeneity_spec.per_layer_overrides.items():
+            if o.get("num_attention_heads", h) != h:
+                counts.setdefault(f"per_layer_config[{i}].num_attention_heads", o["num_attention_heads"])
+    if h is not None and counts:
+        k, n = next(iter(counts.items()))
+        raise ModelLoadError(f"model_type {config.model_type!r} is not supported: its layers have different numbers of "
+                             f"query heads (num_attention_heads {h}, {k} {n}), which the per-head tables (the same "
+                             "heads in every layer) do not model yet")
+
+
+STREAMS = ("altup_num_inputs", "hc_mult", "hc_count")
+"""Config attributes that give each token several residual streams (Gemma 3n's AltUp, hyper-connections)."""
+LOOPS = ("n_recurrent_loops",)
+"""Config attributes that run layers several times per forward pass (Dory's recurrent depth)."""
+
+
+def check_streams(config) -> None:
+    """Refused by name: several residual streams per token (:data:`STREAMS` above 1: the per-token hidden-state
+    statistics assume one vector per token) and clipped q/k/v (``clip_qkv``: k = clamp(x W_K), which the contributions,
+    a sum over x's dimensions, do not model)."""
+    what = f"model_type {config.model_type!r}"
+    for attr in STREAMS:
+        n = global_attr(config, attr)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            raise ModelLoadError(f"{what} is not supported: {attr} {n} gives each token {n} residual streams, which "
+                                 "the per-token statistics (one hidden state per token) do not model yet")
+    for attr in LOOPS:
+        n = global_attr(config, attr)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            raise ModelLoadError(f"{what} is not supported: {attr} {n} runs the same layers {n} times per forward "
+                                 "pass, which the per-layer statistics (one call per attention layer) do not model yet")
+    clip = global_attr(config, "clip_qkv") or getattr(global_attr(config, "attn_config"), "clip_qkv", None)
+    if clip:
+        raise ModelLoadError(f"{what} with clip_qkv: {clip!r} is not supported: clipped q/k/v (k = clamp(x W_K)) is "
+                             "not modelled by the contributions yet")
+
+
+INDEXERS = ("index_topk", "indexer_budget")
+"""Config attributes of a learned indexer that lets each query attend to that many keys only (DeepSeek V3.2's sparse
+attention, Qwen4-Exp's QSA): exact while a window holds no more tokens."""
+
+
 def check_chunks(config, max_length: int) -> None:
     """Chunked attention (Llama 4: queries see only keys of their own chunk of ``attention_chunk_size`` tokens) is
-    not modelled: refused by name when a window is longer than a chunk (shorter windows never cross one)."""
+    not modelled: refused by name when a window is longer than a chunk (shorter windows never cross one). The same
+    for a sparse attention's learned indexer (:data:`INDEXERS`): a window longer than the keys it keeps is refused
+    (shorter ones attend to every key, like dense attention)."""
+    for attr in INDEXERS:
+        top = global_attr(config, attr)
+        if isinstance(top, int) and max_length > top:
+            raise ModelLoadError(f"model_type {config.model_type!r} with {attr} {top} and tokenization.max_length "
+                                 f"{max_length}: sparse attention (each query attends to the {top} keys its indexer "
+                                 f"picks) is not modelled yet; set tokenization.max_length to {top} or less")
     chunk = getattr(config, "attention_chunk_size", None)
     chunked = any("chunked" in str(t) for t in getattr(config, "layer_types", None) or ["chunked_attention"])
     if chunk and chunked and max_length > chunk:
@@ -218,6 +302,7 @@ def blocks(base_model, family: Family):
 def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple:
     """The key path of one block as (W_K (H_kv, d, d_h), b_K (H_kv, d_h) or None), in float32, with the key
     norm's gain folded in (W_K g, b_K g). Head counts and width come from the kernel's q and k."""
+    config = layer_config(config, block, family)
     if family.latent is not None:
         return latent_key_weights(block, family, config, n_kv_heads, head_dim)
     mod = get_path(block, family.key)
@@ -241,10 +326,26 @@ def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, he
                              f"({n_kv_heads} heads of {head_dim}): the declared qkv layout {layout!r} is wrong")
     wk = w.reshape(n_kv_heads, head_dim, -1).transpose(1, 2).contiguous()  # (H_kv, d, d_h)
     bk = b.reshape(n_kv_heads, head_dim) if b is not None else None
-    if key_norm_module(block, family) is not None:
-        g = key_norm_gain(get_path(block, family.key_norm), n_kv_heads, head_dim)  # (H_kv, d_h)
+    norm = key_norm_module(block, family)
+    if norm is not None:
+        g, width = norm_affine(norm, head_dim)
+        if width:  # a LayerNorm: its mean subtraction over its width is linear, folded into W_K and b_K
+            wk, bk = centred(wk, width), (centred(bk[:, None], width)[:, 0] if bk is not None else None)
+        g = g.reshape(-1, head_dim).expand(n_kv_heads, head_dim)  # (H_kv, d_h)
         wk, bk = wk * g[:, None], (bk * g if bk is not None else None)
     return wk, bk
+
+
+def centred(w, width: int):
+    """W (H_kv, d, d_h) with the mean over each group of ``width`` key dims subtracted (a LayerNorm's centring: per head
+    when ``width`` is d_h, over all key heads when it is H_kv d_h)."""
+    H, d, dh = w.shape
+    if width == dh:
+        return w - w.mean(-1, keepdim=True)
+    if width != H * dh:
+        raise ModelLoadError(f"a key LayerNorm over {width} dims, where k has {H} heads of {dh}: not modelled")
+    flat = w.transpose(0, 1).reshape(d, H * dh)
+    return (flat - flat.mean(-1, keepdim=True)).reshape(d, H, dh).transpose(0, 1).contiguous()
 
 
 def latent_key_weights(block, family: Family, config, n_heads: int, head_dim: int) -> tuple:
@@ -264,8 +365,11 @@ def latent_key_weights(block, family: Family, config, n_heads: int, head_dim: in
         raise ModelLoadError(f"{family.name}: {family.key} gives {wa.shape[0]} rows and the kernel's k has {head_dim} "
                              f"dims, where kv_lora_rank {c}, qk_rope_head_dim {r} and qk_nope_head_dim {nope} need "
                              f"{c + r} and {nope + r}: the declared latent layout is wrong")
-    g = key_norm_gain(get_path(block, family.key_norm), 1, c)[0]  # (c,)
-    order = (torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]) if getattr(config, "rope_interleave", False)
+    g, centring = norm_affine(get_path(block, family.key_norm), c)
+    if centring:
+        raise ModelLoadError(f"{family.name}: a LayerNorm on the latent of multi-head latent attention is not modelled")
+    g = g.reshape(c)
+    order = (torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]) if rope_interleaved(block, family, config)
              else torch.arange(r))
     w_rot = wa[c:][order].T  # (d, r)
     wk = torch.cat([torch.einsum("cd,c,hkc->hdk", wa[:c], g, wb), w_rot.expand(n_heads, *w_rot.shape)], -1)
@@ -275,6 +379,21 @@ def latent_key_weights(block, family: Family, config, n_heads: int, head_dim: in
     return wk.contiguous(), bk
 
 
+def rope_interleaved(block, family: Family, config) -> bool:
+    """Whether multi-head latent attention takes its rotary dims in pairs (2i, 2i + 1): the config's ``rope_interleave``
+    where it has one (DeepSeek V3), else whether the attention module's ``forward`` calls
+    ``apply_rotary_pos_emb_interleave`` (DeepSeek V3.2 and GLM-5 always do, with no config attribute)."""
+    flag = getattr(config, "rope_interleave", None)
+    if flag is not None:
+        return bool(flag)
+    import inspect
+
+    try:
+        return "apply_rotary_pos_emb_interleave(" in inspect.getsource(type(get_path(block, family.attention)).forward)
+    except (OSError, TypeError):
+        return False
+
+
 def latent_scaled_dims(family: Family, config, head_dim: int):
     """(d_h,) float32: 1 on the latent dims of a multi-head latent attention key (what its norm scales), 0 on the
     rotary ones; None for any other family (a key norm scales every dim)."""
@@ -282,22 +401,41 @@ def latent_scaled_dims(family: Family, config, head_dim: int):
         return None
     import torch
 
-    return torch.cat([torch.ones(config.qk_nope_head_dim), torch.zeros(head_dim - config.qk_nope_head_dim)])
+    rot = global_attr(config, "qk_rope_head_dim")  # the same in every layer (the rotary key is shared by the heads)
+    return torch.cat([torch.ones(head_dim - rot), torch.zeros(rot)])
 
 
 def key_norm_gain(norm, n_kv_heads: int, head_dim: int):
-    """(H_kv, d_h) float32 gain g of an RMS-type norm (w, 1 + w, or none): the norm of a vector of ones,
-    times sqrt(1 + eps) (its RMS). Read from the module itself, so the variant needs no declaring."""
+    """(H_kv, d_h) float32 gain g of an RMS-type key norm (:func:`norm_affine`)."""
+    return norm_affine(norm, head_dim)[0].reshape(-1, head_dim).expand(n_kv_heads, head_dim)
+
+
+def norm_affine(norm, head_dim: int) -> tuple:
+    """(g, width) of a key norm, read from the module itself so the variant needs no declaring: its gain g (w, 1 + w, or
+    none; float32, the shape of its output for one vector) and ``width``, the number of dims whose mean it subtracts
+    (a LayerNorm: k = g ⊙ (y - mean(y)) / r, r = sqrt(var(y) + eps)), or 0 for an RMS-type norm (r = rms(y)).
+    Probed with a vector of ones and one of alternating ±1 (mean 0, RMS 1): an RMS norm maps both to g (times ±1), a
+    LayerNorm maps ones to its bias. A LayerNorm with a bias (a term 1 / r does not scale) is refused."""
     import torch
 
     width = getattr(norm, "weight", None)
     width = width.shape[-1] if width is not None else head_dim
     with onloaded(norm), torch.no_grad():
         p = next(norm.parameters(), None)
-        ones = torch.ones(1, width, dtype=p.dtype if p is not None else torch.float32,
-                          device=p.device if p is not None else "cpu")
-        g = norm.forward(ones).float()[0] * (1.0 + norm_eps(norm)) ** 0.5  # forward: no hooks (LayerInputs keeps inputs)
-    return g.reshape(-1, head_dim).expand(n_kv_heads, head_dim)
+        kw = {"dtype": p.dtype if p is not None else torch.float32, "device": p.device if p is not None else "cpu"}
+        ones = torch.ones(1, width, **kw)
+        signs = ones.clone()
+        signs[:, 1::2] = -1
+        rescale = (1.0 + norm_eps(norm)) ** 0.5  # forward: no hooks (LayerInputs keeps inputs)
+        a, b = (norm.forward(v).float() * rescale for v in (ones, signs))
+        a, b = (t[0] if t.shape[0] == 1 else t for t in (a, b))  # (width,); (H_kv, d_h) for a gain per head (Cohere)
+    signs = signs[0].float()
+    if torch.allclose(a, b * signs, rtol=1e-3, atol=1e-6 * float(a.abs().max().clamp(min=1e-30))):
+        return a, 0  # RMS-type: g from either
+    if width % 2 or float(a.abs().max()) > 1e-6 * float(b.abs().max().clamp(min=1e-30)):
+        raise ModelLoadError(f"a key norm ({type(norm).__name__}) that subtracts the mean and adds a bias: the bias is a "
+                             "term of k that 1 / r does not scale, which the contributions do not model yet")
+    return b * signs, width
 
 
 def norm_eps(norm) -> float:

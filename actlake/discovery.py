@@ -16,8 +16,9 @@ import sys
 from actlake.architectures import NO_INTERFACE, Family, get_path
 from actlake.errors import ModelLoadError
 
-LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "transformer.layer", "language_model.layers")
-ATTENTION = ("self_attn", "attn", "attention.self", "attention", "self_attention")
+LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "transformer.layer", "language_model.layers",
+          "text_model.layers", "blocks")
+ATTENTION = ("self_attn", "attn", "attention.self", "attention", "self_attention", "norm_attn_norm.attn", "mixer")
 KEYS = (("k_proj", "separate"), ("key", "separate"), ("k_lin", "separate"), ("qkv_proj", "stacked"),
         ("Wqkv", "stacked"))
 KEY_NORMS = ("k_norm", "k_layernorm", "key_layernorm", "key_norm")
@@ -47,7 +48,6 @@ def discover(config) -> Family:
 
 def _discover(config) -> Family:
     import torch
-    from transformers import AutoModel
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     t = config.model_type
@@ -55,11 +55,16 @@ def _discover(config) -> Family:
                                         "(docs/models.md)")
     if getattr(config, "is_encoder_decoder", False):
         raise refuse("encoder-decoder models (cross-attention) are not modelled")
+    if hasattr(config, "get_text_config") and config.get_text_config() is not config:
+        raise refuse(f"it is a multimodal model (its text model, {config.get_text_config().model_type!r}, has its own "
+                     "config inside it), which is not modelled yet")
+    if getattr(config, "languages", None) and not getattr(config, "default_language", None):
+        raise refuse("its language adapters need a language and the config sets no default_language (set one in "
+                     "its config.json)")
     try:
-        with torch.device("meta"):  # no memory, no weights
-            model = AutoModel.from_config(config)
+        model = _weightless(config)
     except Exception as e:  # noqa: BLE001 - any model class may refuse a config
-        raise refuse(f"its model could not be built to inspect ({type(e).__name__})") from None
+        raise refuse(f"its model could not be built to inspect ({type(e).__name__}: {_first_line(e)})") from None
     layers, blocks = _find(model, LAYERS)
     if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
         raise refuse("no list of transformer blocks was found") from None
@@ -76,26 +81,109 @@ def _discover(config) -> Family:
         raise refuse(NO_INTERFACE)
     if "view_as_complex" in source:
         raise refuse("its RoPE is applied through complex numbers, which is not modelled yet")
+    calls = _interface_calls(type(attn))
+    if calls > 1:
+        raise refuse(f"its attention module calls the attention kernel {calls} times per layer (differential or "
+                     "multi-pass attention), which is not modelled")
     key = next(((name, layout) for name, layout in KEYS if hasattr(attn, name)), None)
-    latent = all(hasattr(attn, n) for n in LATENT) and getattr(config, "kv_lora_rank", None)
+    latent = all(hasattr(attn, n) for n in LATENT) and _global(config, "kv_lora_rank")
     if latent:
         key = (LATENT[0], "separate")
     if key is None:
         raise refuse(f"no key projection was found in its attention module ({type(attn).__name__})")
+    conv = next((n for n, _ in attn.named_children() if "conv" in n.lower()), None)
+    if conv:
+        raise refuse(f"its attention module has a convolution over positions ({conv}): k is not made from its own "
+                     "token's x alone, which the contributions do not model")
+    proj = getattr(attn, key[0])
+    if not isinstance(getattr(proj, "weight", None), torch.Tensor) or proj.weight.dim() != 2:
+        raise refuse(f"its key projection ({type(proj).__name__}) has no single weight matrix (per-codebook or "
+                     "otherwise split weights are not modelled)")
+    width = _global(config, "hidden_size")
+    if isinstance(width, int) and proj.weight.shape[1] != width:
+        raise refuse(f"its key projection reads a {proj.weight.shape[1]}-wide input, not the {width}-wide residual "
+                     "stream (a bottleneck), which the contributions (per residual dimension) do not model")
     causal = getattr(attn, "is_causal", None)
     if causal is None:
         raise refuse("its attention module does not say whether it is causal")
     rope = _rope_layout(sys.modules[type(attn).__module__])
+    if rope is None and hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb_interleave"):
+        if not latent:  # pairs (2i, 2i + 1) returned in rotate-half order: folded into W_rot for latent keys only
+            raise refuse("its RoPE de-interleaves the rotary pairs (apply_rotary_pos_emb_interleave) outside multi-head "
+                         "latent attention, which is not modelled yet")
+        rope = "half"
     head = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     head_source = inspect.getsource(sys.modules[head.__module__]) if head is not None else ""
-    logits = tuple(f"{op}:{attr}" for attr, op in LOGITS if f"config.{attr}" in head_source or f"self.{attr}" in head_source)
+    logits = tuple(f"{_logit_op(head_source, attr, op)}:{attr}" for attr, op in LOGITS
+                   if f"config.{attr}" in head_source or f"self.{attr}" in head_source)
     norm = LATENT[2] if latent else next((n for n in KEY_NORMS if hasattr(attn, n)), None)
-    rope_layers = "no_rope_layers" if getattr(config, "no_rope_layers", None) else _rope_on_local_layers(type(attn))
+    rope_layers = "no_rope_layers" if _global(config, "no_rope_layers") else _rope_on_local_layers(type(attn))
     return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
                   rope=rope, rope_layers=rope_layers,
                   key_norm=f"{attention}.{norm}" if norm else None,
                   latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits,
                   attention_class=type(attn).__name__ if len(classes) > 1 else None)
+
+
+def _global(config, name: str):
+    """``config.name`` or None; for a heterogeneous config (``per_layer_config``) its global value, which reading the
+    attribute refuses when layers override it."""
+    read = getattr(config, "_getattr_without_heterogeneous_validation", None)
+    return read(name, None) if read is not None else getattr(config, name, None)
+
+
+def _interface_calls(attention_class) -> int:
+    """How many times the attention module's ``forward`` calls the attention kernel it took from the interface (its
+    source: ``attention_interface(`` calls); 1 when the source cannot be read."""
+    try:
+        src = inspect.getsource(attention_class.forward)
+    except (OSError, TypeError):
+        return 1
+    return max(1, src.count("attention_interface(") - src.count("def attention_interface("))
+
+
+def _weightless(config):
+    """The model of ``config`` on the meta device (no memory, no weights): its base model (``AutoModel``), or the base
+    of its causal or masked LM where the type has no base-model class (TrOCR's decoder, a drafter model)."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    errors = []
+    for auto in (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM):
+        try:
+            with torch.device("meta"):
+                model = auto.from_config(config)
+        except ValueError as e:  # no such class for this config: the next kind
+            errors.append(e)
+            continue
+        return model if auto is AutoModel else _base(model)
+    raise errors[0]
+
+
+def _base(model):
+    base = getattr(model, "base_model", model)
+    return getattr(model, "model", model) if base is model else base
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:120] if lines else ""
+
+
+def _logit_op(source: str, attr: str, default: str) -> str:
+    """How the head's source applies ``attr`` to the logits: ``divide`` / ``multiply`` where a line reads ``/ …attr`` or
+    ``* …attr`` (HyperCLOVA X multiplies by the ``logits_scaling`` Granite divides by), else ``default``."""
+    if default == "softcap":
+        return default
+    for line in source.splitlines():
+        if attr in line and "logits" in line:
+            squeezed = line.replace(" ", "")
+            for ref in (f"self.config.{attr}", f"config.{attr}", f"self.{attr}"):
+                if f"/{ref}" in squeezed:
+                    return "divide"
+                if f"*{ref}" in squeezed:
+                    return "multiply"
+    return default
 
 
 def _rope_layout(module) -> str | None:

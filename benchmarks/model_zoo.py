@@ -24,6 +24,8 @@ EXACT = 1e-5
 MEMORY = 8 << 30
 """Address space of the child that builds and runs one type (bytes)."""
 TIMEOUT = 120
+WINDOW = 24
+"""Tokens per window of the comparison (tests/zoo_check.py's batch)."""
 
 
 def model_types() -> list[tuple[str, str]]:
@@ -35,10 +37,10 @@ def model_types() -> list[tuple[str, str]]:
 
 def one(model_type: str, root: Path) -> tuple[str, str]:
     """(status, detail) of one model type; ``ok*`` / ``caught*``: its family was discovered, not declared."""
+    from actlake.architectures import check_chunks, check_config, declared
     from actlake.errors import ModelLoadError
     from tests.zoo_check import compare
     from tests.zoo_models import build, tiny_config
-    from actlake.architectures import check_config, declared
 
     try:
         config = tiny_config(model_type)
@@ -46,6 +48,7 @@ def one(model_type: str, root: Path) -> tuple[str, str]:
         return "not built", f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     try:
         check_config(config)
+        check_chunks(config, WINDOW)  # as a job of WINDOW-token windows: what check_model refuses before Ray
     except ModelLoadError as e:
         return "refused", str(e).split(" is not supported: ", 1)[-1][:160]
     try:

@@ -91,7 +91,8 @@ def engine(folder: str, ids, valid, role, attn: str = "sdpa"):
     con = Contributions.zeros(L, H, d, QUERY_GROUPS_ALL)
     analyses = [geo, dist, con, AttentionMass.zeros(L, H)]
     hidden = {}
-    check = SelfCheck(torch.float32, ["attention_geometry", "attention_by_distance", "contributions"], ["contributions"])
+    check = SelfCheck(torch.float32, ["attention_geometry", "attention_by_distance", "contributions"], ["contributions"],
+                      ["residual_norms"])
     with capture.LayerInputs(lm.model, lm.family) as inputs, capture.HiddenStream(lm.model, lm.family) as stream:
         rec = AttentionRecorder(mqk, valid, one_hot(role, len(ROLE), valid), [a.add_layer for a in analyses],
                                 inputs=inputs, needs={"weighted_qsum", "distance", "mass_keynorm"})
@@ -104,10 +105,17 @@ def engine(folder: str, ids, valid, role, attn: str = "sdpa"):
     surprisal = None
     if lm.lm_head is not None:
         surprisal = token_surprisal(lm.lm_head, out.last_hidden_state, ids, valid, transform=lm.logit_transform)
-        n = int(valid[0].sum())
-        with torch.no_grad():
-            own = lm.causal_lm(input_ids=ids[:1, :n], use_cache=False).logits[0]
-        check.surprisal(surprisal[0, :n], own, ids[0, :n], valid[0, :n])
+    # as a worker's first batch (analysis/engine/forward.py): the model's own pass on the first sequence, the block
+    # hooks on, against its output_hidden_states and logits
+    n, hooked = int(valid[0].sum()), {}
+    model = lm.causal_lm if lm.causal_lm is not None else lm.model
+    with torch.no_grad(), capture.HiddenStream(lm.model, lm.family) as hooks:
+        hooks(lambda layer, h: hooked.__setitem__(layer, h[0]))
+        own = model(input_ids=ids[:1, :n], output_hidden_states=True, use_cache=False)
+        hooks.last(getattr(own, "last_hidden_state", None) if model is lm.model else own.hidden_states[-1])
+    check.hidden_states(hooked, own.hidden_states)
+    if surprisal is not None:
+        check.surprisal(surprisal[0, :n], own.logits[0], ids[0, :n], valid[0, :n])
     return hidden, geo, dist, con, surprisal, check, lm, analyses[-1]
 
 
@@ -119,8 +127,10 @@ def relative(a, b) -> float:
 def compare(folder: str, seed: int = 0, attn: str = "sdpa", T: int = 24) -> dict:
     """{quantity: largest error relative to the largest reference value} for one model folder; ``self_check``:
     the engine's own first-batch check failures (a list)."""
-    probe = load_model(ModelConfig(name_or_path=folder, dtype="float32"), lm_head=False)
-    ids, valid, role = batch(probe.model.config.vocab_size, seed, T=T)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(folder).get_text_config().vocab_size  # a multimodal config's text model's
+    ids, valid, role = batch(vocab, seed, T=T)
     hs, alphas, qk, logits, _ = reference(folder, ids, valid)
     hidden, geo, dist, con, surprisal, check, lm, am = engine(folder, ids, valid, role, attn)
     v = valid.double()

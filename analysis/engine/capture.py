@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from actlake.architectures import blocks, get_path, key_input_module, key_norm_module, norm_eps
+from actlake.architectures import blocks, get_path, key_input_module, key_norm_module, norm_affine, norm_eps
 
 _ACTIVE: ContextVar["Recorder | None"] = ContextVar("actlake_recorder", default=None)
 PREFIX = "actlake_"
@@ -185,6 +185,8 @@ class LayerInputs(_Hooks):
         self._targets = [(i, key_input_module(every[i], family), attn, key_norm_module(every[i], family))
                          for i, attn in attention_blocks(model, family)]
         self._eps = {i: norm_eps(n) for i, _, _, n in self._targets if n is not None}
+        self._norms = {i: n for i, _, _, n in self._targets if n is not None}
+        self._centred: dict[int, bool] = {}  # per layer: a LayerNorm (r from the centred input), found at first use
 
     def _register(self, handles: list) -> None:
         for i, proj, attn, norm in self._targets:
@@ -206,7 +208,12 @@ class LayerInputs(_Hooks):
         if kin is None:
             return None
         B, H, T, _ = key.shape
-        r2 = kin.detach().float().pow(2).mean(-1) + self._eps[layer]  # the norm's own reduction: its last axis
+        kin = kin.detach().float()
+        if layer not in self._centred:
+            self._centred[layer] = bool(norm_affine(self._norms[layer], kin.shape[-1])[1])
+        if self._centred[layer]:  # a LayerNorm: r_n = sqrt(var + eps) (METHODS.md §3 with y - mean(y) for y)
+            kin = kin - kin.mean(-1, keepdim=True)
+        r2 = kin.pow(2).mean(-1) + self._eps[layer]  # the norm's own reduction: its last axis
         if r2.dim() == 3 and r2.shape[1] == H and r2.shape[2] == T and r2.shape[1] != T:  # heads first
             return torch.rsqrt(r2)
         r2 = r2.reshape(B, T, -1)  # (B, T, H_kv) per head, (B, T, 1) over all heads

@@ -86,6 +86,14 @@ class SelfCheck:
         """``ours`` {layer: (T, d)} from the block hooks against the model's ``output_hidden_states`` (1, T, d) each."""
         if not self.hidden:
             return
+        odd = next((i for i, h in enumerate(theirs) if h.dim() != 3 or h.shape[0] != 1), None)
+        if odd is None:
+            odd = next((i for i, h in ours.items() if h.dim() != 2), None)
+        if odd is not None:
+            shape = tuple(theirs[odd].shape) if odd < len(theirs) else tuple(ours[odd].shape)
+            self.failures.append(f"hidden state {odd} has shape {shape}, not one vector per token of one sequence "
+                                 f"(several residual streams?); affected: {', '.join(self.hidden)}")
+            return
         if sorted(ours) != list(range(len(theirs))):
             self.failures.append(f"the block hooks gave hidden states {sorted(ours)}, the model {len(theirs)} of them; "
                                  f"affected: {', '.join(self.hidden)}")

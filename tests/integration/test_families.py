@@ -76,8 +76,58 @@ def test_windows_longer_than_a_llama4_chunk_are_refused_before_ray(zoo, tmp_path
 
 
 def test_a_config_feature_that_is_not_modelled_is_refused_by_name():
-    with pytest.raises(ModelLoadError, match=r"'cohere' with use_qk_norm: True is not supported: q/k LayerNorm"):
-        check_config(tiny_config("cohere", use_qk_norm=True))
+    with pytest.raises(ModelLoadError, match=r"'phi' with qk_layernorm: True is not supported: q/k LayerNorm"):
+        check_config(tiny_config("phi", qk_layernorm=True))
+
+
+def test_a_key_layernorm_is_exact(zoo):
+    """Cohere's q/k LayerNorm (per head, gains per head randomised, no bias): its mean subtraction is folded into
+    W_K, r_n is the centred input's RMS."""
+    err = compare(zoo("cohere", use_qk_norm=True))
+    assert err.pop("self_check") == []
+    assert max(err.values()) < EXACT, err
+
+
+@pytest.mark.parametrize("model_type, overrides, why", [
+    ("gemma3n_text", {}, r"altup_num_inputs 4 gives each token 4 residual streams"),
+    ("hy_v4", {}, r"hc_mult 4 gives each token 4 residual streams"),
+    ("laguna", {"num_attention_heads_per_layer": [4, 8]},
+     r"different numbers of query heads \(num_attention_heads 4, num_attention_heads_per_layer 8\)"),
+    ("dory", {}, r"n_recurrent_loops 2 runs the same layers 2 times per forward pass"),
+    ("olmo", {"clip_qkv": 8.0}, r"clipped q/k/v \(k = clamp\(x W_K\)\)"),
+    ("diffllama", {}, r"calls the attention kernel 2 times per layer"),
+    ("inkling_text", {}, r"a convolution over positions \(k_sconv\)"),
+    ("mobilebert", {}, r"reads a 16-wide input, not the 64-wide residual stream"),
+    ("moshi", {}, r"its key projection \(MoshiLinear\) has no single weight matrix"),
+    ("gemma3", {}, r"a multimodal model \(its text model, 'gemma3_text'"),
+    ("gemma4_unified_assistant", {}, r"a drafter \(assistant\) model"),
+])
+def test_a_feature_that_is_not_modelled_is_refused_from_the_config(model_type, overrides, why):
+    """Refused before Ray, in one line naming the feature (from the config, and a weightless model for undeclared
+    types)."""
+    with pytest.raises(ModelLoadError, match=rf"model_type '{model_type}'.* is not supported: .*{why}") as e:
+        check_config(tiny_config(model_type, **overrides))
+    assert "\n" not in str(e.value)
+
+
+def test_sparse_attention_longer_than_its_indexer_keeps_is_refused():
+    """DeepSeek V3.2's indexer keeps index_topk keys per query: windows that fit run (exact in the zoo), longer ones
+    are refused by name."""
+    from actlake.architectures import check_chunks
+
+    config = tiny_config("deepseek_v32", index_topk=16)
+    check_chunks(config, 16)
+    with pytest.raises(ModelLoadError, match=r"'deepseek_v32' with index_topk 16 and tokenization.max_length 24: sparse "
+                                             r"attention .* set tokenization.max_length to 16 or less"):
+        check_chunks(config, 24)
+
+
+def test_discovery_reads_how_the_head_applies_a_logit_scale():
+    """Granite divides its logits by logits_scaling, HyperCLOVA X multiplies them: read off the head's source."""
+    from actlake.discovery import discover
+
+    assert discover(tiny_config("hyperclovax")).logits == ("multiply:logits_scaling",)
+    assert discover(tiny_config("granitemoe")).logits == ("divide:logits_scaling",)
 
 
 @pytest.mark.parametrize("model_type, overrides", [
@@ -355,14 +405,19 @@ def test_a_model_that_cannot_load_is_reported_once_without_rerun_advice(zoo, sam
     assert "(2 shard(s) not run; the same error would repeat on a rerun)" in msg and "rerun the same run id" not in msg
 
 
-def test_a_discovered_layout_the_engine_cannot_run_ends_the_job_by_name(zoo, tmp_path):
-    """MobileBERT's keys come from a bottleneck, not from the block's input: the guessed layout fails inside the
-    engine on the first batch, which says the type needs a declaration instead of a bare tensor-shape error."""
+def test_a_discovered_layout_the_engine_cannot_run_ends_the_job_by_name(zoo, tmp_path, monkeypatch):
+    """MobileBERT's keys come from a bottleneck, not from the block's input (discovery refuses it, above; here its
+    guessed layout is forced through): the engine fails on the first batch, which says the type needs a declaration
+    instead of a bare tensor-shape error."""
+    from actlake import model as model_module
     from actlake.errors import AnalysisError
     from actlake.jobs.extract.driver import Extractor
     from actlake.model import load_model
     from tests.integration.test_layer_replay import _windows
 
+    guessed = Family("discovered:mobilebert", ("mobilebert",), "encoder.layer", "attention.self", "attention.self.key",
+                     causal=False, rope=None)
+    monkeypatch.setattr(model_module, "check_config", lambda config: guessed)
     cfg = job_config(zoo("mobilebert"), tmp_path, tmp_path / "out")
     ex = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))
     with pytest.raises(AnalysisError, match=r"model_type 'mobilebert' has no declaration, and the layout read off its "
