@@ -3,7 +3,7 @@
     python scripts/findings.py [--runs runs] [--check]
 
 reads ``RUNS/quickstart`` (``bash scripts/quickstart.sh``), ``RUNS/lm-quick`` + ``RUNS/predictor-quick``
-(``bash scripts/predictive_quick.sh``) and ``RUNS/lm-quick-sweep`` (the README's tour) and rewrites the blocks between ``<!-- NAME:start -->`` and
+(``bash scripts/predictive_quick.sh``), ``RUNS/lm-quick-sweep`` and ``RUNS/cls-intervention`` (the README's tour) and rewrites the blocks between ``<!-- NAME:start -->`` and
 ``<!-- NAME:end -->`` it knows (in docs/findings.md, and the README's tour answers); ``--check`` only says whether they are current (exit 1 if not). A block
 whose runs are missing is left as it is.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -230,6 +231,43 @@ def sweep_answers(runs: Path) -> str:
             "([Findings](docs/findings.md)).")
 
 
+INTERVENTION_SQL = """SELECT intervention, layer, clean_mean, edited_mean, diff_mean, ci_low, ci_high, n_docs
+FROM intervention_effects WHERE quantity = 'attention_mass' AND key_category = 'bos' AND head = -1 AND layer > 0
+ORDER BY 1, 2"""
+"""The mass on [CLS] (mean over heads) per layer, clean and with dimension 99 or the control zeroed on [CLS] from
+hidden state 1 on (configs/cls_intervention.yaml; the README's query, unrounded)."""
+
+
+def _interventions(runs: Path) -> dict:
+    rows = actlake.query(runs / "cls-intervention", INTERVENTION_SQL).to_pylist()
+    return {(r["intervention"], r["layer"]): r for r in rows}
+
+
+def intervention_answers(runs: Path) -> str:
+    """The README's answer to the causal question: does dimension 99 make attention go to [CLS]?"""
+    fx = _interventions(runs)
+    layers = sorted({la for _, la in fx})
+    first, last = fx[("dim99_on_cls", layers[0])], fx[("dim99_on_cls", layers[-1])]
+    control = max(max(abs(r["ci_low"]), abs(r["ci_high"])) for (iv, _), r in fx.items() if iv == "dim69_on_cls")
+    return (f"On {int(first['n_docs'])} documents of the sample, zeroing dimension 99 on [CLS] takes the mass on [CLS] "
+            f"at layer {layers[0]} from {first['clean_mean']:.3f} to {first['edited_mean']:.3f} (change "
+            f"{first['diff_mean']:.3f}, 95 % interval {first['ci_low']:.3f} to {first['ci_high']:.3f}) and at layer "
+            f"{layers[-1]} from {last['clean_mean']:.3f} to {last['edited_mean']:.3f}; the control dimension 69 moves it "
+            f"by at most {math.ceil(control * 1e4) / 1e4:.4f} in any layer (interval bounds included): without dimension "
+            "99 on [CLS] the sink is gone ([Findings](docs/findings.md)).")
+
+
+def intervention_table(runs: Path) -> str:
+    fx = _interventions(runs)
+    layers = sorted({la for _, la in fx})
+    cell = lambda r: f"{r['edited_mean']:.3f} ({r['ci_low']:+.4f} to {r['ci_high']:+.4f})"  # noqa: E731
+    return "\n".join([
+        "| layer | clean | dimension 99 zeroed on [CLS] (change, 95 % interval) | dimension 69 zeroed (control) |",
+        "|---|---|---|---|",
+        *[f"| {la} | {fx[('dim99_on_cls', la)]['clean_mean']:.3f} | {cell(fx[('dim99_on_cls', la)])} | "
+          f"{cell(fx[('dim69_on_cls', la)])} |" for la in layers]])
+
+
 def sweep_table(runs: Path) -> str:
     mass, layers, steps = _sweep(runs)
     return "\n".join([
@@ -276,7 +314,9 @@ BLOCKS = {"quickstart-headline": (quickstart_headline, ("quickstart",)),
           "tour-answers": (tour_answers, ("quickstart",)),
           "predictive-measured": (predictive, ("lm-quick", "predictor-quick")),
           "sweep-answers": (sweep_answers, ("lm-quick-sweep", "quickstart")),
-          "sweep-table": (sweep_table, ("lm-quick-sweep",))}
+          "sweep-table": (sweep_table, ("lm-quick-sweep",)),
+          "intervention-answers": (intervention_answers, ("cls-intervention",)),
+          "intervention-table": (intervention_table, ("cls-intervention",))}
 
 
 def main(argv=None) -> int:

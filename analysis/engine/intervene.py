@@ -71,7 +71,7 @@ class Editing:
         self.iv, self.select = intervention, select
         self.handles: list = []
 
-    def __enter__(self) -> "Editing":
+    def __enter__(self) -> Editing:
         try:
             for layer in self.iv.layers:
                 if layer == 0:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-
-import numpy as np
 import time
 from collections import Counter
+
+import numpy as np
 
 from actlake.analysis.by_source import BySource, check_labels
 from actlake.analysis.engine.batch import BatchResult
@@ -57,7 +57,7 @@ class Extractor:
             return self.reader.read(shard)
         return read_shard(shard, self.cfg, self.lm.tokenizer, self.tokenizing)
 
-    def shard_results(self, on_batch=None, docs_per_window: float = 0.0) -> "ShardResults":
+    def shard_results(self, on_batch=None, docs_per_window: float = 0.0) -> ShardResults:
         """An empty :class:`ShardResults` for a shard (or for texts, try-analysis): statistics by source label
         (:mod:`~actlake.analysis.by_source`), one label ``'*'`` without ``analyses.by_source``."""
         a = self.cfg.analyses
@@ -117,7 +117,7 @@ class Extractor:
             raise
         return summary
 
-    def write_tables(self, files, acc: "ShardResults", docs: list, rejects: list) -> dict:
+    def write_tables(self, files, acc: ShardResults, docs: list, rejects: list) -> dict:
         """The shard tables of a shard's reading and batches, through ``files.write(table, arrow_table)``;
         returns them by name."""
         out = {}

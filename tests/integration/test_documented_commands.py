@@ -80,6 +80,13 @@ def test_the_five_minute_tour(quickstart):
     _norms_by_source_equal_pandas(command("norms-by-source"))
     massive = _bash(ACTIVATE + command("tour-massive")).stdout
     assert "share_of_norm2" in massive and sum(ln.startswith("│") for ln in massive.splitlines()) == 2 + 7, massive
+    intervened = _bash(ACTIVATE + command("tour-intervene"), timeout=1800)  # the causal question: its answer
+    assert quiet(intervened) == [] and sum(ln.startswith("│ dim") for ln in intervened.stdout.splitlines()) == 2 * 5
+    checked = subprocess.run([str(BIN / "python"), "scripts/findings.py", "--check"], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=300)  # the README's answer is this run's
+    assert checked.returncode == 0 and checked.stdout.strip() == "current", checked.stdout + checked.stderr
+    by_pass = _bash(ACTIVATE + command("interventions-by-pass")).stdout  # docs/interventions.md
+    assert all(f"│ {p}" in by_pass for p in ("none", "dim99_on_cls", "dim69_on_cls")), by_pass
     for code in (command("tour-python"), command("querying-python")):
         shown = subprocess.run([str(BIN / "python"), "-c", code], cwd=ROOT, env=_env(), capture_output=True,
                                text=True, timeout=300)
