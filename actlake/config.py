@@ -355,9 +355,8 @@ def _check_values(cfg: JobConfig, err) -> None:
 
 
 def _check_interventions(interventions: list, err) -> None:
-    """What an intervention's spec says by itself (the model's width and depth: ``actlake.interventions.check``)."""
-    from actlake.categories import ROLE
-
+    """What an intervention's spec says by itself (the model's width and depth: ``jobs/extract/interventions.py``).
+    ``tokens`` is checked by its Literal (the roles of ``actlake.categories.ROLE``: no torch import here)."""
     names = [iv.name for iv in interventions]
     for i, iv in enumerate(interventions):
         def key(*k, i=i):
@@ -383,8 +382,6 @@ def _check_interventions(interventions: list, err) -> None:
             err(key("direction"), "op mean sets dims to their means: give dims")
         if iv.op in ("zero", "mean", "project_out") and iv.value != 0:
             err(key("value"), f"op {iv.op} takes no value")
-        if iv.tokens != "all" and iv.tokens not in ROLE:  # the Literal above lists them: they must agree
-            err(key("tokens"), f"'all' or a token role ({', '.join(ROLE)}), got {iv.tokens!r}")
         if iv.positions and (min(iv.positions) < 0 or len(set(iv.positions)) < len(iv.positions)):
             err(key("positions"), f"distinct positions >= 0, got {iv.positions}")
 

@@ -43,3 +43,12 @@ def test_dims_ops_roles_and_positions_select_the_tokens():
     out, sel = _edit(op="zero", dims=(3,))
     assert sel.tolist() == VALID.tolist()  # padding is never edited
     assert (out[..., 3][VALID] == 0).all() and out[0, 4, 3] == H[0, 4, 3]
+
+
+def test_the_config_names_every_token_role():
+    import typing
+
+    from actlake.categories import ROLE
+    from actlake.config import InterventionConfig
+
+    assert typing.get_args(InterventionConfig.model_fields["tokens"].annotation) == ("all", *ROLE)
