@@ -7,6 +7,8 @@ checkpoint) with other weights or other code is refused by name, so no run merge
   modification and change times); a hub model by name, revision and the commit its cached snapshot holds.
 - **code**: a SHA-256 over actlake's own sources (each ``.py`` file of the package once, under its module path) and
   its version, and one over each custom analysis's code (the files shipped to the workers, or the installed module's).
+- **interventions**: a SHA-256 of the interventions' resolved values (a direction file's vector, a ``mean_from``
+  run's means); each worker checks its own reading against it (:func:`check_interventions`).
 """
 
 from __future__ import annotations
@@ -127,9 +129,23 @@ def model_files(cfg: JobConfig) -> dict:
     return {"files": files}
 
 
+def interventions_sha(interventions: tuple) -> str | None:
+    """A SHA-256 of resolved interventions (their directions' and means' values too), or None without any."""
+    return hashlib.sha256(repr(tuple(interventions)).encode()).hexdigest() if interventions else None
+
+
 def run_identity(cfg: JobConfig, shipped: dict[str, bytes]) -> dict:
-    """The run's identity to record in run.json: model files, actlake's code, the custom analyses' code."""
-    return {"model": model_files(cfg), "code": actlake_code(), "custom": custom_code_sha(cfg, shipped)}
+    """The run's identity to record in run.json: model files, actlake's code, the custom analyses' code, and the
+    values of the interventions' directions and means (files the config names only by path)."""
+    out = {"model": model_files(cfg), "code": actlake_code(), "custom": custom_code_sha(cfg, shipped)}
+    if cfg.interventions:
+        from actlake.architectures import read_model_config
+        from actlake.jobs.extract.interventions import resolve_interventions
+
+        m = cfg.model
+        config = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
+        out["interventions"] = interventions_sha(resolve_interventions(cfg, config))
+    return out
 
 
 def identity_change(old: dict, new: dict) -> str | None:
@@ -152,6 +168,8 @@ def identity_change(old: dict, new: dict) -> str | None:
         versions = f"{oc.get('version')} then, {nc['version']} now" if oc.get("version") != nc["version"] else \
             f"version {nc['version']} both times, different sources"
         return f"actlake's code changed ({versions})"
+    if old.get("interventions") != new.get("interventions"):
+        return "an intervention's direction file or mean_from run changed"
     ou, nu = old.get("custom", {}), new["custom"]
     for name in sorted(set(ou) | set(nu)):
         if ou.get(name) != nu.get(name):
@@ -162,3 +180,15 @@ def identity_change(old: dict, new: dict) -> str | None:
 
 def _model_name(m: dict) -> str:
     return f"{m['hub']}@{m.get('revision') or 'main'} (from the hub)" if "hub" in m else "a local folder"
+
+
+def check_interventions(layout, interventions: tuple) -> None:
+    """A worker's resolved interventions against the run's record: a direction file or ``mean_from`` run changed
+    since the run began would mix two edits in one table (ConfigError, the same on every retry)."""
+    from actlake.errors import ConfigError
+    from actlake.storage.manifest import read_run
+
+    recorded = (read_run(layout).get("identity") or {}).get("interventions")
+    if recorded != interventions_sha(interventions):
+        raise ConfigError(f"interventions: a direction file or mean_from run reads differently here than when run "
+                          f"'{layout.root.name}' began; its results would mix two edits: pick a new output.run_id")

@@ -148,7 +148,7 @@ def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, input
         changed = identity_change(old["identity"], identity)
         if changed:
             raise StorageError(f"{changed} since run '{layout.root.name}' began, so its results would mix two "
-                               f"{'models' if changed.startswith(('model', 'the model')) else 'code versions'}; "
+                               f"{'models' if changed.startswith(('model', 'the model')) else 'edits' if 'intervention' in changed else 'code versions'}; "
                                f"pick a new output.run_id (--run-id) or delete {layout.root}")
         if old.get("plan_hash") != phash:
             raise StorageError(

@@ -215,6 +215,10 @@ class ShardWorker:
         self.layout = RunLayout(location(target.run_dir))
         self.group = OpenGroup(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
+        if self.extractor.interventions:  # read here: the same values the run recorded, or no shard runs
+            from actlake.jobs.extract.identity import check_interventions
+
+            check_interventions(self.layout, self.extractor.interventions)
         if target.read_in_process:
             from actlake.jobs.extract.read import (
                 ReaderProcess,

@@ -6,6 +6,7 @@ without interventions; a bad spec is one line naming the key, before Ray."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
@@ -275,3 +276,44 @@ def test_intervention_effects_equal_a_paired_t_interval_over_documents_from_tran
     check("kl_divergence", lambda d, k: d["kl"] / d["ns"] * k)  # the clean pass's KL from itself is 0
     assert fx[(fx.quantity == "attention_mass") & (fx.layer < 2)].diff_mean.abs().max() == 0.0  # before the edit
     assert fx[fx.quantity == "kl_divergence"].diff_mean.iloc[0] > 0
+
+
+@pytest.mark.usefixtures("kept_workers")
+def test_a_resumed_intervention_run_equals_the_whole_run_and_a_changed_direction_is_refused(tiny_models,
+                                                                                          sample_corpus, tmp_path,
+                                                                                          ray_local):
+    """Two commit groups' records removed (their shards lost, as if the workers died before committing): the rerun
+    runs those shards again and every table, edited and effects included, equals the whole run's. The direction
+    file rewritten since the run began: the resume is refused, naming it, so no table mixes two edits."""
+    from transformers import AutoConfig
+
+    from actlake.errors import StorageError
+    from actlake.jobs.extract.run import run_job
+    from actlake.storage.sql import open_run
+
+    model = tiny_models["gpt2"]
+    u = tmp_path / "u.npy"
+    np.save(u, np.random.default_rng(1).normal(size=AutoConfig.from_pretrained(model).hidden_size))
+    ivs = [ZERO | {"at": 1}, {"name": "away", "at": 1, "op": "project_out", "direction": str(u)}]
+    cfg = job_config(model, sample_corpus, tmp_path / "r", interventions=ivs, **{
+        "sharding.docs_per_shard": 5, "sharding.commit_seconds": 0.001, "corpus.max_docs": 20})
+    done = run_job(cfg)
+    names = ["dim_moments", "attention_mass", "intervention_effects", "dim_moments_by_intervention"]
+    whole = {n: open_run(done.run_dir).execute(f"SELECT * FROM {n} ORDER BY ALL").fetchall() for n in names}
+    records = sorted((Path(done.run_dir) / "_complete").glob("group-*.json"))
+    assert len(records) >= 3
+    for r in records[:2]:
+        r.unlink()
+    again = run_job(cfg)
+    assert again.totals["shards"] == 4
+    con = open_run(again.run_dir)
+    for n in names:  # the same rows; floats up to the merge order's rounding (the groups merge differently)
+        rows = con.execute(f"SELECT * FROM {n} ORDER BY ALL").fetchall()
+        assert len(rows) == len(whole[n]) > 0, n
+        for a, b in zip(rows, whole[n]):
+            assert [x for x in a if isinstance(x, str)] == [x for x in b if isinstance(x, str)], n
+            fa, fb = (np.array([x for x in r if not isinstance(x, str)], float) for r in (a, b))
+            assert np.allclose(fa, fb, rtol=1e-12, atol=1e-15, equal_nan=True), (n, a, b)
+    np.save(u, np.random.default_rng(2).normal(size=AutoConfig.from_pretrained(model).hidden_size))
+    with pytest.raises(StorageError, match="an intervention's direction file or mean_from run changed"):
+        run_job(cfg)
