@@ -25,15 +25,22 @@ SHIFT = {"name": "shift", "at": [1, 3], "op": "add", "dims": [0, 5], "value": 2.
 IDENTITY = {"name": "identity", "at": 1, "op": "scale", "dims": [2, 4], "value": 1.0}
 
 
+ENTROPY = {"analysis": "attention_entropy:AttentionEntropy",
+           "path": str(Path(__file__).resolve().parents[2] / "configs" / "attention_entropy.py")}
+"""The README's custom analysis: it sees each pass like the clean one."""
+
+
 def _extract(model, tmp_path, interventions, split: int = 48, lm_head=False, max_tokens: int = 512):
-    """Every statistics table of TEXTS run in process (the worker's Extractor), with ``interventions``; a text's
-    windows are its first 48 tokens cut every ``split`` tokens."""
+    """Every statistics table of TEXTS run in process (the worker's Extractor), with ``interventions`` and the
+    README's custom analysis; a text's windows are its first 48 tokens cut every ``split`` tokens."""
     from actlake.jobs.extract.driver import Extractor
+    from actlake.jobs.extract.run import import_custom_analyses
     from actlake.model import load_model
 
     cfg = job_config(model, tmp_path, tmp_path / "runs", **{"model.dtype": "float32", "interventions": interventions,
-                                                            "analyses.self_check": False,
+                                                            "analyses.self_check": False, "analyses.custom": [ENTROPY],
                                                             "batching.max_tokens": max_tokens})
+    import_custom_analyses(cfg)
     ex = Extractor(cfg, load_model(cfg.model, lm_head=lm_head))
     tok = ex.lm.tokenizer
     windows = [Window(i, w, ids[s:s + split], "text") for i, t in enumerate(TEXTS)
@@ -111,6 +118,7 @@ def test_scale_1_is_the_clean_pass_and_the_clean_rows_are_a_run_without_interven
     same = effects[effects.intervention == "identity"]
     assert (same.diff_mean == 0).all() and (same.ci_low == 0).all() and (same.ci_high == 0).all()  # scale 1: [0, 0]
     assert same.n_docs.min() == len(TEXTS)
+    assert "attention_entropy" in tables  # a custom analysis: each pass like the clean one, below
     for name, table in tables.items():
         assert set(pc.unique(table["intervention"]).to_pylist()) == {"none", "identity", "shift"}, name
         clean, same = _rows(table, "none"), _rows(table, "identity")
