@@ -325,3 +325,34 @@ def test_a_resumed_intervention_run_equals_the_whole_run_and_a_changed_direction
     np.save(u, np.random.default_rng(2).normal(size=AutoConfig.from_pretrained(model).hidden_size))
     with pytest.raises(StorageError, match="an intervention's direction file or mean_from run changed"):
         run_job(cfg)
+
+
+@pytest.mark.usefixtures("kept_workers")
+def test_a_checkpoint_sweep_with_interventions_equals_a_run_on_each_checkpoint(tiny_models, sample_corpus, tmp_path,
+                                                                              ray_local):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from actlake.jobs.extract.run import run_job
+    from actlake.storage.sql import open_run
+
+    first = tiny_models["gpt2"]
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    m = AutoModelForCausalLM.from_pretrained(first)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    m.save_pretrained(moved)
+    over = {"corpus.max_docs": 8, "sharding.docs_per_shard": 4, "interventions": [ZERO | {"at": 1}]}
+    points = [{"path": str(first), "step": 0}, {"path": str(moved), "step": 10}]
+    sweep = run_job(job_config(first, sample_corpus, tmp_path / "runs", **over, **{"model.checkpoints": points}))
+    con = open_run(sweep.run_dir)
+    for label, path in (("step-0", first), ("step-10", moved)):
+        alone = open_run(run_job(job_config(path, sample_corpus, tmp_path / f"alone-{label}", **over)).run_dir)
+        for name in ("intervention_effects", "attention_mass_by_intervention", "dim_moments"):
+            mine = con.execute(f"SELECT * EXCLUDE (checkpoint) FROM {name} WHERE checkpoint = ? ORDER BY ALL",
+                               [label]).fetchall()
+            assert mine == alone.execute(f"SELECT * FROM {name} ORDER BY ALL").fetchall() and mine, (label, name)
