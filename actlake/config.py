@@ -214,16 +214,24 @@ class InterventionConfig(Section):
     at: Union[int, list[int]]
     """Hidden state(s) edited: ``L`` is the residual stream entering block ``L`` (0 = the embeddings), as in
     ``hidden_states``; a list edits each of them in the same pass."""
-    op: Literal["zero", "mean", "scale", "add", "project_out"] = "zero"
+    op: Literal["zero", "mean", "scale", "add", "project_out", "custom"] = "zero"
     """What happens to ``dims`` (or ``direction``): set to 0, set to their corpus mean (``mean_from``), multiplied by
-    ``value``, ``value`` added; ``project_out``: the component along ``direction`` removed."""
+    ``value``, ``value`` added; ``project_out``: the component along ``direction`` removed; ``custom``: ``function``
+    edits the hidden state."""
+    function: Optional[str] = None
+    """With ``op: custom``: your function, ``package.module:function``, called as ``function(layer, hidden, batch)``
+    with the hidden state (B, T, d) and an ``actlake.analysis.engine.intervene.EditBatch`` (``valid``, ``role``,
+    ``selected``, ``windows``); it returns the edited hidden state (the same shape), taken on the selected tokens."""
+    path: Optional[LocalPath] = None
+    """With ``function``: a ``.py`` file or package folder holding it, shipped to every worker (as a custom analysis's
+    ``path``); null: already installed everywhere."""
     dims: list[int] = []
     """Dimensions of the hidden state edited (0 <= dim < the model's width)."""
     direction: Optional[LocalPath] = None
     """A ``.npy`` file holding one vector of the model's width: the direction ``project_out`` removes, or that
     ``scale``/``add``/``zero`` act along (its component: multiplied, increased by ``value``, set to 0)."""
-    value: float = Field(0.0, allow_inf_nan=False)
-    """The factor of ``scale`` or the amount of ``add``."""
+    value: Optional[float] = Field(None, allow_inf_nan=False)
+    """The factor of ``scale`` or the amount of ``add`` (required by them, refused by the other ops)."""
     mean_from: Optional[Location] = None
     """With ``op: mean``: a run of the same model whose ``dim_moments`` give each dimension's mean at that hidden
     state, over the token category the edited tokens belong to (``role`` categories with ``tokens: <role>``, else
@@ -302,6 +310,14 @@ class JobConfig(ConfigRoot.with_defaults(name="job")):
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     @property
+    def code_refs(self) -> list[tuple[tuple, str, str | None]]:
+        """Your code a job runs, ``(config key, 'package.module:attr', path or None)``: ``analyses.custom`` entries
+        and ``op: custom`` interventions. Paths are shipped to the workers, hashed into the run's identity."""
+        return ([(("analyses", "custom", i), c.analysis, c.path) for i, c in enumerate(self.analyses.custom)]
+                + [(("interventions", i), iv.function, iv.path) for i, iv in enumerate(self.interventions)
+                   if iv.function])
+
+    @property
     def run_id(self) -> str:
         return self.output.run_id or f"{self.name}-{self.content_hash()}"
 
@@ -349,12 +365,12 @@ def _check_values(cfg: JobConfig, err) -> None:
         if not module or not cls or not all(p.isidentifier() for p in module.split(".") + [cls]):
             err(("analyses", "custom", i, "analysis"), f"expected 'package.module:ClassName', got {c.analysis!r}")
     _check_devices(cfg, err)
-    _check_interventions(cfg.interventions, err)
+    _check_interventions(cfg.interventions, err, cfg.tokenization.max_length)
     if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):
         err(("output", "run_id"), f"not a valid folder name: {cfg.output.run_id!r}")
 
 
-def _check_interventions(interventions: list, err) -> None:
+def _check_interventions(interventions: list, err, cfg_max_length: int) -> None:
     """What an intervention's spec says by itself (the model's width and depth: ``jobs/extract/interventions.py``).
     ``tokens`` is checked by its Literal (the roles of ``actlake.categories.ROLE``: no torch import here)."""
     names = [iv.name for iv in interventions]
@@ -368,7 +384,16 @@ def _check_interventions(interventions: list, err) -> None:
         layers = iv.at if isinstance(iv.at, list) else [iv.at]
         if not layers or min(layers) < 0 or len(set(layers)) < len(layers):
             err(key("at"), f"hidden states to edit: one or more distinct numbers >= 0, got {iv.at!r}")
-        if iv.op == "project_out" and (iv.direction is None or iv.dims):
+        if (iv.op == "custom") != (iv.function is not None) or iv.path is not None and iv.function is None:
+            err(key("function"), "op custom edits through function ('package.module:function'), and only it takes "
+                                 "function and path")
+        elif iv.op == "custom":
+            module, _, attr = iv.function.partition(":")
+            if not module or not attr or not all(p.isidentifier() for p in module.split(".") + [attr]):
+                err(key("function"), f"expected 'package.module:function', got {iv.function!r}")
+            if iv.dims or iv.direction is not None:
+                err(key("function"), "op custom takes no dims, direction or value: the function edits the hidden state")
+        elif iv.op == "project_out" and (iv.direction is None or iv.dims):
             err(key("direction"), "op project_out removes a direction: give direction (a .npy vector), not dims")
         elif iv.op != "project_out" and bool(iv.dims) == (iv.direction is not None):
             err(key("dims"), f"op {iv.op}: give either dims or direction")
@@ -380,8 +405,12 @@ def _check_interventions(interventions: list, err) -> None:
             err(key("mean_from"), "op mean takes each dimension's mean from a run: give mean_from (and only with op mean)")
         if iv.op == "mean" and iv.direction is not None:
             err(key("direction"), "op mean sets dims to their means: give dims")
-        if iv.op in ("zero", "mean", "project_out") and iv.value != 0:
-            err(key("value"), f"op {iv.op} takes no value")
+        if (iv.op in ("scale", "add")) != (iv.value is not None):
+            err(key("value"), f"op {iv.op} " + ("needs a value (the factor or the amount)" if iv.value is None
+                                                  else "takes no value"))
+        if iv.positions and max(iv.positions) >= cfg_max_length:
+            err(key("positions"), f"position {max(iv.positions)} is beyond every window (tokenization.max_length: "
+                                  f"{cfg_max_length})")
         if iv.positions and (min(iv.positions) < 0 or len(set(iv.positions)) < len(iv.positions)):
             err(key("positions"), f"distinct positions >= 0, got {iv.positions}")
 
@@ -474,13 +503,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
 
 
 def resolve_custom_paths(cfg: "JobConfig", err) -> None:
-    """Check each ``analyses.custom[].path`` (absolute since the config was read) exists here, on the driver: a
+    """Check each path of your code (``analyses.custom[].path``, ``interventions[].path``; absolute since the config
+    was read) exists here, on the driver: a
     ``.py`` file or a package folder holding files and folders only (a FIFO would hang the import, the copy of its
     ``.py`` files ``run`` ships to the workers, and the zip of the whole folder ``submit`` sends)."""
-    for i, c in enumerate(cfg.analyses.custom):
-        if c.path is None:
+    for where, _, path in cfg.code_refs:
+        if path is None:
             continue
-        p = Path(c.path)
+        p = Path(path)
         try:
             mode = os.stat(p).st_mode
         except OSError:
@@ -492,10 +522,10 @@ def resolve_custom_paths(cfg: "JobConfig", err) -> None:
             if mode is not None and kind_of(mode):
                 raise ConfigError(not_regular(p, kind_of(mode)))
         except ConfigError as e:
-            err(("analyses", "custom", i, "path"), str(e))
+            err((*where, "path"), str(e))
             continue
         if mode is None or p.suffix != ".py":
-            err(("analyses", "custom", i, "path"), f"not a .py file or a package folder: {p}")
+            err((*where, "path"), f"not a .py file or a package folder: {p}")
 
 
 def resolve_model_path(name_or_path: str, key: str = "model.name_or_path") -> str:

@@ -1,4 +1,4 @@
-"""Each intervention's effect, paired by document, with a 95 % confidence interval (issue 51, METHODS.md §7).
+"""Each intervention's effect, paired by document, with a 95 % confidence interval (issue 51, METHODS.md §8).
 
 Every batch runs clean and under each intervention (``interventions:``); each pass sums, per window, the attention
 mass each key role takes per layer and head (and its mean over heads: head -1), the residual norm per hidden state, and for causal LMs the surprisal and

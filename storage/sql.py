@@ -214,26 +214,28 @@ class _Run:
             for i, (name, sql) in enumerate(list(self.views.items())):
                 self.views[name + BY_SOURCE_SUFFIX] = _with_ctes(ctes[: len(labelled) + i], sql)
         if self.passes:
-            self._by_intervention(sorted(self.full))
+            self._by_intervention(sorted(self.full), bool(labelled))
 
-    def _by_intervention(self, reduced: list[str]) -> None:
-        """``<name>_by_intervention`` for every reduced table and view: each pass's rows over every document (its
-        tables bound to that pass's rows, so a view computes over one pass), under a leading ``intervention``."""
-        names = reduced + list(self.views)
-        for t in names:
-            if t + BY_INTERVENTION_SUFFIX in self.tables or not is_table_name(t + BY_INTERVENTION_SUFFIX):
-                raise StorageError(f"{self.layout.root}: {t!r} has no free name for its rows by intervention")
+    def _by_intervention(self, reduced: list[str], split: bool) -> None:
+        """``<name>_by_intervention`` for every reduced table and recorded view: each pass's rows over every document
+        (the tables bound to that pass's rows, so a view computes over one pass), under a leading ``intervention``;
+        in a ``by_source`` run also ``<name>_by_source_by_intervention``: each pass's rows of every label."""
+        recorded = [v for v in self.views if not v.endswith(BY_SOURCE_SUFFIX)]  # as the run recorded them
         out = {}
-        for n in names:
-            arms = []
-            for iv in self.passes:
-                bound = [(t, _one_pass(self.full[t], iv)) for t in reduced]
-                ctes = [(t, q) for t, q in self.tables.items() if t not in self.full] + bound
-                views = list(self.views)
-                body = _one_pass(self.full[n], iv) if n in self.full else _with_ctes(
-                    ctes + [(v, self.views[v]) for v in views[: views.index(n)]], self.views[n])
-                arms.append(f"SELECT {_quote(iv)} AS {INTERVENTION}, * FROM (\n{body}\n)")
-            out[n + BY_INTERVENTION_SUFFIX] = "\nUNION ALL\n".join(arms)
+        for suffix, every_source in [("", False)] + [(BY_SOURCE_SUFFIX, True)] * split:
+            for n in reduced + recorded:
+                name = n + suffix + BY_INTERVENTION_SUFFIX
+                if name in self.tables or name in self.views or not is_table_name(name):
+                    raise StorageError(f"{self.layout.root}: {n + suffix!r} has no free name for its rows by "
+                                       "intervention")
+                arms = []
+                for iv in self.passes:
+                    bound = [(t, _one_pass(self.full[t], iv, every_source)) for t in reduced]
+                    ctes = [(t, q) for t, q in self.tables.items() if t not in self.full] + bound
+                    body = dict(bound)[n] if n in self.full else _with_ctes(
+                        ctes + [(v, self.views[v]) for v in recorded[: recorded.index(n)]], self.views[n])
+                    arms.append(f"SELECT {_quote(iv)} AS {INTERVENTION}, * FROM (\n{body}\n)")
+                out[name] = "\nUNION ALL\n".join(arms)
         self.views.update(out)
 
     def _over_every_document(self, reduced: set, files: dict) -> dict:

@@ -28,7 +28,7 @@ from actlake.analysis.engine.batch import (
     ModelSpec,
 )
 from actlake.analysis.engine.device import to_device, to_host
-from actlake.analysis.engine.intervene import Editing, Intervention
+from actlake.analysis.engine.intervene import EditBatch, Editing, Intervention
 from actlake.analysis.engine.layer_replay import LayerReplay
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.engine.selfcheck import SelfCheck
@@ -75,6 +75,7 @@ class ForwardPass:
         """Whether the first batch's self-check (:mod:`~actlake.analysis.engine.selfcheck`) has passed."""
         self.triton = triton_kernels_on(cfg.analyses.triton_kernels, lm.device)
         unsafe = [c.name for c in self.producers if "attention" in c.sites and not c.graph_safe]
+        unsafe += ["interventions' per-window sums"] * bool(self.interventions)
         self.layer_graphs = layer_graphs_on(cfg.analyses.layer_graphs, lm.device, unsafe)
         self.strict = lm.device.type != "cuda"
         """run_batch's default: strict checks layer by layer on a CPU, device-side counts read once per batch on a GPU."""
@@ -145,9 +146,11 @@ class ForwardPass:
         edited, keep, window_sums = {}, [recorder], {}
         if self.interventions:
             window_sums[CLEAN] = sums.sums(surprisal, None)
+            scored = None if surprisal is None else torch.isfinite(surprisal)  # the clean pass's scored tokens
         for iv in self.interventions:
-            select = iv.selected(to_device(mask.bool(), self.lm.device), to_device(role, self.lm.device))
-            with Editing(self.lm.model, self.lm.family, iv, select):
+            valid, roles = to_device(mask.bool(), self.lm.device), to_device(role, self.lm.device)
+            select = iv.selected(valid, roles)
+            with Editing(self.lm.model, self.lm.family, iv, select, EditBatch(valid, roles, select, batch)):
                 e_stats, _, e_recorder, e_out, e_checks, e_devices, _, e_sums = self._pass(batch, ids, mask, role,
                                                                                            type8, strict)
             edited[iv.name], checks, devices = e_stats, checks + e_checks, devices | e_devices
@@ -157,7 +160,7 @@ class ForwardPass:
                 h = e_out.last_hidden_state
                 e_surprisal = token_surprisal(self.lm.lm_head, h, ids, mask, transform=self.lm.logit_transform)
                 kl = token_kl(self.lm.lm_head, out.last_hidden_state, h, mask, transform=self.lm.logit_transform)
-            window_sums[iv.name] = e_sums.sums(e_surprisal, kl)
+            window_sums[iv.name] = e_sums.sums(e_surprisal, kl, scored)
         result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), stats, parts, edited,
                              window_sums)
         # the recorders (their layer graphs, the buffers replays read) live until the batch is waited for

@@ -10,7 +10,8 @@ on block 0. Hooks are removed on exit, whatever happens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +21,8 @@ from actlake.categories import ROLE
 
 @dataclass(frozen=True)
 class Intervention:
+    """One intervention, resolved: plain values (a custom one names its function, imported where it runs)."""
+
     name: str
     layers: tuple[int, ...]
     op: str
@@ -34,6 +37,8 @@ class Intervention:
     """``all`` or a token role (:data:`~actlake.categories.ROLE`)."""
     positions: tuple[int, ...] = ()
     """Window positions edited (among ``tokens``); empty: all."""
+    function: str | None = None
+    """With ``op: custom``: ``package.module:function`` (imported where it runs: :func:`load_function`)."""
 
     def selected(self, valid: torch.Tensor, role: torch.Tensor) -> torch.Tensor:
         """(B, T) bool: the tokens edited, among the valid ones."""
@@ -43,9 +48,18 @@ class Intervention:
             out = out & torch.isin(pos, torch.tensor(self.positions, device=valid.device))[None, :]
         return out
 
-    def edit(self, layer: int, h: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    def edit(self, layer: int, h: torch.Tensor, select: torch.Tensor, batch: "EditBatch | None" = None) -> torch.Tensor:
         """``h`` (B, T, d) with the selected tokens (B, T) edited at hidden state ``layer``."""
-        sel = select[..., None]  # (B, T, 1)
+        sel = select.to(h.device)[..., None]  # (B, T, 1); with device_map a block may live on another device
+        if self.op == "custom":
+            out = load_function(self.function)(layer, h, batch)
+            if not isinstance(out, torch.Tensor) or out.shape != h.shape:
+                from actlake.errors import AnalysisError
+
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise AnalysisError(f"intervention {self.name!r}: {self.function} returned {got} for a hidden state of "
+                                    f"shape {tuple(h.shape)}; it must return the edited hidden state, the same shape")
+            return torch.where(sel, out.to(h.dtype), h)
         if self.direction is not None:
             u = torch.tensor(self.direction, dtype=h.dtype, device=h.device)  # (d,)
             c = h @ u  # (B, T) the component along u
@@ -62,13 +76,41 @@ class Intervention:
         return out
 
 
+@dataclass
+class EditBatch:
+    """What a custom intervention's function is given besides the layer and the hidden state."""
+
+    valid: torch.Tensor
+    """(B, T) bool: real tokens (False on padding), on the hidden state's device."""
+    role: torch.Tensor
+    """(B, T) :data:`~actlake.categories.ROLE` ids."""
+    selected: torch.Tensor
+    """(B, T) bool: the tokens the intervention's ``tokens`` and ``positions`` select (only these are taken)."""
+    windows: list = field(default_factory=list)
+    """The batch's :class:`~actlake.batching.Window` s, row by row."""
+
+
+def load_function(target: str):
+    """``package.module:function`` -> the function (ConfigError naming it when it cannot be imported or called)."""
+    from actlake.errors import ConfigError
+
+    module, _, attr = target.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"interventions: cannot import '{target}' ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise ConfigError(f"interventions: '{target}' is not a function")
+    return fn
+
+
 class Editing:
     """Context manager: ``intervention`` applied to every forward pass of ``model`` inside it, on the tokens
     ``select`` (B, T) of the batch run."""
 
-    def __init__(self, model, family, intervention: Intervention, select: torch.Tensor):
+    def __init__(self, model, family, intervention: Intervention, select: torch.Tensor, batch: EditBatch | None = None):
         self.blocks = blocks(model, family)
-        self.iv, self.select = intervention, select
+        self.iv, self.select, self.batch = intervention, select, batch
         self.handles: list = []
 
     def __enter__(self) -> Editing:
@@ -91,12 +133,12 @@ class Editing:
 
     def _pre(self, module, args, kwargs):
         if args:
-            return (self.iv.edit(0, args[0], self.select), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": self.iv.edit(0, kwargs["hidden_states"], self.select)}
+            return (self.iv.edit(0, args[0], self.select, self.batch), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.iv.edit(0, kwargs["hidden_states"], self.select, self.batch)}
 
     def _post(self, layer: int):
         def hook(module, args, output):
             if isinstance(output, tuple):
-                return (self.iv.edit(layer, output[0], self.select), *output[1:])
-            return self.iv.edit(layer, output, self.select)
+                return (self.iv.edit(layer, output[0], self.select, self.batch), *output[1:])
+            return self.iv.edit(layer, output, self.select, self.batch)
         return hook

@@ -57,9 +57,12 @@ class WindowSums:
         norms = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float64).to(self.valid.device)  # (B, T)
         self.norm[:, layer] = (norms * self.valid).sum(1)
 
-    def sums(self, surprisal: torch.Tensor | None, kl: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+    def sums(self, surprisal: torch.Tensor | None, kl: torch.Tensor | None,
+             scored: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(B, K) sums and (B, K) counts on the host, in :func:`cells`' order; ``surprisal``/``kl``: (B, T) per
-        token, NaN where not scored (None for an encoder; ``kl`` zeros for the clean pass)."""
+        token, NaN where not scored (None for an encoder; ``kl`` zeros for the clean pass). ``scored``: an edited
+        pass's tokens are the clean pass's scored ones, so both means are over the same tokens (an edit that makes
+        a scored token's surprisal inf/NaN makes the window's sum NaN: the document leaves that quantity's pairs)."""
         B = self.mass.shape[0]
         n_valid = self.valid.sum(1, keepdim=True)  # (B, 1)
         mass = torch.cat([self.mass, self.mass.mean(2, keepdim=True)], 2)  # (B, L_att, H + 1, C): and over heads
@@ -67,7 +70,7 @@ class WindowSums:
         counts = [n_valid.expand(B, parts[0].shape[1]), n_valid.expand(B, parts[1].shape[1])]
         if surprisal is not None:
             s = surprisal.to(self.valid.device).double()
-            scored = torch.isfinite(s)
+            scored = torch.isfinite(s) if scored is None else scored.to(self.valid.device)
             n_scored = scored.sum(1, keepdim=True).double()
             k = kl.to(self.valid.device).double() if kl is not None else torch.zeros_like(s)
             parts += [torch.where(scored, s, 0.0).sum(1, keepdim=True), torch.where(scored, k, 0.0).sum(1, keepdim=True)]

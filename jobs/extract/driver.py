@@ -44,7 +44,7 @@ class Extractor:
         self.reading = [(c, o) for c, o in tables if c.of_reading]  # documents, rejects
         self.token_tables = [(c, o) for c, o in tables if not c.of_reading]  # made batch by batch
         self.interventions = resolve_interventions(cfg, lm.model.config)
-        passes = [(c, o) for c, o in enabled(cfg) if c.sites]  # intervention_effects reads the passes' window sums
+        passes = [(c, o) for c, o in enabled(cfg) if c is not InterventionEffects]  # it reads the passes' sums
         self.forward = ForwardPass(cfg, lm, passes, self.token_tables, self.interventions)
         self.producers = self.forward.producers + [c for c, _ in self.reading]
         self.views_to_check = [c for c in self.producers if getattr(c, "views", None)] if custom_views(self.producers) else []

@@ -58,23 +58,25 @@ def actlake_code() -> dict:
 
 
 def custom_code_sha(cfg: JobConfig, shipped: dict[str, bytes]) -> dict[str, str]:
-    """``{analysis class: sha256}`` of each custom analysis's code: the files shipped to the workers for one with a
-    ``path``, the installed module's package (or file) for one without."""
+    """``{'module:attr': sha256}`` of your code (each custom analysis, each custom intervention's function): the files
+    shipped to the workers for one with a ``path``, the installed module's package (or file) for one without."""
     out = {}
-    for c in cfg.analyses.custom:
-        module = c.analysis.split(":")[0]
-        if c.path:
-            top = Path(c.path).name
+    for key, ref, path in cfg.code_refs:
+        target = ref if key[0] == "analyses" else f"intervention function {ref}"
+        module = ref.split(":")[0]
+        if path:
+            top = Path(path).name
             h = hashlib.sha256()
             for rel in sorted(r for r in shipped if r == top or r.startswith(top + "/")):
                 h.update(rel.encode() + b"\0" + shipped[rel] + b"\0")
-            out[c.analysis] = h.hexdigest()
+            out[target] = h.hexdigest()
             continue
         spec = importlib.util.find_spec(module.split(".")[0])
         if spec is None or spec.origin is None and not spec.submodule_search_locations:
-            raise ActlakeError(f"analyses.custom: {c.analysis}: module '{module}' is not importable")
+            raise ActlakeError(f"{'.'.join(k for k in key if isinstance(k, str))}: {ref}: module '{module}' is not "
+                               "importable")
         where = list(spec.submodule_search_locations or [])
-        out[c.analysis] = _sources_sha(_py_files(Path(where[0]))) if where else \
+        out[target] = _sources_sha(_py_files(Path(where[0]))) if where else \
             hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
     return out
 
@@ -173,8 +175,9 @@ def identity_change(old: dict, new: dict) -> str | None:
     ou, nu = old.get("custom", {}), new["custom"]
     for name in sorted(set(ou) | set(nu)):
         if ou.get(name) != nu.get(name):
-            return f"custom analysis {name}'s code changed" if name in ou and name in nu else \
-                f"custom analysis {name} {'added' if name in nu else 'removed'}"
+            what = name if name.startswith("intervention function") else f"custom analysis {name}"
+            return f"{what}'s code changed" if name in ou and name in nu else \
+                f"{what} {'added' if name in nu else 'removed'}"
     return None
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from actlake.analysis.engine.intervene import Intervention
+from actlake.analysis.engine.intervene import Intervention, load_function
 from actlake.config import JobConfig
 from actlake.errors import ConfigError
 from actlake.fs import location, read_regular
@@ -28,8 +28,10 @@ def resolve_interventions(cfg: JobConfig, model_config) -> tuple[Intervention, .
             raise ConfigError(f"{key}.dims: dimension {max(iv.dims)} is beyond the model's width ({width})")
         direction = _direction(key, iv.direction, width) if iv.direction is not None else None
         means = _means(key, cfg, iv, layers) if iv.op == "mean" else None
-        out.append(Intervention(iv.name, layers, iv.op, tuple(iv.dims), direction, iv.value, means, iv.tokens,
-                                tuple(iv.positions)))
+        if iv.function is not None:
+            load_function(iv.function)  # importable and callable here (the driver: before Ray; a worker: at load)
+        out.append(Intervention(iv.name, layers, iv.op, tuple(iv.dims), direction, iv.value or 0.0, means, iv.tokens,
+                                tuple(iv.positions), iv.function))
     return tuple(out)
 
 

@@ -37,7 +37,7 @@ def keeping_workers():
 
 def kept_key(cfg, options: dict, threads: int, env: dict) -> tuple | None:
     """What two jobs' workers must share for one to serve the other; None: never kept."""
-    if any(c.path for c in cfg.analyses.custom) or cfg.model.offload_folder:
+    if any(path for _, _, path in cfg.code_refs) or cfg.model.offload_folder:
         return None
     return tuple(sorted(options.items())), threads, tuple(sorted(env.items()))
 

@@ -205,9 +205,9 @@ _CUSTOM = _CustomCode()
 def import_custom_analyses(cfg: JobConfig) -> None:
     """Let the driver import the modules of ``analyses.custom[].path`` (as the workers can, through Ray): the
     file's or package's own name only."""
-    for c in cfg.analyses.custom:
-        if c.path:
-            p = Path(c.path)
+    for _, _, path in cfg.code_refs:
+        if path:
+            p = Path(path)
             _CUSTOM.where[p.stem if p.is_file() else p.name] = str(p.parent)
     if _CUSTOM.where and _CUSTOM not in sys.meta_path:
         sys.meta_path.insert(0, _CUSTOM)
@@ -240,13 +240,14 @@ def custom_code(cfg: JobConfig) -> dict[str, bytes]:
     """The custom analyses' code, ``{path relative to its parent folder: bytes}``, for the workers (Ray
     accepts local ``py_modules`` only for a whole job, not per actor, so the code travels as an argument)."""
     files: dict[str, bytes] = {}
-    for c in cfg.analyses.custom:
-        if not c.path:
+    for key, target, path in cfg.code_refs:
+        if not path:
             continue
-        root = Path(c.path)
+        root = Path(path)
         members = [root] if root.is_file() else [p for p in root.rglob("*.py") if "__pycache__" not in p.parts]
         for p in members:
-            files[str(p.relative_to(root.parent))] = read_regular(p, f"analyses.custom: {c.analysis}", ConfigError)
+            where = ".".join(k for k in key if isinstance(k, str))  # analyses.custom, interventions
+            files[str(p.relative_to(root.parent))] = read_regular(p, f"{where}: {target}", ConfigError)
     if sum(map(len, files.values())) > CUSTOM_CODE_LIMIT:
         raise ConfigError(f"analyses.custom: more than {CUSTOM_CODE_LIMIT >> 20} MiB of code to ship; install it "
                           "on the workers instead and leave path empty")
@@ -277,7 +278,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
     check_model(cfg)  # from the model's config alone: an unsupported model is one line, before Ray
     if cfg.interventions:  # a dim beyond the width, a layer beyond the model, means of another model: one line
-        from actlake.architectures import read_model_config
+        from actlake.architectures import read_model_config  # (import_custom_analyses made functions importable)
         from actlake.config import resolve_model_path
         from actlake.jobs.extract.interventions import resolve_interventions
 

@@ -84,7 +84,7 @@ def submit(cfg: JobConfig, address: str, submission_id: str | None = None, agent
                     entrypoint="python -m actlake.jobs.cli run job.yaml",
                     submission_id=submission_id,
                     runtime_env={"working_dir": str(work),
-                                 "py_modules": [str(pkg)] + [c.path for c in cfg.analyses.custom if c.path],
+                                 "py_modules": [str(pkg)] + [path for _, _, path in cfg.code_refs if path],
                                  "env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
                     metadata={"actlake_run_id": cfg.run_id},
                 )

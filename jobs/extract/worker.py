@@ -185,7 +185,7 @@ class ShardWorker:
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         keep_freed_heap()
-        self.shipped = install_code(code or {}, [str(c.path) for c in parse_config(cfg_dict).analyses.custom if c.path])
+        self.shipped = install_code(code or {}, [str(path) for _, _, path in parse_config(cfg_dict).code_refs if path])
         self.compute = threading.Lock()  # the model runs one shard at a time, also when two are in hand
         self.aiming = threading.Lock()  # one retarget at a time (two shards may arrive at once)
         self.pid = os.getpid()

@@ -76,7 +76,8 @@ def _reference(model, windows, tok, iv):
         return (h, *output[1:]) if isinstance(output, tuple) else h
 
     hidden, mass = [], 0.0
-    handle = m.layers[iv["at"] - 1].register_forward_hook(edit_hook)
+    at = m.embed_tokens if iv["at"] == 0 else m.layers[iv["at"] - 1]  # hidden state 0: the embeddings' output
+    handle = at.register_forward_hook(edit_hook)
     try:
         for w in windows:
             ids = torch.tensor([w.ids])
@@ -91,16 +92,18 @@ def _reference(model, windows, tok, iv):
     return torch.cat(hidden, 1).mean(1).numpy(), mass.numpy()  # (L+1, d), (L, H, C)
 
 
-def test_an_edited_pass_equals_transformers_with_a_hand_written_hook(deep_tiny_models, tmp_path):
+@pytest.mark.parametrize("at", [2, 0])
+def test_an_edited_pass_equals_transformers_with_a_hand_written_hook(deep_tiny_models, tmp_path, at):
     model = deep_tiny_models["llama"]
-    tables, windows, tok = _extract(model, tmp_path, [ZERO])
-    means, mass = _reference(model, windows, tok, ZERO)
+    iv = ZERO | {"at": at}
+    tables, windows, tok = _extract(model, tmp_path, [iv])
+    means, mass = _reference(model, windows, tok, iv)
     dm = _rows(tables["dim_moments"], "zero")
     dm = dm[(dm.scheme == "all") & (dm.source == "*")]
     got = dm.pivot(index="layer", columns="dim", values="mean").to_numpy()
     assert np.abs(got - means).max() <= 1e-5 * np.abs(means).max()
-    assert np.abs(got[3:, [3, 7, 11]]).max() > 1e-3  # later blocks write into the zeroed dims again
-    assert np.abs(got[2, [3, 7, 11]]).max() == 0.0  # the edited hidden state itself
+    assert np.abs(got[at + 1:, [3, 7, 11]]).max() > 1e-3  # later blocks write into the zeroed dims again
+    assert np.abs(got[at, [3, 7, 11]]).max() == 0.0  # the edited hidden state itself
     am = _rows(tables["attention_mass"], "zero").groupby(["layer", "head", "key_category"])["mass"].sum()
     for (layer, head, cat), value in am.items():
         if cat in ROLE:
@@ -111,18 +114,20 @@ def test_an_edited_pass_equals_transformers_with_a_hand_written_hook(deep_tiny_m
 
 def test_scale_1_is_the_clean_pass_and_the_clean_rows_are_a_run_without_interventions(deep_tiny_models, tmp_path):
     model = deep_tiny_models["llama"]
-    tables, *_ = _extract(model, tmp_path, [IDENTITY, SHIFT])
+    add_0 = {"name": "add0", "at": [0, 2], "op": "add", "dims": [1, 9], "value": 0.0}
+    tables, *_ = _extract(model, tmp_path, [IDENTITY, SHIFT, add_0])
     plain, *_ = _extract(model, tmp_path, [])
     effects = tables.pop("intervention_effects").to_pandas()
-    assert set(effects.intervention) == {"identity", "shift"}
-    same = effects[effects.intervention == "identity"]
-    assert (same.diff_mean == 0).all() and (same.ci_low == 0).all() and (same.ci_high == 0).all()  # scale 1: [0, 0]
-    assert same.n_docs.min() == len(TEXTS)
+    assert set(effects.intervention) == {"identity", "shift", "add0"}
+    for noop in ("identity", "add0"):  # scale 1, add 0: every difference 0 and every interval [0, 0]
+        same = effects[effects.intervention == noop]
+        assert (same.diff_mean == 0).all() and (same.ci_low == 0).all() and (same.ci_high == 0).all(), noop
+        assert same.n_docs.min() == len(TEXTS)
     assert "attention_entropy" in tables  # a custom analysis: each pass like the clean one, below
     for name, table in tables.items():
-        assert set(pc.unique(table["intervention"]).to_pylist()) == {"none", "identity", "shift"}, name
-        clean, same = _rows(table, "none"), _rows(table, "identity")
-        assert clean.equals(same), name  # scale 1: every number the clean pass's, exactly
+        assert set(pc.unique(table["intervention"]).to_pylist()) == {"none", "identity", "shift", "add0"}, name
+        clean = _rows(table, "none")
+        assert clean.equals(_rows(table, "identity")) and clean.equals(_rows(table, "add0")), name  # exactly
         assert clean.equals(_rows(plain[name], None)), name
     shifted = _rows(tables["dim_moments"], "shift")
     bos = shifted[(shifted.scheme == "role") & (shifted.category == "bos") & (shifted.layer == 1)]
@@ -155,6 +160,12 @@ def test_a_spec_that_does_not_fit_the_model_is_one_line_naming_the_key(tiny_mode
     ([{"name": "a", "at": 1, "dims": [1], "tokens": "cls"}], "interventions.0.tokens"),
     ([{"name": "a", "at": 1, "dims": [1], "positions": [-1]}], "interventions.0.positions"),
     ([{"name": "a", "at": [1, 1], "dims": [1]}], "interventions.0.at"),
+    ([{"name": "a", "at": 1, "op": "custom"}], "interventions.0.function"),
+    ([{"name": "a", "at": 1, "dims": [1], "op": "scale"}], "interventions.0.value"),
+    ([{"name": "a", "at": 1, "dims": [1], "value": 2.0}], "interventions.0.value"),
+    ([{"name": "a", "at": 1, "dims": [1], "positions": [0, 999]}], "interventions.0.positions"),
+    ([{"name": "a", "at": 1, "dims": [1], "function": "m:f"}], "interventions.0.function"),
+    ([{"name": "a", "at": 1, "op": "custom", "function": "m:f", "dims": [1]}], "interventions.0.function"),
 ])
 def test_a_bad_spec_is_one_line_naming_the_key(tmp_path, specs, message):
     with pytest.raises(ConfigError, match=message):
@@ -189,6 +200,21 @@ def test_a_job_with_interventions_reduces_each_pass_and_sql_shows_them_apart(tin
     assert fx[0][:5] == ("identity", 0.0, 0.0, 20, 20) and fx[1][0] == "zero" and fx[1][1] > 0  # scale 1: [0, 0]
     assert fx[0][5] == 1  # by its name, the rows over every document
     assert a.execute("SELECT count(DISTINCT source) FROM intervention_effects_by_source").fetchone()[0] > 2
+    for suffix in ("", "_by_source"):  # each view over one pass: the zero pass's own mass by key, from its table
+        by_key = a.execute(f"SELECT source, layer, head, key_category, mean_mass FROM attention_mass_by_key{suffix}"
+                           "_by_intervention WHERE intervention = 'zero' ORDER BY ALL").fetchall()
+        by_hand = a.execute(f"SELECT source, layer, head, key_category, sum(mass) / sum(n_queries) FROM "
+                            f"attention_mass{suffix}_by_intervention WHERE intervention = 'zero' GROUP BY ALL "
+                            "ORDER BY ALL").fetchall()
+        assert len(by_key) == len(by_hand) > 0 and all(
+            x[:4] == y[:4] and x[4] == pytest.approx(y[4], rel=1e-12) for x, y in zip(by_key, by_hand)), suffix
+        clean = a.execute(f"SELECT mean_mass FROM attention_mass_by_key{suffix}_by_intervention WHERE intervention = "
+                          "'none' ORDER BY source, layer, head, key_category").fetchall()
+        assert clean != [r[4:] for r in by_key]  # the edit changed the mass after hidden state 1
+        zeroed = a.execute(f"SELECT count(DISTINCT source), max(abs(mean)) FROM massive_activations{suffix}"
+                           "_by_intervention WHERE intervention = 'zero' AND layer = 1 AND dim IN (3, 7, 11)").fetchone()
+        labels = a.execute(f"SELECT count(DISTINCT source) FROM dim_moments{suffix}").fetchone()[0]
+        assert zeroed == (labels, 0.0) and labels > (2 if suffix else 0), (suffix, zeroed)  # each label: zeroed
     passes = a.execute("SELECT DISTINCT intervention FROM outliers_by_intervention ORDER BY 1").fetchall()
     assert [p for (p,) in passes] == ["identity", "none", "zero"]
     zeroed = a.execute("SELECT max(abs(mean)) FROM dim_moments_by_intervention WHERE intervention = 'zero' AND "
@@ -356,3 +382,52 @@ def test_a_checkpoint_sweep_with_interventions_equals_a_run_on_each_checkpoint(t
             mine = con.execute(f"SELECT * EXCLUDE (checkpoint) FROM {name} WHERE checkpoint = ? ORDER BY ALL",
                                [label]).fetchall()
             assert mine == alone.execute(f"SELECT * FROM {name} ORDER BY ALL").fetchall() and mine, (label, name)
+
+
+EDIT = '''
+def zero_some(layer, hidden, batch):
+    """The built-in zero of dims 3, 7, 11, written by hand: every token (the engine keeps the selected ones)."""
+    out = hidden.clone()
+    out[..., [3, 7, 11]] = 0.0
+    return out
+
+
+def wrong_shape(layer, hidden, batch):
+    return hidden[..., :4]
+'''
+
+
+def test_a_custom_function_equals_the_built_in_edit_in_process_and_shipped_to_ray_workers(deep_tiny_models, tiny_models,
+                                                                                           sample_corpus, tmp_path,
+                                                                                           ray_local):
+    """``op: custom`` with ``function`` and ``path`` (shipped as a custom analysis is): the same tables as the
+    built-in edit it writes by hand, in process and in a Ray job; a function that returns another shape stops the
+    job naming it; one that does not exist is one line before Ray."""
+    from actlake.errors import ActlakeError
+    from actlake.jobs.extract.run import run_job
+    from actlake.storage.sql import open_run
+
+    code = tmp_path / "my_edits.py"
+    code.write_text(EDIT)
+    custom = {"name": "by_hand", "at": 2, "op": "custom", "function": "my_edits:zero_some", "path": str(code)}
+    tables, *_ = _extract(deep_tiny_models["llama"], tmp_path, [ZERO, custom])
+    for name, table in tables.items():
+        if name != "intervention_effects":
+            assert _rows(table, "zero").equals(_rows(table, "by_hand")), name
+    fx = tables["intervention_effects"].to_pandas()
+    a, b = (fx[fx.intervention == n].drop(columns="intervention").reset_index(drop=True) for n in ("zero", "by_hand"))
+    assert a.equals(b)
+
+    over = {"sharding.docs_per_shard": 5, "corpus.max_docs": 10}
+    model = tiny_models["gpt2"]
+    done = run_job(job_config(model, sample_corpus, tmp_path / "j", interventions=[ZERO | {"at": 1},
+                                                                                  custom | {"at": 1}], **over))
+    con = open_run(done.run_dir)
+    q = "SELECT * EXCLUDE (intervention) FROM dim_moments_by_intervention WHERE intervention = ? ORDER BY ALL"
+    assert con.execute(q, ["zero"]).fetchall() == con.execute(q, ["by_hand"]).fetchall()
+    with pytest.raises(ActlakeError, match="returned .* for a hidden state of shape"):
+        run_job(job_config(model, sample_corpus, tmp_path / "k", interventions=[
+            custom | {"function": "my_edits:wrong_shape", "at": 1}], **over))
+    with pytest.raises(ConfigError, match="cannot import 'my_edits:nothing'"):
+        run_job(job_config(model, sample_corpus, tmp_path / "l", interventions=[
+            custom | {"function": "my_edits:nothing", "at": 1}], **over))

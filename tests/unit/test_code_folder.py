@@ -85,7 +85,7 @@ def test_the_driver_imports_a_custom_analysis_without_putting_its_folder_on_sys_
     (tmp_path / "mine.py").write_text("VALUE = 42\n")
     code = ("import sys, types\nfrom actlake.jobs.extract.run import import_custom_analyses\n"
             f"c = types.SimpleNamespace(path={str(tmp_path / 'mine.py')!r}, analysis='mine:X')\n"
-            "import_custom_analyses(types.SimpleNamespace(analyses=types.SimpleNamespace(custom=[c])))\n"
+            "import_custom_analyses(types.SimpleNamespace(code_refs=[(('analyses', 'custom', 0), c.analysis, c.path)]))\n"
             "import mine, psutil\nprint(mine.VALUE, psutil.__name__, psutil.__file__.endswith('site-packages/psutil/__init__.py'))\n"
             f"print({str(tmp_path)!r} in sys.path)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

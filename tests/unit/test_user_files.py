@@ -194,8 +194,7 @@ def test_the_code_shipped_to_the_workers_is_read_through_the_same_check(tmp_path
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     fifo(tmp_path / "pkg" / "an.py")
-    cfg = SimpleNamespace(analyses=SimpleNamespace(custom=[SimpleNamespace(path=str(tmp_path / "pkg"),
-                                                                           analysis="pkg.an:X")]))
+    cfg = SimpleNamespace(code_refs=[(("analyses", "custom", 0), "pkg.an:X", str(tmp_path / "pkg"))])
     with pytest.raises(ConfigError, match=r"^analyses\.custom: pkg\.an:X: .*an\.py is not a regular file \(a FIFO\)$"):
         custom_code(cfg)
 
