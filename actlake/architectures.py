@@ -8,7 +8,10 @@ interface (:mod:`actlake.analysis.engine.capture`), so q and k are always the te
 each worker's first batch checks the declaration against them (:mod:`actlake.analysis.engine.selfcheck`).
 
 Key path (METHODS.md §3): k_n = R_n(g ⊙ (x_n W_K + b_K) / r_n), r_n = rms(x_n W_K + b_K) with a key
-norm (per head or over all key heads, as the model's norm module does), r_n = 1 and g = 1 without. Multi-head
+norm (per head or over all key heads, as the model's norm module does), r_n = 1 and g = 1 without. A key LayerNorm
+(no bias) subtracts the mean over its width first: y_n = x_n W_K + b_K is replaced by y_n P, P = I - 1 1^T / w over
+each group of w dims it normalises, which is linear, so it is folded into W_K P and b_K P (:func:`centred`), and
+r_n = sqrt(mean((y_n P)^2) + eps) is the centred input's RMS; a LayerNorm with a bias is refused. Multi-head
 latent attention (DeepSeek V3): k_n = [(g ⊙ c_n / r_n) W_up | R_n(x_n W_rot + b_rot)] with the latent
 c_n = x_n W_c + b_c, r_n = rms(c_n): the same form, with 1 / r_n on the latent dims only (:func:`latent_key_weights`).
 """
@@ -158,7 +161,7 @@ def check_config(config) -> Family:
     """The family of a transformers config, or a one-line ModelLoadError naming the model type and the feature
     that is not modelled (a refused family, a refused config attribute). Sliding windows need no declaring: the
     kernel is handed each layer's window, and the statistics count the pairs it attends."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     check_heads(text)
     check_streams(text)
     if declared(config.model_type) is None:
@@ -174,6 +177,15 @@ def check_config(config) -> Family:
             raise ModelLoadError(f"{what} with {attr}: {getattr(config, attr)!r} is not supported: {reason} is not "
                                  "modelled yet")
     return fam
+
+
+def text_config(config):
+    """The config of a model's text decoder (a multimodal config's ``text_config``), else the config itself (also
+    where transformers finds several and will not choose: MusicGen's text encoder and decoder)."""
+    try:
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+    except ValueError:
+        return config
 
 
 def global_attr(config, name: str, default=None):

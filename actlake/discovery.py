@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import sys
 
-from actlake.architectures import NO_INTERFACE, Family, get_path
+from actlake.architectures import NO_INTERFACE, Family, get_path, text_config
 from actlake.errors import ModelLoadError
 
 LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "transformer.layer", "language_model.layers",
@@ -55,8 +55,8 @@ def _discover(config) -> Family:
                                         "(docs/models.md)")
     if getattr(config, "is_encoder_decoder", False):
         raise refuse("encoder-decoder models (cross-attention) are not modelled")
-    if hasattr(config, "get_text_config") and config.get_text_config() is not config:
-        raise refuse(f"it is a multimodal model (its text model, {config.get_text_config().model_type!r}, has its own "
+    if text_config(config) is not config:
+        raise refuse(f"it is a multimodal model (its text model, {text_config(config).model_type!r}, has its own "
                      "config inside it), which is not modelled yet")
     if getattr(config, "languages", None) and not getattr(config, "default_language", None):
         raise refuse("its language adapters need a language and the config sets no default_language (set one in "
@@ -105,6 +105,8 @@ def _discover(config) -> Family:
                      "stream (a bottleneck), which the contributions (per residual dimension) do not model")
     causal = getattr(attn, "is_causal", None)
     if causal is None:
+        causal = _causal_by_head(config)
+    if causal is None:
         raise refuse("its attention module does not say whether it is causal")
     rope = _rope_layout(sys.modules[type(attn).__module__])
     if rope is None and hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb_interleave"):
@@ -123,6 +125,16 @@ def _discover(config) -> Family:
                   key_norm=f"{attention}.{norm}" if norm else None,
                   latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits,
                   attention_class=type(attn).__name__ if len(classes) > 1 else None)
+
+
+def _causal_by_head(config) -> bool | None:
+    """Causal where the type has a causal-LM head and no masked-LM one, bidirectional where it has only a masked-LM
+    head; None (unknown) with both or neither. A wrong guess cannot pass: the mask the model hands its kernel is
+    compared with causal + padding on every batch (the recorder's mask check)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+
+    lm = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING, type(config) in MODEL_FOR_MASKED_LM_MAPPING
+    return {(True, False): True, (False, True): False}.get(lm)
 
 
 def _global(config, name: str):

@@ -29,7 +29,7 @@ SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
              qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=0, n_group=1, topk_group=1, num_layers=2,
              max_window_layers=2, sliding_window=512, sep_token_id=2, cls_token_id=0, axial_pos_shape=[16, 32],
              axial_pos_embds_dim=[32, 32], intra_bottleneck_size=16, mamba_n_heads=4,
-             mamba_d_head=32, mamba_d_state=16)
+             mamba_d_head=32, mamba_d_state=16, mamba_d_ssm=128)
 KNOBS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0, logit_scale=0.5, logits_scaling=2.5,
              embedding_multiplier=3.0, residual_multiplier=0.7, attention_multiplier=0.3, query_pre_attn_scalar=24,
              partial_rotary_factor=0.5, floor_scale=4, attn_scale=0.5)

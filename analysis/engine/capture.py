@@ -139,6 +139,8 @@ def attention_blocks(model, family) -> list[tuple[int, torch.nn.Module]]:
             module = get_path(block, family.attention)
         except AttributeError:
             continue
+        if module is None:  # a hybrid's other blocks may hold None there (Granite 4's Mamba layers)
+            continue
         if family.attention_class is None or type(module).__name__ == family.attention_class:
             out.append((i, module))
     return out

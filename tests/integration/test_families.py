@@ -351,7 +351,12 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
                                         "qwen3_next",  # a hybrid: layer 0 gated delta rule, layer 1 attention
                                         "afmoe",  # RoPE on the sliding-window layers only
                                         "nanochat", "lfm2",  # rotate_half negated; a key norm named k_layernorm
-                                        "minimax"])  # a hybrid whose lightning-attention blocks also hold self_attn
+                                        "minimax",  # a hybrid whose lightning-attention blocks also hold self_attn
+                                        "esmc",  # a key LayerNorm over all heads (centring folded into W_K)
+                                        "deepseek_v32",  # latent attention, interleaved RoPE with no config flag
+                                        "hyperclovax",  # logits multiplied by logits_scaling (Granite divides)
+                                        "granitemoehybrid",  # Mamba blocks hold self_attn = None
+                                        "doge"])  # causal by its heads (a causal LM only), checked by the mask
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
     from actlake.discovery import discover
