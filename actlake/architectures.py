@@ -162,7 +162,8 @@ def check_config(config) -> Family:
     that is not modelled (a refused family, a refused config attribute). Sliding windows need no declaring: the
     kernel is handed each layer's window, and the statistics count the pairs it attends."""
     text = text_config(config)
-    check_heads(text)
+    if not getattr(config, "is_encoder_decoder", False):  # refused as such (discovery), not for its decoder's heads
+        check_heads(text)
     check_streams(text)
     if declared(config.model_type) is None:
         from actlake.discovery import discover
@@ -459,8 +460,12 @@ def norm_eps(norm) -> float:
 
 def logit_transform(family: Family, config):
     """The model's own transform of its output logits (float32 in, out), or None."""
-    ops = [(op, float(getattr(config, attr))) for op, attr in (s.split(":") for s in family.logits)
-           if getattr(config, attr, None) is not None]
+    text = text_config(config)  # a multimodal model's logit transform is its text model's
+
+    def value(attr):
+        own = getattr(config, attr, None)
+        return own if own is not None else getattr(text, attr, None)
+    ops = [(op, float(value(attr))) for op, attr in (s.split(":") for s in family.logits) if value(attr) is not None]
     if not ops:
         return None
     import torch

@@ -11,6 +11,7 @@ is written, so guessing never publishes a wrong number. Anything not recognised 
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 
 from actlake.architectures import NO_INTERFACE, Family, get_path, text_config
@@ -115,9 +116,9 @@ def _discover(config) -> Family:
                          "latent attention, which is not modelled yet")
         rope = "half"
     head = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    head_source = inspect.getsource(sys.modules[head.__module__]) if head is not None else ""
+    head_source = _source(head.forward) if head is not None else ""  # its own forward: where it makes the logits
     logits = tuple(f"{_logit_op(head_source, attr, op)}:{attr}" for attr, op in LOGITS
-                   if f"config.{attr}" in head_source or f"self.{attr}" in head_source)
+                   if re.search(rf"\.{attr}\b", head_source))  # config.x, self.x, get_text_config().x
     norm = LATENT[2] if latent else next((n for n in KEY_NORMS if hasattr(attn, n)), None)
     rope_layers = "no_rope_layers" if _global(config, "no_rope_layers") else _rope_on_local_layers(type(attn))
     return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
@@ -182,6 +183,13 @@ def _first_line(e: Exception) -> str:
     return lines[0][:120] if lines else ""
 
 
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
 def _logit_op(source: str, attr: str, default: str) -> str:
     """How the head's source applies ``attr`` to the logits: ``divide`` / ``multiply`` where a line reads ``/ …attr`` or
     ``* …attr`` (HyperCLOVA X multiplies by the ``logits_scaling`` Granite divides by), else ``default``."""
@@ -190,7 +198,7 @@ def _logit_op(source: str, attr: str, default: str) -> str:
     for line in source.splitlines():
         if attr in line and "logits" in line:
             squeezed = line.replace(" ", "")
-            for ref in (f"self.config.{attr}", f"config.{attr}", f"self.{attr}"):
+            for ref in (f"self.config.{attr}", f"config.{attr}", f"self.{attr}", f"get_text_config().{attr}"):
                 if f"/{ref}" in squeezed:
                     return "divide"
                 if f"*{ref}" in squeezed:

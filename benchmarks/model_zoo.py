@@ -108,13 +108,28 @@ def main() -> None:
             rows.append((t, kind, status, detail))
             print(f"{t:28s} {kind:8s} {status:9s} {detail}", flush=True)
     counts = Counter(r[2] for r in rows)
+    exact, judged = share(rows)
     print(f"\n{len(rows)} model types, transformers {transformers.__version__}, {time.time() - t0:.0f} s: "
-          + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
+          + ", ".join(f"{k} {v}" for k, v in counts.most_common())
+          + f"; exact {exact} of {judged} with attention through the interface")
     if args.markdown:
         Path(args.markdown).write_text(page(rows, counts, transformers.__version__))
 
 
+OUTSIDE = ("outside the transformers attention interface", "no attention module was found", "no list of transformer "
+           "blocks was found")
+"""Refusals of a type whose attention does not go through the transformers attention interface (or has none)."""
+
+
+def share(rows) -> tuple[int, int]:
+    """(exact, judged) over the types whose attention goes through the interface: every row but those refused for
+    :data:`OUTSIDE` and those not built (no verdict)."""
+    judged = [r for r in rows if not (r[2] == "refused" and any(o in r[3] for o in OUTSIDE)) and r[2] != "not built"]
+    return sum(r[2].startswith("ok") for r in judged), len(judged)
+
+
 def page(rows, counts, version: str) -> str:
+    exact, judged = share(rows)
     body = "\n".join(f"| `{t}` | {kind} | {status} | {detail.replace('|', '/').replace('<', '&lt;').replace('>', '&gt;')} |" for t, kind, status, detail in rows)
     ok = [f"`{t}`" for t, _, s, _ in rows if s == "ok"]
     found = [f"`{t}`" for t, _, s, _ in rows if s == "ok*"]
@@ -130,7 +145,10 @@ stops the job (nothing written), naming the layer and the analyses. A `*` marks 
 `actlake/architectures.py`, whose layout `actlake/discovery.py` read off its modules (announced when the job
 starts; only the self-check vouches for it). **not built**: the tiny model could not be made (a multimodal
 or remote-code config, or one the zoo's scaling down breaks); no verdict. **error**: the engine failed on it (a job stops with the error).
-Counts: {", ".join(f"{k} {v}" for k, v in counts.most_common())}.
+Counts: {", ".join(f"{k} {v}" for k, v in counts.most_common())}. Of the {judged} types whose attention goes
+through the transformers attention interface (all but those refused for attention outside it or none, and those not
+built), {exact} are exact ({100 * exact / max(judged, 1):.0f} %); the others are refused by name (a feature not
+modelled yet) or caught.
 
 Exact, declared: {", ".join(ok)}.
 

@@ -86,7 +86,7 @@ def engine(folder: str, ids, valid, role, attn: str = "sdpa"):
     lm = load_model(ModelConfig(name_or_path=folder, attn_implementation=attn, dtype="float32"), lm_head=None)
     capture.install(lm.model)
     mqk = ModelQK(lm.model, lm.family)
-    L, H, d = mqk.n_layers, mqk.n_heads, lm.model.config.hidden_size
+    L, H, d = mqk.n_layers, mqk.n_heads, lm.model.config.get_text_config().hidden_size
     geo, dist = Geometry.zeros(L, H), AttentionByDistance.zeros(L, H, ids.shape[1])
     con = Contributions.zeros(L, H, d, QUERY_GROUPS_ALL)
     analyses = [geo, dist, con, AttentionMass.zeros(L, H)]
