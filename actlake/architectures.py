@@ -37,7 +37,7 @@ ROPE = (None, "half", "half_negated", "half_narrow", "interleaved", "interleaved
 (``half_narrow``, gpt-oss); pairs (2i, 2i+1)
 with (cos, sin) of full width (``interleaved``, Cohere), or with the first half of rotate-half (cos, sin), each
 angle repeated (``interleaved_half``, GLM); GPT-J's (sin, cos) of half width, interleaved (``sin_cos_half``); pairs
-(2i, 2i+1) multiplied by complex ``freqs_cis`` (``complex``, Llama 4)."""
+(2i, 2i+1) multiplied by complex ``freqs_cis`` (``complex``, Llama 4, DeepSeek V2)."""
 NO_INTERFACE = "attention computed outside the transformers attention interface (its q and k cannot be read)"
 
 
@@ -130,8 +130,8 @@ FAMILIES = (
     Family("no_interface", ("gpt_neo", "falcon", "bloom", "deberta-v2", "mpt"), refuse=NO_INTERFACE),
     Family("deepseek_v3", ("deepseek_v3",), key="self_attn.kv_a_proj_with_mqa", key_norm="self_attn.kv_a_layernorm",
            latent="self_attn.kv_b_proj"),
-    Family("deepseek_v2", ("deepseek_v2",), refuse="its RoPE is applied through complex numbers, which is not "
-           "modelled yet"),
+    Family("deepseek_v2", ("deepseek_v2",), key="self_attn.kv_a_proj_with_mqa", key_norm="self_attn.kv_a_layernorm",
+           latent="self_attn.kv_b_proj", rope="complex"),  # latent keys, their rotary dims in complex pairs
     Family("gpt_oss", ("gpt_oss",), rope="half_narrow"),  # learned sinks: read from the kernel call (capture.py)
     Family("llama4_text", ("llama4_text",), rope="complex", rope_layers="no_rope_layers", key_norm="self_attn.qk_norm"),
     # the L2 q/k norm (no gain) on its RoPE layers only, after the rotation it commutes with; chunked attention: below

@@ -116,8 +116,8 @@ def main() -> None:
         Path(args.markdown).write_text(page(rows, counts, transformers.__version__))
 
 
-OUTSIDE = ("outside the transformers attention interface", "no attention module was found", "no list of transformer "
-           "blocks was found")
+OUTSIDE = ("outside the transformers attention interface", "no attention module was found",
+           "no list of transformer blocks was found")
 """Refusals of a type whose attention does not go through the transformers attention interface (or has none)."""
 
 

@@ -14,10 +14,10 @@ import torch
 CAUSAL = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
           "gemma3_text", "olmo", "olmo2", "olmoe", "phi", "phi3", "stablelm", "starcoder2", "cohere", "granite", "gptj",
           "gpt_bigcode", "opt", "smollm3", "gpt2", "gpt_neox", "gpt_oss", "deepseek_v3", "cohere2",
-          "exaone4", "llama4_text", "codegen")
+          "exaone4", "llama4_text", "codegen", "deepseek_v2")
 """Causal LM types that run exactly (tests/integration/test_families.py)."""
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert")
-REFUSED = ("gpt_neo", "falcon", "bloom", "deepseek_v2", "deberta-v2")
+REFUSED = ("gpt_neo", "falcon", "bloom", "deberta-v2")
 """Types refused before Ray, each with its reason (actlake/architectures.py)."""
 
 SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
