@@ -75,6 +75,9 @@ def _discover(config) -> Family:
     attention, attn = next(((p, m) for p, m in found if getattr(m, "is_causal", None) is not None),
                            found[0] if found else (None, None))
     classes = {type(m).__name__ for _, m in found}
+    if len({id(m) for _, m in found}) < len(found):
+        raise refuse("one attention module is shared by several blocks (a shared transformer block), which the "
+                     "per-layer statistics (one attention module per layer) do not model yet")
     if attn is None:
         raise refuse("no attention module was found in its blocks")
     source = inspect.getsource(sys.modules[type(attn).__module__])
@@ -120,6 +123,9 @@ def _discover(config) -> Family:
     logits = tuple(f"{_logit_op(head_source, attr, op)}:{attr}" for attr, op in LOGITS
                    if re.search(rf"\.{attr}\b", head_source))  # config.x, self.x, get_text_config().x
     norm = LATENT[2] if latent else next((n for n in KEY_NORMS if hasattr(attn, n)), None)
+    if norm and isinstance(getattr(getattr(attn, norm), "bias", None), torch.Tensor):
+        raise refuse(f"its key norm ({type(getattr(attn, norm)).__name__}) adds a bias, a term of k that the norm's 1 / r "
+                     "does not scale, which the contributions do not model yet")
     rope_layers = "no_rope_layers" if _global(config, "no_rope_layers") else _rope_on_local_layers(type(attn))
     return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
                   rope=rope, rope_layers=rope_layers,
