@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,25 @@ log = logging.getLogger("actlake.extract")
 
 MAX_OOM_SPLITS = 4
 """A batch that runs out of memory is halved at most this many times (down to 1/16)."""
+
+
+class Pass(NamedTuple):
+    """One forward pass of a batch (:meth:`ForwardPass._pass`)."""
+
+    stats: dict
+    """{name: Analysis} of this pass."""
+    parts: dict
+    """{table: ShardTable}: the token tables' parts (the clean pass's only)."""
+    recorder: AttentionRecorder
+    out: object
+    """The model's output (``last_hidden_state``)."""
+    checks: list
+    """Device-side check counts (none when strict)."""
+    devices: set
+    check: SelfCheck | None
+    """The first batch's self-check (the clean pass's), else None."""
+    sums: WindowSums | None
+    """With interventions: the per-window sums of :mod:`.window_summary`."""
 
 
 class ForwardPass:
@@ -136,40 +156,37 @@ class ForwardPass:
         ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)  # (B, T)
         role, type8 = self.cats.batch(ids.numpy(), mask.sum(1).numpy())  # (B, T) category ids, 0 on padding
         clean = self._pass(batch, ids, mask, role, type8, strict, tables=True)
-        stats, parts, recorder, out, checks, devices, check, sums = clean
         surprisal = None
         if self.lm.lm_head is not None:
-            surprisal = to_host(token_surprisal(self.lm.lm_head, out.last_hidden_state, ids, mask,
+            surprisal = to_host(token_surprisal(self.lm.lm_head, clean.out.last_hidden_state, ids, mask,
                                                 transform=self.lm.logit_transform))
-        if check is not None:
-            self._finish_check(check, recorder, surprisal, ids, mask)
-        edited, keep, window_sums = {}, [recorder], {}
+        if clean.check is not None:
+            self._finish_check(clean.check, clean.recorder, surprisal, ids, mask)
+        checks, devices, keep, edited, window_sums = clean.checks, clean.devices, [clean.recorder], {}, {}
         if self.interventions:
-            window_sums[CLEAN] = sums.sums(surprisal, None)
+            window_sums[CLEAN] = clean.sums.sums(surprisal, None)
             scored = None if surprisal is None else torch.isfinite(surprisal)  # the clean pass's scored tokens
         for iv in self.interventions:
             valid, roles = to_device(mask.bool(), self.lm.device), to_device(role, self.lm.device)
             select = iv.selected(valid, roles)
             with Editing(self.lm.model, self.lm.family, iv, select, EditBatch(valid, roles, select, batch)):
-                e_stats, _, e_recorder, e_out, e_checks, e_devices, _, e_sums = self._pass(batch, ids, mask, role,
-                                                                                           type8, strict)
-            edited[iv.name], checks, devices = e_stats, checks + e_checks, devices | e_devices
-            keep.append(e_recorder)
+                p = self._pass(batch, ids, mask, role, type8, strict)
+            edited[iv.name], checks, devices = p.stats, checks + p.checks, devices | p.devices
+            keep.append(p.recorder)
             e_surprisal = kl = None
             if self.lm.lm_head is not None:
-                h = e_out.last_hidden_state
-                e_surprisal = token_surprisal(self.lm.lm_head, h, ids, mask, transform=self.lm.logit_transform)
-                kl = token_kl(self.lm.lm_head, out.last_hidden_state, h, mask, transform=self.lm.logit_transform)
-            window_sums[iv.name] = e_sums.sums(e_surprisal, kl, scored)
-        result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), stats, parts, edited,
-                             window_sums)
+                h, t = p.out.last_hidden_state, self.lm.logit_transform
+                e_surprisal = token_surprisal(self.lm.lm_head, h, ids, mask, transform=t)
+                kl = token_kl(self.lm.lm_head, clean.out.last_hidden_state, h, mask, transform=t)
+            window_sums[iv.name] = p.sums.sums(e_surprisal, kl, scored)
+        result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), clean.stats,
+                             clean.parts, edited, window_sums)
         # the recorders (their layer graphs, the buffers replays read) live until the batch is waited for
         return Launched(batch, result, DeviceChecks(self.lm.device, checks, devices), keep)
 
-    def _pass(self, batch, ids, mask, role, type8, strict: bool, tables: bool = False):
-        """One forward pass over a batch with every analysis hooked in (and the token tables with ``tables``):
-        (statistics, token table parts, the recorder, the model's output, device checks, devices, the
-        self-check or None, the per-window sums of :mod:`.window_summary` with interventions or None)."""
+    def _pass(self, batch, ids, mask, role, type8, strict: bool, tables: bool = False) -> "Pass":
+        """One forward pass over a batch with every analysis hooked in (and, with ``tables``, the token tables and
+        the first batch's self-check)."""
         a = self.cfg.analyses
         stats = self.new_stats()
         parts = {cls.tables[0]: cls.create(self.spec, **options) for cls, options in self.token_tables} if tables else {}
@@ -201,7 +218,7 @@ class ForwardPass:
             if sink.readers:
                 self.stream.last(out.last_hidden_state)
         checks = [] if strict else recorder.problems() + [t for x in producers for t in x.problems()]
-        return stats, parts, recorder, out, checks, set(sink.devices), check, sums
+        return Pass(stats, parts, recorder, out, checks, set(sink.devices), check, sums)
 
     def _self_check(self, attention: list):
         """A :class:`SelfCheck` for this worker's first batch (``analyses.self_check``), else None."""
