@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--context-size", type=int, help="saelens: tokens per row (default: the longest stored window); "
                                                      "shorter windows are left out")
     ex.add_argument("--hook-name", help="saelens: the column's name (default blocks.L.hook_resid_pre)")
+    ex.add_argument("--workers", type=int, help="saelens: store files written at once as Ray tasks (default 1: in "
+                                                "this process); -o must then be a folder every node writes to")
+    ex.add_argument("--address", help="saelens: with --workers, the Ray cluster (default: an embedded Ray)")
 
     c = sub.add_parser("corpus", help="corpus tools")
     csub = c.add_subparsers(dest="corpus_command", required=True)
@@ -287,7 +290,7 @@ def _cmd_train_predictor(args) -> int:
     return 0
 
 
-EXPORT_ONLY = {"saelens": ("context_size", "hook_name"),
+EXPORT_ONLY = {"saelens": ("context_size", "hook_name", "workers", "address"),
                "tokens": ("shard_rows", "dtype", "file_format", "seed", "memory_mb")}
 """Each ``actlake export`` format's own options (argparse leaves the others None)."""
 
@@ -302,9 +305,9 @@ def _cmd_export(args) -> int:
     given = {name: getattr(args, name) for name in EXPORT_ONLY[args.format] if getattr(args, name) is not None}
     if args.format == "saelens":
         m = export_saelens(args.run_dir, args.layer, args.output, **given)
-        print(printable(f"export:  {args.output}  ({m['rows']:,} windows of {m['context_size']} tokens, "
-                        f"{m['hook_name']}, width {m['d_model']}; left out {m['left_out_shorter']:,} shorter and "
-                        f"{m['left_out_longer']:,} longer window(s))"))
+        print(printable(f"export:  {args.output}  ({m['rows']:,} windows of {m['context_size']} tokens in "
+                        f"{m['files']} file(s), {m['hook_name']}, width {m['d_model']}; left out "
+                        f"{m['left_out_shorter']:,} shorter and {m['left_out_longer']:,} longer window(s))"))
         return 0
     m = export_tokens(args.run_dir, args.layer, args.output, **given)
     print(printable(f"export:  {args.output}  ({m['rows']:,} rows of width {m['d_model']} in {len(m['shards'])} "

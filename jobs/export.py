@@ -71,20 +71,26 @@ def export_tokens(run_dir, layer: int, out_dir, shard_rows: int = 65_536, dtype:
     return manifest
 
 
-def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None, hook_name: str | None = None) -> dict:
+def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None, hook_name: str | None = None,
+                   workers: int = 1, address: str | None = None) -> dict:
     """SAELens's activation cache (``CacheActivationsRunner``'s format, read by ``ActivationsStore`` with
-    ``cached_activations_path``): a Hugging Face ``datasets`` folder (``save_to_disk``) with one row per window of
-    exactly ``context_size`` tokens (default: the store's longest), a column named by TransformerLens's hook (default
-    ``blocks.L.hook_resid_pre``: hidden state L is the residual stream entering block L) of
+    ``cached_activations_path``): a Hugging Face ``datasets`` folder (``save_to_disk``'s layout) with one row per
+    window of exactly ``context_size`` tokens (default: the store's longest), a column named by TransformerLens's hook
+    (default ``blocks.L.hook_resid_pre``: hidden state L is the residual stream entering block L) of
     ``Array2D((context_size, d), float32)``, and ``token_ids``, ``Sequence(int32, length=context_size)``. Windows
     of another length are left out and counted (shorter: a document's end; longer: a smaller ``context_size`` than
-    the store's windows). Rows in the store's order (SAELens shuffles as it reads). Returns what was written."""
-    import datasets
+    the store's windows). Rows in the store's order (SAELens shuffles as it reads).
 
+    Each store file (one shard's) becomes one Arrow file of the dataset, written by its own task: in this process
+    (``workers`` 1), or as Ray tasks, ``workers`` at a time, on an embedded Ray or the cluster at ``address`` (the
+    folder must then be one every node writes to); ``state.json`` lists the files, so no process gathers the
+    corpus. Returns what was written."""
     out = Path(out_dir)
     _check_arguments(out, 1, "float32", "safetensors", 1)
     if context_size is not None and context_size < 1:
         raise ConfigError(f"--context-size: must be at least 1, got {context_size}")
+    if workers < 1:
+        raise ConfigError(f"--workers: must be at least 1, got {workers}")
     files, _, d = _store(run_dir, layer)
     lengths = np.array([n for (n,) in _window_lengths(run_dir, layer)])
     T = context_size or int(lengths.max())
@@ -93,24 +99,84 @@ def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None
         raise ConfigError(f"--context-size {T}: no stored window has exactly {T} tokens (the longest has "
                           f"{int(lengths.max())})")
     hook = hook_name or f"blocks.{int(layer)}.hook_resid_pre"
+    with _staging(out) as staging:
+        jobs = [(str(p), i, len(files), int(layer), T, hook, d, str(staging)) for i, (p, _) in enumerate(files)]
+        written = _run_tasks(_saelens_file, jobs, workers, address)
+        written = [w for w in written if w is not None]
+        _saelens_state(staging, [name for name, _ in written])
+        if sum(n for _, n in written) != counts["rows"]:
+            raise ActlakeError(f"export: {sum(n for _, n in written)} windows written where the store holds "
+                               f"{counts['rows']} of {T}")
+    log.info("wrote %d windows of %d tokens (%s) in %d file(s); left out %d shorter and %d longer window(s)",
+             counts["rows"], T, hook, len(written), counts["shorter"], counts["longer"])
+    return {"rows": counts["rows"], "context_size": T, "d_model": d, "hook_name": hook, "files": len(written),
+            "left_out_shorter": counts["shorter"], "left_out_longer": counts["longer"]}
+
+
+def _saelens_file(path: str, i: int, n: int, layer: int, T: int, hook: str, d: int, staging: str):
+    """One store file's windows of T tokens as ``data-I-of-N.arrow`` in ``staging`` (``save_to_disk``'s own
+    writer, through a scratch folder of its own); (file name, rows), or None when it has none. Holds the file's
+    hidden states twice at most (read, then the windows taken)."""
+    import datasets
+
+    from actlake.fs import location
+
+    windows = [(index, h, lengths) for index, h, lengths in _file_windows([(location(path), None)], layer)]
+    if not windows:
+        return None
+    index, h, lengths = windows[0]
+    starts = np.r_[0, np.cumsum(lengths)[:-1]][lengths == T]
+    if not len(starts):
+        return None
+    take = (starts[:, None] + np.arange(T)).reshape(-1)  # (rows T,) in the store's order
     features = datasets.Features({hook: datasets.Array2D((T, d), "float32"),
                                   "token_ids": datasets.Sequence(datasets.Value("int32"), length=T)})
-    with _staging(out) as staging:
-        ds = datasets.Dataset.from_generator(
-            _saelens_rows, features=features, cache_dir=str(staging / ".cache"),
-            gen_kwargs={"files": [str(p) for p, _ in files], "layer": int(layer), "T": T, "hook": hook})
-        ds.save_to_disk(str(staging / "dataset"))
-        if len(ds) != counts["rows"]:
-            raise ActlakeError(f"export: {len(ds)} windows written where the store holds {counts['rows']} of {T}")
-        del ds
-        for name in os.listdir(staging / "dataset"):
-            os.rename(staging / "dataset" / name, staging / name)
-        shutil.rmtree(staging / "dataset")
-        shutil.rmtree(staging / ".cache")
-    log.info("wrote %d windows of %d tokens (%s); left out %d shorter and %d longer window(s)", counts["rows"], T,
-             hook, counts["shorter"], counts["longer"])
-    return {"rows": counts["rows"], "context_size": T, "d_model": d, "hook_name": hook,
-            "left_out_shorter": counts["shorter"], "left_out_longer": counts["longer"]}
+    ds = datasets.Dataset.from_dict({hook: h[take].reshape(-1, T, d), "token_ids": index["token_id"][take].reshape(-1, T)},
+                                    features=features)
+    del windows, index, h
+    scratch = Path(staging) / f".task-{i:05d}"
+    ds.save_to_disk(str(scratch), num_shards=1)
+    (arrow,) = [p for p in scratch.iterdir() if p.suffix == ".arrow"]
+    name = f"data-{i:05d}-of-{n:05d}.arrow"
+    os.rename(arrow, Path(staging) / name)
+    os.replace(scratch / "dataset_info.json", Path(staging) / "dataset_info.json")  # the same in every task's
+    shutil.rmtree(scratch)
+    return name, len(starts)
+
+
+def _saelens_state(staging: Path, names: list[str]) -> None:
+    """``state.json`` naming every task's Arrow file in the store's order: ``load_from_disk`` then reads them as one
+    dataset."""
+    state = {"_data_files": [{"filename": name} for name in names], "_fingerprint": uuid.uuid4().hex[:16],
+             "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
+             "_split": None}
+    (staging / "state.json").write_text(json.dumps(state, indent=2))
+
+
+def _run_tasks(fn, jobs: list[tuple], workers: int, address: str | None) -> list:
+    """``fn(*job)`` for every job, results in the jobs' order: in this process (``workers`` 1) or as Ray tasks,
+    ``workers`` in flight at a time (a task that fails is retried twice, then the export stops with its error)."""
+    if workers == 1:
+        return [fn(*job) for job in jobs]
+    import ray
+
+    from actlake.jobs.common.ray_env import init_ray
+
+    started = init_ray(address)
+    try:
+        task = ray.remote(num_cpus=1, max_retries=2)(fn)
+        running, results = {}, {}
+        for k, job in enumerate(jobs):
+            if len(running) >= workers:
+                (done,), _ = ray.wait(list(running), num_returns=1)
+                results[running.pop(done)] = ray.get(done)
+            running[task.remote(*job)] = k
+        for ref, k in running.items():
+            results[k] = ray.get(ref)
+        return [results[k] for k in range(len(jobs))]
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def _window_lengths(run_dir, layer: int) -> list:
@@ -186,16 +252,6 @@ def _file_windows(files, layer: int):
         new = np.r_[True, (index["doc_id"][1:] != index["doc_id"][:-1])
                     | (index["window_index"][1:] != index["window_index"][:-1])]
         yield index, h, np.diff(np.r_[np.flatnonzero(new), len(index)])
-
-
-def _saelens_rows(files: list, layer: int, T: int, hook: str):
-    """The cache's rows: each stored window of exactly T tokens (plain arguments: ``datasets`` pickles them)."""
-    from actlake.fs import location
-
-    for index, h, lengths in _file_windows([(location(f), None) for f in files], layer):
-        starts = np.r_[0, np.cumsum(lengths)[:-1]]
-        for s in starts[lengths == T]:
-            yield {hook: h[s:s + T], "token_ids": index["token_id"][s:s + T]}
 
 
 # --------------------------------------------------------------------------- the token shuffle

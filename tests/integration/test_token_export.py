@@ -118,8 +118,10 @@ def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(
     T = max(lengths.values())
     full = sorted(k for k, n in lengths.items() if n == T)
     m = export_saelens(store, 1, tmp_path / "cache")
+    files = m.pop("files")
     assert m == {"rows": len(full), "context_size": T, "d_model": 32, "hook_name": "blocks.1.hook_resid_pre",
                  "left_out_shorter": len(lengths) - len(full), "left_out_longer": 0}
+    assert files == len(list((tmp_path / "cache").glob("data-*.arrow"))) > 1  # one Arrow file per store file
     assert len(full) >= 2 and m["left_out_shorter"] > 0
     settings = SimpleNamespace(cached_activations_path=str(tmp_path / "cache"), hook_name="blocks.1.hook_resid_pre",
                                context_size=T, d_in=32, device="cpu", dtype=torch.float32)
@@ -140,7 +142,15 @@ def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(
     small = export_saelens(store, 1, tmp_path / "small", context_size=shorter)
     assert small["left_out_longer"] == sum(n > shorter for n in lengths.values()) > 0
     assert not (tmp_path / "none").exists() and not list(tmp_path.glob("*.partial-*"))
+    import datasets
+
+    by_tasks = export_saelens(store, 1, tmp_path / "tasks", workers=2)  # Ray tasks, two at a time: the same rows
+    assert by_tasks["files"] == files
+    a, b = datasets.load_from_disk(str(tmp_path / "cache")), datasets.load_from_disk(str(tmp_path / "tasks"))
+    assert a.column_names == b.column_names and len(a) == len(b) == len(full)
+    for column in a.column_names:
+        np.testing.assert_array_equal(a.with_format("numpy")[column], b.with_format("numpy")[column])
     assert main(["export", store, "--format", "saelens", "--layer", "1", "-o", str(tmp_path / "cli"),
-                 "--hook-name", "blocks.0.hook_resid_post"]) == 0
+                 "--hook-name", "blocks.0.hook_resid_post", "--workers", "2"]) == 0
     assert "blocks.0.hook_resid_post" in capsys.readouterr().out
     assert "blocks.0.hook_resid_post" in __import__("datasets").load_from_disk(str(tmp_path / "cli")).column_names
