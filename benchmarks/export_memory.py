@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actlake.jobs.export import _pass_one, _pass_two, INDEX, READ_ROWS
+from actlake.jobs.export import _spread, _pass_two, INDEX, READ_ROWS
 rows, d, memory_mb, shard_rows = 1_000_000, 256, 100, 65_536
 row_bytes = 4 * d + np.dtype(list(INDEX)).itemsize
 buckets = max(10, math.ceil(rows * row_bytes / (memory_mb * 2**20 / 2)))
@@ -27,7 +27,7 @@ def batches():
 with tempfile.TemporaryDirectory() as t:
     st = Path(t); (st / "buckets").mkdir()
     tracemalloc.start()
-    _pass_one(batches(), st / "buckets", buckets, d, 0)
+    _spread(batches(), st / "buckets", buckets, np.random.default_rng([0, 1, 0]), 0)
     p1 = tracemalloc.get_traced_memory()[1]; tracemalloc.reset_peak()
     m = _pass_two(st, buckets, d, shard_rows, "float32", "npy", 0)
     p2 = tracemalloc.get_traced_memory()[1]

@@ -93,9 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--context-size", type=int, help="saelens: tokens per row (default: the longest stored window); "
                                                      "shorter windows are left out")
     ex.add_argument("--hook-name", help="saelens: the column's name (default blocks.L.hook_resid_pre)")
-    ex.add_argument("--workers", type=int, help="saelens: store files written at once as Ray tasks (default 1: in "
-                                                "this process); -o must then be a folder every node writes to")
-    ex.add_argument("--address", help="saelens: with --workers, the Ray cluster (default: an embedded Ray)")
+    ex.add_argument("--workers", type=int, help="store files read at once as Ray tasks (default 1: in this process; "
+                                                "the same output either way); -o must then be a folder every node "
+                                                "writes to")
+    ex.add_argument("--address", help="with --workers, the Ray cluster (default: an embedded Ray)")
 
     c = sub.add_parser("corpus", help="corpus tools")
     csub = c.add_subparsers(dest="corpus_command", required=True)
@@ -291,15 +292,15 @@ def _cmd_train_predictor(args) -> int:
 
 
 EXPORT_ONLY = {"saelens": ("context_size", "hook_name", "workers", "address"),
-               "tokens": ("shard_rows", "dtype", "file_format", "seed", "memory_mb")}
-"""Each ``actlake export`` format's own options (argparse leaves the others None)."""
+               "tokens": ("shard_rows", "dtype", "file_format", "seed", "memory_mb", "workers", "address")}
+"""Each ``actlake export`` format's options (argparse leaves the others None); ``--workers`` and ``--address``: both."""
 
 
 def _cmd_export(args) -> int:
     from actlake.jobs.export import export_saelens, export_tokens  # per command (start-up)
 
     wrong = [f"--{name.replace('_', '-')}" for fmt, names in EXPORT_ONLY.items() if fmt != args.format
-             for name in names if getattr(args, name) is not None]
+             for name in names if getattr(args, name) is not None and name not in EXPORT_ONLY[args.format]]
     if wrong:
         raise ActlakeError(f"export --format {args.format}: {', '.join(wrong)} belong(s) to another --format")
     given = {name: getattr(args, name) for name in EXPORT_ONLY[args.format] if getattr(args, name) is not None}

@@ -16,7 +16,9 @@ norm (the usual SAE input scaling: ``sqrt(d) / mean_norm``), the seed and each s
 which gives every order the same probability): pass 1 sends each row to one of B buckets drawn at random, appended to
 a file per bucket; pass 2 reads the buckets in turn, shuffles each in memory and writes the shards. B is chosen so
 that a bucket holds about half of ``--memory-mb`` (and at most a tenth of the data, B <= :data:`MAX_BUCKETS`): pass 2
-holds a bucket twice (read, then reordered) and a shard; pass 1 a read batch.
+holds a bucket twice (read, then reordered) and a shard; pass 1 a read batch. Pass 1 runs per store file, each with
+its own random generator seeded by (seed, file), so ``--workers N`` (Ray tasks) writes the same bytes as one
+process; its buckets are files every task writes to a folder of its own name (``-o``'s parent, shared on a cluster).
 """
 
 from __future__ import annotations
@@ -45,10 +47,14 @@ MANIFEST_VERSION = 1
 
 
 def export_tokens(run_dir, layer: int, out_dir, shard_rows: int = 65_536, dtype: str = "float32",
-                  file_format: str = "safetensors", seed: int = 0, memory_mb: float = 512) -> dict:
-    """Write the token export; returns its manifest."""
+                  file_format: str = "safetensors", seed: int = 0, memory_mb: float = 512, workers: int = 1,
+                  address: str | None = None) -> dict:
+    """Write the token export; returns its manifest. Pass 1 runs per store file: in this process (``workers`` 1)
+    or as Ray tasks, ``workers`` at a time (the same bytes either way); pass 2 here."""
     out = Path(out_dir)
     _check_arguments(out, shard_rows, dtype, file_format, memory_mb)
+    if workers < 1:
+        raise ConfigError(f"--workers: must be at least 1, got {workers}")
     files, rows, d = _store(run_dir, layer)
     row_bytes = 4 * d + np.dtype(list(INDEX)).itemsize
     buckets = max(10, math.ceil(rows * row_bytes / (memory_mb * 2**20 / 2)))
@@ -61,7 +67,8 @@ def export_tokens(run_dir, layer: int, out_dir, shard_rows: int = 65_536, dtype:
              2.4 * bucket_mb + (READ_ROWS + shard_rows) * row_bytes / 2**20, rows * row_bytes / 2**20, out)
     with _staging(out) as staging:
         (staging / "buckets").mkdir()
-        _pass_one(_batches(files, layer), staging / "buckets", buckets, d, seed)
+        jobs = [(str(p), i, int(layer), str(staging / "buckets"), buckets, seed) for i, (p, _) in enumerate(files)]
+        _run_tasks(_pass_one_file, jobs, workers, address)
         manifest = _pass_two(staging, buckets, d, shard_rows, dtype, file_format, seed)
         manifest.update(run=str(run_dir), layer=int(layer))
         shutil.rmtree(staging / "buckets")
@@ -300,20 +307,50 @@ class _staging:
         os.rename(self.path, self.out)
 
 
-def _pass_one(batches, folder: Path, buckets: int, d: int, seed: int) -> None:
-    """Each row to a random bucket, appended to ``h-B.bin`` (float32 rows) and ``index-B.bin`` (INDEX records);
-    files are opened per write (open files do not grow with the bucket count)."""
-    rng = np.random.default_rng([seed, 1])
+def _pass_one_file(path: str, i: int, layer: int, folder: str, buckets: int, seed: int) -> int:
+    """Pass 1 over store file ``i``: each row to a random bucket (a generator of its own, seeded by (seed, i): the
+    same draws whichever process runs it), appended to ``h-B-I.bin`` (float32 rows) and ``index-B-I.bin`` (INDEX
+    records); files are opened per write (open files do not grow with the bucket count). Returns its rows."""
+    from actlake.fs import location
+
+    return _spread(_batches([(location(path), None)], layer), Path(folder), buckets, np.random.default_rng([seed, 1, i]), i)
+
+
+def _spread(batches, folder: Path, buckets: int, rng, part: int) -> int:
+    """Each row of ``batches`` to a bucket ``rng`` draws, appended to ``h-B-PART.bin`` and ``index-B-PART.bin``."""
+    rows = 0
     for index, h in batches:
         to = rng.integers(0, buckets, len(h))
         order = np.argsort(to, kind="stable")
         bounds = np.searchsorted(to[order], np.arange(buckets + 1))
         for b in np.flatnonzero(np.diff(bounds)):
             take = order[bounds[b]:bounds[b + 1]]
-            with open(folder / f"h-{b}.bin", "ab") as fh:
+            with open(folder / f"h-{b}-{part:05d}.bin", "ab") as fh:
                 fh.write(h[take].tobytes())
-            with open(folder / f"index-{b}.bin", "ab") as fi:
+            with open(folder / f"index-{b}-{part:05d}.bin", "ab") as fi:
                 fi.write(index[take].tobytes())
+        rows += len(h)
+    return rows
+
+
+def _bucket(folder: Path, b: int, d: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Bucket ``b``: every store file's part of it, in the files' order, read into one array (and its parts
+    removed); None when empty."""
+    parts = sorted(folder.glob(f"h-{b}-*.bin"))
+    if not parts:
+        return None
+    index_dtype = np.dtype(list(INDEX))
+    n = sum(p.stat().st_size for p in parts) // (4 * d)
+    h, index, at = np.empty((n, d), np.float32), np.empty(n, index_dtype), 0
+    for p in parts:  # read straight into the bucket's arrays: no second copy of a part
+        k = p.stat().st_size // (4 * d)
+        for path, target in ((p, h[at:at + k]), (folder / p.name.replace("h-", "index-", 1), index[at:at + k])):
+            with open(path, "rb") as f:
+                if f.readinto(memoryview(target).cast("B")) != target.nbytes:
+                    raise ActlakeError(f"export: {path} is shorter than its rows (changed while the export ran?)")
+            path.unlink()
+        at += k
+    return h, index
 
 
 def _pass_two(staging: Path, buckets: int, d: int, shard_rows: int, dtype: str, file_format: str,
@@ -325,12 +362,12 @@ def _pass_two(staging: Path, buckets: int, d: int, shard_rows: int, dtype: str, 
     carry_h, carry_i = np.empty((0, d), np.float32), np.empty(0, index_dtype)
     shards, norm_sum, rows = [], 0.0, 0
     for b in range(buckets):
-        if not (folder / f"h-{b}.bin").exists():
+        got = _bucket(folder, b, d)
+        if got is None:
             continue
-        h = np.fromfile(folder / f"h-{b}.bin", np.float32).reshape(-1, d)
+        h, index = got
         perm = np.random.default_rng([seed, 2, b]).permutation(len(h))
-        h = h[perm]  # the bucket twice, briefly
-        index = np.fromfile(folder / f"index-{b}.bin", index_dtype)[perm]
+        h, index = h[perm], index[perm]  # the bucket twice, briefly
         for start in range(0, len(h), READ_ROWS):  # the norm's float64 sums, a chunk at a time
             chunk = h[start:start + READ_ROWS]
             norm_sum += float(np.sqrt(np.einsum("ij,ij->i", chunk, chunk, dtype=np.float64)).sum())
@@ -349,8 +386,6 @@ def _pass_two(staging: Path, buckets: int, d: int, shard_rows: int, dtype: str, 
         if at < len(h):
             carry_h, carry_i = h[at:].copy(), index[at:].copy()
         del h, index
-        (folder / f"h-{b}.bin").unlink()
-        (folder / f"index-{b}.bin").unlink()
     if len(carry_h):
         shards.append(_write_shard(staging, len(shards), carry_h, carry_i, dtype, file_format))
     return {"format": "actlake-tokens", "version": MANIFEST_VERSION, "d_model": d, "dtype": dtype,
