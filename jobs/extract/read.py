@@ -11,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from actlake.batching import Window, document_windows, documents_windows, special_affixes
-from actlake.config import parse_config
+from actlake.config import JobConfig
 from actlake.corpus.fingerprint import check_stat
 from actlake.corpus.readers import Reject, iter_range
 from actlake.errors import ActlakeError, CorpusError
@@ -104,8 +104,8 @@ class ReaderProcess:
     :func:`read_shard` in the worker would return (a test compares the tables). Its errors (a CorpusError
     naming the file) come back as they were raised there. It exits with the worker: it watches its parent."""
 
-    def __init__(self, cfg_dict: dict, tokenizer):
-        self.cfg_dict, self.tokenizer = cfg_dict, tokenizer
+    def __init__(self, cfg: JobConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
         self.starting = threading.Lock()
         self.current = self._start()
         """(pool, future of its set-up), replaced as one value: a thread never pairs one pool with another's set-up."""
@@ -122,7 +122,7 @@ class ReaderProcess:
         # spawn, never fork: the worker holds CUDA and threads a forked child would inherit broken
         pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_watch_parent,
                                    initargs=(os.getpid(),))
-        return pool, pool.submit(_set_up_reader, self.cfg_dict, self.tokenizer)
+        return pool, pool.submit(_set_up_reader, self.cfg, self.tokenizer)
 
     def read(self, shard: Shard):
         """The shard's windows, documents and rejects. A reader process that died (killed for memory, also
@@ -153,8 +153,9 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="actlake-reader-parent").start()
 
 
-def _set_up_reader(cfg_dict: dict, tokenizer) -> None:
-    _reader.update(cfg=parse_config(cfg_dict), tokenizer=tokenizer, lock=threading.Lock())
+def _set_up_reader(cfg: JobConfig, tokenizer) -> None:
+    """The worker's parsed config (pickled, not validated again) and tokenizer, for every read."""
+    _reader.update(cfg=cfg, tokenizer=tokenizer, lock=threading.Lock())
 
 
 def _exit_with(parent: int) -> None:

@@ -185,15 +185,16 @@ class ShardWorker:
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         keep_freed_heap()
-        self.shipped = install_code(code or {}, [str(path) for _, _, path in parse_config(cfg_dict).code_refs if path])
+        cfg = parse_config(cfg_dict)  # once: _aim takes it, and hands it to the reader process
+        self.shipped = install_code(code or {}, [str(path) for _, _, path in cfg.code_refs if path])
         self.compute = threading.Lock()  # the model runs one shard at a time, also when two are in hand
         self.aiming = threading.Lock()  # one retarget at a time (two shards may arrive at once)
         self.pid = os.getpid()
         self.extractor = None
         self.load_seconds = 0.0
-        self._aim(Target(cfg_dict, run_dir, plan_hash, None, read_in_process))
+        self._aim(Target(cfg_dict, run_dir, plan_hash, None, read_in_process), cfg)
 
-    def _aim(self, target: Target) -> None:
+    def _aim(self, target: Target, cfg=None) -> None:
         """Take on ``target``'s job: its config, run directory, plan and progress counter, and its model, loaded
         after the previous job's is freed (a sweep's next checkpoint reuses this process, not the weights)."""
         from actlake.jobs.extract.driver import Extractor
@@ -211,7 +212,7 @@ class ShardWorker:
                 torch.cuda.empty_cache()
         self.target = None  # until the new model is loaded: a failed load is tried again by the next call
         t0 = time.perf_counter()
-        self.cfg = parse_config(target.cfg_dict)
+        self.cfg = cfg or parse_config(target.cfg_dict)  # ``cfg``: the constructor's parse of the same dict
         self.layout = RunLayout(location(target.run_dir))
         self.group = OpenGroup(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
         self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
@@ -224,7 +225,7 @@ class ShardWorker:
                 ReaderProcess,
             )
 
-            self.extractor.reader = ReaderProcess(target.cfg_dict, self.extractor.lm.tokenizer)
+            self.extractor.reader = ReaderProcess(self.cfg, self.extractor.lm.tokenizer)
         self.counter = target.counter
         self.target = target.key
         self.load_seconds = time.perf_counter() - t0  # reported with the next shard (the job's time breakdown)

@@ -43,7 +43,7 @@ def test_a_reader_process_reads_what_the_worker_would(tiny_models, tmp_path):
                                                                          "tokenization.max_length": 16})
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["gpt2"])
     shards = make_plan(cfg)
-    reader = ReaderProcess(cfg.to_dict(), tokenizer)
+    reader = ReaderProcess(cfg, tokenizer)
     try:
         here = [read_shard(s, cfg, tokenizer, threading.Lock()) for s in shards]
         there = [reader.read(s) for s in shards]
@@ -75,8 +75,10 @@ def test_the_reader_process_exits_with_a_killed_worker(tiny_models, tmp_path):
     script = textwrap.dedent(f"""
         import json, os, signal
         from transformers import AutoTokenizer
+        from actlake.config import parse_config
         from actlake.jobs.extract.read import ReaderProcess
-        reader = ReaderProcess(json.loads({json.dumps(cfg)!r}), AutoTokenizer.from_pretrained({str(tiny_models["gpt2"])!r}))
+        reader = ReaderProcess(parse_config(json.loads({json.dumps(cfg)!r})),
+                               AutoTokenizer.from_pretrained({str(tiny_models["gpt2"])!r}))
         reader.pool.submit(os.getpid).result()
         (child,) = reader.pool._processes
         print(child, flush=True)
@@ -108,7 +110,7 @@ def test_a_reader_process_killed_while_it_starts_is_replaced(minilm_path, tmp_pa
 
     def start_and_read():
         try:
-            out["reader"] = ReaderProcess(cfg.to_dict(), tokenizer)
+            out["reader"] = ReaderProcess(cfg, tokenizer)
             out["read"] = out["reader"].read(shard)
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
             out["error"] = e
