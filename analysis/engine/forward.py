@@ -32,9 +32,11 @@ from actlake.analysis.engine.device import to_device, to_host
 from actlake.analysis.engine.intervene import EditBatch, Editing, Intervention
 from actlake.analysis.engine.layer_replay import LayerReplay
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
+from actlake.analysis.engine.resume import FromLayer, Skipping, Snapshot, Snapshots, same_statistics
 from actlake.analysis.engine.selfcheck import SelfCheck
 from actlake.analysis.engine.surprisal import token_surprisal
 from actlake.analysis.engine.window_summary import WindowSums, token_kl
+from actlake.architectures import blocks
 from actlake.batching import Window, collate
 from actlake.categories import ROLE, Categorizer, one_hot
 from actlake.config import JobConfig
@@ -65,6 +67,21 @@ class Pass(NamedTuple):
     """The first batch's self-check (the clean pass's), else None."""
     sums: WindowSums | None
     """With interventions: the per-window sums of :mod:`.window_summary`."""
+    snapshots: dict
+    """{hidden state a: Snapshot} the clean pass left for the edited passes that start at a (:mod:`.resume`)."""
+
+
+class _Tables:
+    """Per-window sums as tables, for :func:`~.resume.same_statistics`."""
+
+    def __init__(self, sums: WindowSums):
+        self.sums = sums
+
+    def to_tables(self) -> dict:
+        import pyarrow as pa
+
+        return {"mass": pa.table({"v": to_host(self.sums.mass).numpy().reshape(-1)}),
+                "norm": pa.table({"v": to_host(self.sums.norm).numpy().reshape(-1)})}
 
 
 class ForwardPass:
@@ -76,6 +93,11 @@ class ForwardPass:
         self.cfg, self.lm = cfg, lm
         self.interventions = tuple(interventions)
         """Each batch runs again under each of them (:mod:`.intervene`), after the clean pass."""
+        self.blocks = blocks(lm.model, lm.family)
+        self.skip_layers = True
+        """Edited passes start at their first edited hidden state (:mod:`.resume`), until the first batch's check
+        finds that this model's blocks cannot be skipped."""
+        self.resume_checked = False
         self.analyses, self.token_tables = analyses, token_tables
         self.cats = Categorizer(lm.tokenizer)
         capture.install(lm.model)
@@ -169,8 +191,11 @@ class ForwardPass:
         for iv in self.interventions:
             valid, roles = to_device(mask.bool(), self.lm.device), to_device(role, self.lm.device)
             select = iv.selected(valid, roles)
+            snap = clean.snapshots.get(min(iv.layers)) if self.skip_layers else None
             with Editing(self.lm.model, self.lm.family, iv, select, EditBatch(valid, roles, select, batch)):
-                p = self._pass(batch, ids, mask, role, type8, strict)
+                p = self._pass(batch, ids, mask, role, type8, strict, start=snap)
+                if snap is not None and not self.resume_checked:  # the first batch: against the full edited pass
+                    p = self._check_resume(p, self._pass(batch, ids, mask, role, type8, strict), iv)
             edited[iv.name], checks, devices = p.stats, checks + p.checks, devices | p.devices
             keep.append(p.recorder)
             e_surprisal = kl = None
@@ -179,28 +204,52 @@ class ForwardPass:
                 e_surprisal = token_surprisal(self.lm.lm_head, h, ids, mask, transform=t)
                 kl = token_kl(self.lm.lm_head, clean.out.last_hidden_state, h, mask, transform=t)
             window_sums[iv.name] = p.sums.sums(e_surprisal, kl, scored)
+        self.resume_checked = self.resume_checked or bool(clean.snapshots)
         result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), clean.stats,
                              clean.parts, edited, window_sums)
         # the recorders (their layer graphs, the buffers replays read) live until the batch is waited for
         return Launched(batch, result, DeviceChecks(self.lm.device, checks, devices), keep)
 
-    def _pass(self, batch, ids, mask, role, type8, strict: bool, tables: bool = False) -> "Pass":
+    def _check_resume(self, resumed: Pass, full: Pass, iv) -> Pass:
+        """The first batch's edited pass, resumed from the clean pass's snapshot, against the full edited pass: the
+        same statistics, or the full pass's and every later edited pass runs in full (a model whose blocks carry
+        state from one to the next cannot skip the first ones), said once."""
+        differs = same_statistics(resumed.stats, full.stats) or same_statistics(
+            {"window_sums": _Tables(resumed.sums)}, {"window_sums": _Tables(full.sums)})
+        if differs is None:
+            return resumed
+        log.warning("model_type %r: an edited pass started at hidden state %d differs from the full edited pass "
+                    "(%s, intervention %r); every edited pass runs every layer", self.lm.model.config.model_type,
+                    min(iv.layers), differs, iv.name)
+        self.skip_layers = False
+        return full
+
+    def _pass(self, batch, ids, mask, role, type8, strict: bool, tables: bool = False,
+              start: Snapshot | None = None) -> Pass:
         """One forward pass over a batch with every analysis hooked in (and, with ``tables``, the token tables and
-        the first batch's self-check)."""
+        the first batch's self-check, and the snapshots edited passes start from: :mod:`.resume`). ``start``: an
+        edited pass that starts at the snapshot's hidden state, with its statistics so far."""
         a = self.cfg.analyses
-        stats = self.new_stats()
+        stats, sums = start.fresh() if start is not None else (self.new_stats(), None)
         parts = {cls.tables[0]: cls.create(self.spec, **options) for cls, options in self.token_tables} if tables else {}
         dev = self.lm.device
         producers = list(stats.values()) + list(parts.values())
         attention = [x for x in producers if "attention" in x.sites]
         check = self._self_check(attention) if tables else None
-        sums = WindowSums(self.spec, mask) if self.interventions else None  # for the paired effects
+        if self.interventions and sums is None:
+            sums = WindowSums(self.spec, mask)  # for the paired effects
         if sums is not None:
             producers.append(sums)
             attention.append(sums)
         sink = HiddenSink([x for x in producers if "hidden_states" in x.sites],
                           HiddenBatch(mask, role, type8, strict, self.triton, batch))
+        starts = {min(iv.layers) for iv in self.interventions} - {0} if tables and self.skip_layers else set()
+        snapshots = Snapshots(self.blocks, starts, stats, sums)
         with contextlib.ExitStack() as stack:
+            if starts:
+                stack.enter_context(snapshots)
+            if start is not None:
+                stack.enter_context(Skipping(self.blocks, start))
             inputs = stack.enter_context(self.inputs) if any("layer_inputs" in x.sites for x in attention) else None
             recorder = AttentionRecorder(self.mqk, mask, one_hot(role, len(ROLE), mask), [x.add_layer for x in attention],
                                          inputs=inputs, needs=frozenset().union(*(x.products for x in attention)), method=a.attention_weights,
@@ -212,13 +261,13 @@ class ForwardPass:
             if attention:
                 stack.enter_context(capture.recording(recorder))
             if sink.readers:  # else no hidden state is looked at
-                stack.enter_context(self.stream(sink))
+                stack.enter_context(self.stream(sink if start is None else FromLayer(sink, start.a)))
             out = self.lm.model(input_ids=to_device(ids, dev), attention_mask=to_device(mask, dev),
                                 use_cache=False)  # causal models would keep every layer's keys and values
             if sink.readers:
                 self.stream.last(out.last_hidden_state)
         checks = [] if strict else recorder.problems() + [t for x in producers for t in x.problems()]
-        return Pass(stats, parts, recorder, out, checks, set(sink.devices), check, sums)
+        return Pass(stats, parts, recorder, out, checks, set(sink.devices), check, sums, snapshots.taken)
 
     def _self_check(self, attention: list):
         """A :class:`SelfCheck` for this worker's first batch (``analyses.self_check``), else None."""

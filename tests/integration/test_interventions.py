@@ -30,6 +30,10 @@ ENTROPY = {"analysis": "attention_entropy:AttentionEntropy",
 """The README's custom analysis: it sees each pass like the clean one."""
 
 
+LAST: dict = {}
+"""The last in-process extraction's Extractor (its forward pass's state)."""
+
+
 def _extract(model, tmp_path, interventions, split: int = 48, lm_head=False, max_tokens: int = 512):
     """Every statistics table of TEXTS run in process (the worker's Extractor), with ``interventions`` and the
     README's custom analysis; a text's windows are its first 48 tokens cut every ``split`` tokens."""
@@ -49,6 +53,7 @@ def _extract(model, tmp_path, interventions, split: int = 48, lm_head=False, max
     for result in ex.forward.run(make_batches(windows, cfg.batching)):
         acc.add(result)
     acc.finish()
+    LAST["extractor"] = ex
     return {t: data for s in acc.stats.values() for t, data in s.to_tables().items()}, windows, tok
 
 
@@ -97,6 +102,8 @@ def test_an_edited_pass_equals_transformers_with_a_hand_written_hook(deep_tiny_m
     model = deep_tiny_models["llama"]
     iv = ZERO | {"at": at}
     tables, windows, tok = _extract(model, tmp_path, [iv])
+    forward = LAST["extractor"].forward
+    assert forward.skip_layers and forward.resume_checked == (at > 0)  # started at hidden state `at`, checked
     means, mass = _reference(model, windows, tok, iv)
     dm = _rows(tables["dim_moments"], "zero")
     dm = dm[(dm.scheme == "all") & (dm.source == "*")]
@@ -431,3 +438,29 @@ def test_a_custom_function_equals_the_built_in_edit_in_process_and_shipped_to_ra
     with pytest.raises(ConfigError, match="cannot import 'my_edits:nothing'"):
         run_job(job_config(model, sample_corpus, tmp_path / "l", interventions=[
             custom | {"function": "my_edits:nothing", "at": 1}], **over))
+
+
+def test_a_model_whose_blocks_cannot_be_skipped_runs_every_layer_and_says_so(deep_tiny_models, tmp_path, monkeypatch,
+                                                                            caplog):
+    """A planted fault in resuming (block at-1 hands on its input instead of the clean pass's hidden state, as a
+    model with state carried between blocks would look): the first batch's check finds the resumed pass differs from
+    the full edited pass, says so, and the tables are the full passes' (equal to those of a correct resume)."""
+    import logging
+
+    from actlake.analysis.engine import resume
+
+    model = deep_tiny_models["llama"]
+    want, *_ = _extract(model, tmp_path, [ZERO, SHIFT])
+    real = resume.Skipping._stub
+
+    def broken(self, i):
+        stub = real(self, i)
+        return (lambda *a, **k: a[0] if a else k["hidden_states"]) if i == self.snap.a - 1 else stub
+
+    monkeypatch.setattr(resume.Skipping, "_stub", broken)
+    with caplog.at_level(logging.WARNING, logger="actlake.extract"):
+        got, *_ = _extract(model, tmp_path, [ZERO, SHIFT])
+    assert not LAST["extractor"].forward.skip_layers
+    assert sum("differs from the full edited pass" in r.message for r in caplog.records) == 1
+    for name, table in want.items():
+        assert table.equals(got[name]), name
