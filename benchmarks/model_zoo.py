@@ -143,8 +143,10 @@ sum rule, surprisal). **ok**: every quantity within {EXACT:g} of the reference (
 **refused**: `actlake run` refuses it before Ray starts, with the reason. **caught**: the first-batch self-check
 stops the job (nothing written), naming the layer and the analyses. A `*` marks a type with no declaration in
 `actlake/architectures.py`, whose layout `actlake/discovery.py` read off its modules (announced when the job
-starts; only the self-check vouches for it). **not built**: the tiny model could not be made (a multimodal
-or remote-code config, or one the zoo's scaling down breaks); no verdict. **error**: the engine failed on it (a job stops with the error).
+starts; only the self-check vouches for it). **not built**: the tiny model could not be made (a default config
+transformers' own validation rejects, or one the zoo's scaling down breaks); no verdict. **error**: the engine failed on
+it (a job stops with the error). The tiny config keeps two layers of the full stack, one of each kind where it mixes
+kinds (sliding and full attention, recurrent and attention layers), with their per-layer settings.
 Counts: {", ".join(f"{k} {v}" for k, v in counts.most_common())}. Of the {judged} types whose attention goes
 through the transformers attention interface (all but those refused for attention outside it or none, and those not
 built), {exact} are exact ({100 * exact / max(judged, 1):.0f} %); the others are refused by name (a feature not
