@@ -7,9 +7,8 @@ CONFIG defaults to the embedded default job (MiniLM over the sample corpus). Eac
 :func:`~actlake.jobs.extract.run.run_job` (embedded Ray, workers, commits, reduce; report off), alternating: as
 configured, and with one intervention added (dimension 0 zeroed on every token at hidden state ``--at``, default
 the middle one). Prints each run's wall time and its workers' compute seconds (``summary.json``), and the ratios.
-Every pass runs every layer: the edited pass recomputes the layers before ``at`` too (their statistics are the
-clean pass's, and analyses are opaque accumulators that cannot be spliced layer by layer), so the compute ratio is
-about 1 + (the edited pass's share), whatever ``at``.
+The edited pass starts at ``at`` from the clean pass's snapshot (``analysis/engine/resume.py``): only the layers
+from ``at`` on run twice.
 """
 
 from __future__ import annotations
