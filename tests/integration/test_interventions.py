@@ -222,6 +222,11 @@ def test_a_job_with_interventions_reduces_each_pass_and_sql_shows_them_apart(tin
                            "_by_intervention WHERE intervention = 'zero' AND layer = 1 AND dim IN (3, 7, 11)").fetchone()
         labels = a.execute(f"SELECT count(DISTINCT source) FROM dim_moments{suffix}").fetchone()[0]
         assert zeroed == (labels, 0.0) and labels > (2 if suffix else 0), (suffix, zeroed)  # each label: zeroed
+    from actlake.jobs.extract.report import build_report
+
+    page = build_report(edited.run_dir)  # the effects drawn with their intervals, beside the clean pass's charts
+    assert (page.parent / "intervention_mass.png").read_bytes()[:4] == b"\x89PNG"
+    assert "change in attention mass on the first token" in page.read_text()
     passes = a.execute("SELECT DISTINCT intervention FROM outliers_by_intervention ORDER BY 1").fetchall()
     assert [p for (p,) in passes] == ["identity", "none", "zero"]
     zeroed = a.execute("SELECT max(abs(mean)) FROM dim_moments_by_intervention WHERE intervention = 'zero' AND "
