@@ -156,3 +156,31 @@ def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(
                  "--hook-name", "blocks.0.hook_resid_post", "--workers", "2"]) == 0
     assert "blocks.0.hook_resid_post" in capsys.readouterr().out
     assert "blocks.0.hook_resid_post" in __import__("datasets").load_from_disk(str(tmp_path / "cli")).column_names
+
+
+def test_saelens_trains_an_sae_from_the_export_alone(store, tmp_path):
+    """SAELens's own ``ActivationsStore`` (no model, no dataset: ``cached_activations_path`` only) feeds its
+    ``SAETrainer``; a few hundred steps of a small standard SAE lower its reconstruction error on held batches."""
+    from sae_lens import StandardTrainingSAE, StandardTrainingSAEConfig
+    from sae_lens.config import SAETrainerConfig
+    from sae_lens.training.activations_store import ActivationsStore
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    from actlake.jobs.export import export_saelens
+
+    m = export_saelens(store, 1, tmp_path / "cache")
+    acts = ActivationsStore(model=None, dataset=None, streaming=False, hook_name=m["hook_name"], hook_head_index=None,
+                            context_size=m["context_size"], d_in=m["d_model"], n_batches_in_buffer=2,
+                            total_training_tokens=10_000, store_batch_size_prompts=2, train_batch_size_tokens=64,
+                            prepend_bos=False, normalize_activations="none", device=torch.device("cpu"),
+                            dtype="float32", cached_activations_path=str(tmp_path / "cache"))
+    held = torch.cat([acts.next_batch() for _ in range(4)])  # (256, d)
+    torch.manual_seed(0)
+    sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=m["d_model"], d_sae=4 * m["d_model"], l1_coefficient=0.1,
+                                                        dtype="float32", device="cpu"))
+    mse = lambda: float(((sae.decode(sae.encode(held)) - held) ** 2).mean().detach())  # noqa: E731
+    before = mse()
+    cfg = SAETrainerConfig(total_training_samples=64 * 300, train_batch_size_samples=64, lr=1e-3, lr_end=1e-3,
+                           n_batches_for_norm_estimate=2, dead_feature_window=50, feature_sampling_window=50)
+    SAETrainer(cfg, sae, iter(acts.next_batch, None)).fit()
+    assert mse() < 0.5 * before, (before, mse())
