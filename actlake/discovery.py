@@ -56,9 +56,6 @@ def _discover(config) -> Family:
                                         "(docs/models.md)")
     if getattr(config, "is_encoder_decoder", False):
         raise refuse("encoder-decoder models (cross-attention) are not modelled")
-    if text_config(config) is not config:
-        raise refuse(f"it is a multimodal model (its text model, {text_config(config).model_type!r}, has its own "
-                     "config inside it), which is not modelled yet")
     if getattr(config, "languages", None) and not getattr(config, "default_language", None):
         raise refuse("its language adapters need a language and the config sets no default_language (set one in "
                      "its config.json)")

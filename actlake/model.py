@@ -174,7 +174,7 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
             head = None
             if want_head:
                 full = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-                model, head = base_of(full), full.get_output_embeddings()
+                model, head = base_of(full), output_head(full)
             else:
                 model = AutoModel.from_pretrained(path, **kwargs)
     except Exception as e:
@@ -194,6 +194,19 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return LoadedModel(model, tokenizer, family, device, path, head, placement, kwargs.get("offload_folder"),
                        full if head is not None else None, logit_transform(family, hf_config) if head is not None else None)
+
+
+def output_head(full) -> torch.nn.Module:
+    """The causal LM's map from the final hidden state to the logits: its output embedding, after the prediction
+    head a model applies first where it has one besides it (``lm_head`` then ``decoder``: ModernBERT-decoder). The
+    first batch's self-check compares the surprisal it gives with the model's own logits."""
+    out = full.get_output_embeddings()
+    pre = getattr(full, "lm_head", None)
+    if not isinstance(pre, torch.nn.Module) or pre is out or isinstance(pre, torch.nn.Linear):
+        return out
+    head = torch.nn.Sequential(pre, out)
+    head.out_features = out.weight.shape[0]  # the vocabulary (token_surprisal's chunking reads it)
+    return head
 
 
 @contextlib.contextmanager

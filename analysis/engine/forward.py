@@ -36,7 +36,7 @@ from actlake.analysis.engine.resume import FromLayer, Skipping, Snapshot, Snapsh
 from actlake.analysis.engine.selfcheck import SelfCheck
 from actlake.analysis.engine.surprisal import token_surprisal
 from actlake.analysis.engine.window_summary import WindowSums, token_kl
-from actlake.architectures import blocks
+from actlake.architectures import blocks, text_config
 from actlake.batching import Window, collate
 from actlake.categories import ROLE, Categorizer, one_hot
 from actlake.config import JobConfig
@@ -104,7 +104,7 @@ class ForwardPass:
         self.mqk = m = ModelQK(lm.model, lm.family)
         self.inputs = capture.LayerInputs(lm.model, lm.family)  # hooks attached per batch, when needed
         self.stream = capture.HiddenStream(lm.model, lm.family)  # likewise
-        self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, lm.model.config.hidden_size,
+        self.spec = ModelSpec(m.n_layers, m.n_heads, m.n_kv_heads, text_config(lm.model.config).hidden_size,
                               cfg.tokenization.max_length, lm.device, tuple(m.attention_layers))
         if self.spec.hybrid:
             others = sorted(set(range(m.n_layers)) - set(m.attention_layers))

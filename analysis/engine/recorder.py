@@ -13,7 +13,7 @@ from actlake.analysis.engine.capture import LayerInputs, attention_modules
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.engine.layer_replay import LayerReplay
-from actlake.architectures import blocks, key_weights, latent_scaled_dims
+from actlake.architectures import blocks, key_weights, latent_scaled_dims, text_config
 from actlake.errors import AnalysisError, ModelLoadError
 
 
@@ -22,7 +22,7 @@ class ModelQK:
 
     def __init__(self, model, family):
         self.model, self.family = model, family
-        cfg = self.config = model.config
+        cfg = self.config = text_config(model.config)  # a multimodal model's: its text model's
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.layer_of = attention_modules(model, family)

@@ -356,7 +356,9 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
                                         "deepseek_v32",  # latent attention, interleaved RoPE with no config flag
                                         "hyperclovax",  # logits multiplied by logits_scaling (Granite divides)
                                         "granitemoehybrid",  # Mamba blocks hold self_attn = None
-                                        "doge"])  # causal by its heads (a causal LM only), checked by the mask
+                                        "doge",  # causal by its heads (a causal LM only), checked by the mask
+                                        "gemma3",  # a multimodal wrapper: its text model's config and layers
+                                        "modernbert-decoder"])  # a prediction head before the output embedding
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
     from actlake.discovery import discover
