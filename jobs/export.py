@@ -128,6 +128,7 @@ def _saelens_file(path: str, i: int, n: int, layer: int, T: int, hook: str, d: i
 
     from actlake.fs import location
 
+    datasets.disable_progress_bars()  # the command prints its own line
     windows = [(index, h, lengths) for index, h, lengths in _file_windows([(location(path), None)], layer)]
     if not windows:
         return None

@@ -99,6 +99,19 @@ def test_the_five_minute_tour(quickstart):
     assert "attention_entropy: " in tried and "attention_entropy_mean: " in tried
 
 
+def test_the_sae_page_exports_the_sample_and_saelens_trains_on_it(quickstart):
+    """docs/sae.md as printed: a run with an activation store, both exports, the token reader, SAELens training from
+    the cache alone (after the quick start: its sample corpus)."""
+    for folder in ("sae-sample-tokens", "sae-sample-saelens"):  # a reader's earlier try of the page
+        shutil.rmtree(ROOT / "runs" / folder, ignore_errors=True)
+    done = _bash(ACTIVATE + command("sae-export"), timeout=1800)
+    assert quiet(done) == [] and "export:  runs/sae-sample-saelens" in done.stdout, done.stdout
+    for block, mark in (("sae-tokens-python", "tokens of width 384"), ("sae-saelens-python", "trained on 12800")):
+        shown = subprocess.run([str(BIN / "python"), "-c", command(block)], cwd=ROOT, env=_env(), capture_output=True,
+                               text=True, timeout=900)
+        assert shown.returncode == 0 and mark in shown.stdout, shown.stdout + shown.stderr[-3000:]
+
+
 def test_the_s3_walkthrough_against_a_local_server(quickstart):
     """docs/cluster.md's walkthrough: moto's server, one file of the sample corpus uploaded, the default job
     on its first 50 documents on s3://."""
