@@ -106,8 +106,9 @@ def test_the_sae_page_exports_the_sample_and_saelens_trains_on_it(quickstart):
         shutil.rmtree(ROOT / "runs" / folder, ignore_errors=True)
     done = _bash(ACTIVATE + command("sae-export"), timeout=1800)
     assert quiet(done) == [] and "export:  runs/sae-sample-saelens" in done.stdout, done.stdout
-    for block, mark in (("sae-tokens-python", "tokens of width 384"), ("sae-saelens-python", "trained on 12800")):
-        shown = subprocess.run([str(BIN / "python"), "-c", command(block)], cwd=ROOT, env=_env(), capture_output=True,
+    for code, mark in ((command("sae-tokens-python"), "tokens of width 384"),
+                       (command("sae-saelens-python"), "trained on 12800")):
+        shown = subprocess.run([str(BIN / "python"), "-c", code], cwd=ROOT, env=_env(), capture_output=True,
                                text=True, timeout=900)
         assert shown.returncode == 0 and mark in shown.stdout, shown.stdout + shown.stderr[-3000:]
 
