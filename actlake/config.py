@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 from pathlib import Path
 from typing import Literal, Optional, Union
 
@@ -37,6 +36,7 @@ from actlake.fs import check_folder, check_scheme, kind_of, location, not_regula
 from actlake.fs import glob as expand
 from actlake.fs import url_scheme as scheme_of
 from actlake.sizes import MEMORY_UNITS, memory_bytes  # noqa: F401 - part of this module's API
+from actlake.tables import PASS_NAME
 
 
 class CheckpointConfig(Section):
@@ -378,7 +378,7 @@ def _check_interventions(interventions: list, err, cfg_max_length: int) -> None:
         def key(*k, i=i):
             return ("interventions", i, *k)
 
-        if not TABLE_LABEL.fullmatch(iv.name) or iv.name == "none" or names.index(iv.name) != i:
+        if not PASS_NAME.fullmatch(iv.name) or iv.name == "none" or names.index(iv.name) != i:
             err(key("name"), f"{iv.name!r}: give each intervention its own name of letters, digits, '_' or '-' "
                              "('none' is the clean pass's)")
         layers = iv.at if isinstance(iv.at, list) else [iv.at]
@@ -413,9 +413,6 @@ def _check_interventions(interventions: list, err, cfg_max_length: int) -> None:
                                   f"{cfg_max_length})")
         if iv.positions and (min(iv.positions) < 0 or len(set(iv.positions)) < len(iv.positions)):
             err(key("positions"), f"distinct positions >= 0, got {iv.positions}")
-
-
-TABLE_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 def max_memory_map(max_memory: dict) -> dict:

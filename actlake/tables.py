@@ -18,6 +18,8 @@ SOURCE = "source"
 """The column of a reduced table that names the document source its rows are over."""
 ALL_SOURCES = "*"
 """The ``source`` of the rows over every document."""
+PASS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+"""What an intervention may be called (its rows' ``intervention`` label)."""
 INTERVENTION = "intervention"
 """With ``interventions:``: the column of a statistics table that names the pass its rows are of."""
 CLEAN = "none"

@@ -29,7 +29,7 @@ from actlake.storage.readonly_fs import ReadOnlyFiles, url
 from actlake.storage.sql_process import MAX_TEMP_SIZE  # one default for open_run and actlake sql
 from actlake.storage.verified import verify_files
 from actlake.tables import ALL_SOURCES as ALL
-from actlake.tables import BY_INTERVENTION_SUFFIX, BY_SOURCE_SUFFIX, CLEAN, EFFECTS, INTERVENTION, SOURCE
+from actlake.tables import BY_INTERVENTION_SUFFIX, BY_SOURCE_SUFFIX, CLEAN, EFFECTS, INTERVENTION, PASS_NAME, SOURCE
 
 
 def derived_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
@@ -243,8 +243,7 @@ class _Run:
         ``by_source`` run, ``<table>_by_source`` every label's rows too; returns those tables' full SELECTs."""
         config = read_run(self.layout).get("config") or {}
         split = bool((config.get("analyses") or {}).get("by_source"))
-        self.passes = [CLEAN] + [iv.get("name") for iv in config.get("interventions") or []] if config.get(
-            "interventions") else []
+        self.passes = _passes(self.layout, config.get("interventions"))
         self.full = {t: self.tables[t] for t in sorted(reduced) if t != EFFECTS} if self.passes else {}
         """With interventions: each reduced table's every row (every pass, every source)."""
         labelled = {}
@@ -269,6 +268,19 @@ class _Run:
         views = list(self.views)
         before = list(self.tables.items()) + [(v, self.views[v]) for v in views[: views.index(name)]]
         return _with_ctes(before, self.views[name])
+
+
+def _passes(layout: RunLayout, interventions) -> list[str]:
+    """The passes a run recorded (``none`` first), or [] without interventions; a run.json whose interventions are
+    not a list of names (written by hand) is refused naming it."""
+    if not interventions:
+        return []
+    names = [iv.get("name") if isinstance(iv, dict) else None for iv in interventions] \
+        if isinstance(interventions, list) else [None]
+    if not all(isinstance(n, str) and PASS_NAME.fullmatch(n) and n != CLEAN for n in names) \
+            or len(set(names)) < len(names):
+        raise StorageError(f"{layout.run_json}: its config's interventions are not a list of distinct names")
+    return [CLEAN, *names]
 
 
 def _clean_pass(sql: str) -> str:

@@ -52,3 +52,21 @@ def test_the_config_names_every_token_role():
     from actlake.config import InterventionConfig
 
     assert typing.get_args(InterventionConfig.model_fields["tokens"].annotation) == ("all", *ROLE)
+
+
+def test_a_run_json_whose_interventions_are_not_names_is_refused_by_sql():
+    """``actlake sql`` builds each pass's SELECTs from run.json's intervention names: a run folder written by hand
+    (a name with a quote, a number, a duplicate, 'none') is refused naming the file, never put into SQL."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from actlake.errors import StorageError
+    from actlake.storage.sql import _passes
+
+    layout = SimpleNamespace(run_json="runs/x/run.json")
+    assert _passes(layout, None) == [] and _passes(layout, [{"name": "zero_99"}]) == ["none", "zero_99"]
+    for bad in ([{"name": "x'); DROP TABLE t; --"}], [{"name": 3}], [{"name": "a"}, {"name": "a"}], [{"name": "none"}],
+                "zero", [["name", "a"]]):
+        with pytest.raises(StorageError, match="runs/x/run.json: its config's interventions are not a list"):
+            _passes(layout, bad)
