@@ -244,7 +244,7 @@ class ForwardPass:
         sink = HiddenSink([x for x in producers if "hidden_states" in x.sites],
                           HiddenBatch(mask, role, type8, strict, self.triton, batch))
         starts = {min(iv.layers) for iv in self.interventions} - {0} if tables and self.skip_layers else set()
-        snapshots = Snapshots(self.blocks, starts, stats, sums)
+        snapshots = Snapshots(self.blocks, starts, stats, sums, shared=(self.lm.model, self.lm.tokenizer, self.spec))
         with contextlib.ExitStack() as stack:
             if starts:
                 stack.enter_context(snapshots)

@@ -52,7 +52,7 @@ class Intervention:
         """``h`` (B, T, d) with the selected tokens (B, T) edited at hidden state ``layer``."""
         sel = select.to(h.device)[..., None]  # (B, T, 1); with device_map a block may live on another device
         if self.op == "custom":
-            out = load_function(self.function)(layer, h, batch)
+            out = load_function(self.function)(layer, h.clone(), batch)  # an edit in place cannot reach the model
             if not isinstance(out, torch.Tensor) or out.shape != h.shape:
                 from actlake.errors import AnalysisError
 

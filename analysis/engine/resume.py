@@ -30,17 +30,24 @@ class Snapshot:
     """Block ``a - 1``'s output as the model received it (a tensor or a tuple)."""
     shapes: dict = field(default_factory=dict)
     """Block index -> its output's tail (a tuple's items after the hidden state), or None for a tensor."""
+    shared: tuple = ()
+    """Objects an analysis may refer to that are never copied (the model)."""
 
     def fresh(self) -> tuple[dict, object]:
         """A copy of the statistics and sums for one edited pass."""
-        return copy.deepcopy(self.stats), copy.deepcopy(self.sums)
+        return _copy((self.stats, self.sums), self.shared)
+
+
+def _copy(value, shared: tuple):
+    """``copy.deepcopy`` that keeps ``shared`` objects (and whatever they hold) as they are."""
+    return copy.deepcopy(value, {id(o): o for o in shared})
 
 
 class Snapshots:
     """Hooks of the clean pass that take a :class:`Snapshot` at each of ``starts`` (hidden states >= 1)."""
 
-    def __init__(self, blocks: list, starts: set[int], stats: dict, sums):
-        self.blocks, self.starts, self.stats, self.sums = blocks, sorted(starts), stats, sums
+    def __init__(self, blocks: list, starts: set[int], stats: dict, sums, shared: tuple = ()):
+        self.blocks, self.starts, self.stats, self.sums, self.shared = blocks, sorted(starts), stats, sums, shared
         self.taken: dict[int, Snapshot] = {}
         self.shapes: dict[int, object] = {}
         self.handles: list = []
@@ -65,8 +72,8 @@ class Snapshots:
             self.shapes[i] = tuple(output[1:]) if isinstance(output, tuple) else None
             a = i + 1
             if a in self.starts:  # before hidden state a reaches any analysis (this hook runs first)
-                stats, sums = copy.deepcopy(self.stats), copy.deepcopy(self.sums)
-                self.taken[a] = Snapshot(a, stats, sums, output, dict(self.shapes))
+                stats, sums = _copy((self.stats, self.sums), self.shared)
+                self.taken[a] = Snapshot(a, stats, sums, output, dict(self.shapes), self.shared)
         return hook
 
 
