@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actlake.analysis.engine.capture import _Hooks
 from actlake.architectures import blocks
 from actlake.categories import ROLE
 
@@ -104,32 +105,20 @@ def load_function(target: str):
     return fn
 
 
-class Editing:
+class Editing(_Hooks):
     """Context manager: ``intervention`` applied to every forward pass of ``model`` inside it, on the tokens
     ``select`` (B, T) of the batch run."""
 
     def __init__(self, model, family, intervention: Intervention, select: torch.Tensor, batch: EditBatch | None = None):
         self.blocks = blocks(model, family)
         self.iv, self.select, self.batch = intervention, select, batch
-        self.handles: list = []
 
-    def __enter__(self) -> Editing:
-        try:
-            for layer in self.iv.layers:
-                if layer == 0:
-                    self.handles.append(self.blocks[0].register_forward_pre_hook(self._pre, with_kwargs=True,
-                                                                                 prepend=True))
-                else:
-                    self.handles.append(self.blocks[layer - 1].register_forward_hook(self._post(layer), prepend=True))
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+    def _register(self, handles: list) -> None:
+        for layer in self.iv.layers:  # first among each block's hooks: every reader sees the edited state
+            if layer == 0:
+                handles.append(self.blocks[0].register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True))
+            else:
+                handles.append(self.blocks[layer - 1].register_forward_hook(self._post(layer), prepend=True))
 
     def _pre(self, module, args, kwargs):
         if args:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from actlake.analysis.engine.capture import _Hooks
+
 
 @dataclass
 class Snapshot:
@@ -43,29 +45,17 @@ def _copy(value, shared: tuple):
     return copy.deepcopy(value, {id(o): o for o in shared})
 
 
-class Snapshots:
+class Snapshots(_Hooks):
     """Hooks of the clean pass that take a :class:`Snapshot` at each of ``starts`` (hidden states >= 1)."""
 
     def __init__(self, blocks: list, starts: set[int], stats: dict, sums, shared: tuple = ()):
         self.blocks, self.starts, self.stats, self.sums, self.shared = blocks, sorted(starts), stats, sums, shared
         self.taken: dict[int, Snapshot] = {}
         self.shapes: dict[int, object] = {}
-        self.handles: list = []
 
-    def __enter__(self) -> Snapshots:
-        last = max(self.starts, default=0)
-        try:
-            for i in range(last):  # every block before the last start: its output's structure
-                self.handles.append(self.blocks[i].register_forward_hook(self._hook(i), prepend=True))
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+    def _register(self, handles: list) -> None:
+        for i in range(max(self.starts, default=0)):  # every block before the last start: its output's structure
+            handles.append(self.blocks[i].register_forward_hook(self._hook(i), prepend=True))
 
     def _hook(self, i: int):
         def hook(module, args, output):
