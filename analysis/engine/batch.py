@@ -149,9 +149,11 @@ class Launched:
     result: BatchResult
     """Complete only once :meth:`passed` returned (its host copies may still be in flight before)."""
     checks: DeviceChecks
-    recorder: AttentionRecorder | list | None = None
-    """Kept until the batch is waited for (the recorders of its passes): a recorded layer graph and its buffers
-    stay alive while queued."""
+    recorder: AttentionRecorder | None = None
+    """The clean pass's, kept until the batch is waited for: a recorded layer graph and its buffers stay alive while
+    queued."""
+    edited: list = field(default_factory=list)
+    """The edited passes' recorders, kept likewise."""
 
     def passed(self) -> bool:
         """Wait for the batch; False when a device-side check counted a problem (run it again strictly)."""

@@ -184,7 +184,7 @@ class ForwardPass:
                                                 transform=self.lm.logit_transform))
         if clean.check is not None:
             self._finish_check(clean.check, clean.recorder, surprisal, ids, mask)
-        checks, devices, keep, edited, window_sums = clean.checks, clean.devices, [clean.recorder], {}, {}
+        checks, devices, keep, edited, window_sums = clean.checks, clean.devices, [], {}, {}
         if self.interventions:
             window_sums[CLEAN] = clean.sums.sums(surprisal, None)
             scored = None if surprisal is None else torch.isfinite(surprisal)  # the clean pass's scored tokens
@@ -208,7 +208,7 @@ class ForwardPass:
         result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), clean.stats,
                              clean.parts, edited, window_sums)
         # the recorders (their layer graphs, the buffers replays read) live until the batch is waited for
-        return Launched(batch, result, DeviceChecks(self.lm.device, checks, devices), keep)
+        return Launched(batch, result, DeviceChecks(self.lm.device, checks, devices), clean.recorder, keep)
 
     def _check_resume(self, resumed: Pass, full: Pass, iv) -> Pass:
         """The first batch's edited pass, resumed from the clean pass's snapshot, against the full edited pass: the

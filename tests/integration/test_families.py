@@ -99,7 +99,6 @@ def test_a_key_layernorm_is_exact(zoo):
     ("inkling_text", {}, r"a convolution over positions \(k_sconv\)"),
     ("mobilebert", {}, r"reads a 16-wide input, not the 64-wide residual stream"),
     ("moshi", {}, r"its key projection \(MoshiLinear\) has no single weight matrix"),
-    ("gemma3", {}, r"a multimodal model \(its text model, 'gemma3_text'"),
     ("gemma4_unified_assistant", {}, r"a drafter \(assistant\) model"),
 ])
 def test_a_feature_that_is_not_modelled_is_refused_from_the_config(model_type, overrides, why):
