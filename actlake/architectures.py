@@ -65,6 +65,10 @@ class Family:
     key_norm: str | None = None
     """Dotted path from a block to an RMS-type norm applied to k before RoPE (q/k norm), or None; with ``latent``,
     the norm of the latent."""
+    key_norm_after_rope: bool = False
+    """The key norm comes after RoPE (HunYuan): k' = g ⊙ R_n(x W_K + b_K) / r_n. Its gain is then not folded into W_K
+    (it does not commute with the rotation) but applied to q' before the un-rotation (:func:`key_gain`): u(m, n) =
+    W_K R_n^T (g ⊙ q'_m) / r_n. r_n is the same before or after the rotation (read from the norm's input)."""
     attention_class: str | None = None
     """Class name of the attention modules, for a hybrid whose other blocks hold another module at the same path
     (MiniMax's lightning attention, Kimi Linear's delta rule); None: every module at ``attention``."""
@@ -340,13 +344,28 @@ def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, he
     wk = w.reshape(n_kv_heads, head_dim, -1).transpose(1, 2).contiguous()  # (H_kv, d, d_h)
     bk = b.reshape(n_kv_heads, head_dim) if b is not None else None
     norm = key_norm_module(block, family)
-    if norm is not None:
+    if norm is not None and family.key_norm_after_rope:
+        key_gain(block, family, n_kv_heads, head_dim)  # refuses a centring norm; its gain stays out of W_K
+    elif norm is not None:
         g, width = norm_affine(norm, head_dim)
         if width:  # a LayerNorm: its mean subtraction over its width is linear, folded into W_K and b_K
             wk, bk = centred(wk, width), (centred(bk[:, None], width)[:, 0] if bk is not None else None)
         g = g.reshape(-1, head_dim).expand(n_kv_heads, head_dim)  # (H_kv, d_h)
         wk, bk = wk * g[:, None], (bk * g if bk is not None else None)
     return wk, bk
+
+
+def key_gain(block, family: Family, n_kv_heads: int, head_dim: int):
+    """(H_kv, d_h) float32 gain g of a key norm that comes after RoPE (``Family.key_norm_after_rope``), or None (no
+    such norm in this block). A LayerNorm there is refused: its centring does not commute with the rotation."""
+    norm = key_norm_module(block, family) if family.key_norm_after_rope else None
+    if norm is None:
+        return None
+    g, width = norm_affine(norm, head_dim)
+    if width:
+        raise ModelLoadError(f"{family.name}: a key LayerNorm after RoPE (its mean subtraction does not commute with the "
+                             "rotation) is not modelled")
+    return g.reshape(-1, head_dim).expand(n_kv_heads, head_dim).contiguous()
 
 
 def centred(w, width: int):

@@ -127,6 +127,7 @@ def _discover(config) -> Family:
     return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
                   rope=rope, rope_layers=rope_layers,
                   key_norm=f"{attention}.{norm}" if norm else None,
+                  key_norm_after_rope=bool(norm and not latent and rope and _norm_after_rope(type(attn), norm)),
                   latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits,
                   attention_class=type(attn).__name__ if len(classes) > 1 else None)
 
@@ -222,6 +223,19 @@ def _rope_layout(module) -> str | None:
     return "interleaved_half" if halved else "interleaved"
 
 
+def _norm_after_rope(attention_class, norm: str) -> bool:
+    """Whether the attention module's ``forward`` calls its key norm ``self.<norm>(`` after the RoPE call that rotates
+    the keys (a line calling ``apply_rotary_pos_emb(`` with ``key`` in it: HunYuan), not before (most q/k-norm models;
+    Gemma 4 rotates q first, then norms and rotates k)."""
+    try:
+        lines = inspect.getsource(attention_class.forward).splitlines()
+    except (OSError, TypeError):
+        return False
+    normed = next((i for i, s in enumerate(lines) if f"self.{norm}(" in s), None)
+    rotated = [i for i, s in enumerate(lines) if "apply_rotary_pos_emb" in s and "(" in s and "key" in s]
+    return normed is not None and bool(rotated) and all(i < normed for i in rotated)
+
+
 def _rope_on_local_layers(attention_class) -> str | None:
     """``sliding`` when the attention module applies RoPE under an ``if`` on its window (``sliding``, ``local``; not
     ``if not …``): RoPE on the sliding-window layers, none on the global ones (Cohere 2, AFMoE); ``sliding_or_all`` when
@@ -245,6 +259,7 @@ def describe(fam: Family) -> str:
     return (f"blocks at {fam.layers!r}, attention at {fam.attention!r}, keys from {fam.key!r} ({fam.qkv}), "
             f"{'causal' if fam.causal else 'bidirectional'}, RoPE {fam.rope or 'none'}"
             + (f", key norm {fam.key_norm!r}" if fam.key_norm else "")
+            + (" after RoPE (its gain on the query side)" if fam.key_norm_after_rope else "")
             + (f", latent keys up-projected by {fam.latent!r}" if fam.latent else "")
             + (", RoPE on sliding-window layers only" if fam.rope_layers in ("sliding", "sliding_or_all") else "")
             + (f", attention in the blocks whose module is a {fam.attention_class}" if fam.attention_class else "")

@@ -300,6 +300,9 @@ class LayerQK:
     key_scale_dims: torch.Tensor | None = None
     """(d_h,) float32: 1 on the dims of k that ``key_scale`` scales, 0 on the others (multi-head latent attention:
     the latent part of k is normed, its rotary part is not); None: every dim."""
+    key_gain: torch.Tensor | None = None
+    """(H_kv, d_h) float32 gain g of a key norm after RoPE (METHODS.md §3: k' = g ⊙ R_n(x W_K + b_K) / r_n), applied
+    to q' before the un-rotation (:meth:`unrotate`); None: any gain is folded into ``w_key``."""
     softcap: float | None = None
     """Attention logit softcapping: weights from cap * tanh(score / cap) (contributions are of the score)."""
     sinks: torch.Tensor | None = None
@@ -368,7 +371,12 @@ class LayerQK:
         return self.batch.sum_over_queries(per_query)
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
-        """R_n^T y at each key position n (y: (B, H, T, ..., d_h)); y itself without RoPE."""
+        """R_n^T (g ⊙ y) at each key position n (y: (B, H, T, ..., d_h)), g the gain of a key norm after RoPE
+        (:attr:`key_gain`, 1 without one): the transpose of what follows the key projection's 1 / r_n; y itself
+        without RoPE or such a gain."""
+        if self.key_gain is not None:
+            g = expand_kv(self.key_gain[None, :, None], y.shape[1])[0, :, 0]  # (H, d_h)
+            y = y * g.reshape(1, g.shape[0], *(1,) * (y.dim() - 3), g.shape[1]).to(y.dtype)
         if self.cos is None:
             return y
         if self.unrotation is None:
@@ -428,7 +436,8 @@ class LayerQK:
                        None if self.unrotation is None else (cut(self.unrotation[0]), cut(self.unrotation[1]), *self.unrotation[2:]),
                        self.needs,
                        "explicit" if self.method in ("flash", "padded") else self.method, cut(self.value),
-                       self.max_elements, key_scale=cut(self.key_scale), softcap=self.softcap, sinks=self.sinks,
+                       self.max_elements, key_scale=cut(self.key_scale), key_gain=self.key_gain, softcap=self.softcap,
+                       sinks=self.sinks,
                        key_scale_dims=self.key_scale_dims)
 
     @property

@@ -52,6 +52,8 @@ class SelfCheck:
         k = lq.scale_keys(k, per_query_head=False)
         if lq.cos is not None:
             k = rope.apply(k, rope.factors(lq.cos, lq.sin, 1.0, *lq.unrotation[2:]))
+        if lq.key_gain is not None:  # a key norm after RoPE: its gain multiplies the rotated k
+            k = k * lq.key_gain[None, :, None].to(k.dtype)
         self._compare("the key path (k rebuilt from the key projection's input along the declared path)",
                       lq.layer, k, lq.key, lq.valid, self.key_path)
 

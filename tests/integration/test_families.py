@@ -357,6 +357,7 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
                                         "granitemoehybrid",  # Mamba blocks hold self_attn = None
                                         "doge",  # causal by its heads (a causal LM only), checked by the mask
                                         "gemma3",  # a multimodal wrapper: its text model's config and layers
+                                        "hunyuan_v1_dense", "hunyuan_v1_moe",  # key norm after RoPE, with a gain
                                         "modernbert-decoder"])  # a prediction head before the output embedding
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
@@ -376,12 +377,18 @@ def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     assert max(err.values()) < EXACT, err
 
 
-def test_a_discovered_layout_that_is_wrong_is_caught(zoo):
-    """Hunyuan's keys are not what discovery reads off its modules (a norm it does not name k_norm): the
-    self-check stops it."""
+def test_a_discovered_layout_that_is_wrong_is_caught(zoo, monkeypatch):
+    """HunYuan's key norm comes after RoPE (its gain multiplies the rotated k); read as if it came before (the gain
+    folded into W_K, as for Qwen 3), the self-check stops it at the key path."""
+    from actlake import discovery
+
+    folder = zoo("hunyuan_v1_dense")
+    assert discovery.discover(tiny_config("hunyuan_v1_dense")).key_norm_after_rope
+    monkeypatch.setattr(discovery, "_found", {})
+    monkeypatch.setattr(discovery, "_norm_after_rope", lambda attention_class, norm: False)
     ids, valid, role = batch(512)
-    check = engine(zoo("hunyuan_v1_dense"), ids, valid, role)[5]
-    assert check.failures and "the key path" in check.failures[0], check.failures
+    check = engine(folder, ids, valid, role)[5]
+    assert check.failures and all("the key path" in f and "contributions" in f for f in check.failures), check.failures
 
 
 def test_discovery_refuses_what_it_cannot_read_in_one_line():
