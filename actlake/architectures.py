@@ -47,7 +47,8 @@ class Family:
     model_types: tuple[str, ...]
     """``config.model_type`` values this family covers."""
     layers: str = "layers"
-    """Dotted path from the base model to the list of transformer blocks."""
+    """Dotted path from the base model to the list of transformer blocks; ``a|b``: the first that exists (Llama 4's
+    multimodal model loaded whole, or as its causal LM, the text model)."""
     attention: str = "self_attn"
     """Dotted path from a block to the module that calls the attention interface."""
     key: str = "self_attn.k_proj"
@@ -138,6 +139,8 @@ FAMILIES = (
            latent="self_attn.kv_b_proj", rope="complex"),  # latent keys, their rotary dims in complex pairs
     Family("gpt_oss", ("gpt_oss",), rope="half_narrow"),  # learned sinks: read from the kernel call (capture.py)
     Family("llama4_text", ("llama4_text",), rope="complex", rope_layers="no_rope_layers", key_norm="self_attn.qk_norm"),
+    Family("llama4", ("llama4",), "layers|language_model.model.layers", rope="complex", rope_layers="no_rope_layers",
+           key_norm="self_attn.qk_norm"),  # the multimodal model: a job loads its causal LM (the text model above)
     # the L2 q/k norm (no gain) on its RoPE layers only, after the rotation it commutes with; chunked attention: below
     Family("assistant", ("gemma4_assistant", "gemma4_unified_assistant"), refuse="a drafter (assistant) model attends "
            "to its target model's keys and values (shared_kv_states), which a run of the drafter alone does not have"),
@@ -275,8 +278,9 @@ def check_chunks(config, max_length: int) -> None:
             raise ModelLoadError(f"model_type {config.model_type!r} with {attr} {top} and tokenization.max_length "
                                  f"{max_length}: sparse attention (each query attends to the {top} keys its indexer "
                                  f"picks) is not modelled yet; set tokenization.max_length to {top} or less")
-    chunk = getattr(config, "attention_chunk_size", None)
-    chunked = any("chunked" in str(t) for t in getattr(config, "layer_types", None) or ["chunked_attention"])
+    text = text_config(config)  # a multimodal model's chunks are its text model's (Llama 4)
+    chunk = getattr(text, "attention_chunk_size", None)
+    chunked = any("chunked" in str(t) for t in getattr(text, "layer_types", None) or ["chunked_attention"])
     if chunk and chunked and max_length > chunk:
         raise ModelLoadError(f"model_type {config.model_type!r} with attention_chunk_size {chunk} and "
                              f"tokenization.max_length {max_length}: chunked attention (keys of a query's own chunk "
@@ -309,11 +313,33 @@ def get_path(obj, dotted: str):
 def blocks(base_model, family: Family):
     """The transformer blocks of a base model (``AutoModel``) or a model with a head."""
     for candidate in (base_model, getattr(base_model, "base_model", None)):
+        for path in family.layers.split("|"):
+            try:
+                return list(get_path(candidate, path))
+            except AttributeError:
+                continue
+    raise ModelLoadError(f"{family.name}: cannot find layers at '{family.layers}' in {type(base_model).__name__}")
+
+
+def check_loaded(loaded, base_model, family: Family, missing_keys, path: str) -> None:
+    """Refused by name: a checkpoint that leaves weights of the transformer blocks to random initialisation
+    (``missing_keys`` of ``from_pretrained``, named as in ``loaded``): a multimodal checkpoint whose type's causal LM
+    does not map its keys (Emu3) would otherwise be analysed as a random model, with every check passing."""
+    if not missing_keys:
+        return
+    ours = {id(p) for b in blocks(base_model, family) for p in b.parameters()}
+    hit = []
+    for name in sorted(missing_keys):
         try:
-            return list(get_path(candidate, family.layers))
+            param = loaded.get_parameter(name)
         except AttributeError:
             continue
-    raise ModelLoadError(f"{family.name}: cannot find layers at '{family.layers}' in {type(base_model).__name__}")
+        if id(param) in ours:
+            hit.append(name)
+    if hit:
+        raise ModelLoadError(f"model {path}: {len(hit)} weights of its transformer blocks are not in the checkpoint "
+                             f"under the names {type(loaded).__name__} reads (e.g. {hit[0]}), so they would be random: "
+                             "a checkpoint of another class than the one transformers loads for this model type?")
 
 
 def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple:

@@ -66,6 +66,9 @@ def _discover(config) -> Family:
     layers, blocks = _find(model, LAYERS)
     if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
         raise refuse("no list of transformer blocks was found") from None
+    text_layers = _text_lm_layers(config)
+    if text_layers and text_layers != layers:  # a job with surprisal loads the causal LM: the text model's blocks
+        layers = f"{layers}|{text_layers}"
     found = [(p, m) for p, m in (_find(b, ATTENTION) for b in blocks) if m is not None]
     # a hybrid's first blocks may be linear-attention or recurrent ones, at the same path: the first module that
     # says whether it is causal (softmax attention modules do), else the first found
@@ -130,6 +133,24 @@ def _discover(config) -> Family:
                   key_norm_after_rope=bool(norm and not latent and rope and _norm_after_rope(type(attn), norm)),
                   latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits,
                   attention_class=type(attn).__name__ if len(classes) > 1 else None)
+
+
+def _text_lm_layers(config) -> str | None:
+    """Where the blocks are in the base of the type's causal LM when that class is built on its text config (Llama 4,
+    Qwen 3.5, Mllama: the multimodal checkpoint loads as its text model there), else None."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    head = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if head is None or getattr(head, "config_class", type(config)) is type(config):
+        return None
+    try:
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - any model class may refuse a config
+        return None
+    return _find(_base(lm), LAYERS)[0]
 
 
 def _causal_by_head(config) -> bool | None:

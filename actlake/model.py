@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from actlake.architectures import Family, check_config, logit_transform
+from actlake.architectures import Family, check_config, check_loaded, logit_transform
 from actlake.config import ModelConfig, max_memory_map, resolve_model_path
 from actlake.errors import ConfigError, ModelLoadError
 
@@ -173,13 +173,14 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(path, **common)
             head = None
             if want_head:
-                full = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+                full, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
                 model, head = base_of(full), output_head(full)
             else:
-                model = AutoModel.from_pretrained(path, **kwargs)
+                model, info = AutoModel.from_pretrained(path, output_loading_info=True, **kwargs)
     except Exception as e:
         hint = " (set model.offload_folder)" if "offload_folder" in str(e) and not cfg.offload_folder else ""
         raise ModelLoadError(f"model {path}: cannot load ({type(e).__name__}: {e}){hint}") from None
+    check_loaded(full if head is not None else model, model, family, info.get("missing_keys"), path)
     placement = None
     if cfg.device_map:
         placement = dict(getattr(model if head is None else full, "hf_device_map", None) or {})

@@ -58,6 +58,8 @@ def one(model_type: str, root: Path) -> tuple[str, str]:
     try:
         err = compare(str(folder))
     except ModelLoadError as e:  # its config passed check_config: the tiny model itself did not load
+        if LOAD_REFUSED in str(e):  # the engine refuses the type's own checkpoint (weights it would leave random)
+            return "refused", "at load: " + str(e).split(": ", 1)[-1][:150]
         return "not built", str(e).split(": ", 1)[-1][:160]
     except Exception as e:  # noqa: BLE001 - a crash inside the engine is a finding
         return "error", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -69,6 +71,10 @@ def one(model_type: str, root: Path) -> tuple[str, str]:
     if wrong:
         return "wrong" + star, ", ".join(f"{k} {v:.1e}" for k, v in wrong.items())
     return "ok" + star, f"largest error {max(err.values()):.1e}"
+
+
+LOAD_REFUSED = "weights of its transformer blocks are not in the checkpoint"
+"""actlake.architectures.check_loaded's refusal: a job's workers refuse the model when they load it."""
 
 
 def _limited() -> None:
@@ -140,7 +146,8 @@ of every causal-LM and masked-LM model type, its scaling knobs away from their d
 multipliers, partial rotary), run through the default analyses in process and compared with float64 eager
 transformers (residual norms, attention mass by key category, q/k norms, the distance profile, the contributions'
 sum rule, surprisal). **ok**: every quantity within {EXACT:g} of the reference (relative to its largest value).
-**refused**: `actlake run` refuses it before Ray starts, with the reason. **caught**: the first-batch self-check
+**refused**: `actlake run` refuses it before Ray starts, with the reason (or, "at load", each worker when it
+loads the weights: a checkpoint that would leave weights of the blocks random). **caught**: the first-batch self-check
 stops the job (nothing written), naming the layer and the analyses. A `*` marks a type with no declaration in
 `actlake/architectures.py`, whose layout `actlake/discovery.py` read off its modules (announced when the job
 starts; only the self-check vouches for it). **not built**: the tiny model could not be made (a default config

@@ -14,7 +14,7 @@ import torch
 CAUSAL = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
           "gemma3_text", "olmo", "olmo2", "olmoe", "phi", "phi3", "stablelm", "starcoder2", "cohere", "granite", "gptj",
           "gpt_bigcode", "opt", "smollm3", "gpt2", "gpt_neox", "gpt_oss", "deepseek_v3", "cohere2",
-          "exaone4", "llama4_text", "codegen", "deepseek_v2")
+          "exaone4", "llama4_text", "llama4", "codegen", "deepseek_v2")
 """Causal LM types that run exactly (tests/integration/test_families.py)."""
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert")
 REFUSED = ("gpt_neo", "falcon", "bloom", "deberta-v2")
@@ -214,7 +214,7 @@ def _repair(c) -> None:
 def build(model_type: str, out: Path, knobs: bool = True, scale: float = 8.0, seed: int = 0, tokenizer_dir=None,
           logit_scale: float = 30.0, **overrides) -> Path:
     """Save a tiny model of ``model_type`` and a tokenizer (``tokenizer_dir``'s, or a small BPE one) to ``out``."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     config = tiny_config(model_type, knobs, **overrides)
     torch.manual_seed(seed)
@@ -222,6 +222,12 @@ def build(model_type: str, out: Path, knobs: bool = True, scale: float = 8.0, se
         model = AutoModelForCausalLM.from_config(config)
     except ValueError:  # an encoder
         model = AutoModel.from_config(config)
+    if model.config.model_type != config.model_type:  # its causal LM takes the text config (Llama 4, Qwen 3.5): the
+        try:  # type's checkpoints are its multimodal model's, which a job then loads as that causal LM
+            torch.manual_seed(seed)
+            model = AutoModelForImageTextToText.from_config(config)
+        except ValueError:
+            pass
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2 and any(s in name.split(".")[-2] for s in SCALED):

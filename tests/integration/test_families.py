@@ -75,6 +75,29 @@ def test_windows_longer_than_a_llama4_chunk_are_refused_before_ray(zoo, tmp_path
             check(job_config(folder, sample_corpus, tmp_path / "out", **{"tokenization.max_length": 32}))
 
 
+def test_a_llama4_multimodal_config_refuses_windows_longer_than_its_text_models_chunk():
+    from actlake.architectures import check_chunks
+
+    config = tiny_config("llama4")
+    config.text_config.attention_chunk_size = 16
+    check_chunks(config, 16)
+    with pytest.raises(ModelLoadError, match=r"'llama4' with attention_chunk_size 16 and tokenization.max_length 24"):
+        check_chunks(config, 24)
+
+
+def test_a_checkpoint_that_would_leave_block_weights_random_is_refused_at_load(zoo):
+    """Emu3's multimodal checkpoint, loaded as its causal LM (the class transformers picks for the type), matches none
+    of its keys: every block weight would be random. Refused in one line, naming the class and a weight."""
+    from actlake.config import ModelConfig
+    from actlake.model import load_model
+
+    folder = zoo("emu3")
+    with pytest.raises(ModelLoadError, match=r"weights of its transformer blocks are not in the checkpoint under the "
+                                             r"names Emu3ForCausalLM reads \(e.g. model.layers.0.") as e:
+        load_model(ModelConfig(name_or_path=folder), lm_head=None)
+    assert "\n" not in str(e.value)
+
+
 def test_a_config_feature_that_is_not_modelled_is_refused_by_name():
     with pytest.raises(ModelLoadError, match=r"'phi' with qk_layernorm: True is not supported: q/k LayerNorm"):
         check_config(tiny_config("phi", qk_layernorm=True))
@@ -357,6 +380,7 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
                                         "granitemoehybrid",  # Mamba blocks hold self_attn = None
                                         "doge",  # causal by its heads (a causal LM only), checked by the mask
                                         "gemma3",  # a multimodal wrapper: its text model's config and layers
+                                        "qwen3_5",  # a multimodal checkpoint loaded as its causal LM (the text model)
                                         "hunyuan_v1_dense", "hunyuan_v1_moe",  # key norm after RoPE, with a gain
                                         "modernbert-decoder"])  # a prediction head before the output embedding
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
