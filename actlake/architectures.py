@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from actlake.errors import ConfigError, ModelLoadError
 from actlake.fs import read_regular
 
-QKV = ("separate", "stacked", "per_head", "conv1d", "codegen")
+QKV = ("separate", "stacked", "per_head", "conv1d", "codegen", "kv")
 """Where k sits in the output of the module at ``Family.key``: the whole output (``separate``); rows
-[q (H d_h) | k (H_kv d_h) | v] (``stacked``); rows (head, [q | k | v], d_h) (``per_head``); GPT-2's Conv1D,
+[q (H d_h) | k (H_kv d_h) | v] (``stacked``); rows [k | v] of a key-value projection (``kv``; JetMoE, whose
+attention repeats the key heads, tiled, once per routed query slot before the kernel: the rows tiled the same way); rows (head, [q | k | v], d_h) (``per_head``); GPT-2's Conv1D,
 columns [q | k | v] (``conv1d``); CodeGen's rows (4 model-parallel blocks, [q | v | k], d/4) (``codegen``)."""
 ROPE = (None, "half", "half_negated", "half_narrow", "interleaved", "interleaved_half", "sin_cos_half", "complex")
 """How positions rotate q and k: pairs (i, i + rot/2) with the model's (cos, sin) (``half``), or with -sin
@@ -361,6 +362,12 @@ def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, he
     elif layout == "codegen":  # rows (4, [q | v | k], d / 4): its 4 model-parallel shards, interleaved
         w = w.reshape(4, 3, kd // 4, -1)[:, 2].reshape(kd, -1)
         b = b.reshape(4, 3, kd // 4)[:, 2].reshape(kd) if b is not None else None
+    elif layout == "kv":  # rows [k | v]; the kernel's k: those heads tiled (JetMoE's key_states.repeat(1, top_k, 1, 1))
+        rows = w.shape[0] // 2
+        w, b = w[:rows], (b[:rows] if b is not None else None)
+        if kd != rows and rows and kd % rows == 0:
+            w = w.reshape(-1, head_dim, w.shape[-1]).repeat(kd // rows, 1, 1).reshape(kd, -1)
+            b = b.reshape(-1, head_dim).repeat(kd // rows, 1).reshape(kd) if b is not None else None
     elif layout == "per_head" and w.shape[0] == 3 * kd:  # rows (H, [q | k | v], d_h)
         w = w.reshape(n_kv_heads, 3, head_dim, -1)[:, 1].reshape(kd, -1)
         b = b.reshape(n_kv_heads, 3, head_dim)[:, 1].reshape(kd) if b is not None else None

@@ -21,7 +21,7 @@ LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "tr
           "text_model.layers", "blocks")
 ATTENTION = ("self_attn", "attn", "attention.self", "attention", "self_attention", "norm_attn_norm.attn", "mixer")
 KEYS = (("k_proj", "separate"), ("key", "separate"), ("k_lin", "separate"), ("qkv_proj", "stacked"),
-        ("Wqkv", "stacked"))
+        ("Wqkv", "stacked"), ("kv_proj", "kv"))
 KEY_NORMS = ("k_norm", "k_layernorm", "key_layernorm", "key_norm")
 """Names of a norm on k after the projection (q/k norm)."""
 LATENT = ("kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm")
@@ -100,6 +100,10 @@ def _discover(config) -> Family:
         raise refuse(f"its attention module has a convolution over positions ({conv}): k is not made from its own "
                      "token's x alone, which the contributions do not model")
     proj = getattr(attn, key[0])
+    inner = getattr(proj, "linear", None)  # a wrapper around one linear layer and nothing else (Moshi's MoshiLinear,
+    if (getattr(proj, "weight", None) is None and isinstance(inner, torch.nn.Linear)  # not flexible)
+            and list(proj.children()) == [inner] and not list(proj.parameters(recurse=False))):
+        key, proj = (f"{key[0]}.linear", key[1]), inner
     if not isinstance(getattr(proj, "weight", None), torch.Tensor) or proj.weight.dim() != 2:
         raise refuse(f"its key projection ({type(proj).__name__}) has no single weight matrix (per-codebook or "
                      "otherwise split weights are not modelled)")

@@ -36,7 +36,8 @@ KNOBS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0, logit_scal
 """Scaling knobs away from their defaults, where a config has them (RoPE bases live in ``rope_parameters`` in
 transformers 5: not set here)."""
 SCALED = ("q_proj", "k_proj", "query", "key", "qkv", "c_attn", "Wqkv", "query_key_value", "q_lin", "k_lin",
-          "kv_a_proj_with_mqa", "kv_b_proj", "q_b_proj")  # latent attention: the rotary key, the latent key, q
+          "kv_a_proj_with_mqa", "kv_b_proj", "q_b_proj",  # latent attention: the rotary key, the latent key, q
+          "kv_proj")  # JetMoE: [k | v]
 
 
 def tiny_config(model_type: str, knobs: bool = True, **overrides):
@@ -230,7 +231,8 @@ def build(model_type: str, out: Path, knobs: bool = True, scale: float = 8.0, se
             pass
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2 and any(s in name.split(".")[-2] for s in SCALED):
+            owner = name.split(".")[-3 if name.split(".")[-2] == "linear" and name.count(".") > 1 else -2]
+            if p.dim() >= 2 and any(s in owner for s in SCALED):  # a wrapped linear layer (Moshi): its wrapper's name
                 p.mul_(scale)
             elif "norm" in name.lower() and (p.dim() == 1 or p.dim() == 2 and "norm" in name.split(".")[-2].lower()):
                 # gains per head (Cohere's q/k LayerNorm: (heads, head width)) too

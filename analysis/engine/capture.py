@@ -194,6 +194,9 @@ class LayerInputs(_Hooks):
         for i, proj, attn, norm in self._targets:
             handles.append(proj.register_forward_pre_hook(self._keep_x(i)))
             handles.append(attn.register_forward_pre_hook(self._keep_rope(i), with_kwargs=True))
+            own = getattr(attn, "rotary_emb", None)  # RoPE computed inside the attention module (Moshi)
+            if isinstance(own, torch.nn.Module):
+                handles.append(own.register_forward_hook(self._keep_own_rope(i)))
             if norm is not None:
                 handles.append(norm.register_forward_pre_hook(self._keep_norm_input(i)))
 
@@ -229,6 +232,12 @@ class LayerInputs(_Hooks):
     def _keep_x(self, i):
         def hook(module, args):
             self.x[i] = args[0]
+        return hook
+
+    def _keep_own_rope(self, i):
+        def hook(module, args, output):
+            if isinstance(output, tuple) and len(output) == 2:
+                self.rope[i] = output
         return hook
 
     def _keep_rope(self, i):

@@ -121,7 +121,7 @@ def test_a_key_layernorm_is_exact(zoo):
     ("diffllama", {}, r"calls the attention kernel 2 times per layer"),
     ("inkling_text", {}, r"a convolution over positions \(k_sconv\)"),
     ("mobilebert", {}, r"reads a 16-wide input, not the 64-wide residual stream"),
-    ("moshi", {}, r"its key projection \(MoshiLinear\) has no single weight matrix"),
+    ("inkling2_text", {}, r"its key projection \(Inkling2KeyValueProjection\) has no single weight matrix"),
     ("gemma4_unified_assistant", {}, r"a drafter \(assistant\) model"),
 ])
 def test_a_feature_that_is_not_modelled_is_refused_from_the_config(model_type, overrides, why):
@@ -382,6 +382,8 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
                                         "gemma3",  # a multimodal wrapper: its text model's config and layers
                                         "qwen3_5",  # a multimodal checkpoint loaded as its causal LM (the text model)
                                         "hunyuan_v1_dense", "hunyuan_v1_moe",  # key norm after RoPE, with a gain
+                                        "jetmoe",  # keys from a [k | v] projection, tiled per routed query slot
+                                        "moshi",  # a wrapped key linear layer; RoPE computed inside the attention
                                         "modernbert-decoder"])  # a prediction head before the output embedding
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
