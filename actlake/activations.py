@@ -87,7 +87,8 @@ class TokenBatches(torch.utils.data.IterableDataset):
                 if carry is not None:
                     h, carry = torch.cat([carry, h]), None
                 n = (len(h) // self.batch_size) * self.batch_size
-                yield from h[:n].split(self.batch_size)
+                if n:  # (split of an empty tensor gives one empty batch)
+                    yield from h[:n].split(self.batch_size)
                 if n < len(h):
                     carry = h[n:]
         if carry is not None and not self.drop_last:

@@ -1,6 +1,6 @@
 """The ``activations`` table (the activation store): sampled windows' hidden states, one row per (token, layer).
 
-Columns: doc_id, window_index, position, token_id, token, type8, source, surprisal, layer, and ``h``, a
+Columns: doc_id, window_index, position, token_id, token, role, type8, source, surprisal, layer, and ``h``, a
 fixed-size float array of the hidden size (DuckDB reads it as ``FLOAT[d]``). Windows are sampled by a
 hash of (seed, doc_id, window_index), so the sample does not depend on sharding. Read it back with
 :mod:`actlake.storage.activations`.
@@ -14,7 +14,7 @@ import torch
 
 from actlake.analysis.engine.device import to_device, to_host
 from actlake.analysis.protocol import BatchOutputs, HiddenBatch, ShardTable
-from actlake.categories import TYPE8
+from actlake.categories import ROLE, TYPE8
 from actlake.errors import ConfigError
 from actlake.hashing import unit_hash
 
@@ -45,7 +45,7 @@ def bytes_per_token(n_layers_stored: int, d: int, dtype: str) -> int:
     return n_layers_stored * (d * (2 if dtype == "float16" else 4) + META_BYTES)
 
 
-def add_token_columns(cols: dict, w, texts: list, t8s: list, surprisal: list) -> None:
+def add_token_columns(cols: dict, w, texts: list, roles: list, t8s: list, surprisal: list) -> None:
     """Append one window's per-token columns (those of ``cols``' keys that a window gives) to ``cols``."""
     T = len(w.ids)
     cols["doc_id"] += [w.doc_id] * T
@@ -53,19 +53,20 @@ def add_token_columns(cols: dict, w, texts: list, t8s: list, surprisal: list) ->
     cols["position"] += range(T)
     cols["token_id"] += w.ids
     cols["token"] += texts
+    cols["role"] += [ROLE[r] for r in roles]
     cols["type8"] += [TYPE8[t] for t in t8s]
     cols["source"] += [w.source] * T
     cols["surprisal"] += surprisal
 
 
 def activation_table(rows: list, dtype: str = "float32") -> pa.Table:
-    """rows: (window, token texts, type8 ids, surprisal list, {layer: (T, d) tensor}) per sampled window."""
-    cols = {k: [] for k in ("doc_id", "window_index", "position", "token_id", "token", "type8", "source",
+    """rows: (window, token texts, role ids, type8 ids, surprisal list, {layer: (T, d) tensor}) per sampled window."""
+    cols = {k: [] for k in ("doc_id", "window_index", "position", "token_id", "token", "role", "type8", "source",
                             "surprisal", "layer")}
     vecs = []
-    for w, texts, t8s, surprisal, acts in rows:
+    for w, texts, roles, t8s, surprisal, acts in rows:
         for layer, h in sorted(acts.items()):
-            add_token_columns(cols, w, texts, t8s, surprisal)
+            add_token_columns(cols, w, texts, roles, t8s, surprisal)
             cols["layer"] += [layer] * len(w.ids)
             vecs.append(h.float().numpy())
     np_dtype, pa_dtype = (np.float16, pa.float16()) if dtype == "float16" else (np.float32, pa.float32())
@@ -73,7 +74,7 @@ def activation_table(rows: list, dtype: str = "float32") -> pa.Table:
     flat = np.concatenate(vecs).astype(np_dtype).ravel() if vecs else np.zeros(0, np_dtype)
     h = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa_dtype), d) if vecs else pa.array([], pa.list_(pa_dtype, 1))
     schema = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
-                        ("token_id", pa.int32()), ("token", pa.string()), ("type8", pa.string()),
+                        ("token_id", pa.int32()), ("token", pa.string()), ("role", pa.string()), ("type8", pa.string()),
                         ("source", pa.string()), ("surprisal", pa.float32()), ("layer", pa.int16())])
     base = pa.table(cols, schema=schema)
     return base.append_column("h", h)
@@ -112,7 +113,7 @@ class ActivationSample(ShardTable):
         for j, i in enumerate(self.keep or []):
             w, T = out.windows[i], len(out.windows[i].ids)
             s = [None] * T if s_all is None else [None if v != v else v for v in s_all[i, :T].tolist()]
-            self.rows_out.append((w, out.cats.texts(w.ids), out.type8[i, :T].tolist(), s,
+            self.rows_out.append((w, out.cats.texts(w.ids), out.role[i, :T].tolist(), out.type8[i, :T].tolist(), s,
                                   {lay: hs[j][:T] for lay, hs in self.acts.items()}))
 
     @classmethod

@@ -84,12 +84,17 @@ def _parser() -> argparse.ArgumentParser:
                          "saelens: SAELens's activation cache (a datasets folder, one row per full window)")
     ex.add_argument("--layer", type=int, required=True, help="the hidden state (as stored by activations.layers)")
     ex.add_argument("--output", "-o", required=True, help="a new local folder")
-    ex.add_argument("--shard-rows", type=int, help="tokens: rows per shard (default 65536)")
+    ex.add_argument("--shard-rows", type=int, help="tokens: rows per shard (default 65536, or what fits a tenth of "
+                                                   "--memory-mb)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16"], help="tokens: stored precision (default float32)")
     ex.add_argument("--file-format", choices=["safetensors", "npy"], help="tokens: default safetensors")
     ex.add_argument("--seed", type=int, help="tokens: the shuffle's seed (default 0)")
-    ex.add_argument("--memory-mb", type=float, help="tokens: about this much of the data held at once "
-                                                    "(default 512; buckets of at most a tenth of the data)")
+    ex.add_argument("--memory-mb", type=float, help="tokens: the most the export's arrays hold at once (default 512; "
+                                                    "buckets of at most about a tenth of the data)")
+    ex.add_argument("--drop-roles", type=_roles, help="tokens: token roles left out, comma-separated (default bos: "
+                                                      "the leading [CLS]/BOS; none keeps every token)")
+    ex.add_argument("--max-tokens", type=int, help="tokens: keep this many rows of the shuffled order (a uniform "
+                                                   "sample; default every kept token)")
     ex.add_argument("--context-size", type=int, help="saelens: tokens per row (default: the longest stored window); "
                                                      "shorter windows are left out")
     ex.add_argument("--hook-name", help="saelens: the column's name (default blocks.L.hook_resid_pre)")
@@ -292,8 +297,14 @@ def _cmd_train_predictor(args) -> int:
 
 
 EXPORT_ONLY = {"saelens": ("context_size", "hook_name", "workers", "address"),
-               "tokens": ("shard_rows", "dtype", "file_format", "seed", "memory_mb", "workers", "address")}
+               "tokens": ("shard_rows", "dtype", "file_format", "seed", "memory_mb", "drop_roles", "max_tokens",
+                          "workers", "address")}
 """Each ``actlake export`` format's options (argparse leaves the others None); ``--workers`` and ``--address``: both."""
+
+
+def _roles(value: str) -> tuple[str, ...]:
+    """``--drop-roles``: a comma-separated list of token roles, or ``none``."""
+    return () if value.strip() == "none" else tuple(r.strip() for r in value.split(",") if r.strip())
 
 
 def _cmd_export(args) -> int:
@@ -311,8 +322,9 @@ def _cmd_export(args) -> int:
                         f"{m['left_out_shorter']:,} shorter and {m['left_out_longer']:,} longer window(s))"))
         return 0
     m = export_tokens(args.run_dir, args.layer, args.output, **given)
+    dropped = f"; {', '.join(m['drop_roles'])} tokens left out" if m["drop_roles"] else ""
     print(printable(f"export:  {args.output}  ({m['rows']:,} rows of width {m['d_model']} in {len(m['shards'])} "
-                    f"shard(s), {m['dtype']}; mean norm {m['mean_norm']:.4g})"))
+                    f"shard(s), {m['dtype']}; mean norm {m['mean_norm']:.4g}{dropped})"))
     return 0
 
 

@@ -26,19 +26,20 @@ def store(tiny_models, sample_corpus, tmp_path_factory, ray_local):
                      **{"analyses.contributions": False, "analyses.geometry": False,
                         "analyses.attention_by_distance": False, "corpus.max_docs": 12,
                         "activations.layers": [1, -1], "activations.dtype": "float16",
-                        "tokenization.max_length": 200})  # long enough that some documents end inside a window
+                        "tokenization.max_length": 200, "tokenization.prepend_bos": True})
+    # long enough that some documents end inside a window; each window begins with BOS (dropped by default)
     return run_job(cfg).run_dir
 
 
-def _stored(run_dir, layer):
+def _stored(run_dir, layer, where="true"):
     rows = open_run(run_dir).sql(f"SELECT doc_id, window_index, position, token_id, h FROM activations "
-                                 f"WHERE layer = {layer}").fetchall()
+                                 f"WHERE layer = {layer} AND {where}").fetchall()
     return {(d, w, p): (t, np.asarray(h, np.float32)) for d, w, p, t, h in rows}
 
 
 def test_every_token_once_shuffled_by_the_seed_with_its_index_and_mean_norm(store, tmp_path):
-    want = _stored(store, 1)
-    m = export_tokens(store, 1, tmp_path / "a", shard_rows=100, seed=7, memory_mb=0.05)
+    want = _stored(store, 1, "role <> 'bos'")  # the default leaves BOS out
+    m = export_tokens(store, 1, tmp_path / "a", shard_rows=100, seed=7, memory_mb=0.2)
     assert m["rows"] == len(want) > 300 and [s["rows"] for s in m["shards"]][:-1] == [100] * (len(m["shards"]) - 1)
     assert json.loads((tmp_path / "a" / "manifest.json").read_text()) == m
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(["manifest.json"] + [s["file"] for s in m["shards"]])
@@ -55,8 +56,8 @@ def test_every_token_once_shuffled_by_the_seed_with_its_index_and_mean_norm(stor
     assert keys != sorted(keys)  # shuffled: not the store's order
     norms = torch.cat(vectors).double().norm(dim=1)
     assert m["mean_norm"] == pytest.approx(float(norms.mean()), rel=1e-12)
-    again = export_tokens(store, 1, tmp_path / "b", shard_rows=100, seed=7, memory_mb=0.05, workers=2)  # Ray tasks
-    other = export_tokens(store, 1, tmp_path / "c", shard_rows=100, seed=8, memory_mb=0.05)
+    again = export_tokens(store, 1, tmp_path / "b", shard_rows=100, seed=7, memory_mb=0.2, workers=2)  # Ray tasks
+    other = export_tokens(store, 1, tmp_path / "c", shard_rows=100, seed=8, memory_mb=0.2)
     first = lambda folder, mm: read_shard(folder, mm["shards"][0], with_index=True)[1]["doc_id"]  # noqa: E731
     assert not (first(tmp_path / "c", other) == first(tmp_path / "a", m)).all()  # another seed, another order
     for entry in m["shards"]:  # the seed fixes the bytes, whichever processes ran pass 1
@@ -93,7 +94,7 @@ def test_bad_requests_are_one_line_and_nothing_is_overwritten(store, tmp_path, c
     assert main(["export", store, "--format", "saelens", "--layer", "1", "-o", str(tmp_path / "x"), "--seed", "3"]) == 2
     assert "export --format saelens: --seed belong(s) to another --format" in capsys.readouterr().err
     assert (tmp_path / "taken" / "mine.txt").read_text() == "mine" and not (tmp_path / "x").exists()
-    assert not list(tmp_path.glob("*.partial-*"))
+    assert not list(tmp_path.glob("*.partial*"))
     with pytest.raises(ConfigError, match="not a token export"):
         iterate(tmp_path / "taken", 8)
     assert main(["export", store, "--format", "tokens", "--layer", "1", "-o", str(tmp_path / "ok")]) == 0
@@ -143,7 +144,7 @@ def test_the_saelens_cache_passes_saelens_own_check_and_holds_every_full_window(
     shorter = max(n for n in lengths.values() if n < T)  # a smaller context: the longer windows are named
     small = export_saelens(store, 1, tmp_path / "small", context_size=shorter)
     assert small["left_out_longer"] == sum(n > shorter for n in lengths.values()) > 0
-    assert not (tmp_path / "none").exists() and not list(tmp_path.glob("*.partial-*"))
+    assert not (tmp_path / "none").exists() and not list(tmp_path.glob("*.partial*"))
     import datasets
 
     by_tasks = export_saelens(store, 1, tmp_path / "tasks", workers=2)  # Ray tasks, two at a time: the same rows
@@ -184,3 +185,179 @@ def test_saelens_trains_an_sae_from_the_export_alone(store, tmp_path):
                            n_batches_for_norm_estimate=2, dead_feature_window=50, feature_sampling_window=50)
     SAETrainer(cfg, sae, iter(acts.next_batch, None)).fit()
     assert mse() < 0.5 * before, (before, mse())
+
+
+def _rows(folder, m):
+    """The export's rows in order: (keys, activations)."""
+    parts = [read_shard(folder, s, with_index=True) for s in m["shards"]]
+    keys = [tuple(int(k) for k in key) for _, i in parts for key in zip(i["doc_id"], i["window_index"], i["position"])]
+    return keys, torch.cat([h for h, _ in parts])
+
+
+def test_roles_left_out_and_a_token_budget_a_uniform_prefix_of_the_order(store, tmp_path, capsys):
+    every = _stored(store, 1)
+    bos = set(every) - set(_stored(store, 1, "role <> 'bos'"))
+    assert bos and all(p == 0 for _, _, p in bos)  # each window's leading BOS
+    whole = export_tokens(store, 1, tmp_path / "all", shard_rows=100, seed=3, memory_mb=0.2, drop_roles=())
+    keys, h = _rows(tmp_path / "all", whole)
+    assert whole["rows"] == len(every) and set(keys) == set(every) and whole["drop_roles"] == []
+    capped = export_tokens(store, 1, tmp_path / "cap", shard_rows=100, seed=3, memory_mb=0.2, drop_roles=(),
+                           max_tokens=250)
+    got, hc = _rows(tmp_path / "cap", capped)
+    assert capped["rows"] == 250 and got == keys[:250] and torch.equal(hc, h[:250])  # the first 250 of the same order
+    assert capped["mean_norm"] == pytest.approx(float(hc.double().norm(dim=1).mean()), rel=1e-12)
+    eos_too = export_tokens(store, 1, tmp_path / "two", seed=3, memory_mb=0.2, drop_roles=("bos", "eos"))
+    assert eos_too["rows"] == len(_stored(store, 1, "role NOT IN ('bos', 'eos')"))
+    assert main(["export", store, "--format", "tokens", "--layer", "1", "-o", str(tmp_path / "x"),
+                 "--drop-roles", "bos,cls"]) == 2
+    assert "--drop-roles: cls is not a token role" in capsys.readouterr().err
+    assert main(["export", store, "--format", "tokens", "--layer", "1", "-o", str(tmp_path / "cli"),
+                 "--drop-roles", "none", "--max-tokens", "10"]) == 0
+    assert "(10 rows of width 32 in 1 shard(s)" in capsys.readouterr().out
+
+
+class _Stop(Exception):
+    """A stop that is not actlake's own refusal (as a kill or an interrupt): the partial folder stays."""
+
+
+@pytest.mark.parametrize("where", ["pass 1, inside the second store file", "pass 2, a shard after its bucket's record",
+                                   "pass 2, between the record and removing the bucket"])
+def test_a_stopped_export_resumes_to_the_same_bytes(store, tmp_path, monkeypatch, where):
+    """Stopped at three points (as a kill would: no clean-up runs), the same command carries on and writes the
+    bytes of an export that never stopped; another request is refused while the stopped one is there."""
+    from actlake.jobs.export import tokens
+
+    kwargs = dict(shard_rows=64, seed=11, memory_mb=0.2, drop_roles=())  # read batches of 64 rows: a file in several
+    clean = export_tokens(store, 1, tmp_path / "clean", **kwargs)
+    second = str(tokens.Store(store, 1).files[1][0])
+    real_batches, real_write, real_atomic, seen = tokens.batches, tokens._write_shard, tokens.write_atomic, []
+
+    def batches(path, *a):
+        for n, part in enumerate(real_batches(path, *a)):
+            yield part
+            if where.startswith("pass 1") and str(path) == second and n == 1:
+                raise _Stop(where)  # two read batches of the file spread
+
+    def write_shard(*a):
+        if "shard after" in where and (tmp_path / "out.partial" / "pass2.json").exists():
+            seen.append("shard")
+            if len(seen) == 2:  # the second shard after a bucket's record: one written, one stopped
+                raise _Stop(where)
+        return real_write(*a)
+
+    def atomic(path, data):
+        real_atomic(path, data)
+        if path.name == "pass2.json" and "between" in where:
+            raise _Stop(where)
+
+    monkeypatch.setattr(tokens, "batches", batches)
+    monkeypatch.setattr(tokens, "_write_shard", write_shard)
+    monkeypatch.setattr(tokens, "write_atomic", atomic)
+    with pytest.raises(_Stop):
+        export_tokens(store, 1, tmp_path / "out", **kwargs)
+    monkeypatch.undo()
+    partial = tmp_path / "out.partial"
+    assert partial.is_dir() and not (tmp_path / "out").exists()
+    if where.startswith("pass 1"):
+        assert [p.name for p in (partial / "buckets").glob("done-*")] == ["done-00000.json"]
+        assert list((partial / "buckets").glob("h-*-00001.bin"))  # the second file's rows half spread
+    else:
+        assert (partial / "pass2.json").exists()
+    with pytest.raises(ConfigError, match=r"holds a stopped export of another request \(seed 11 there, 12 now\)"):
+        export_tokens(store, 1, tmp_path / "out", **(kwargs | {"seed": 12}))
+    again = export_tokens(store, 1, tmp_path / "out", **kwargs)
+    assert again == clean | {"shards": again["shards"]} and again["shards"] == clean["shards"]
+    assert not partial.exists()
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "clean").iterdir())
+    for name in names:
+        if name != "manifest.json":
+            assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
+
+
+MEASURE = """
+import json, sys, tracemalloc
+from pathlib import Path
+import pyarrow as pa, pyarrow.compute, pyarrow.parquet, safetensors.torch, torch  # imported first: libraries, not data
+from actlake.jobs.export import tokens
+files, rows, d, mb, staging = json.loads(sys.argv[1])
+plan = tokens.Plan.make(rows, d, mb, None)
+next(tokens.batches(files[0], 3, 64))  # the readers' imports and first-use set-up (libraries, not data) before tracing
+pool, got, pass_two = pa.default_memory_pool(), {}, tokens._pass_two
+def traced_pass_two(*a):
+    got["pass1"], got["arrow1"] = tracemalloc.get_traced_memory()[1], pool.max_memory()
+    tracemalloc.reset_peak()
+    return pass_two(*a)
+tokens._pass_two = traced_pass_two
+tracemalloc.start()
+m = tokens.shuffle(files, 3, Path(staging), plan, "float32", "safetensors", 0, rows)
+got.update(pass2=tracemalloc.get_traced_memory()[1], arrow2=pool.max_memory(), rows=m["rows"], buckets=plan.buckets)
+print(json.dumps(got))
+"""
+
+
+def test_the_shuffle_holds_at_most_memory_mb_on_data_ten_times_that(tmp_path):
+    """The arrays the shuffle holds at once (numpy's, traced by tracemalloc) stay within ``--memory-mb`` in both
+    passes on store files holding 10 times that, in a process of its own; Parquet's reader adds its page buffers in
+    pass 1 (Arrow's pool), a few MiB whatever the data's size, and pass 2 reads no Parquet."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from actlake.jobs.export.store import INDEX_DTYPE
+
+    d, per_file, mb = 64, 40_000, 4.0  # 42 MiB of rows
+    files, rng = [], np.random.default_rng(0)
+    for f in range(4):
+        n = 2 * per_file  # two layers, hidden state 3 and another
+        h = rng.standard_normal((n, d), dtype=np.float32)
+        table = pa.table({"doc_id": np.repeat(np.arange(f * per_file, (f + 1) * per_file) // 100, 2),
+                          "window_index": np.zeros(n, np.int32), "position": np.arange(n, dtype=np.int32) % 200,
+                          "token_id": np.arange(n, dtype=np.int32), "role": ["other"] * n,
+                          "layer": np.tile(np.array([3, 5], np.int16), per_file)})
+        table = table.append_column("h", pa.FixedSizeListArray.from_arrays(pa.array(h.ravel()), d))
+        files.append(str(tmp_path / f"part-{f}.parquet"))
+        pq.write_table(table, files[-1], compression="zstd")
+    rows = 4 * per_file
+    data = rows * (4 * d + INDEX_DTYPE.itemsize)
+    assert data > 10 * mb * 2**20
+    (tmp_path / "staging").mkdir()
+    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps([files, rows, d, mb, str(tmp_path / "staging")])],
+                         capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["rows"] == rows and got["buckets"] >= 11, got
+    assert got["pass1"] <= mb * 2**20 and got["pass2"] <= mb * 2**20, (got, data / 2**20)
+    assert got["arrow1"] <= 8 * 2**20 and got["arrow2"] == got["arrow1"], got
+
+
+def test_a_stopped_saelens_export_writes_the_rest(store, tmp_path, monkeypatch):
+    """A stop in the second store file's task keeps the first file's Arrow file; the same command writes the rest and
+    the dataset equals one written without a stop."""
+    import datasets
+
+    from actlake.jobs.export import saelens
+
+    clean = saelens.export_saelens(store, 1, tmp_path / "clean")
+    real, calls, stopped = saelens._write_arrow, [], []
+
+    def write_arrow(staging, i, *a):
+        calls.append(i)
+        if i == 1 and not stopped:
+            stopped.append(i)
+            raise _Stop("second file")
+        return real(staging, i, *a)
+
+    monkeypatch.setattr(saelens, "_write_arrow", write_arrow)
+    with pytest.raises(_Stop):
+        saelens.export_saelens(store, 1, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out.partial").glob("data-*.arrow")) == ["data-00000-of-%05d.arrow"
+                                                                                        % clean["files"]]
+    del calls[:]
+    again = saelens.export_saelens(store, 1, tmp_path / "out")
+    assert calls[0] == 1 and 0 not in calls and again == clean  # the first file's task was not run again
+    a, b = datasets.load_from_disk(str(tmp_path / "clean")), datasets.load_from_disk(str(tmp_path / "out"))
+    for column in a.column_names:
+        np.testing.assert_array_equal(a.with_format("numpy")[column], b.with_format("numpy")[column])
+    assert not list((tmp_path / "out").glob("done-*")) and not (tmp_path / "out.partial").exists()
