@@ -238,8 +238,8 @@ def check_heads(config) -> None:
 
 STREAMS = ("altup_num_inputs", "hc_mult", "hc_count")
 """Config attributes that give each token several residual streams (Gemma 3n's AltUp, hyper-connections)."""
-LOOPS = ("n_recurrent_loops",)
-"""Config attributes that run layers several times per forward pass (Dory's recurrent depth)."""
+LOOPS = ("n_recurrent_loops", "H_cycles", "L_cycles")
+"""Config attributes that run layers several times per forward pass (Dory's recurrent depth, HRM's cycles)."""
 
 
 def check_streams(config) -> None:
@@ -257,6 +257,11 @@ def check_streams(config) -> None:
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             raise ModelLoadError(f"{what} is not supported: {attr} {n} runs the same layers {n} times per forward "
                                  "pass, which the per-layer statistics (one call per attention layer) do not model yet")
+    groups, n_layers = global_attr(config, "num_hidden_groups"), global_attr(config, "num_hidden_layers")
+    if isinstance(groups, int) and isinstance(n_layers, int) and groups < n_layers:
+        raise ModelLoadError(f"{what} is not supported: its num_hidden_layers {n_layers} layers share the weights of "
+                             f"num_hidden_groups {groups} group(s) (one attention module for several layers), which the "
+                             "per-layer statistics (one attention module per layer) do not model yet")
     clip = global_attr(config, "clip_qkv") or getattr(global_attr(config, "attn_config"), "clip_qkv", None)
     if clip:
         raise ModelLoadError(f"{what} with clip_qkv: {clip!r} is not supported: clipped q/k/v (k = clamp(x W_K)) is "

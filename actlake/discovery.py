@@ -19,14 +19,16 @@ from actlake.errors import ModelLoadError
 
 LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "transformer.layer", "language_model.layers",
           "text_model.layers", "blocks")
-ATTENTION = ("self_attn", "attn", "attention.self", "attention", "self_attention", "norm_attn_norm.attn", "mixer")
+ATTENTION = ("self_attn", "attn", "attention.self", "attention", "self_attention", "norm_attn_norm.attn", "mixer",
+             "multi_head_attention", "temporal_block", "shared_transformer.self_attn")
 KEYS = (("k_proj", "separate"), ("key", "separate"), ("k_lin", "separate"), ("qkv_proj", "stacked"),
-        ("Wqkv", "stacked"), ("kv_proj", "kv"))
+        ("Wqkv", "stacked"), ("kv_proj", "kv"), ("Wk", "separate"))
 KEY_NORMS = ("k_norm", "k_layernorm", "key_layernorm", "key_norm")
 """Names of a norm on k after the projection (q/k norm)."""
 LATENT = ("kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm")
 """Multi-head latent attention as DeepSeek V3 names its modules: down-projection, up-projection, latent norm."""
-LOGITS = (("final_logit_softcapping", "softcap"), ("logits_scaling", "divide"), ("logit_scale", "multiply"))
+LOGITS = (("final_logit_softcapping", "softcap"), ("logits_scaling", "divide"), ("logit_scale", "multiply"),
+          ("logits_soft_cap", "softcap"))
 _found: dict = {}
 
 
@@ -63,8 +65,13 @@ def _discover(config) -> Family:
         model = _weightless(config)
     except Exception as e:  # noqa: BLE001 - any model class may refuse a config
         raise refuse(f"its model could not be built to inspect ({type(e).__name__}: {_first_line(e)})") from None
+    _interface_anywhere(model, refuse)
     layers, blocks = _find(model, LAYERS)
     if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
+        stacks = _stacks(model)
+        if len(stacks) > 1:
+            raise refuse(f"its transformer blocks are in {len(stacks)} stacks ({', '.join(stacks[:3])}), which the "
+                         "per-layer statistics (one stack of blocks over the tokens) do not model")
         raise refuse("no list of transformer blocks was found") from None
     text_layers = _text_lm_layers(config)
     if text_layers and text_layers != layers:  # a job with surprisal loads the causal LM: the text model's blocks
@@ -81,8 +88,10 @@ def _discover(config) -> Family:
     if attn is None:
         raise refuse("no attention module was found in its blocks")
     source = inspect.getsource(sys.modules[type(attn).__module__])
-    if "ALL_ATTENTION_FUNCTIONS" not in source:
-        raise refuse(NO_INTERFACE)
+    forward = _source(type(attn).forward)
+    if "ALL_ATTENTION_FUNCTIONS" not in source or (forward and "ALL_ATTENTION_FUNCTIONS" not in forward
+                                                    and "attention_interface" not in forward):
+        raise refuse(NO_INTERFACE)  # its module's other classes may use it (Git's vision tower), not this one
     if "view_as_complex" in source:
         raise refuse("its RoPE is applied through complex numbers, which is not modelled yet")
     calls = _interface_calls(type(attn))
@@ -110,7 +119,8 @@ def _discover(config) -> Family:
     width = _global(config, "hidden_size")
     if isinstance(width, int) and proj.weight.shape[1] != width:
         raise refuse(f"its key projection reads a {proj.weight.shape[1]}-wide input, not the {width}-wide residual "
-                     "stream (a bottleneck), which the contributions (per residual dimension) do not model")
+                     "stream (a bottleneck, or the stream joined with another input), which the contributions (per "
+                     "residual dimension) do not model")
     causal = getattr(attn, "is_causal", None)
     if causal is None:
         causal = _causal_by_head(config)
@@ -137,6 +147,38 @@ def _discover(config) -> Family:
                   key_norm_after_rope=bool(norm and not latent and rope and _norm_after_rope(type(attn), norm)),
                   latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits,
                   attention_class=type(attn).__name__ if len(classes) > 1 else None)
+
+
+def _interface_anywhere(model, refuse) -> None:
+    """Refused when no modeling module of the model's classes uses the transformers attention interface: attention
+    computed by hand (older modeling files: XLM, XLNet, Reformer, Perceiver, SqueezeBERT, CPM-Ant), or no attention
+    at all (no class of the model is an attention module: FNet's Fourier mixing, xLSTM)."""
+    modules = {type(m).__module__ for m in model.modules()}
+    if any("ALL_ATTENTION_FUNCTIONS" in _module_source(name) for name in modules):
+        return
+    if not any("attention" in type(m).__name__.lower() for m in model.modules()):
+        raise refuse("no attention module was found in the model (none of its classes is one: it mixes tokens "
+                     "without attention)")
+    raise refuse(NO_INTERFACE)
+
+
+def _module_source(name: str) -> str:
+    try:
+        return inspect.getsource(sys.modules[name])
+    except (KeyError, OSError, TypeError):
+        return ""
+
+
+def _stacks(model) -> list[str]:
+    """Paths of the lists of blocks that hold an attention module (a module whose class name says attention)."""
+    import torch
+
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) and not any(name.startswith(f + ".") for f in found) and any(
+                "attention" in type(x).__name__.lower() for x in m[0].modules()):
+            found.append(name)
+    return found
 
 
 def _text_lm_layers(config) -> str | None:

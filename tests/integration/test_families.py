@@ -123,6 +123,16 @@ def test_a_key_layernorm_is_exact(zoo):
     ("mobilebert", {}, r"reads a 16-wide input, not the 64-wide residual stream"),
     ("inkling2_text", {}, r"its key projection \(Inkling2KeyValueProjection\) has no single weight matrix"),
     ("gemma4_unified_assistant", {}, r"a drafter \(assistant\) model"),
+    ("albert", {}, r"num_hidden_layers 2 layers share the weights of num_hidden_groups 1 group"),
+    ("hrm_text", {}, r"H_cycles 2 runs the same layers 2 times per forward pass"),
+    ("blt", {}, r"its transformer blocks are in 6 stacks \(local_encoder.layers"),
+    ("zamba2", {}, r"its key projection reads a 128-wide input, not the 64-wide residual stream"),
+    # attention by hand, found from the model's modules (no list of blocks to look in) or its attention's forward
+    ("xlm", {}, "attention computed outside the transformers attention interface"),
+    ("squeezebert", {}, "attention computed outside the transformers attention interface"),
+    ("git", {}, "attention computed outside the transformers attention interface"),  # only its vision tower uses it
+    ("fnet", {}, "no attention module was found in the model"),
+    ("xlstm", {}, "no attention module was found in the model"),
 ])
 def test_a_feature_that_is_not_modelled_is_refused_from_the_config(model_type, overrides, why):
     """Refused before Ray, in one line naming the feature (from the config, and a weightless model for undeclared
@@ -384,6 +394,8 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
                                         "hunyuan_v1_dense", "hunyuan_v1_moe",  # key norm after RoPE, with a gain
                                         "jetmoe",  # keys from a [k | v] projection, tiled per routed query slot
                                         "moshi",  # a wrapped key linear layer; RoPE computed inside the attention
+                                        "ctrl",  # attention at multi_head_attention, keys from Wk
+                                        "recurrent_gemma",  # temporal_block: recurrent or attention; logits_soft_cap
                                         "modernbert-decoder"])  # a prediction head before the output embedding
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     from actlake.architectures import declared
