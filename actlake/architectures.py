@@ -11,7 +11,8 @@ Key path (METHODS.md §3): k_n = R_n(g ⊙ (x_n W_K + b_K) / r_n), r_n = rms(x_n
 norm (per head or over all key heads, as the model's norm module does), r_n = 1 and g = 1 without. A key LayerNorm
 (no bias) subtracts the mean over its width first: y_n = x_n W_K + b_K is replaced by y_n P, P = I - 1 1^T / w over
 each group of w dims it normalises, which is linear, so it is folded into W_K P and b_K P (:func:`centred`), and
-r_n = sqrt(mean((y_n P)^2) + eps) is the centred input's RMS; a LayerNorm with a bias is refused. Multi-head
+r_n = sqrt(mean((y_n P)^2) + eps) is the centred input's RMS; a LayerNorm's bias beta is added after 1 / r_n
+(:func:`key_shift`: part of the bias term, Persimmon). Multi-head
 latent attention (DeepSeek V3): k_n = [(g ⊙ c_n / r_n) W_up | R_n(x_n W_rot + b_rot)] with the latent
 c_n = x_n W_c + b_c, r_n = rms(c_n): the same form, with 1 / r_n on the latent dims only (:func:`latent_key_weights`).
 """
@@ -385,12 +386,26 @@ def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, he
     if norm is not None and family.key_norm_after_rope:
         key_gain(block, family, n_kv_heads, head_dim)  # refuses a centring norm; its gain stays out of W_K
     elif norm is not None:
-        g, width = norm_affine(norm, head_dim)
+        g, width, _ = norm_affine_shift(norm, head_dim)  # its bias: key_shift
         if width:  # a LayerNorm: its mean subtraction over its width is linear, folded into W_K and b_K
             wk, bk = centred(wk, width), (centred(bk[:, None], width)[:, 0] if bk is not None else None)
         g = g.reshape(-1, head_dim).expand(n_kv_heads, head_dim)  # (H_kv, d_h)
         wk, bk = wk * g[:, None], (bk * g if bk is not None else None)
     return wk, bk
+
+
+def key_shift(block, family: Family, n_kv_heads: int, head_dim: int):
+    """(H_kv, d_h) float32 bias beta of a key LayerNorm (k = R_n(g ⊙ (y P) / r_n + beta), METHODS.md §3), added after
+    the norm's 1 / r_n, or None (no key norm, or one without a bias)."""
+    norm = key_norm_module(block, family)
+    if norm is None or family.latent is not None:
+        return None
+    shift = norm_affine_shift(norm, head_dim)[2]
+    if shift is None:
+        return None
+    if family.key_norm_after_rope:
+        raise ModelLoadError(f"{family.name}: a key norm with a bias after RoPE is not modelled")
+    return shift.reshape(-1, head_dim).expand(n_kv_heads, head_dim).contiguous()
 
 
 def key_gain(block, family: Family, n_kv_heads: int, head_dim: int):
@@ -481,11 +496,22 @@ def key_norm_gain(norm, n_kv_heads: int, head_dim: int):
 
 
 def norm_affine(norm, head_dim: int) -> tuple:
-    """(g, width) of a key norm, read from the module itself so the variant needs no declaring: its gain g (w, 1 + w, or
-    none; float32, the shape of its output for one vector) and ``width``, the number of dims whose mean it subtracts
-    (a LayerNorm: k = g ⊙ (y - mean(y)) / r, r = sqrt(var(y) + eps)), or 0 for an RMS-type norm (r = rms(y)).
+    """(g, width) of a key norm (:func:`norm_affine_shift`); a LayerNorm with a bias is refused here (the callers that
+    model its bias, :func:`key_shift`, read it from :func:`norm_affine_shift`)."""
+    g, width, shift = norm_affine_shift(norm, head_dim)
+    if shift is not None:
+        raise ModelLoadError(f"a key norm ({type(norm).__name__}) that subtracts the mean and adds a bias: the bias is a "
+                             "term of k that 1 / r does not scale, which is not modelled here")
+    return g, width
+
+
+def norm_affine_shift(norm, head_dim: int) -> tuple:
+    """(g, width, beta) of a key norm, read from the module itself so the variant needs no declaring: its gain g (w,
+    1 + w, or none; float32, the shape of its output for one vector), ``width``, the number of dims whose mean it
+    subtracts (a LayerNorm: k = g ⊙ (y - mean(y)) / r + beta, r = sqrt(var(y) + eps)), or 0 for an RMS-type norm
+    (r = rms(y)), and a LayerNorm's bias beta (None where it has none, or for an RMS-type norm).
     Probed with a vector of ones and one of alternating ±1 (mean 0, RMS 1): an RMS norm maps both to g (times ±1), a
-    LayerNorm maps ones to its bias. A LayerNorm with a bias (a term 1 / r does not scale) is refused."""
+    LayerNorm maps ones to its bias and the alternating one to g ⊙ ±1 / sqrt(1 + eps) + beta."""
     import torch
 
     width = getattr(norm, "weight", None)
@@ -501,11 +527,12 @@ def norm_affine(norm, head_dim: int) -> tuple:
         a, b = (t[0] if t.shape[0] == 1 else t for t in (a, b))  # (width,); (H_kv, d_h) for a gain per head (Cohere)
     signs = signs[0].float()
     if torch.allclose(a, b * signs, rtol=1e-3, atol=1e-6 * float(a.abs().max().clamp(min=1e-30))):
-        return a, 0  # RMS-type: g from either
-    if width % 2 or float(a.abs().max()) > 1e-6 * float(b.abs().max().clamp(min=1e-30)):
-        raise ModelLoadError(f"a key norm ({type(norm).__name__}) that subtracts the mean and adds a bias: the bias is a "
-                             "term of k that 1 / r does not scale, which the contributions do not model yet")
-    return b * signs, width
+        return a, 0, None  # RMS-type: g from either
+    if width % 2:
+        raise ModelLoadError(f"a key norm ({type(norm).__name__}) over an odd width that is not an RMS norm: not modelled")
+    if float(a.abs().max()) <= 1e-6 * float(b.abs().max().clamp(min=1e-30)):
+        return b * signs, width, None  # a LayerNorm without a bias
+    return (b - a) * signs, width, a / rescale  # with a bias: LN(ones) = beta
 
 
 def norm_eps(norm) -> float:

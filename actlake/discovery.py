@@ -22,7 +22,7 @@ LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "tr
 ATTENTION = ("self_attn", "attn", "attention.self", "attention", "self_attention", "norm_attn_norm.attn", "mixer",
              "multi_head_attention", "temporal_block", "shared_transformer.self_attn")
 KEYS = (("k_proj", "separate"), ("key", "separate"), ("k_lin", "separate"), ("qkv_proj", "stacked"),
-        ("Wqkv", "stacked"), ("kv_proj", "kv"), ("Wk", "separate"))
+        ("Wqkv", "stacked"), ("kv_proj", "kv"), ("Wk", "separate"), ("query_key_value", "per_head"))
 KEY_NORMS = ("k_norm", "k_layernorm", "key_layernorm", "key_norm")
 """Names of a norm on k after the projection (q/k norm)."""
 LATENT = ("kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm")
@@ -137,14 +137,15 @@ def _discover(config) -> Family:
     logits = tuple(f"{_logit_op(head_source, attr, op)}:{attr}" for attr, op in LOGITS
                    if re.search(rf"\.{attr}\b", head_source))  # config.x, self.x, get_text_config().x
     norm = LATENT[2] if latent else next((n for n in KEY_NORMS if hasattr(attn, n)), None)
-    if norm and isinstance(getattr(getattr(attn, norm), "bias", None), torch.Tensor):
-        raise refuse(f"its key norm ({type(getattr(attn, norm)).__name__}) adds a bias, a term of k that the norm's 1 / r "
-                     "does not scale, which the contributions do not model yet")
+    after = bool(norm and not latent and rope and _norm_after_rope(type(attn), norm))
+    if norm and isinstance(getattr(getattr(attn, norm), "bias", None), torch.Tensor) and (latent or after):
+        raise refuse(f"its key norm ({type(getattr(attn, norm)).__name__}) adds a bias "
+                     f"{'to the latent' if latent else 'after RoPE'}, which the contributions do not model yet")
     rope_layers = "no_rope_layers" if _global(config, "no_rope_layers") else _rope_on_local_layers(type(attn))
     return Family(f"discovered:{t}", (t,), layers, attention, f"{attention}.{key[0]}", qkv=key[1], causal=bool(causal),
                   rope=rope, rope_layers=rope_layers,
                   key_norm=f"{attention}.{norm}" if norm else None,
-                  key_norm_after_rope=bool(norm and not latent and rope and _norm_after_rope(type(attn), norm)),
+                  key_norm_after_rope=after,
                   latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits,
                   attention_class=type(attn).__name__ if len(classes) > 1 else None)
 

@@ -68,12 +68,18 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
     with tf32(False):
         per_dim = torch.matmul(m.view(C, d, H, k, dh), w[..., None])[..., 0]  # (C, d, H, k)
     per_dim = per_dim.permute(3, 2, 0, 1).double()  # (k, H, C, d)
-    if lq.b_key is None:
-        return list(zip(per_dim, per_dim.new_zeros(k, H, C)))
-    with tf32(False):  # (C, H * k * d_h): each category's sum, what the bias term needs
-        q_by_cat = torch.mm(keys.member, qs)
-    bk = _kv_expanded(lq, lq.b_key)  # (H, d_h)
-    bias = torch.einsum("chik,hk->ihc", q_by_cat.view(C, H, k, dh).double(), bk.double())
+    bias = per_dim.new_zeros(k, H, C)
+    if lq.b_key is not None:
+        with tf32(False):  # (C, H * k * d_h): each category's sum, what the bias term needs
+            q_by_cat = torch.mm(keys.member, qs)
+        bk = _kv_expanded(lq, lq.b_key)  # (H, d_h)
+        bias = torch.einsum("chik,hk->ihc", q_by_cat.view(C, H, k, dh).double(), bk.double())
+    if lq.key_shift is not None:  # a key LayerNorm's bias: R_n beta, not scaled by 1 / r_n
+        qu = lq.unrotate(torch.stack(qsums, dim=3)).permute(0, 2, 1, 3, 4)[keys.seq, keys.pos].reshape(-1, H * k * dh)
+        with tf32(False):
+            q_by_cat = torch.mm(keys.member, qu)
+        bias = bias + torch.einsum("chik,hk->ihc", q_by_cat.view(C, H, k, dh).double(),
+                                   _kv_expanded(lq, lq.key_shift).double())
     return list(zip(per_dim, bias))
 
 
@@ -90,9 +96,12 @@ def contributions_per_sequence(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
 
 def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
     """(B, H, T): (R_n^T qsum(n)) . b_K, the part of the summed scores no dimension of x owns."""
-    if lq.b_key is None:
-        return qsum.new_zeros(qsum.shape[:3])
-    return torch.einsum("bhtk,hk->bht", lq.scale_keys(lq.unrotate(qsum)), _kv_expanded(lq, lq.b_key))
+    out = qsum.new_zeros(qsum.shape[:3])
+    if lq.b_key is not None:
+        out = torch.einsum("bhtk,hk->bht", lq.scale_keys(lq.unrotate(qsum)), _kv_expanded(lq, lq.b_key))
+    if lq.key_shift is not None:  # a key LayerNorm's bias (not scaled by 1 / r_n)
+        out = out + torch.einsum("bhtk,hk->bht", lq.unrotate(qsum), _kv_expanded(lq, lq.key_shift))
+    return out
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from actlake.architectures import blocks, get_path, key_input_module, key_norm_module, norm_affine, norm_eps
+from actlake.architectures import blocks, get_path, key_input_module, key_norm_module, norm_affine_shift, norm_eps
 
 _ACTIVE: ContextVar["Recorder | None"] = ContextVar("actlake_recorder", default=None)
 PREFIX = "actlake_"
@@ -215,7 +215,7 @@ class LayerInputs(_Hooks):
         B, H, T, _ = key.shape
         kin = kin.detach().float()
         if layer not in self._centred:
-            self._centred[layer] = bool(norm_affine(self._norms[layer], kin.shape[-1])[1])
+            self._centred[layer] = bool(norm_affine_shift(self._norms[layer], kin.shape[-1])[1])
         if self._centred[layer]:  # a LayerNorm: r_n = sqrt(var + eps) (METHODS.md §3 with y - mean(y) for y)
             kin = kin - kin.mean(-1, keepdim=True)
         r2 = kin.pow(2).mean(-1) + self._eps[layer]  # the norm's own reduction: its last axis

@@ -303,6 +303,9 @@ class LayerQK:
     key_gain: torch.Tensor | None = None
     """(H_kv, d_h) float32 gain g of a key norm after RoPE (METHODS.md §3: k' = g ⊙ R_n(x W_K + b_K) / r_n), applied
     to q' before the un-rotation (:meth:`unrotate`); None: any gain is folded into ``w_key``."""
+    key_shift: torch.Tensor | None = None
+    """(H_kv, d_h) float32 bias beta of a key LayerNorm (k = R_n(g ⊙ (y P) / r_n + beta)), added after the norm's
+    1 / r_n: a term of the score no dimension of x owns, part of the bias term (not scaled by ``key_scale``); or None."""
     softcap: float | None = None
     """Attention logit softcapping: weights from cap * tanh(score / cap) (contributions are of the score)."""
     sinks: torch.Tensor | None = None
@@ -436,7 +439,8 @@ class LayerQK:
                        None if self.unrotation is None else (cut(self.unrotation[0]), cut(self.unrotation[1]), *self.unrotation[2:]),
                        self.needs,
                        "explicit" if self.method in ("flash", "padded") else self.method, cut(self.value),
-                       self.max_elements, key_scale=cut(self.key_scale), key_gain=self.key_gain, softcap=self.softcap,
+                       self.max_elements, key_scale=cut(self.key_scale), key_gain=self.key_gain, key_shift=self.key_shift,
+                       softcap=self.softcap,
                        sinks=self.sinks,
                        key_scale_dims=self.key_scale_dims)
 

@@ -13,7 +13,7 @@ from actlake.analysis.engine.capture import LayerInputs, attention_modules
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.engine.layer_replay import LayerReplay
-from actlake.architectures import blocks, key_gain, key_weights, latent_scaled_dims, text_config
+from actlake.architectures import blocks, key_gain, key_shift, key_weights, latent_scaled_dims, text_config
 from actlake.errors import AnalysisError, ModelLoadError
 
 
@@ -34,6 +34,7 @@ class ModelQK:
             raise ModelLoadError(f"{family.name}: no block has an attention module at '{family.attention}'")
         self._weights: dict[int, tuple] = {}
         self._gains: dict[int, torch.Tensor | None] = {}
+        self._shifts: dict[int, torch.Tensor | None] = {}
         self._scaled_dims: dict = {}
 
     def weights(self, layer: int, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple:
@@ -48,6 +49,12 @@ class ModelQK:
         if layer not in self._gains:
             self._gains[layer] = key_gain(self._blocks[layer], self.family, n_kv_heads, head_dim)
         return self._gains[layer]
+
+    def key_shift(self, layer: int, n_kv_heads: int, head_dim: int) -> torch.Tensor | None:
+        """(H_kv, d_h) float32 bias of a key LayerNorm of one layer (added after its 1 / r_n), or None."""
+        if layer not in self._shifts:
+            self._shifts[layer] = key_shift(self._blocks[layer], self.family, n_kv_heads, head_dim)
+        return self._shifts[layer]
 
     def key_scale_dims(self, head_dim: int, device) -> torch.Tensor | None:
         """(d_h,) the dims of k its key norm scales (multi-head latent attention), or None: every dim."""
@@ -127,7 +134,7 @@ class AttentionRecorder:
         window = self._window(dev, sliding_window)
         self._check_mask(layer, self._batch[window], attention_mask, self.mqk.family.causal if is_causal is None else is_causal)
         t = {"query": query.detach(), "key": key.detach(), "value": value.detach() if value is not None else None,
-             "x": None, "w_key": None, "b_key": None, "key_scale": None, "key_gain": None,
+             "x": None, "w_key": None, "b_key": None, "key_scale": None, "key_gain": None, "key_shift": None,
              "sinks": sinks.detach().float() if sinks is not None else None}
         rope = None
         if self.inputs is not None:
@@ -135,6 +142,7 @@ class AttentionRecorder:
             t["w_key"], t["b_key"] = self.mqk.weights(layer, query.shape[1], key.shape[1], key.shape[-1])
             t["key_scale"] = self.inputs.key_scale(layer, key)
             t["key_gain"] = self.mqk.key_gain(layer, key.shape[1], key.shape[-1])
+            t["key_shift"] = self.mqk.key_shift(layer, key.shape[1], key.shape[-1])
             rope = self.inputs.rope.get(layer) if self.mqk.rope_on(layer) else None
         self.seen.add(layer)
         softcap = None if softcap is None else float(softcap)
@@ -208,7 +216,8 @@ class AttentionRecorder:
         lq = LayerQK(layer, q, k, scaling, batch, needs=self.needs | ({"output"} if replace else frozenset()),
                      method=method, value=f32(value) if replace and method == "explicit" else None,
                      native=(query, t["key"], value), triton=self.triton and method in ("flash", "padded"),
-                     key_scale=t.get("key_scale"), key_gain=t.get("key_gain"), softcap=softcap, sinks=t["sinks"],
+                     key_scale=t.get("key_scale"), key_gain=t.get("key_gain"),
+                     key_shift=t.get("key_shift"), softcap=softcap, sinks=t["sinks"],
                      key_scale_dims=self.mqk.key_scale_dims(query.shape[-1], query.device))
         with tf32_when_exact(query):
             if self.inputs is not None:

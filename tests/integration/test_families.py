@@ -395,6 +395,7 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
                                         "jetmoe",  # keys from a [k | v] projection, tiled per routed query slot
                                         "moshi",  # a wrapped key linear layer; RoPE computed inside the attention
                                         "ctrl",  # attention at multi_head_attention, keys from Wk
+                                        "persimmon", "fuyu",  # per-head fused qkv, key LayerNorm with a bias
                                         "recurrent_gemma",  # temporal_block: recurrent or attention; logits_soft_cap
                                         "modernbert-decoder"])  # a prediction head before the output embedding
 def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
@@ -426,6 +427,17 @@ def test_a_discovered_layout_that_is_wrong_is_caught(zoo, monkeypatch):
     monkeypatch.setattr(discovery, "_norm_after_rope", lambda attention_class, norm: False)
     ids, valid, role = batch(512)
     check = engine(folder, ids, valid, role)[5]
+    assert check.failures and all("the key path" in f and "contributions" in f for f in check.failures), check.failures
+
+
+def test_the_self_check_catches_a_key_layernorm_bias_left_out(zoo, monkeypatch):
+    """Persimmon's key LayerNorm adds a bias after its 1 / r_n (randomised in the tiny model): with it left out of the
+    key path, the self-check stops the contributions at the key path."""
+    from actlake.analysis.engine import recorder
+
+    monkeypatch.setattr(recorder, "key_shift", lambda block, family, n_kv_heads, head_dim: None)
+    ids, valid, role = batch(512)
+    check = engine(zoo("persimmon"), ids, valid, role)[5]
     assert check.failures and all("the key path" in f and "contributions" in f for f in check.failures), check.failures
 
 
