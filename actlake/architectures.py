@@ -123,7 +123,7 @@ FAMILIES = (
     Family("llama_layout", ("arcee", "aria_text", "bitnet")),  # found exact by the zoo
     Family("biogpt", ("biogpt",), rope=None),
     Family("granite", ("granite",), logits=("divide:logits_scaling",)),
-    Family("phi", ("phi",), refuse_if=(("qk_layernorm", "q/k LayerNorm (qk_layernorm: true)"),)),
+    Family("phi", ("phi",), key_norm="self_attn.k_layernorm"),  # with qk_layernorm: a LayerNorm with a bias, per head
     Family("stablelm", ("stablelm",), refuse_if=(("qk_layernorm", "per-head q/k LayerNorm (qk_layernorm: true)"),)),
     Family("phi3", ("phi3",), key="self_attn.qkv_proj", qkv="stacked"),
     Family("cohere", ("cohere",), rope="interleaved", logits=("multiply:logit_scale",), key_norm="self_attn.k_norm"),

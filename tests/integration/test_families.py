@@ -99,14 +99,17 @@ def test_a_checkpoint_that_would_leave_block_weights_random_is_refused_at_load(z
 
 
 def test_a_config_feature_that_is_not_modelled_is_refused_by_name():
-    with pytest.raises(ModelLoadError, match=r"'phi' with qk_layernorm: True is not supported: q/k LayerNorm"):
-        check_config(tiny_config("phi", qk_layernorm=True))
+    with pytest.raises(ModelLoadError, match=r"'stablelm' with qk_layernorm: True is not supported: per-head q/k "
+                                             r"LayerNorm"):
+        check_config(tiny_config("stablelm", qk_layernorm=True))
 
 
-def test_a_key_layernorm_is_exact(zoo):
+@pytest.mark.parametrize("model_type, overrides", [("cohere", {"use_qk_norm": True}), ("phi", {"qk_layernorm": True})])
+def test_a_key_layernorm_is_exact(model_type, overrides, zoo):
     """Cohere's q/k LayerNorm (per head, gains per head randomised, no bias): its mean subtraction is folded into
-    W_K, r_n is the centred input's RMS."""
-    err = compare(zoo("cohere", use_qk_norm=True))
+    W_K, r_n is the centred input's RMS. Phi's (one gain for every head, and a bias, randomised, then partial RoPE):
+    the bias joins the bias term."""
+    err = compare(zoo(model_type, **overrides))
     assert err.pop("self_check") == []
     assert max(err.values()) < EXACT, err
 
