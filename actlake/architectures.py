@@ -68,6 +68,10 @@ class Family:
     key_norm: str | None = None
     """Dotted path from a block to an RMS-type norm applied to k before RoPE (q/k norm), or None; with ``latent``,
     the norm of the latent."""
+    key_input: str | None = None
+    """Dotted path from a block to an affine module whose input is x and whose output the key projection reads
+    (MobileBERT's key/query bottleneck: a linear layer, then NoNorm, an elementwise affine map), folded into W_K and
+    b_K (:func:`affine_map`); None: the key projection reads x itself."""
     key_norm_after_rope: bool = False
     """The key norm comes after RoPE (HunYuan): k' = g ⊙ R_n(x W_K + b_K) / r_n. Its gain is then not folded into W_K
     (it does not commute with the rotation) but applied to q' before the un-rotation (:func:`key_gain`): u(m, n) =
@@ -83,7 +87,8 @@ class Family:
     logits: tuple[str, ...] = ()
     """Output-logit transforms, ``op:config_attribute`` in order: ``multiply``, ``divide``, ``softcap``."""
     refuse_if: tuple[tuple[str, str], ...] = ()
-    """(config attribute, reason): a config that sets it truthy uses a feature not modelled here."""
+    """(config attribute, reason): a config that sets it truthy uses a feature not modelled here; ``!attr``: one that
+    sets it false; ``attr=value``: one whose attribute reads ``value``."""
     refuse: str | None = None
     """Why no config of this family can be analysed exactly (then nothing else is read)."""
 
@@ -111,6 +116,12 @@ FAMILIES = (
     Family("bert", ("bert", "roberta", "xlm-roberta", "electra"), "encoder.layer", "attention.self",
            "attention.self.key", causal=False, rope=None),
     Family("distilbert", ("distilbert",), "transformer.layer", "attention", "attention.k_lin", causal=False, rope=None),
+    Family("mobilebert", ("mobilebert",), "encoder.layer", "attention.self", "attention.self.key", causal=False,
+           rope=None, key_input="bottleneck.attention", refuse_if=(
+               ("!use_bottleneck", "keys from the layer input without a bottleneck"),
+               ("use_bottleneck_attention", "keys from the layer-input bottleneck"),
+               ("!key_query_shared_bottleneck", "keys from the layer input beside a bottleneck"),
+               ("normalization_type=layer_norm", "a LayerNorm in the key bottleneck (not affine)"))),
     Family("modernbert", ("modernbert",), attention="attn", key="attn.Wqkv", qkv="stacked", causal=False),
     Family("gpt2", ("gpt2",), "h", "attn", "attn.c_attn", qkv="conv1d", rope=None),
     Family("gpt_bigcode", ("gpt_bigcode",), "h", "attn", "attn.c_attn", qkv="stacked|per_head:multi_query", rope=None),
@@ -183,9 +194,10 @@ def check_config(config) -> Family:
     if fam.refuse:
         raise ModelLoadError(f"{what} is not supported: {fam.refuse}")
     for attr, reason in fam.refuse_if:
-        if getattr(config, attr, False):
-            raise ModelLoadError(f"{what} with {attr}: {getattr(config, attr)!r} is not supported: {reason} is not "
-                                 "modelled yet")
+        name, _, value = attr.lstrip("!").partition("=")
+        have = getattr(config, name, None)
+        if (str(have) == value if value else (have is not None and not have) if attr.startswith("!") else bool(have)):
+            raise ModelLoadError(f"{what} with {name}: {have!r} is not supported: {reason} is not modelled yet")
     return fam
 
 
@@ -360,6 +372,10 @@ def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, he
         w = mod.weight.detach().float()
         b = mod.bias.detach().float() if getattr(mod, "bias", None) is not None else None
     layout, kd = family.qkv_layout(config), n_kv_heads * head_dim
+    if family.key_input is not None:  # k = (x A + c) W + b: W A^T and W c + b (the kernel's rows picked below)
+        pre = get_path(block, family.key_input)
+        a, c = affine_map(pre, getattr(pre, "in_features", None) or _in_width(pre))
+        w, b = w @ a.T.to(w), w @ c.to(w) + (b if b is not None else 0)
     if layout == "conv1d":  # Conv1D (d, 3d): columns [q | k | v]
         w, b = w.T, b
     if layout in ("stacked", "conv1d"):
@@ -419,6 +435,13 @@ def key_gain(block, family: Family, n_kv_heads: int, head_dim: int):
         raise ModelLoadError(f"{family.name}: a key LayerNorm after RoPE (its mean subtraction does not commute with the "
                              "rotation) is not modelled")
     return g.reshape(-1, head_dim).expand(n_kv_heads, head_dim).contiguous()
+
+
+def _in_width(module) -> int:
+    """The input width of a module: its first linear layer's."""
+    import torch
+
+    return next(m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear))
 
 
 def centred(w, width: int):
@@ -575,8 +598,27 @@ def onloaded(module):
 
 
 def key_input_module(block, family: Family):
-    """The module whose input is x (the key projection, or the fused QKV projection)."""
-    return get_path(block, family.key)
+    """The module whose input is x (the key projection, the fused QKV projection, or an affine map before it)."""
+    return get_path(block, family.key_input or family.key)
+
+
+def affine_map(module, width: int) -> tuple:
+    """(A (d, d'), c (d',)) float32 with module(x) = x A + c for every x (d wide), probed in float64 on a copy: its
+    outputs for 0 and the basis vectors; refused where it is not affine (twice a basis vector must give twice A)."""
+    import copy
+
+    import torch
+
+    with onloaded(module), torch.no_grad():
+        probe = copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
+        eye = torch.eye(width, dtype=torch.float64)
+        c = probe(torch.zeros(1, width, dtype=torch.float64))[0]
+        a = probe(eye) - c
+        twice = probe(2 * eye) - c
+    if not torch.allclose(twice, 2 * a, rtol=1e-9, atol=1e-12 * float(a.abs().max().clamp(min=1e-30))):
+        raise ModelLoadError(f"the module before the key projection ({type(module).__name__}) is not affine in x, which "
+                             "the contributions (a sum over x's dimensions) do not model")
+    return a.float(), c.float()
 
 
 def key_norm_module(block, family: Family):

@@ -16,7 +16,7 @@ CAUSAL = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwe
           "gpt_bigcode", "opt", "smollm3", "gpt2", "gpt_neox", "gpt_oss", "deepseek_v3", "cohere2",
           "exaone4", "llama4_text", "llama4", "codegen", "deepseek_v2")
 """Causal LM types that run exactly (tests/integration/test_families.py)."""
-ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert")
+ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert", "mobilebert")
 REFUSED = ("gpt_neo", "falcon", "bloom", "deberta-v2")
 """Types refused before Ray, each with its reason (actlake/architectures.py)."""
 

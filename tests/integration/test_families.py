@@ -123,7 +123,8 @@ def test_a_key_layernorm_is_exact(model_type, overrides, zoo):
     ("olmo", {"clip_qkv": 8.0}, r"clipped q/k/v \(k = clamp\(x W_K\)\)"),
     ("diffllama", {}, r"calls the attention kernel 2 times per layer"),
     ("inkling_text", {}, r"a convolution over positions \(k_sconv\)"),
-    ("mobilebert", {}, r"reads a 16-wide input, not the 64-wide residual stream"),
+    ("mobilebert", {"normalization_type": "layer_norm"},
+     r"a LayerNorm in the key bottleneck \(not affine\)"),  # 'mobilebert' with normalization_type: 'layer_norm'
     ("inkling2_text", {}, r"its key projection \(Inkling2KeyValueProjection\) has no single weight matrix"),
     ("gemma4_unified_assistant", {}, r"a drafter \(assistant\) model"),
     ("albert", {}, r"num_hidden_layers 2 layers share the weights of num_hidden_groups 1 group"),
@@ -472,8 +473,8 @@ def test_a_model_that_cannot_load_is_reported_once_without_rerun_advice(zoo, sam
 
 
 def test_a_discovered_layout_the_engine_cannot_run_ends_the_job_by_name(zoo, tmp_path, monkeypatch):
-    """MobileBERT's keys come from a bottleneck, not from the block's input (discovery refuses it, above; here its
-    guessed layout is forced through): the engine fails on the first batch, which says the type needs a declaration
+    """MobileBERT's keys come from a bottleneck, not from the block's input (declared with it; here a layout guessed
+    without it is forced through): the engine fails on the first batch, which says the type needs a declaration
     instead of a bare tensor-shape error."""
     from actlake import model as model_module
     from actlake.errors import AnalysisError
