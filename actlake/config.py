@@ -197,6 +197,49 @@ class AnalysesConfig(Section):
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 
+EXPORT_OPTIONS = {"saelens": ("context_size", "hook_name", "workers"),
+                  "tokens": ("shard_rows", "dtype", "file_format", "seed", "memory_mb", "drop_roles", "max_tokens",
+                             "workers")}
+"""Each export format's options (``activations.export`` entries and ``actlake export``, which adds ``address``)."""
+
+
+class ExportConfig(Section):
+    format: Literal["tokens", "saelens"]
+    """``tokens``: every kept token once, globally shuffled, in fixed-size shards; ``saelens``: SAELens's activation
+    cache (docs: Activations for SAE training)."""
+    layer: int
+    """The hidden state exported, written as in ``activations.layers`` (which must list it)."""
+    dir: LocalPath
+    """A new folder (``DIR.partial`` while it is written; a stopped export resumes at the next run of the job)."""
+    workers: int = Field(1, ge=1)
+    """Store files read at once as Ray tasks on the job's Ray (1: in the driver's process)."""
+    shard_rows: Optional[int] = Field(None, ge=1)
+    """tokens: rows per shard (null: 65536, or what fits a tenth of ``memory_mb``)."""
+    dtype: Optional[Literal["float32", "bfloat16"]] = None
+    """tokens: stored precision (null: float32)."""
+    file_format: Optional[Literal["safetensors", "npy"]] = None
+    """tokens: null: safetensors."""
+    seed: Optional[int] = None
+    """tokens: the shuffle's seed (null: 0)."""
+    memory_mb: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
+    """tokens: the most the shuffle's arrays hold at once (null: 512)."""
+    drop_roles: Optional[list[Literal["bos", "eos", "period", "comma", "other"]]] = None
+    """tokens: token roles left out (null: [bos], the leading [CLS]/BOS; [] keeps every token)."""
+    max_tokens: Optional[int] = Field(None, ge=1)
+    """tokens: keep this many rows of the shuffled order (null: every kept token)."""
+    context_size: Optional[int] = Field(None, ge=1)
+    """saelens: tokens per row (null: the longest stored window)."""
+    hook_name: Optional[str] = None
+    """saelens: the column's name (null: ``blocks.L.hook_resid_pre``)."""
+
+    def options(self) -> dict:
+        """The keyword arguments of the format's export function that this entry sets."""
+        out = {k: getattr(self, k) for k in EXPORT_OPTIONS[self.format] if getattr(self, k) is not None}
+        if "drop_roles" in out:
+            out["drop_roles"] = tuple(out["drop_roles"])
+        return out
+
+
 class ActivationsConfig(Section):
     layers: list[int] = []
     """Hidden states to store (0 = embeddings, L = last block; negative counts from the end). Empty: no activation store."""
@@ -206,6 +249,8 @@ class ActivationsConfig(Section):
     """Seed of the window sample."""
     dtype: Literal["float32", "float16"] = "float32"
     """Stored precision of the activation vectors."""
+    export: list[ExportConfig] = []
+    """Exports of the store for SAE training, written when the job has finished (as ``actlake export`` writes them)."""
 
 class InterventionConfig(Section):
     name: str
@@ -303,6 +348,7 @@ class JobConfig(ConfigRoot.with_defaults(name="job")):
             d["model"].pop("checkpoints")
         if not d["analyses"]["by_source"]:  # off, the tables hold what they held before it (and a source column,
             d["analyses"].pop("by_source")  # which partials written before it lack: they read as source '*')
+        d["activations"].pop("export")  # what is made of the store afterwards changes no result
         if not d["interventions"]:  # none: the run ids of runs made before the key existed
             d.pop("interventions")
         if not d["tokenization"]["prepend_bos"]:  # off, the windows are those made before the key existed
@@ -365,9 +411,28 @@ def _check_values(cfg: JobConfig, err) -> None:
         if not module or not cls or not all(p.isidentifier() for p in module.split(".") + [cls]):
             err(("analyses", "custom", i, "analysis"), f"expected 'package.module:ClassName', got {c.analysis!r}")
     _check_devices(cfg, err)
+    _check_exports(cfg, err)
     _check_interventions(cfg.interventions, err, cfg.tokenization.max_length)
     if cfg.output.run_id is not None and (not cfg.output.run_id or "/" in cfg.output.run_id or cfg.output.run_id.startswith(".")):
         err(("output", "run_id"), f"not a valid folder name: {cfg.output.run_id!r}")
+
+
+def _check_exports(cfg: JobConfig, err) -> None:
+    """Each ``activations.export`` entry: a stored layer, its format's options only, a folder of its own."""
+    dirs = [e.dir for e in cfg.activations.export]
+    for i, e in enumerate(cfg.activations.export):
+        key = ("activations", "export", i)
+        if e.layer not in cfg.activations.layers:
+            err(key + ("layer",), f"hidden state {e.layer} is not stored: activations.layers is {cfg.activations.layers}")
+        other = [k for k in ("shard_rows", "dtype", "file_format", "seed", "memory_mb", "drop_roles", "max_tokens",
+                             "context_size", "hook_name") if getattr(e, k) is not None and k not in EXPORT_OPTIONS[e.format]]
+        if other:
+            err(key + (other[0],), f"belongs to another format than {e.format}")
+        if dirs.index(e.dir) != i:
+            err(key + ("dir",), f"another export writes {e.dir}")
+    if cfg.activations.export and cfg.model.checkpoints:
+        err(("activations", "export"), "not with model.checkpoints (a run per checkpoint): export each checkpoint's "
+                                       "run with actlake export")
 
 
 def _check_interventions(interventions: list, err, cfg_max_length: int) -> None:

@@ -356,9 +356,11 @@ def reference_markdown(root: type) -> str:
     """A configuration reference table (docs/configuration.md), from the field docstrings."""
 
     def row(key: str, f: FieldInfo) -> str:
-        default = f.get_default(call_default_factory=True)
         tp = _type_name(f.annotation).replace("NoneType", "null").replace(" | ", " or ")
         doc = " ".join((f.description or "").split()).replace("``", "`").replace("|", "\\|")  # one table line
+        if f.is_required():
+            return f"| `{key}` | {tp} | required | {doc} |"
+        default = f.get_default(call_default_factory=True)
         return f"| `{key}` | {tp} | `{json.dumps(default, default=lambda m: m.model_dump())}` | {doc} |"
 
     def rows(prefix: str, cls) -> list[str]:

@@ -296,35 +296,25 @@ def _cmd_train_predictor(args) -> int:
     return 0
 
 
-EXPORT_ONLY = {"saelens": ("context_size", "hook_name", "workers", "address"),
-               "tokens": ("shard_rows", "dtype", "file_format", "seed", "memory_mb", "drop_roles", "max_tokens",
-                          "workers", "address")}
-"""Each ``actlake export`` format's options (argparse leaves the others None); ``--workers`` and ``--address``: both."""
-
-
 def _roles(value: str) -> tuple[str, ...]:
     """``--drop-roles``: a comma-separated list of token roles, or ``none``."""
     return () if value.strip() == "none" else tuple(r.strip() for r in value.split(",") if r.strip())
 
 
 def _cmd_export(args) -> int:
-    from actlake.jobs.export import export_saelens, export_tokens  # per command (start-up)
+    from actlake.config import EXPORT_OPTIONS
+    from actlake.jobs.export import describe, export_saelens, export_tokens  # per command (start-up)
 
-    wrong = [f"--{name.replace('_', '-')}" for fmt, names in EXPORT_ONLY.items() if fmt != args.format
-             for name in names if getattr(args, name) is not None and name not in EXPORT_ONLY[args.format]]
+    # each format's options (argparse leaves the others None); --workers and --address: both
+    only = {fmt: names + ("address",) for fmt, names in EXPORT_OPTIONS.items()}
+
+    wrong = [f"--{name.replace('_', '-')}" for fmt, names in only.items() if fmt != args.format
+             for name in names if getattr(args, name) is not None and name not in only[args.format]]
     if wrong:
         raise ActlakeError(f"export --format {args.format}: {', '.join(wrong)} belong(s) to another --format")
-    given = {name: getattr(args, name) for name in EXPORT_ONLY[args.format] if getattr(args, name) is not None}
-    if args.format == "saelens":
-        m = export_saelens(args.run_dir, args.layer, args.output, **given)
-        print(printable(f"export:  {args.output}  ({m['rows']:,} windows of {m['context_size']} tokens in "
-                        f"{m['files']} file(s), {m['hook_name']}, width {m['d_model']}; left out "
-                        f"{m['left_out_shorter']:,} shorter and {m['left_out_longer']:,} longer window(s))"))
-        return 0
-    m = export_tokens(args.run_dir, args.layer, args.output, **given)
-    dropped = f"; {', '.join(m['drop_roles'])} tokens left out" if m["drop_roles"] else ""
-    print(printable(f"export:  {args.output}  ({m['rows']:,} rows of width {m['d_model']} in {len(m['shards'])} "
-                    f"shard(s), {m['dtype']}; mean norm {m['mean_norm']:.4g}{dropped})"))
+    given = {name: getattr(args, name) for name in only[args.format] if getattr(args, name) is not None}
+    export = export_saelens if args.format == "saelens" else export_tokens
+    print(printable(describe(args.output, args.format, export(args.run_dir, args.layer, args.output, **given))))
     return 0
 
 

@@ -11,4 +11,15 @@ local folder, written into ``DIR.partial`` beside it and renamed to DIR when who
 from actlake.jobs.export.saelens import export_saelens
 from actlake.jobs.export.tokens import export_tokens
 
-__all__ = ["export_saelens", "export_tokens"]
+__all__ = ["describe", "export_saelens", "export_tokens"]
+
+
+def describe(out, format: str, m: dict) -> str:
+    """One line saying what an export wrote (``m``: what its function returned)."""
+    if format == "saelens":
+        return (f"export:  {out}  ({m['rows']:,} windows of {m['context_size']} tokens in {m['files']} file(s), "
+                f"{m['hook_name']}, width {m['d_model']}; left out {m['left_out_shorter']:,} shorter and "
+                f"{m['left_out_longer']:,} longer window(s))")
+    dropped = f"; {', '.join(m['drop_roles'])} tokens left out" if m["drop_roles"] else ""
+    return (f"export:  {out}  ({m['rows']:,} rows of width {m['d_model']} in {len(m['shards'])} shard(s), "
+            f"{m['dtype']}; mean norm {m['mean_norm']:.4g}{dropped})")

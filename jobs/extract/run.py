@@ -16,7 +16,7 @@ from pathlib import Path
 from actlake.config import JobConfig, resolve_model_path
 from actlake.corpus.fingerprint import current_fingerprints, first_change
 from actlake.corpus.readers import HF_STREAM
-from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError
+from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError, printable
 from actlake.fs import ObjectPath, location, read_regular, remove_tree
 from actlake.jobs.common.ray_env import init_ray, release_ray, store_env
 from actlake.jobs.extract.dispatch import Dispatcher
@@ -338,10 +338,34 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
         log.info("run %s: every shard was already complete; summary.json keeps the run that computed them", layout.root)
     if any(cls.name == "attention_mass" for cls in analyses):
         warn_if_no_first_token(layout)
+    run_exports(cfg, layout, address or cfg.resources.address)
     report_path = None
     if cfg.output.report if report is None else report:
         report_path = str(build_report(layout.root, analyses))
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
+
+
+def run_exports(cfg: JobConfig, layout: RunLayout, address: str | None) -> None:
+    """``activations.export``, once every shard is committed: each entry written as ``actlake export`` writes it
+    (a stopped one resumed), unless its folder is there already (kept, and said so)."""
+    from actlake.analysis.activation_sample import resolve_layers
+    from actlake.jobs.export import describe, export_saelens, export_tokens
+
+    for i, e in enumerate(cfg.activations.export):
+        out = Path(e.dir)
+        if os.path.lexists(out):
+            log.info("activations.export[%d]: %s exists; kept (delete it to export again)", i, out)
+            continue
+        n_layers = 0
+        if e.layer < 0:  # counted from the end, as activations.layers counts
+            from transformers import AutoConfig
+
+            n_layers = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), revision=cfg.model.revision,
+                                                  trust_remote_code=cfg.model.trust_remote_code).num_hidden_layers
+        layer = resolve_layers([e.layer], n_layers)[0] if e.layer < 0 else e.layer
+        export = export_saelens if e.format == "saelens" else export_tokens
+        m = export(layout.root, layer, out, address=address, **e.options())
+        print(printable(describe(out, e.format, m)), flush=True)
 
 
 def warn_if_no_first_token(layout: RunLayout) -> None:

@@ -4,6 +4,8 @@ fixed-size shards with their index and the mean norm, out of core; ``actlake.act
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,15 +22,22 @@ from tests.conftest import job_config
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("kept_workers")]
 
 
+STORE = {"analyses.contributions": False, "analyses.geometry": False, "analyses.attention_by_distance": False,
+         "corpus.max_docs": 12, "activations.layers": [1, -1], "activations.dtype": "float16",
+         "tokenization.max_length": 200, "tokenization.prepend_bos": True}
+"""The store's job: long enough windows that some documents end inside one; each window begins with BOS (dropped
+by default)."""
+
+
 @pytest.fixture(scope="module")
-def store(tiny_models, sample_corpus, tmp_path_factory, ray_local):
-    cfg = job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path_factory.mktemp("store"),
-                     **{"analyses.contributions": False, "analyses.geometry": False,
-                        "analyses.attention_by_distance": False, "corpus.max_docs": 12,
-                        "activations.layers": [1, -1], "activations.dtype": "float16",
-                        "tokenization.max_length": 200, "tokenization.prepend_bos": True})
-    # long enough that some documents end inside a window; each window begins with BOS (dropped by default)
-    return run_job(cfg).run_dir
+def store_job(tiny_models, sample_corpus, tmp_path_factory, ray_local):
+    cfg = job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path_factory.mktemp("store"), **STORE)
+    return cfg, run_job(cfg).run_dir
+
+
+@pytest.fixture(scope="module")
+def store(store_job):
+    return store_job[1]
 
 
 def _stored(run_dir, layer, where="true"):
@@ -361,3 +370,51 @@ def test_a_stopped_saelens_export_writes_the_rest(store, tmp_path, monkeypatch):
     for column in a.column_names:
         np.testing.assert_array_equal(a.with_format("numpy")[column], b.with_format("numpy")[column])
     assert not list((tmp_path / "out").glob("done-*")) and not (tmp_path / "out.partial").exists()
+
+
+def test_the_job_writes_its_exports_as_the_command_does_and_keeps_them_on_a_rerun(store_job, tiny_models, sample_corpus,
+                                                                                   tmp_path, capsys):
+    """``activations.export`` in the store's own config (its run id unchanged: the run is complete, so the rerun runs
+    no shard): both formats written after the job, equal to ``actlake export``'s; a second rerun keeps them."""
+    import datasets
+
+    from actlake.jobs.export import export_saelens
+
+    cfg, run_dir = store_job
+    entries = [{"format": "tokens", "layer": -1, "dir": str(tmp_path / "tok"), "seed": 5, "shard_rows": 50,
+                "memory_mb": 0.2, "drop_roles": []},
+               {"format": "saelens", "layer": 1, "dir": str(tmp_path / "sae"), "workers": 2}]
+    with_exports = job_config(tiny_models["gpt_neox"], sample_corpus, Path(cfg.output.dir),
+                              **STORE | {"activations.export": entries})
+    assert with_exports.run_dir == cfg.run_dir
+    res = run_job(with_exports)
+    assert res.shards_run == 0
+    printed = capsys.readouterr().out
+    assert f"export:  {tmp_path / 'tok'}" in printed and f"export:  {tmp_path / 'sae'}" in printed
+    last = max(r[0] for r in open_run(run_dir).sql("SELECT DISTINCT layer FROM activations").fetchall())
+    want = export_tokens(run_dir, last, tmp_path / "tok-cli", seed=5, shard_rows=50, memory_mb=0.2, drop_roles=())
+    got = json.loads((tmp_path / "tok" / "manifest.json").read_text())
+    assert got == want | {"run": got["run"]} and got["layer"] == last
+    for s in want["shards"]:
+        assert (tmp_path / "tok" / s["file"]).read_bytes() == (tmp_path / "tok-cli" / s["file"]).read_bytes()
+    export_saelens(run_dir, 1, tmp_path / "sae-cli")
+    a, b = datasets.load_from_disk(str(tmp_path / "sae")), datasets.load_from_disk(str(tmp_path / "sae-cli"))
+    for column in a.column_names:
+        np.testing.assert_array_equal(a.with_format("numpy")[column], b.with_format("numpy")[column])
+    before = (tmp_path / "tok" / "manifest.json").stat().st_mtime_ns
+    run_job(with_exports)
+    assert (tmp_path / "tok" / "manifest.json").stat().st_mtime_ns == before  # kept, not written again
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"format": "tokens", "layer": 2, "dir": "x"}, "'activations.export.0.layer': hidden state 2 is not stored"),
+    ({"format": "saelens", "layer": 1, "dir": "x", "seed": 3}, "'activations.export.0.seed': belongs to another format than saelens"),
+    ({"format": "tokens", "layer": 1, "dir": "x", "drop_roles": ["cls"]}, "drop_roles"),
+])
+def test_a_bad_export_entry_is_one_line_naming_its_key(tiny_models, sample_corpus, tmp_path, entry, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path, **STORE | {"activations.export": [entry]})
+    with pytest.raises(ConfigError, match=re.escape("'activations.export.1.dir': another export writes")):
+        job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path,
+                   **STORE | {"activations.export": [{"format": "tokens", "layer": 1, "dir": "y"},
+                                                     {"format": "saelens", "layer": 1, "dir": "y"}]})
