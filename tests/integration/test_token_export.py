@@ -418,3 +418,29 @@ def test_a_bad_export_entry_is_one_line_naming_its_key(tiny_models, sample_corpu
         job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path,
                    **STORE | {"activations.export": [{"format": "tokens", "layer": 1, "dir": "y"},
                                                      {"format": "saelens", "layer": 1, "dir": "y"}]})
+
+
+def test_every_exported_row_is_the_model_s_hidden_state_and_its_token(store, tiny_models, tmp_path):
+    """Against float64 transformers (the store is float16: its rounding is the tolerance): every row of the token
+    export at hidden state 1 and the last, and its token id, as the ``tokens`` table has it."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(tiny_models["gpt_neox"], torch_dtype=torch.float64).eval()
+    con = open_run(store)
+    windows: dict = {}
+    for doc, win, tid in con.sql("SELECT doc_id, window_index, token_id FROM tokens "
+                                 "ORDER BY doc_id, window_index, position").fetchall():
+        windows.setdefault((doc, win), []).append(tid)
+    for layer in (1, model.config.num_hidden_layers):
+        m = export_tokens(store, layer, tmp_path / f"l{layer}", drop_roles=(), memory_mb=0.2, shard_rows=100)
+        keys, h = _rows(tmp_path / f"l{layer}", m)
+        ids = np.concatenate([read_shard(tmp_path / f"l{layer}", s, with_index=True)[1]["token_id"] for s in m["shards"]])
+        ref = {}
+        with torch.no_grad():
+            for (doc, win) in {(k[0], k[1]) for k in keys}:
+                ref[doc, win] = model(input_ids=torch.tensor([windows[doc, win]]),
+                                      output_hidden_states=True).hidden_states[layer][0]
+        want = torch.stack([ref[d, w][p] for d, w, p in keys])
+        scale = float(want.abs().max())
+        assert float((h.double() - want).abs().max()) <= 2e-3 * scale
+        assert ids.tolist() == [windows[d, w][p] for d, w, p in keys]
