@@ -13,7 +13,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis.engine.device import to_device, to_host
-from actlake.analysis.protocol import BatchOutputs, HiddenBatch, ShardTable
+from actlake.analysis.protocol import BatchOutputs, HiddenBatch, ShardTable, TableDoc
 from actlake.categories import ROLE, TYPE8
 from actlake.errors import ConfigError
 from actlake.hashing import unit_hash
@@ -87,6 +87,12 @@ class ActivationSample(ShardTable):
     name = "activations"
     sites = frozenset({"hidden_states"})
     tables = ("activations",)
+    table_docs = {"activations": TableDoc(  # its schema is activation_table's: h is as wide as the model
+        "sampled token × stored hidden state (with `activations.layers`)", {
+            "doc_id": "", "window_index": "", "position": "", "token_id": "", "token": "", "role": "",
+            "type8": "as in `tokens`", "source": "", "surprisal": "NULL without an LM head", "layer": "hidden state",
+            "h": "`FLOAT[d]`, the hidden state; `activations.dtype`"},
+        note="`actlake export` turns it into SAE training data ([Activations for SAE training](sae.md))")}
 
     @classmethod
     def options_from(cls, cfg) -> dict:

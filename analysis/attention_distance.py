@@ -14,7 +14,7 @@ import torch
 
 from actlake.analysis.engine import grid
 from actlake.analysis.engine.layer_qk import LayerQK
-from actlake.analysis.protocol import OneTable
+from actlake.analysis.protocol import OneTable, TableDoc
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 
 SHOWN_DISTANCE = 32
@@ -29,9 +29,13 @@ class AttentionByDistance(OneTable, SumStats):
     sites = frozenset({"attention"})
     products = frozenset({"distance"})
     tables = ("attention_by_distance",)
+    table_docs = {"attention_by_distance": TableDoc("layer × head × relative position (reduced)", {
+        "layer": "", "head": "", "distance": "m − n: query minus key position", "attn_sum": "Σ α_mn",
+        "n_pairs": ""})}
     views = {"attention_by_distance_mean": """
         SELECT source, layer, head, distance, n_pairs, attn_sum / nullif(n_pairs, 0) AS mean_attention
         FROM attention_by_distance WHERE n_pairs > 0"""}
+    view_docs = {"attention_by_distance_mean": "`mean_attention` = attn_sum / n_pairs per relative position"}
 
     attn: torch.Tensor
     """(L, H, 2T-1) summed attention weight at m - n = i - (T - 1)."""

@@ -21,7 +21,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis.engine import grid
-from actlake.analysis.protocol import Headline, OneTable
+from actlake.analysis.protocol import Headline, OneTable, TableDoc
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
 
@@ -37,10 +37,23 @@ class AttentionMass(OneTable, SumStats):
     sites = frozenset({"attention"})
     products = frozenset({"mass"})
     tables = ("attention_mass",)
+    table_docs = {"attention_mass": TableDoc(
+        "layer × head × query category × key category (reduced; a hybrid model's attention layers only, as for every "
+        "attention table)", {
+            "layer": "", "head": "", "query_category": "",
+            "key_category": "`role` scheme, and `sink` for the share of a model's learned attention sinks, gpt-oss: "
+                            "rows only for such models, so a query's mass over its key categories sums to 1",
+            "mass": "sum of attention weights over valid pairs", "n_queries": "valid queries of that query category",
+            "nonfinite_tokens": "tokens of that layer left out of every attention table because their q, k or x "
+                                "held inf/NaN"})}
     views = {"attention_mass_by_key": """
         SELECT source, layer, head, key_category, sum(mass) AS mass, sum(n_queries) AS n_queries,
                sum(mass) / sum(n_queries) AS mean_mass
         FROM attention_mass GROUP BY source, layer, head, key_category"""}
+    view_docs = {"attention_mass_by_key": "`attention_mass` summed over query categories: `mass`, `n_queries`, "
+                                          "`mean_mass` = mass / n_queries (the average attention a query gives to "
+                                          "that key category; sums to 1 over key categories). Where does a query's "
+                                          "attention go? (`other` gets most: most tokens are other)"}
     nonfinite_layer = "attention layer"
     headlines = (Headline(
         "attention_mass_by_key", "first_token_mass",

@@ -11,7 +11,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis.engine import grid
-from actlake.analysis.protocol import OneTable
+from actlake.analysis.protocol import OneTable, TableDoc
 from actlake.analysis.stats import SumStats, np64, tensor, zeros
 from actlake.categories import ROLE
 
@@ -23,8 +23,15 @@ class AttentionPeak(OneTable, SumStats):
     default_on = False
     sites = frozenset({"attention"})
     tables = ("attention_peak",)
+    table_docs = {"attention_peak": TableDoc(
+        "layer × query category × head (reduced; `analyses.attention_peak: true`, off by default)", {
+            "layer": "", "query_category": "", "head": "",
+            "peak_sum": "Σ over valid queries of max_n α_mn, the query's largest attention weight", "n_queries": ""})}
     views = {"attention_peak_mean": "SELECT source, layer, query_category, head, "
                                     "peak_sum / nullif(n_queries, 0) AS mean_peak FROM attention_peak"}
+    view_docs = {"attention_peak_mean": "`mean_peak` = peak_sum / n_queries per layer, query category and head: near 1 "
+                                        "for a head whose queries each look at one key, 1/T for one that spreads "
+                                        "evenly"}
     AXES = [("layer", 0), ("query_category", ROLE), ("head", 0)]
 
     peak: torch.Tensor

@@ -25,7 +25,7 @@ from actlake.analysis.dim_moments import top_outlier_dims
 from actlake.analysis.engine import grid
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import LayerQK
-from actlake.analysis.protocol import NoOptions, OneTable
+from actlake.analysis.protocol import NoOptions, OneTable, TableDoc
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
 
@@ -112,12 +112,24 @@ class Contributions(OneTable, SumStats):
     sites = frozenset({"attention", "layer_inputs"})
     products = frozenset({"weighted_qsum"})
     tables = ("contributions",)
+    table_docs = {"contributions": TableDoc(
+        "layer × head × key category × query category × dimension (reduced)", {
+            "layer": "", "head": "", "key_category": "",
+            "query_category": "`all` unless `analyses.contributions: {by_query_category: true}`", "dim": "",
+            "contribution_sum": "Σ C_j over valid pairs, score units before the 1/√d_h scale", "n_pairs": "",
+            "bias_sum": "Σ q′·R_n b_K, the part of the scores no dimension owns",
+            "weighted_sum": "Σ α_mn C_j(m, n), query category `all` only", "weighted_bias_sum": "", "n_queries": ""},
+        intro="per-dimension contributions C_j to attention scores (METHODS.md §3; seed 001 eq. 7)")}
     views = {"contributions_mean": """
         SELECT source, layer, head, query_category, key_category, dim, n_pairs,
                contribution_sum / nullif(n_pairs, 0) AS mean_contribution,
                bias_sum / nullif(n_pairs, 0) AS mean_bias_term,
                CASE WHEN query_category = 'all' THEN weighted_sum / nullif(n_queries, 0) END AS weighted_per_query
         FROM contributions"""}
+    view_docs = {"contributions_mean": "`mean_contribution` = contribution_sum / n_pairs (seed 001 Table 1 is "
+                                       "`SELECT key_category, avg(mean_contribution) FROM contributions_mean WHERE "
+                                       "layer = L AND dim = J AND query_category = 'all' GROUP BY 1`), "
+                                       "`mean_bias_term`, `weighted_per_query`"}
 
     contrib: torch.Tensor
     """(L, H, G, C, d) sum over valid pairs (query in group g, key in category c) of C_j."""

@@ -17,7 +17,7 @@ import torch
 from actlake.analysis.engine import grid
 from actlake.analysis.engine.device import to_device
 from actlake.analysis.engine.moments import GroupSums, Moments
-from actlake.analysis.protocol import Analysis, Headline, OneTable
+from actlake.analysis.protocol import Analysis, Headline, OneTable, TableDoc
 from actlake.analysis.stats import np64, tensor
 from actlake.categories import SCHEMES
 
@@ -43,6 +43,10 @@ class DimMoments(OneTable, Analysis):
     about = 'Per (layer, category, dimension) moments of the residual stream, merged into `dim_moments`; views `outliers`, `massive_activations`.'
     sites = frozenset({"hidden_states"})
     tables = ("dim_moments",)
+    table_docs = {"dim_moments": TableDoc("layer × category × dimension (reduced)", {
+        "layer": "", "scheme": "`all`, `role`, `type8`", "category": "", "dim": "", "count": "tokens", "mean": "",
+        "m2": "sum of squared deviations; variance = m2/count", "max_abs": "",
+        "nonfinite_tokens": "tokens of that layer left out for inf/NaN"})}
     nonfinite_layer = "hidden state"
     headlines = (
         Headline("massive_activations", "massive_activations",
@@ -73,6 +77,14 @@ class DimMoments(OneTable, Analysis):
     (robust z). ``massive_activations``: dimensions ranked by |mean| within each token category of each
     scheme, so a dimension large only on a rare role ([CLS]) ranks first there; ``share`` is its part of the
     category's mean squared norm, E[x_j²] / E[‖x‖²]."""
+    view_docs = {
+        "outliers": "per layer and dimension (scheme `all`): `mean`, `robust_z` = (mean − median) / (1.4826 · MAD) "
+                    "over that layer's dimensions, `rank` by distance from the median",
+        "massive_activations": "per layer, scheme, category and dimension (from `dim_moments`): `count`, `mean`, "
+                               "`max_abs`, `share` = E[x_j²] / E[‖x‖²] of that category's tokens, `rank` by |mean| "
+                               "within the layer, scheme and category — so a dimension large only on [CLS] "
+                               "(`scheme = 'role' AND category = 'bos'`) ranks first there, where `outliers` (all "
+                               "tokens) never shows it"}
 
     moments: Moments
     """Shape (L+1, G, d)."""

@@ -18,7 +18,7 @@ import torch
 from actlake.analysis.engine import grid
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import LayerQK
-from actlake.analysis.protocol import OneTable
+from actlake.analysis.protocol import OneTable, TableDoc
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
 
@@ -31,6 +31,12 @@ class Geometry(OneTable, SumStats):
     sites = frozenset({"attention"})
     products = frozenset({"mass", "mass_keynorm"})
     tables = ("attention_geometry",)
+    table_docs = {"attention_geometry": TableDoc("layer × head × key category (reduced)", {
+        "layer": "", "head": "", "key_category": "", "n_pairs": "", "q_norm_sum": "", "k_norm_sum": "",
+        "cos_sum": "sums over valid pairs of ‖q′_m‖, ‖k′_n‖, cos(q′_m, k′_n); post-RoPE vectors",
+        "mass": "attention received",
+        "mass_keynorm": "attention received when every key is rescaled to the mean key norm of its sequence and head",
+        "n_queries": ""})}
     views = {"attention_geometry_mean": """
         SELECT source, layer, head, key_category, n_pairs,
                q_norm_sum / nullif(n_pairs, 0) AS mean_q_norm, k_norm_sum / nullif(n_pairs, 0) AS mean_k_norm,
@@ -44,6 +50,14 @@ class Geometry(OneTable, SumStats):
                  / (sum(sum(mass)) OVER w / nullif(sum(sum(n_pairs)) OVER w, 0)) AS lift
         FROM attention_geometry GROUP BY source, layer, key_category
         WINDOW w AS (PARTITION BY source, layer)"""}
+    view_docs = {
+        "attention_geometry_mean": "`mean_q_norm`, `mean_k_norm`, `mean_cos` (over valid pairs), `mean_mass`, "
+                                   "`mean_mass_keynorm` (per query)",
+        "attention_per_key": "per layer and key category over the heads: `n_pairs`, `weight_per_key` = mass / n_pairs "
+                             "(the attention one key token of that category gets from a query that sees it), `lift` = "
+                             "that over the layer's weight per key of any category. Which key token draws the most "
+                             "attention? (MiniLM on 8 sample documents: [CLS], lift 17-21 in layers 1-4, weight "
+                             "0.36-0.43 per query)"}
 
     n_pairs: torch.Tensor
     """(L, C) valid pairs with the key in category c."""

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from actlake.analysis.engine.window_summary import KL, MASS, NORM, SURPRISAL, cells
-from actlake.analysis.protocol import Analysis, OneTable
+from actlake.analysis.protocol import Analysis, OneTable, TableDoc
 from actlake.tables import EFFECTS, INTERVENTION
 
 KEYS = ("quantity", "layer", "head", "key_category")
@@ -32,6 +32,15 @@ class InterventionEffects(OneTable, Analysis):
     about = ("Each intervention's paired effect per document on attention mass by key role, residual norm, "
              "surprisal and KL, with 95 % t intervals: `intervention_effects`.")
     tables = (EFFECTS,)
+    table_docs = {EFFECTS: TableDoc(
+        "intervention × quantity × layer × head × key category (reduced; with `interventions:`)", {
+            "intervention": "", "quantity": "`attention_mass`, `residual_norm`, `surprisal`, `kl_divergence`",
+            "layer": "−1: none", "head": "−1: the mean over heads, or none", "key_category": "mass only",
+            "n_docs": "documents with the quantity in both passes", "clean_mean": "",
+            "edited_mean": "means over documents of each document's mean",
+            "diff_mean": "mean of the paired differences edited − clean", "ci_low": "",
+            "ci_high": "95 % Student-t interval of it over documents, METHODS.md §8", "clean_sum": "", "edited_sum": "",
+            "diff_m2": "the mergeable sums"})}
     labels_interventions = True
     """Its rows name the intervention they are about: the engine adds no ``intervention`` column of passes."""
 

@@ -72,6 +72,21 @@ class Headline:
     position: float = 0.0
 
 
+@dataclass(frozen=True)
+class TableDoc:
+    """What one table a producer writes holds: its row of docs/sql-schema.md (``scripts/sync_docs.py`` renders
+    the built-ins'; a test checks the columns against the table's Arrow schema).
+
+    ``rows``: what one row is ("token × layer"); ``columns``: every column of the table, in the order shown, each with its
+    meaning and units ("" where the name says it; a run of such columns shares the next one's meaning); ``intro``
+    is shown before the columns, ``note`` after them. A shard table's ``shard`` column is added by storage."""
+
+    rows: str
+    columns: dict[str, str]
+    intro: str = ""
+    note: str = ""
+
+
 class Producer(ABC):
     """What every producer declares (see the module docstring); the hooks it does not use keep their defaults."""
 
@@ -93,6 +108,8 @@ class Producer(ABC):
     """Subset of :data:`PRODUCTS` (read with ``lq.product(name)``; needs ``attention`` in :attr:`sites`)."""
     tables: ClassVar[tuple[str, ...]] = ()
     """The tables it writes."""
+    table_docs: ClassVar[dict[str, TableDoc]] = {}
+    """What each of its tables holds (:class:`TableDoc`), by table name: a built-in's rows of docs/sql-schema.md."""
     per_token: ClassVar[bool] = False
     """True for a :class:`ShardTable` (rows written per shard, never reduced)."""
     graph_safe: ClassVar[bool] = False
@@ -163,6 +180,9 @@ class Analysis(Producer):
     views: ClassVar[dict[str, str]] = {}
     """SQL views over its reduced tables (name -> SELECT), recorded in the run by the reduce step and
     created by ``actlake sql`` / ``open_run``."""
+    view_docs: ClassVar[dict[str, str]] = {}
+    """What each of its views is, the question it answers, by view name: a built-in's rows of docs/sql-schema.md."""
+
     def layer_scratch(self) -> "Analysis":
         """For :attr:`graph_safe` analyses: a copy whose tensor fields hold one layer, zero (first dimension
         1), which a recorded :meth:`add_layer` writes at layer 0."""

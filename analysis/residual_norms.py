@@ -7,7 +7,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis.engine.device import to_host
-from actlake.analysis.protocol import BatchOutputs, Headline, HiddenBatch, ShardTable
+from actlake.analysis.protocol import BatchOutputs, Headline, HiddenBatch, ShardTable, TableDoc
 
 
 def add_norms(out: torch.Tensor | None, layer: int, h: torch.Tensor, n_hidden: int) -> torch.Tensor:
@@ -30,6 +30,9 @@ class ResidualNorms(ShardTable):
     tables = ("residual_norms",)
     schema = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
                         ("layer", pa.int16()), ("norm", pa.float64())])
+    table_docs = {"residual_norms": TableDoc("token × layer", {
+        "doc_id": "", "window_index": "", "position": "", "layer": "",
+        "norm": "L2 norm of the residual stream, model units"})}
     headlines = (Headline(
         "residual_norms", "residual_norms", "Residual-stream norm by layer (mean)", "mean ||h||",
         "SELECT {series} AS series, layer, avg(norm) AS value FROM residual_norms GROUP BY ALL ORDER BY ALL",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from actlake.analysis.protocol import BatchOutputs, ShardTable
+from actlake.analysis.protocol import BatchOutputs, ShardTable, TableDoc
 from actlake.categories import ROLE, TYPE8
 
 TOKENS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
@@ -26,6 +26,15 @@ class Tokens(ShardTable):
     about = 'The `tokens` table: one row per token (id, text, categories, surprisal).'
     tables = ("tokens",)
     schema = TOKENS_SCHEMA
+    table_docs = {"tokens": TableDoc("token of a window", {
+        "doc_id": "global document number", "window_index": "",
+        "position": "within the window, special tokens included", "token_id": "", "token": "vocabulary piece",
+        "role": "`bos` = [CLS]/BOS, `eos` = [SEP]/EOS, `period`, `comma`, `other`",
+        "type8": "`newline`, `whitespace`, `letters`, `digits`, `punct_symbol`, `open_bracket`, `close_bracket`, "
+                 "`other`",
+        "source": "e.g. `pile_set_name`",
+        "surprisal": "−log p(token | earlier tokens of its window), nats, `analyses.surprisal`; NULL for a window's "
+                     "first token and when off"})}
 
     def collect(self, out: BatchOutputs) -> None:
         doc_id, window, position, lengths = out.token_keys()
