@@ -77,9 +77,9 @@ class TableDoc:
     """What one table a producer writes holds: its row of docs/sql-schema.md (``scripts/sync_docs.py`` renders
     the built-ins'; a test checks the columns against the table's Arrow schema).
 
-    ``rows``: what one row is ("token × layer"); ``columns``: every column of the table, in the order shown, each with its
-    meaning and units ("" where the name says it; a run of such columns shares the next one's meaning); ``intro``
-    is shown before the columns, ``note`` after them. A shard table's ``shard`` column is added by storage."""
+    ``rows``: what one row is ("token × layer"); ``columns``: every column of the table, in the order shown, each
+    with its meaning and units ("" where the name says it; a run of such columns shares the next one's meaning);
+    ``intro`` is shown before the columns, ``note`` after them. A shard table's ``shard`` column is storage's."""
 
     rows: str
     columns: dict[str, str]

@@ -1,6 +1,7 @@
-"""The configuration references of every job (docs/configuration.md) (top layer: it reads the training jobs' configs).
+"""The configuration references of every job (docs/configuration.md) and the tables and views of an extraction run
+(docs/sql-schema.md) (top layer: it reads the training jobs' configs).
 
-``scripts/sync_docs.py`` writes them into docs/configuration.md; ``tests/unit/test_docs.py`` checks they are current."""
+``scripts/sync_docs.py`` writes them into those pages; ``tests/unit/test_docs.py`` checks they are current."""
 
 import json
 
@@ -30,3 +31,29 @@ def reference_blocks() -> dict[str, str]:
             "config-reference-lm": reference_markdown(LMConfig),
             "config-reference-predictor": reference_markdown(PredictorJobConfig),
             "config-reference-synthetic": reference_markdown(SyntheticConfig)}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def table_row(table: str, doc, shard: bool) -> str:
+    """One row of docs/sql-schema.md's table of tables from a :class:`~actlake.analysis.protocol.TableDoc`;
+    ``shard``: a shard table, whose folder's ``shard=NNNNN`` DuckDB shows as a last column."""
+    columns = ", ".join([f"`{c}`" + (f" ({meaning})" if meaning else "") for c, meaning in doc.columns.items()]
+                        + ["`shard`"] * shard)
+    text = (f"{doc.intro}: " if doc.intro else "") + columns + (f". {doc.note}" if doc.note else "")
+    return f"| `{table}` | {_cell(doc.rows)} | {_cell(text)} |"
+
+
+def sql_schema_blocks() -> dict[str, str]:
+    """Marker in docs/sql-schema.md -> its rows from the built-in producers' declarations (``table_docs``,
+    ``view_docs``): the shard tables, then the analyses' tables, then their views, each in the registry's order."""
+    from actlake.analysis.registry import builtin_producers
+
+    producers = sorted(builtin_producers(), key=lambda cls: not cls.per_token)  # stable: the registry's order within
+    tables = ["| table | one row per | columns (units) |", "|---|---|---|"]
+    tables += [table_row(t, cls.table_docs[t], cls.per_token) for cls in producers for t in cls.tables]
+    views = ["| view | what it is (the question it answers) |", "|---|---|"]
+    views += [f"| `{v}` | {_cell(cls.view_docs[v])} |" for cls in producers for v in getattr(cls, "views", {})]
+    return {"sql-tables": "\n".join(tables), "sql-views": "\n".join(views)}

@@ -1,6 +1,6 @@
 """The README is a door and the docs the house: the README stays short, the site builds strictly (so a
-broken link fails), every command block is run by a test or says why not, and the config reference is
-generated from the code."""
+broken link fails), every command block is run by a test or says why not, and the config reference and the SQL
+schema's tables and views are generated from the code."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from actlake.jobs.reference import reference_blocks
+import torch
+
+from actlake.analysis.protocol import Analysis, ModelSpec
+from actlake.analysis.registry import builtin_producers
+from actlake.jobs.reference import reference_blocks, sql_schema_blocks
 from tests.documented import ROOT, blocks
 
 CONFIG_PAGE = ROOT / "docs" / "configuration.md"
+SQL_PAGE = ROOT / "docs" / "sql-schema.md"
 
 
 def test_the_readme_is_a_door():
@@ -68,6 +73,40 @@ def test_config_references_are_current():
         assert f"<!-- {marker}:start -->" in text, f"{CONFIG_PAGE} lacks the {marker} block"
         block = text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0].strip()
         assert block == markdown.strip(), f"{CONFIG_PAGE.name}: {marker} is stale: run python scripts/sync_docs.py"
+
+
+def test_the_sql_schema_tables_and_views_are_current():
+    text = SQL_PAGE.read_text()
+    for marker, markdown in sql_schema_blocks().items():
+        assert f"<!-- {marker}:start -->" in text, f"{SQL_PAGE} lacks the {marker} block"
+        block = text.split(f"<!-- {marker}:start -->")[1].split(f"<!-- {marker}:end -->")[0].strip()
+        assert block == markdown.strip(), f"{SQL_PAGE.name}: {marker} is stale: run python scripts/sync_docs.py"
+
+
+def _arrow_schema(cls, table: str):
+    """The Arrow schema of a built-in producer's table: the one it declares, else the table it writes from nothing
+    (an analysis's zero statistics of a tiny model, a shard table of no batches)."""
+    if getattr(cls, "schema", None) is not None:
+        return cls.schema
+    if issubclass(cls, Analysis):
+        spec = ModelSpec(n_layers=2, n_heads=2, n_kv_heads=2, d_model=4, max_length=3, device=torch.device("cpu"))
+        return cls.create(spec).to_tables()[table].schema
+    return cls.to_table([]).schema
+
+
+def test_every_builtin_table_and_view_is_documented_with_the_columns_it_has():
+    """The page cannot drift from the code: each built-in producer documents exactly its tables and views, and a
+    table's documented columns are the columns of its Arrow schema (``shard`` is the folder's; ``source`` and
+    ``intervention`` the engine's, documented by hand)."""
+    for cls in builtin_producers():
+        assert set(cls.table_docs) == set(cls.tables), f"{cls.name}: table_docs must document its tables {cls.tables}"
+        views = getattr(cls, "views", {})
+        assert set(getattr(cls, "view_docs", {})) == set(views), f"{cls.name}: view_docs must document {set(views)}"
+        for table in cls.tables:
+            have, documented = set(_arrow_schema(cls, table).names), set(cls.table_docs[table].columns)
+            assert documented == have, (f"{cls.name}: table {table!r}: documented but not in its schema: "
+                                        f"{sorted(documented - have)}; in its schema, not documented: "
+                                        f"{sorted(have - documented)}")
 
 
 def test_methods_is_in_the_repository_and_cited_there():
