@@ -95,14 +95,16 @@ def _arrow_schema(cls, table: str):
 
 
 def test_every_builtin_table_and_view_is_documented_with_the_columns_it_has():
-    """The page cannot drift from the code: each built-in producer documents exactly its tables and views, and a
+    """The page cannot drift from the code: each built-in producer documents exactly its tables and views, a
     table's documented columns are the columns of its Arrow schema (``shard`` is the folder's; ``source`` and
-    ``intervention`` the engine's, documented by hand)."""
+    ``intervention`` the engine's, documented by hand), and an analysis's table says it is reduced."""
     for cls in builtin_producers():
         assert set(cls.table_docs) == set(cls.tables), f"{cls.name}: table_docs must document its tables {cls.tables}"
         views = getattr(cls, "views", {})
         assert set(getattr(cls, "view_docs", {})) == set(views), f"{cls.name}: view_docs must document {set(views)}"
         for table in cls.tables:
+            reduced = "(reduced" in cls.table_docs[table].rows  # the page's prose names the reduced tables so
+            assert reduced == issubclass(cls, Analysis), f"{cls.name}: say '(reduced' in {table}'s rows iff it is"
             have, documented = set(_arrow_schema(cls, table).names), set(cls.table_docs[table].columns)
             assert documented == have, (f"{cls.name}: table {table!r}: documented but not in its schema: "
                                         f"{sorted(documented - have)}; in its schema, not documented: "
