@@ -5,27 +5,28 @@
         ...
 
 The rows are already in a global random order (the export's seed), so reading the shards in turn gives shuffled
-batches; a ``torch.utils.data.DataLoader`` with workers splits the shards between them.
+batches; a ``torch.utils.data.DataLoader`` with workers splits the shards between them. The folder may be an
+object-store URL (``s3://bucket/exports/resid-1``): the shards are read from there, one at a time.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from actlake.errors import ConfigError
-from actlake.fs import kind_of, not_regular, read_regular
+from actlake.fs import ObjectPath, kind_of, location, not_regular, read_regular
 
 INDEX = ("doc_id", "window_index", "position", "token_id")
 
 
 def manifest(folder) -> dict:
     """The export's ``manifest.json``, checked: a folder that is not a token export is one line naming it."""
-    path = Path(folder) / "manifest.json"
+    path = location(folder) / "manifest.json"
     try:
         m = json.loads(read_regular(path, error=ConfigError))
     except FileNotFoundError:
@@ -44,18 +45,20 @@ def read_shard(folder, entry: dict, with_index: bool = False):
     name = str(entry.get("file", ""))
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise ConfigError(f"{folder}/manifest.json: shard {name!r} is not a file name of the export's folder")
-    path = Path(folder) / name
-    kind = kind_of(os.stat(path).st_mode)
-    if kind:
-        raise ConfigError(not_regular(path, kind))
+    path = location(folder) / name
+    local = not isinstance(path, ObjectPath)
+    if local and kind_of(os.stat(path).st_mode):
+        raise ConfigError(not_regular(path, kind_of(os.stat(path).st_mode)))
+    source = (lambda p: p) if local else (lambda p: io.BytesIO(p.read_bytes()))  # an object: its bytes, read once
     if path.suffix == ".npy":
-        h = torch.from_numpy(np.load(path))
-        index = np.load(path.with_name(path.stem + "-index.npy")) if with_index else None
-        index = {k: index[k] for k in INDEX} if with_index else None
+        h = torch.from_numpy(np.load(source(path)))
+        if with_index:
+            index = np.load(source(path.with_name(path.name[:-4] + "-index.npy")))
+            index = {k: index[k] for k in INDEX}
     else:
-        from safetensors.torch import load_file
+        from safetensors.torch import load, load_file
 
-        tensors = load_file(str(path))
+        tensors = load_file(str(path)) if local else load(path.read_bytes())
         h = tensors["activations"].float()
         index = {k: tensors[k].numpy() for k in INDEX} if with_index else None
     if h.shape[0] != entry["rows"]:
@@ -72,7 +75,7 @@ class TokenBatches(torch.utils.data.IterableDataset):
         if batch_size < 1:
             raise ConfigError(f"batch_size: must be at least 1, got {batch_size}")
         super().__init__()
-        self.folder, self.batch_size, self.drop_last, self.epochs = Path(folder), batch_size, drop_last, epochs
+        self.folder, self.batch_size, self.drop_last, self.epochs = location(folder), batch_size, drop_last, epochs
         self.manifest = manifest(folder)
 
     def __iter__(self):

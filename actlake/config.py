@@ -197,9 +197,9 @@ class AnalysesConfig(Section):
     surprisal: Optional[bool] = None
     """Per-token surprisal -log p(token | earlier tokens of its window), nats, in ``tokens``. null: on for causal LMs (GPT-2, GPT-NeoX, Llama), off for BERT."""
 
-EXPORT_OPTIONS = {"saelens": ("context_size", "hook_name", "workers"),
+EXPORT_OPTIONS = {"saelens": ("context_size", "hook_name", "workers", "scratch"),
                   "tokens": ("shard_rows", "dtype", "file_format", "seed", "memory_mb", "drop_roles", "max_tokens",
-                             "workers")}
+                             "workers", "scratch")}
 """Each export format's options (``activations.export`` entries and ``actlake export``, which adds ``address``)."""
 
 
@@ -209,8 +209,11 @@ class ExportConfig(Section):
     cache (docs: Activations for SAE training)."""
     layer: int
     """The hidden state exported, written as in ``activations.layers`` (which must list it)."""
-    dir: LocalPath
-    """A new folder (``DIR.partial`` while it is written; a stopped export resumes at the next run of the job)."""
+    dir: Location
+    """A new folder or object-store prefix (written in ``DIR.partial``, or ``scratch`` for a prefix; a stopped
+    export resumes at the next run of the job)."""
+    scratch: Optional[LocalPath] = None
+    """With an object-store ``dir``: the local folder the export is made in (null: the system's temporary folder)."""
     workers: int = Field(1, ge=1)
     """Store files read at once as Ray tasks on the job's Ray (1: in the driver's process)."""
     shard_rows: Optional[int] = Field(None, ge=1)

@@ -83,7 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="tokens: every token of the stored windows once, globally shuffled, in fixed-size shards; "
                          "saelens: SAELens's activation cache (a datasets folder, one row per full window)")
     ex.add_argument("--layer", type=int, required=True, help="the hidden state (as stored by activations.layers)")
-    ex.add_argument("--output", "-o", required=True, help="a new local folder")
+    ex.add_argument("--output", "-o", required=True, help="a new folder, or a new object-store prefix (s3://...)")
+    ex.add_argument("--scratch", help="with an object-store -o: the local folder the export is made in (default the "
+                                      "system's temporary folder; with --workers on a cluster, one every node writes to)")
     ex.add_argument("--shard-rows", type=int, help="tokens: rows per shard (default 65536, or what fits a tenth of "
                                                    "--memory-mb)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16"], help="tokens: stored precision (default float32)")

@@ -4,8 +4,9 @@ SAELens's activation cache (:func:`export_saelens`, ``saelens.py``); ``store.py`
 
 The store must be complete (every planned shard committed: :func:`~actlake.storage.activations.verify_store`) and
 finite; it is read a store file at a time, a record batch at a time (local or object storage). The output is a new
-local folder, written into ``DIR.partial`` beside it and renamed to DIR when whole; an existing DIR is refused
-(nothing is overwritten). A stopped export leaves ``DIR.partial``: the same command resumes it.
+folder, written into ``DIR.partial`` beside it and renamed to DIR when whole, or a new object-store prefix (made in a
+scratch folder and uploaded, the manifest last); an existing one is refused (nothing is overwritten). A stopped
+export leaves its partial folder: the same command resumes it.
 """
 
 from actlake.jobs.export.saelens import export_saelens

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from actlake.errors import ActlakeError, ConfigError
-from actlake.jobs.export.store import Staging, Store, batches, check_output, run_tasks, write_atomic
+from actlake.jobs.export.store import Staging, Store, batches, check_output, output, run_tasks, write_atomic
 
 log = logging.getLogger("actlake.export")
 
@@ -23,7 +23,7 @@ VERSION = 1
 
 
 def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None, hook_name: str | None = None,
-                   workers: int = 1, address: str | None = None) -> dict:
+                   workers: int = 1, address: str | None = None, scratch=None) -> dict:
     """A Hugging Face ``datasets`` folder (``save_to_disk``'s layout) with one row per window of exactly
     ``context_size`` tokens (default: the store's longest), a column named by TransformerLens's hook (default
     ``blocks.L.hook_resid_pre``: hidden state L is the residual stream entering block L) of
@@ -35,8 +35,9 @@ def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None
     Each store file becomes one Arrow file of the dataset, written by its own task: in this process (``workers``
     1), or as Ray tasks, ``workers`` at a time, on an embedded Ray or the cluster at ``address`` (the folder must
     then be one every node writes to); ``state.json`` lists the files. A stopped export resumes when run again
-    with the same request (the files written are kept). Returns what was written."""
-    out = Path(out_dir)
+    with the same request (the files written are kept). ``out_dir`` may be an object-store URL: the dataset is made in
+    ``scratch`` and uploaded file by file, ``state.json`` last. Returns what was written."""
+    out = output(out_dir)
     check_output(out, workers)
     if context_size is not None and context_size < 1:
         raise ConfigError(f"--context-size: must be at least 1, got {context_size}")
@@ -50,7 +51,7 @@ def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None
     hook = hook_name or f"blocks.{store.layer}.hook_resid_pre"
     request = {"kind": "saelens", "version": VERSION, "store": store.fingerprint, "layer": store.layer,
                "context_size": T, "hook_name": hook}
-    with Staging(out, request) as staging:
+    with Staging(out, request, scratch) as staging:
         n = len(store.files)
         jobs = [(str(p), i, n, store.layer, T, hook, store.d, str(staging)) for i, (p, _) in enumerate(store.files)]
         written = [w for w in run_tasks(_saelens_file, jobs, workers, address) if w is not None]

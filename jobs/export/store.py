@@ -3,16 +3,19 @@ output folder (``DIR.partial`` while the export runs, resumed by the same reques
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from actlake.categories import ROLE
 from actlake.errors import ActlakeError, ConfigError, printable
+from actlake.fs import ObjectPath
 
 log = logging.getLogger("actlake.export")
 
@@ -130,16 +133,27 @@ def run_tasks(fn, jobs: list[tuple], workers: int, address: str | None) -> list:
             ray.shutdown()
 
 
-def check_output(out: Path, workers: int) -> None:
-    """The output folder and ``--workers``: one line naming the bad one."""
-    if "://" in str(out):
-        raise ConfigError(f"-o: {out}: the export is written to a local folder (copy it to object storage after)")
-    if os.path.lexists(out):
-        raise ConfigError(f"-o: {out} exists; the export writes a new folder and overwrites nothing")
-    if not out.parent.is_dir():
-        raise ConfigError(f"-o: {out.parent} is not a folder")
+def check_output(out, workers: int) -> None:
+    """The output (a local folder or an object-store prefix) and ``--workers``: one line naming the bad one."""
+    if isinstance(out, ObjectPath):
+        for name in ("manifest.json", "state.json"):
+            if (out / name).exists():
+                raise ConfigError(f"-o: {out} holds an export ({name}); the export writes a new prefix and overwrites "
+                                  "nothing")
+    else:
+        if os.path.lexists(out):
+            raise ConfigError(f"-o: {out} exists; the export writes a new folder and overwrites nothing")
+        if not out.parent.is_dir():
+            raise ConfigError(f"-o: {out.parent} is not a folder")
     if workers < 1:
         raise ConfigError(f"--workers: must be at least 1, got {workers}")
+
+
+def output(value):
+    """``-o`` as a local Path or an ObjectPath (an object-store URL)."""
+    from actlake.fs import location
+
+    return location(str(value))
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -150,14 +164,26 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 class Staging:
-    """``DIR.partial`` beside DIR (the same file system: the last rename never copies), holding ``request.json``;
-    renamed to DIR when the block ends without an error. An export that stops (killed, interrupted, a failed task)
-    leaves it: the same request resumes it (each part of the work says itself what it finished), another request is
-    refused naming what differs. A deterministic refusal (an :class:`ActlakeError`: a NaN in the store, rows that
-    do not add up) removes it. One export at a time holds it (``flock``)."""
+    """Where an export is written: ``DIR.partial`` beside a local DIR (the same file system: the last rename never
+    copies), or, for an object-store prefix, a folder in ``scratch`` named by it (default the system's temporary
+    folder; with ``--workers`` on a cluster, one every node writes to) whose finished files :meth:`put` uploads as
+    they come, the last ones (``manifest.json`` / ``state.json``: what readers read first) uploaded at the end.
+    It holds ``request.json``. An export that stops (killed, interrupted, a failed task) leaves it: the same request
+    resumes it (each part of the work says itself what it finished), another request is refused naming what
+    differs. A deterministic refusal (an :class:`ActlakeError`: a NaN in the store, rows that do not add up) removes
+    it. One export at a time holds it (``flock``)."""
 
-    def __init__(self, out: Path, request: dict):
-        self.out, self.path, self.request = out, out.parent / f"{out.name}.partial", request
+    LAST = ("dataset_info.json", "manifest.json", "state.json")
+    """Uploaded last, in this order: a reader sees an export once these are there."""
+
+    def __init__(self, out, request: dict, scratch=None):
+        self.out, self.request, self.remote = out, request, isinstance(out, ObjectPath)
+        if self.remote:
+            folder = Path(scratch or tempfile.gettempdir()) / "actlake-exports"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.path = folder / f"{hashlib.sha256(str(out).encode()).hexdigest()[:16]}.partial"
+        else:
+            self.path = out.parent / f"{out.name}.partial"
         self.resumed, self.fd = False, None
 
     def __enter__(self) -> Path:
@@ -167,9 +193,13 @@ class Staging:
             self._check_request()
             self.resumed = True
         else:
+            if self.remote and self.out.files():
+                raise ConfigError(f"-o: {self.out} holds objects that no stopped export of this request wrote; give "
+                                  "an empty prefix")
             fresh = self.path.with_name(f".{self.path.name}.new-{os.getpid()}")
             fresh.mkdir()
-            (fresh / "request.json").write_text(json.dumps(self.request, indent=1, sort_keys=True))
+            (fresh / "request.json").write_text(json.dumps(self.request | {"out": str(self.out)}, indent=1,
+                                                           sort_keys=True))
             try:
                 os.rename(fresh, self.path)
             except OSError:  # made meanwhile by another export
@@ -185,6 +215,13 @@ class Staging:
             log.info("resuming the stopped export in %s", printable(str(self.path)))
         return self.path
 
+    def put(self, *names: str) -> None:
+        """Files of the staging folder that are finished: uploaded (and removed here) for an object store."""
+        if self.remote:
+            for name in names:
+                upload(self.path / name, self.out / name)
+                (self.path / name).unlink()
+
     def _check_request(self) -> None:
         try:
             got = json.loads((self.path / "request.json").read_text())
@@ -192,9 +229,10 @@ class Staging:
             got = None
         if not isinstance(got, dict):
             raise ConfigError(f"-o: {self.path} is not a stopped export's folder (no readable request.json); move it away")
-        differ = sorted(k for k in set(got) | set(self.request) if got.get(k) != self.request.get(k))
+        want = self.request | {"out": str(self.out)}
+        differ = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
         if differ:
-            shown = ", ".join(f"{k} {got.get(k)!r} there, {self.request.get(k)!r} now" for k in differ)
+            shown = ", ".join(f"{k} {got.get(k)!r} there, {want.get(k)!r} now" for k in differ)
             raise ConfigError(f"-o: {self.path} holds a stopped export of another request ({shown}): repeat that "
                               "request to resume it, or delete the folder to start again")
 
@@ -208,6 +246,17 @@ class Staging:
                 log.warning("the export stopped; %s is kept: the same command resumes it", printable(str(self.path)))
             return
         (self.path / "request.json").unlink()
+        if self.remote:
+            rest = sorted(p.name for p in self.path.iterdir() if p.is_file() and p.name not in self.LAST)
+            self.put(*rest, *[n for n in self.LAST if (self.path / n).exists()])
+            shutil.rmtree(self.path)
+            return
         if os.path.lexists(self.out):  # made meanwhile: a rename would take over an empty folder
             raise ConfigError(f"-o: {self.out} appeared while the export ran; the export is left in {self.path}")
         os.rename(self.path, self.out)
+
+
+def upload(local: Path, target) -> None:
+    """``local`` to the object ``target`` (an object appears whole when its upload closes)."""
+    with open(local, "rb") as src, target.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 8 << 20)

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from actlake.errors import ActlakeError, ConfigError
-from actlake.jobs.export.store import INDEX, INDEX_DTYPE, Staging, Store, batches, check_output, run_tasks, write_atomic
+from actlake.jobs.export.store import (INDEX, INDEX_DTYPE, Staging, Store, batches, check_output, output, run_tasks,
+                                       write_atomic)
 
 log = logging.getLogger("actlake.export")
 
@@ -79,12 +80,14 @@ class Plan:
 
 def export_tokens(run_dir, layer: int, out_dir, shard_rows: int | None = None, dtype: str = "float32",
                   file_format: str = "safetensors", seed: int = 0, memory_mb: float = 512, workers: int = 1,
-                  address: str | None = None, drop_roles=("bos",), max_tokens: int | None = None) -> dict:
+                  address: str | None = None, drop_roles=("bos",), max_tokens: int | None = None, scratch=None) -> dict:
     """Write the token export; returns its manifest. Tokens of ``drop_roles`` are left out (default the leading
     [CLS]/BOS, as SAE trainers do); ``max_tokens`` keeps the first that many of the shuffled order (a uniform
     sample). Pass 1 runs per store file: in this process (``workers`` 1) or as Ray tasks, ``workers`` at a time
-    (the same bytes either way); pass 2 here. A stopped export resumes when run again with the same request."""
-    out = Path(out_dir)
+    (the same bytes either way); pass 2 here. A stopped export resumes when run again with the same request.
+    ``out_dir`` may be an object-store URL: the shards are uploaded as pass 2 writes them, the manifest last, and the
+    buckets are written in ``scratch`` (:class:`~actlake.jobs.export.store.Staging`)."""
+    out = output(out_dir)
     check_output(out, workers)
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"--dtype: float32 or bfloat16, got {dtype!r}")
@@ -104,25 +107,26 @@ def export_tokens(run_dir, layer: int, out_dir, shard_rows: int | None = None, d
     request = {"kind": "tokens", "version": SHUFFLE_VERSION, "store": store.fingerprint, "layer": store.layer,
                "drop_roles": list(store.drop_roles), "max_tokens": max_tokens, "seed": seed, "dtype": dtype,
                "file_format": file_format, **dataclasses.asdict(plan)}
-    with Staging(out, request) as staging:
+    stage = Staging(out, request, scratch)
+    with stage as staging:
         manifest = shuffle([p for p, _ in store.files], store.layer, staging, plan, dtype, file_format, seed, want,
-                           store.drop_roles, workers, address)
+                           store.drop_roles, workers, address, stage.put)
         manifest.update(run=str(run_dir), layer=store.layer, drop_roles=list(store.drop_roles))
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
 def shuffle(files: list, layer: int, staging: Path, plan: Plan, dtype: str, file_format: str, seed: int, want: int,
-            drop_roles: tuple = (), workers: int = 1, address: str | None = None) -> dict:
+            drop_roles: tuple = (), workers: int = 1, address: str | None = None, put=None) -> dict:
     """Both passes over the store ``files`` into ``staging`` (carrying on from its records), ``want`` rows;
-    the manifest (without the run's fields)."""
+    the manifest (without the run's fields). ``put(*names)`` is called with each shard's files once written."""
     folder = staging / "buckets"
     folder.mkdir(exist_ok=True)
     if not (staging / "pass2.json").exists():
         jobs = [(str(p), i, layer, str(folder), plan.buckets, plan.read_rows, seed, tuple(drop_roles))
                 for i, p in enumerate(files)]
         run_tasks(_pass_one_file, jobs, workers, address)
-    manifest = _pass_two(staging, plan, dtype, file_format, seed, want)
+    manifest = _pass_two(staging, plan, dtype, file_format, seed, want, put or (lambda *names: None))
     if manifest["rows"] != want:
         raise ActlakeError(f"export: {manifest['rows']} rows written where {want} were asked of the store")
     for name in ("buckets", "pass2.json"):
@@ -187,8 +191,8 @@ class _Progress:
     """Pass 2's record (``pass2.json``): the next bucket, the shards written, the float64 norm sum and the rows so far,
     and the rows carried (``carry-B-h.npy`` / ``carry-B-index.npy``, B the bucket that left them)."""
 
-    def __init__(self, staging: Path, d: int):
-        self.path, self.staging, self.d = staging / "pass2.json", staging, d
+    def __init__(self, staging: Path, d: int, put):
+        self.path, self.staging, self.d, self.put = staging / "pass2.json", staging, d, put
         got = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.next, self.shards = got.get("next", 0), got.get("shards", [])
         self.norm_sum, self.rows, self.carry_name = got.get("norm_sum", 0.0), got.get("rows", 0), got.get("carry")
@@ -202,6 +206,11 @@ class _Progress:
             if p.is_file() and p.name.startswith(("shard-", "carry-", ".")) and p.name not in kept \
                     and p.name != ".lock" and not any(p.name == s["file"].replace(".npy", "-index.npy") for s in self.shards):
                 p.unlink()
+
+    def add(self, entry: dict) -> None:
+        """A shard written: listed, and its files handed on (uploaded for an object store)."""
+        self.shards.append(entry)
+        self.put(entry["file"], *([entry["file"][:-4] + "-index.npy"] if entry["file"].endswith(".npy") else []))
 
     def commit(self, b: int) -> None:
         """Bucket ``b`` is written: record it (the carried rows first, the record last), then remove its parts."""
@@ -222,17 +231,17 @@ class _Progress:
             p.unlink()
 
 
-def _pass_two(staging: Path, plan: Plan, dtype: str, file_format: str, seed: int, want: int) -> dict:
+def _pass_two(staging: Path, plan: Plan, dtype: str, file_format: str, seed: int, want: int, put) -> dict:
     """The buckets in turn from where the record says, each shuffled in place and cut into shards (rows short of a
     shard carried to the next bucket), until ``want`` rows are written; the manifest."""
-    p = _Progress(staging, plan.d)
+    p = _Progress(staging, plan.d, put)
     for b in range(p.next, plan.buckets):
         got = _bucket(staging / "buckets", b, plan.d) if p.rows < want else None
         if got is not None:
             _add_bucket(staging, p, plan, *got, seed, b, want, dtype, file_format)
             del got  # before the next bucket is read: one bucket at a time
         if b == plan.buckets - 1 and len(p.carry_h):
-            p.shards.append(_write_shard(staging, len(p.shards), p.carry_h, p.carry_i, dtype, file_format))
+            p.add(_write_shard(staging, len(p.shards), p.carry_h, p.carry_i, dtype, file_format))
             p.carry_h, p.carry_i = p.carry_h[:0], p.carry_i[:0]
         p.commit(b)
     return {"format": "actlake-tokens", "version": MANIFEST_VERSION, "d_model": plan.d, "dtype": dtype,
@@ -257,10 +266,10 @@ def _add_bucket(staging: Path, p: _Progress, plan: Plan, h: np.ndarray, index: n
         at = min(plan.shard_rows - len(p.carry_h), len(h))
         p.carry_h, p.carry_i = np.concatenate([p.carry_h, h[:at]]), np.concatenate([p.carry_i, index[:at]])
         if len(p.carry_h) == plan.shard_rows:
-            p.shards.append(_write_shard(staging, len(p.shards), p.carry_h, p.carry_i, dtype, file_format))
+            p.add(_write_shard(staging, len(p.shards), p.carry_h, p.carry_i, dtype, file_format))
             p.carry_h, p.carry_i = p.carry_h[:0], p.carry_i[:0]
     while len(h) - at >= plan.shard_rows:
-        p.shards.append(_write_shard(staging, len(p.shards), h[at:at + plan.shard_rows],
+        p.add(_write_shard(staging, len(p.shards), h[at:at + plan.shard_rows],
                                      index[at:at + plan.shard_rows], dtype, file_format))
         at += plan.shard_rows
     if at < len(h):

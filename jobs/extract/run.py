@@ -352,8 +352,9 @@ def run_exports(cfg: JobConfig, layout: RunLayout, address: str | None) -> None:
     from actlake.jobs.export import describe, export_saelens, export_tokens
 
     for i, e in enumerate(cfg.activations.export):
-        out = Path(e.dir)
-        if os.path.lexists(out):
+        out = location(e.dir)
+        if (out / "manifest.json").exists() or (out / "state.json").exists() if isinstance(out, ObjectPath) \
+                else os.path.lexists(out):
             log.info("activations.export[%d]: %s exists; kept (delete it to export again)", i, out)
             continue
         n_layers = 0

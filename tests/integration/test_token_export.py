@@ -444,3 +444,53 @@ def test_every_exported_row_is_the_model_s_hidden_state_and_its_token(store, tin
         scale = float(want.abs().max())
         assert float((h.double() - want).abs().max()) <= 2e-3 * scale
         assert ids.tolist() == [windows[d, w][p] for d, w, p in keys]
+
+
+def test_both_exports_to_an_object_store_equal_the_local_ones_and_resume(store, s3_server, tmp_path, monkeypatch):
+    """``-o s3://...`` (moto's server on 127.0.0.1): the objects are the local export's files byte for byte (the
+    manifest / state last), the token reader streams from the prefix, a stopped export resumes from its scratch
+    folder (the shards already uploaded stay), and a prefix that holds an export, or another's objects, is refused."""
+    from actlake.fs import location
+    from actlake.jobs.export import saelens, tokens
+
+    bucket = s3_server("exports")
+    kwargs = dict(shard_rows=64, seed=2, memory_mb=0.2)
+    local = export_tokens(store, 1, tmp_path / "tok", **kwargs)
+    real = tokens._Progress.commit
+    calls = []
+
+    def stop_at_the_third(self, b):
+        calls.append(b)
+        if len(calls) == 3:
+            raise _Stop("after two buckets")
+        return real(self, b)
+
+    monkeypatch.setattr(tokens._Progress, "commit", stop_at_the_third)
+    with pytest.raises(_Stop):
+        export_tokens(store, 1, f"{bucket}/tok", scratch=tmp_path / "scratch", **kwargs)
+    monkeypatch.undo()
+    uploaded = location(f"{bucket}/tok").sizes()
+    assert uploaded and "manifest.json" not in uploaded  # shards of the first buckets are there; no manifest yet
+    remote = export_tokens(store, 1, f"{bucket}/tok", scratch=tmp_path / "scratch", **kwargs)
+    assert remote == local | {"shards": remote["shards"]} and remote["shards"] == local["shards"]
+    objects = location(f"{bucket}/tok")
+    assert sorted(objects.sizes()) == sorted(p.name for p in (tmp_path / "tok").iterdir())
+    for p in (tmp_path / "tok").iterdir():
+        if p.name != "manifest.json":
+            assert (objects / p.name).read_bytes() == p.read_bytes(), p.name
+    assert torch.equal(torch.cat(list(iterate(f"{bucket}/tok", 100))), torch.cat(list(iterate(tmp_path / "tok", 100))))
+    assert not list((tmp_path / "scratch" / "actlake-exports").iterdir())  # the scratch folder is gone
+    with pytest.raises(ConfigError, match="holds an export"):
+        export_tokens(store, 1, f"{bucket}/tok", **kwargs)
+    (location(f"{bucket}/other") / "mine.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds objects that no stopped export of this request wrote"):
+        export_tokens(store, 1, f"{bucket}/other", scratch=tmp_path / "scratch", **kwargs)
+    assert (location(f"{bucket}/other") / "mine.txt").read_text() == "mine"
+
+    saelens.export_saelens(store, 1, tmp_path / "sae")
+    saelens.export_saelens(store, 1, f"{bucket}/sae", scratch=tmp_path / "scratch")
+    got = location(f"{bucket}/sae").sizes()
+    assert sorted(got) == sorted(p.name for p in (tmp_path / "sae").iterdir())
+    for p in (tmp_path / "sae").iterdir():
+        if p.name != "state.json":  # its fingerprint is new each time
+            assert (location(f"{bucket}/sae") / p.name).read_bytes() == p.read_bytes(), p.name
