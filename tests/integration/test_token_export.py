@@ -494,3 +494,37 @@ def test_both_exports_to_an_object_store_equal_the_local_ones_and_resume(store, 
     for p in (tmp_path / "sae").iterdir():
         if p.name != "state.json":  # its fingerprint is new each time
             assert (location(f"{bucket}/sae") / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+KILLED = """
+import os, signal, sys
+from actlake.jobs.cli import main
+from actlake.jobs.export import tokens
+real, n = tokens._write_shard, []
+def write_shard(*a):
+    n.append(1)
+    if len(n) == int(sys.argv[1]):
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9: no clean-up runs, the lock's holder is gone
+    return real(*a)
+tokens._write_shard = write_shard
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_an_export_killed_with_sigkill_resumes_to_the_same_bytes(store, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    args = ["export", store, "--format", "tokens", "--layer", "1", "--shard-rows", "64", "--memory-mb", "0.2",
+            "--seed", "4"]
+    assert main(args + ["-o", str(tmp_path / "clean")]) == 0
+    killed = subprocess.run([sys.executable, "-c", KILLED, "7", *args, "-o", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (tmp_path / "out.partial" / "pass2.json").exists() and not (tmp_path / "out").exists()
+    assert main(args + ["-o", str(tmp_path / "out")]) == 0
+    names = sorted(p.name for p in (tmp_path / "clean").iterdir())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
