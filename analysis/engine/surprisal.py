@@ -17,6 +17,20 @@ at a time took 515 MB)."""
 
 
 @torch.no_grad()
+def scored_positions(mask: torch.Tensor, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """The predictions surprisal scores (token t from position t - 1, both real), decided on the host from the
+    (B, T) ``mask``: their (N,) indices into (B, T-1) and the scored tokens' indices into (B, T), on ``dev``."""
+    T = mask.shape[1]
+    valid = mask[:, 1:].bool() & mask[:, :-1].bool()  # (B, T-1): predicted token and context real
+    scored = valid.reshape(-1).nonzero().flatten()  # (N,)
+    return to_device(scored, dev), to_device(scored // (T - 1) * T + scored % (T - 1) + 1, dev)
+
+
+def tokens_per_chunk(head: torch.nn.Module, chunk_logits: int) -> int:
+    """Predictions per chunk so that a chunk's logits hold about ``chunk_logits`` values."""
+    return max(1, chunk_logits // (getattr(head, "out_features", None) or head.weight.shape[0]))
+
+
 def token_surprisal(head: torch.nn.Module, last_hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
                     chunk_logits: int = CHUNK_LOGITS, transform=None) -> torch.Tensor:
     """(B, T, d) on the model's device, (B, T), (B, T) on the host -> (B, T) float32 surprisal on the
@@ -31,14 +45,11 @@ def token_surprisal(head: torch.nn.Module, last_hidden: torch.Tensor, ids: torch
     out = torch.full((B, T), float("nan"), dtype=torch.float32, device=dev)
     if T < 2:
         return out
-    valid = mask[:, 1:].bool() & mask[:, :-1].bool()  # (B, T-1): predicted token and context real
-    scored = valid.reshape(-1).nonzero().flatten()  # (N,) indices into (B, T-1)
-    flat = to_device(scored, dev)
-    into_out = to_device(scored // (T - 1) * T + scored % (T - 1) + 1, dev)  # the same tokens' indices into (B, T)
+    flat, into_out = scored_positions(mask, dev)
     h = last_hidden[:, :-1].reshape(B * (T - 1), -1)[flat]  # (N, d)
     target = to_device(ids[:, 1:].reshape(-1), dev)[flat]  # (N,)
     nll = torch.empty(flat.shape[0], dtype=torch.float32, device=dev)
-    chunk = max(1, chunk_logits // (getattr(head, "out_features", None) or head.weight.shape[0]))  # tokens per chunk
+    chunk = tokens_per_chunk(head, chunk_logits)
     for s in range(0, flat.shape[0], chunk):
         logits = head(h[s : s + chunk]).float().to(dev)  # (n, V); with device_map the head may live elsewhere
         if transform is not None:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from actlake.analysis.engine.device import to_device, to_host
+from actlake.analysis.engine.surprisal import scored_positions, tokens_per_chunk
 from actlake.categories import ROLE
 
 MASS, NORM, SURPRISAL, KL = "attention_mass", "residual_norm", "surprisal", "kl_divergence"
@@ -88,12 +89,10 @@ def token_kl(head: torch.nn.Module, clean: torch.Tensor, edited: torch.Tensor, m
     out = torch.full((B, T), float("nan"), dtype=torch.float32, device=dev)
     if T < 2:
         return out
-    valid = (mask[:, 1:].bool() & mask[:, :-1].bool()).reshape(-1)  # (B (T-1),) scored predictions
-    flat = to_device(valid.nonzero().flatten(), dev)
-    rows = to_device(valid.nonzero().flatten() // (T - 1) * T + valid.nonzero().flatten() % (T - 1) + 1, dev)
+    flat, rows = scored_positions(mask, dev)  # the predictions surprisal scores
     hc, he = (x[:, :-1].reshape(B * (T - 1), -1)[flat] for x in (clean, edited))  # (N, d)
     kl = torch.empty(flat.shape[0], dtype=torch.float32, device=dev)
-    chunk = max(1, chunk_logits // (getattr(head, "out_features", None) or head.weight.shape[0]))
+    chunk = tokens_per_chunk(head, chunk_logits)
     for s in range(0, flat.shape[0], chunk):
         lp = [torch.log_softmax((transform or (lambda x: x))(head(h[s:s + chunk]).float().to(dev)), -1)
               for h in (hc, he)]
