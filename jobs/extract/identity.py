@@ -136,11 +136,14 @@ def interventions_sha(interventions: tuple) -> str | None:
     return hashlib.sha256(repr(tuple(interventions)).encode()).hexdigest() if interventions else None
 
 
-def run_identity(cfg: JobConfig, shipped: dict[str, bytes]) -> dict:
+def run_identity(cfg: JobConfig, shipped: dict[str, bytes], interventions: tuple | None = None) -> dict:
     """The run's identity to record in run.json: model files, actlake's code, the custom analyses' code, and the
-    values of the interventions' directions and means (files the config names only by path)."""
+    values of the interventions' directions and means (files the config names only by path): ``interventions``
+    resolved already, or None to resolve them here."""
     out = {"model": model_files(cfg), "code": actlake_code(), "custom": custom_code_sha(cfg, shipped)}
-    if cfg.interventions:
+    if interventions:
+        out["interventions"] = interventions_sha(interventions)
+    elif cfg.interventions:
         from actlake.architectures import read_model_config
         from actlake.jobs.extract.interventions import resolve_interventions
 

@@ -45,6 +45,24 @@ class RunResult:
     report: str | None
 
 
+@dataclass(frozen=True)
+class Job:
+    """One extraction job as :func:`run_job` settles it before Ray (checked config, plan, inputs, resolved edits):
+    what the steps after it take instead of a row of parameters."""
+
+    cfg: JobConfig
+    layout: RunLayout
+    shards: list
+    """The plan's :class:`~actlake.jobs.extract.plan.Shard` s."""
+    inputs: dict
+    """The corpus files' fingerprints planning took (path -> fingerprint)."""
+    plan_hash: str
+    analyses: list
+    """The enabled producers' classes."""
+    interventions: tuple = ()
+    """The resolved interventions (directions' and means' values read once), () without any."""
+
+
 def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
     """(workers, cpus each, gpus each, torch threads) from the config and the cluster. A worker that no
     node could hold (more GPUs or memory than any node has) is an error naming the key, not a job that
@@ -130,14 +148,16 @@ def ensure_output_dir(path) -> None:
         raise StorageError(f"output.dir: cannot write in {path} ({e.strerror or e})") from None
 
 
-def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, inputs: dict | None = None) -> None:
+def prepare_run_dir(cfg: JobConfig, layout: RunLayout, shards, phash: str, inputs: dict | None = None,
+                    interventions: tuple | None = None) -> None:
     """Create the run directory and its run.json, or check that an existing one is the same run:
     same inputs (file fingerprints, see actlake/corpus/fingerprint.py), same model files and code
     (:mod:`~actlake.jobs.extract.identity`) and same plan.
 
-    ``inputs``: the fingerprints planning took (path -> fingerprint); None takes them again."""
+    ``inputs``: the fingerprints planning took (path -> fingerprint); None takes them again. ``interventions``:
+    the resolved interventions (None resolves them again)."""
     inputs = plan_with_inputs(cfg)[1] if inputs is None else inputs
-    identity = run_identity(cfg, custom_code(cfg))
+    identity = run_identity(cfg, custom_code(cfg), interventions)
     layout.root.mkdir(parents=True, exist_ok=True)
     if layout.run_json.is_file():
         old = read_run(layout)  # a run of another format: refused, naming it
@@ -277,13 +297,15 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     analyses = [cls for cls, _ in enabled(cfg)]
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
     check_model(cfg)  # from the model's config alone: an unsupported model is one line, before Ray
+    interventions = ()
     if cfg.interventions:  # a dim beyond the width, a layer beyond the model, means of another model: one line
         from actlake.architectures import read_model_config  # (import_custom_analyses made functions importable)
         from actlake.config import resolve_model_path
         from actlake.jobs.extract.interventions import resolve_interventions
 
         m = cfg.model
-        resolve_interventions(cfg, read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code))
+        config = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
+        interventions = resolve_interventions(cfg, config)  # read once: run.json's identity hashes these values
     layout = RunLayout(cfg.run_dir)
     ensure_output_dir(location(cfg.output.dir))
     shards, inputs = plan_with_inputs(cfg)
@@ -293,15 +315,16 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
         from actlake.analysis.by_source import check_labels
 
         check_labels(planned_labels(cfg, shards), cfg.analyses.max_sources)
-    phash = plan_hash(cfg, shards)
+    job = Job(cfg, layout, shards, inputs, plan_hash(cfg, shards), analyses, interventions)
     with run_lock(layout.root):  # from here on, one job at a time per run directory
-        return _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_shard, t0)
+        return _execute(job, address, report, on_shard, t0)
 
 
-def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_shard, t0) -> RunResult:
+def _execute(job: Job, address, report, on_shard, t0) -> RunResult:
     """run_job's part under the run directory's lock: prepare it, dispatch the pending shards, reduce, report."""
-
-    prepare_run_dir(cfg, layout, shards, phash, inputs)
+    cfg, layout, shards, inputs, phash, analyses = (job.cfg, job.layout, job.shards, job.inputs, job.plan_hash,
+                                                    job.analyses)
+    prepare_run_dir(cfg, layout, shards, phash, inputs, job.interventions)
     remove_tree(layout.staging)  # leftovers of attempts that died mid-write
     record = committed(layout, phash)  # read once per round, and handed to the reduce step
     pending = [s for s in shards if s.shard_id not in record.shards]
@@ -315,8 +338,7 @@ def _execute(cfg, layout, shards, inputs, phash, analyses, address, report, on_s
         if not todo:
             break
         t1 = time.perf_counter()
-        ran += _dispatch(cfg, layout, phash, todo, len(shards), address or cfg.resources.address, on_shard, inputs,
-                         phases)
+        ran += _dispatch(job, todo, address or cfg.resources.address, on_shard, phases)
         phases["dispatch"] += time.perf_counter() - t1
         record = committed(layout, phash)
         todo = [s for s in shards if s.shard_id not in record.shards]  # a record skipped as a duplicate lost its shards
@@ -406,10 +428,12 @@ def time_breakdown(phases: dict, ran: list[dict]) -> dict:
         "compute": total("compute_seconds"), "write": total("write_seconds"), "commit": total("commit_seconds")}.items()}
 
 
-def _dispatch(cfg, layout, phash, pending, total, address, on_shard=None, inputs=None, phases=None) -> list[dict]:
+def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[dict]:
     """Run ``pending`` shards on fresh actors; return their summaries. Raises if any shard failed:
-    one line naming the input when one of ``inputs`` (fingerprints) changed meanwhile."""
+    one line naming the input when one of the job's inputs (fingerprints) changed meanwhile."""
     import ray
+
+    cfg, layout, phash, total, inputs = job.cfg, job.layout, job.plan_hash, len(job.shards), job.inputs
 
     from actlake.jobs.extract.worker import ShardWorker, Target
 

@@ -327,11 +327,14 @@ def test_intervention_effects_equal_a_paired_t_interval_over_documents_from_tran
 @pytest.mark.usefixtures("kept_workers")
 def test_a_resumed_intervention_run_equals_the_whole_run_and_a_changed_direction_is_refused(tiny_models,
                                                                                           sample_corpus, tmp_path,
-                                                                                          ray_local):
+                                                                                          ray_local, monkeypatch):
     """Two commit groups' records removed (their shards lost, as if the workers died before committing): the rerun
     runs those shards again and every table, edited and effects included, equals the whole run's. The direction
-    file rewritten since the run began: the resume is refused, naming it, so no table mixes two edits."""
+    file rewritten since the run began: the resume is refused, naming it, so no table mixes two edits. The driver
+    reads the interventions once (its check before Ray and run.json's identity share one reading)."""
     from transformers import AutoConfig
+
+    from actlake.jobs.extract import interventions as resolving
 
     from actlake.errors import StorageError
     from actlake.jobs.extract.run import run_job
@@ -343,7 +346,11 @@ def test_a_resumed_intervention_run_equals_the_whole_run_and_a_changed_direction
     ivs = [ZERO | {"at": 1}, {"name": "away", "at": 1, "op": "project_out", "direction": str(u)}]
     cfg = job_config(model, sample_corpus, tmp_path / "r", interventions=ivs, **{
         "sharding.docs_per_shard": 5, "sharding.commit_seconds": 0.001, "corpus.max_docs": 20})
+    calls, resolve = [], resolving.resolve_interventions
+    monkeypatch.setattr(resolving, "resolve_interventions", lambda *a: calls.append(1) or resolve(*a))
     done = run_job(cfg)
+    assert len(calls) == 1  # in this process (the workers read theirs)
+    monkeypatch.undo()
     names = ["dim_moments", "attention_mass", "intervention_effects", "dim_moments_by_intervention"]
     whole = {n: open_run(done.run_dir).execute(f"SELECT * FROM {n} ORDER BY ALL").fetchall() for n in names}
     records = sorted((Path(done.run_dir) / "_complete").glob("group-*.json"))
