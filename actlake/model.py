@@ -175,6 +175,12 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
             if want_head:
                 full, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
                 model, head = base_of(full), output_head(full)
+                if _multimodal_instead(full, model, family, info, hf_config):  # Emu3: its text LM cannot map the keys
+                    from transformers import AutoModelForImageTextToText
+
+                    del full, model, head
+                    full, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True, **kwargs)
+                    model, head = base_of(full), output_head(full)
             else:
                 model, info = AutoModel.from_pretrained(path, output_loading_info=True, **kwargs)
     except Exception as e:
@@ -195,6 +201,20 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return LoadedModel(model, tokenizer, family, device, path, head, placement, kwargs.get("offload_folder"),
                        full if head is not None else None, logit_transform(family, hf_config) if head is not None else None)
+
+
+def _multimodal_instead(full, model, family, info, hf_config) -> bool:
+    """Whether the causal LM transformers picked for a multimodal checkpoint left weights of its blocks random (its text
+    model does not map the checkpoint's keys: Emu3) and the type has a multimodal class to load it with instead."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    if type(hf_config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING or full.config.model_type == hf_config.model_type:
+        return False
+    try:
+        check_loaded(full, model, family, info.get("missing_keys"), "")
+    except ModelLoadError:
+        return True
+    return False
 
 
 def output_head(full) -> torch.nn.Module:

@@ -85,13 +85,18 @@ def test_a_llama4_multimodal_config_refuses_windows_longer_than_its_text_models_
         check_chunks(config, 24)
 
 
-def test_a_checkpoint_that_would_leave_block_weights_random_is_refused_at_load(zoo):
+def test_a_checkpoint_that_would_leave_block_weights_random_is_refused_at_load(zoo, monkeypatch):
     """Emu3's multimodal checkpoint, loaded as its causal LM (the class transformers picks for the type), matches none
-    of its keys: every block weight would be random. Refused in one line, naming the class and a weight."""
+    of its keys: every block weight would be random. Loaded as its multimodal model instead (exact: above); without
+    that class to fall back on, refused in one line, naming the class and a weight."""
+    from actlake import model as model_module
     from actlake.config import ModelConfig
     from actlake.model import load_model
 
     folder = zoo("emu3")
+    assert type(load_model(ModelConfig(name_or_path=folder), lm_head=None).causal_lm).__name__ == (
+        "Emu3ForConditionalGeneration")
+    monkeypatch.setattr(model_module, "_multimodal_instead", lambda *args: False)
     with pytest.raises(ModelLoadError, match=r"weights of its transformer blocks are not in the checkpoint under the "
                                              r"names Emu3ForCausalLM reads \(e.g. model.layers.0.") as e:
         load_model(ModelConfig(name_or_path=folder), lm_head=None)
@@ -395,6 +400,7 @@ def test_hooks_that_misread_a_hidden_state_are_caught(zoo, tmp_path, monkeypatch
                                         "doge",  # causal by its heads (a causal LM only), checked by the mask
                                         "gemma3",  # a multimodal wrapper: its text model's config and layers
                                         "qwen3_5",  # a multimodal checkpoint loaded as its causal LM (the text model)
+                                        "emu3",  # a multimodal checkpoint its causal LM cannot read: loaded whole
                                         "hunyuan_v1_dense", "hunyuan_v1_moe",  # key norm after RoPE, with a gain
                                         "jetmoe",  # keys from a [k | v] projection, tiled per routed query slot
                                         "moshi",  # a wrapped key linear layer; RoPE computed inside the attention
