@@ -10,23 +10,21 @@ this manifest instead of globbing:
   the files named by the reduce record (``_complete/reduced.json``, same plan hash), written by the
   reduce step after it publishes them;
 - training runs (``run.json`` kind ``predictor``, ``synthetic``, ``train-lm``): their jobs write no
-  completion records; each table is written as whole files by an atomic rename under one fixed
-  name, so the committed files are exactly ``tables/<table>/part-0.parquet`` or
-  ``tables/<table>/<key>=<value>/part-0.parquet`` for the table's partition key.
+  completion records; their tables are the files their publication record names
+  (``_complete/published.json``, :mod:`actlake.storage.publish`: ``tables/<table>/[<key>=<value>/]part-0-*.parquet``,
+  the partition key in the folder's name, as DuckDB's hive reader reads it).
 
-Only tables actlake writes are listed: per-shard tables (:data:`SHARD_TABLES` and custom shard tables, as
-the commit records' shard entries name them),
-the analyses' partials (``<table>_partial``, one file per commit group) and reduced tables as the records name them
-(any analysis, built in or custom: storage knows no analysis by name; a name must be a plain
-identifier, :func:`is_table_name`), and the training jobs' tables (:data:`TRAINING_TABLES`). Other
-folders under ``tables/`` are ignored.
+Only tables a record names are listed: per-shard tables (built in or custom, as the commit records' shard
+entries name them), the analyses' partials (``<table>_partial``, one file per commit group) and reduced tables
+as the records name them, and a training run's tables as its publication record names them. Storage knows no
+table by name; a name must be a plain identifier (:func:`is_table_name`). Other folders under ``tables/`` are
+ignored.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from actlake.errors import StorageError
@@ -37,42 +35,20 @@ from actlake.storage.shards import committed
 from actlake.tables import PARTIAL_SUFFIX, is_table_name
 
 
-@dataclass(frozen=True)
-class TableSpec:
-    """A table actlake writes: its name, how its files are committed, and its hive partition key."""
-
-    name: str
-    kind: str  # "shard" / "partial" (commit records), "reduced" (reduce record), "fixed" (fixed file names)
-    partition: str | None = None
-    partition_type: str = "int64"  # "int64" or "string" (``shard=00003`` stays the string '00003', as DuckDB's hive reader gives it)
+TRAINING_KINDS = ("predictor", "synthetic", "train-lm")
+"""``run.json`` kinds of the training jobs (``jobs/train/``): their tables are what their publication record names
+(:func:`actlake.storage.publish.published`)."""
 
 
-SHARD_TABLES = ("documents", "rejects", "tokens", "residual_norms", "activations")
-"""The built-in per-shard tables (``analysis/registry.py`` ``builtin_tables``); a custom ``ShardTable``'s are
-per-shard tables too, named by the shard entries of the commit records."""
-
-def extraction_spec(table: str) -> TableSpec | None:
-    """How an extraction run (``actlake run``) commits ``table``: per shard (the extractor's tables), per
-    commit group (the analyses' partials), reduced (an analysis's merged table), or None for a name
-    actlake never gives."""
+def extraction_kind(table: str) -> str | None:
+    """How an extraction run (``actlake run``) commits ``table`` when a record names it: ``partial`` (an analysis's
+    partial statistics, one file per commit group) or ``reduced`` (an analysis's merged table, by the reduce
+    record); a shard's own tables are those its commit record's shard entries name. None for a name actlake never
+    gives."""
     if not is_table_name(table):
         return None
-    if table in SHARD_TABLES:
-        return TableSpec(table, "shard", "shard", "string")
-    if table.endswith(PARTIAL_SUFFIX):
-        return TableSpec(table, "partial", "group", "string")
-    return TableSpec(table, "reduced")
+    return "partial" if table.endswith(PARTIAL_SUFFIX) else "reduced"
 
-TRAINING_TABLES = {
-    "predictor": {t: TableSpec(t, "fixed", "layer") for t in (
-        "predictor_curve", "predictor_position", "predictor_summary", "predictor_tokens", "probe_scores")},
-    "synthetic": {t: TableSpec(t, "fixed", "trial", "string") for t in (
-        "factored_dimension", "factored_fit", "factor_overlap", "belief_scatter", "activations", "analysis_tokens",
-        "training_curves")},
-    "train-lm": {"lm_curve": TableSpec("lm_curve", "fixed")},
-}
-"""Tables of the training jobs by ``run.json`` kind (``jobs/train/predictor/``, ``jobs/train/synthetic/``,
-``jobs/train/lm/``)."""
 
 REDUCE_RECORD = "reduced.json"
 """The reduce step's record under ``_complete/``: plan hash and the aggregate files it published."""
@@ -93,13 +69,13 @@ def read_run(layout: RunLayout) -> dict:
     return run
 
 
-def table_specs(run: dict, run_json: Path) -> dict[str, TableSpec] | None:
-    """The tables a training run of this kind can have; None for an extraction run."""
+def is_training(run: dict, run_json: Path) -> bool:
+    """True for a training run, False for an extraction run; a StorageError for a run.json that is neither."""
     kind = run.get("kind")
-    if kind in TRAINING_TABLES:
-        return TRAINING_TABLES[kind]
+    if kind in TRAINING_KINDS:
+        return True
     if kind is None and "plan_hash" in run and "shards" in run:
-        return None  # extraction: tables as the records name them (extraction_spec)
+        return False  # extraction: tables as the records name them
     raise StorageError(f"{run_json}: unknown run kind {kind!r} (no plan hash and shard list either)")
 
 
@@ -130,7 +106,7 @@ def recorded_views(layout: RunLayout) -> dict[str, tuple[str, str]]:
     """The views the reduce record of the run's plan names (name -> (source table, SELECT)); {} for a training
     run or an extraction without a reduce record."""
     run = read_run(layout)
-    if table_specs(run, layout.run_json) is not None:
+    if is_training(run, layout.run_json):
         return {}
     path = layout.complete / REDUCE_RECORD
     record = reduce_record(layout, run.get("plan_hash"))
@@ -148,7 +124,7 @@ _AGGREGATE = re.compile(r"part-0(-[0-9a-f]{12})?\.parquet")
 def reduced_tables(layout: RunLayout) -> set[str]:
     """The tables the reduce record of the run's plan names (none for a training run or without a record)."""
     run = read_run(layout)
-    record = reduce_record(layout, run.get("plan_hash")) if table_specs(run, layout.run_json) is None else None
+    record = None if is_training(run, layout.run_json) else reduce_record(layout, run.get("plan_hash"))
     return set((record or {}).get("files") or {})
 
 
@@ -160,8 +136,9 @@ def aggregate_path(layout: RunLayout, source, table: str, path: str):
     return layout.root / path
 
 
-def _reduced_files(layout: RunLayout, plan_hash: str) -> dict[str, list[Path]]:
-    """Aggregate files named by a reduce record of this plan whose files are present and whole."""
+def _reduced_files(layout: RunLayout, plan_hash: str, shard_tables: set[str]) -> dict[str, list[Path]]:
+    """Aggregate files named by a reduce record of this plan whose files are present and whole (never one of a
+    table the shards write: ``shard_tables``)."""
     path = layout.complete / REDUCE_RECORD
     record = reduce_record(layout, plan_hash)
     if record is None:
@@ -172,8 +149,7 @@ def _reduced_files(layout: RunLayout, plan_hash: str) -> dict[str, list[Path]]:
         raise StorageError(f"{path}: its files are not table -> {{path, bytes}}")
     out = {}
     for table, meta in record["files"].items():
-        spec = extraction_spec(table)
-        if spec is None or spec.kind != "reduced":
+        if extraction_kind(table) != "reduced" or table in shard_tables:
             continue
         p = aggregate_path(layout, path, table, meta["path"])
         try:
@@ -191,21 +167,18 @@ def _extraction_files(layout: RunLayout, run: dict) -> dict[str, list[Path]]:
     done = committed(layout, run["plan_hash"])
     files: dict[str, list[Path]] = {}
 
-    def add(table: str, meta: dict, kinds: tuple[str, ...]):
-        spec = extraction_spec(table)
-        if spec is not None and spec.kind in kinds:
-            files.setdefault(table, []).append(layout.root / meta["path"])
-
     for rec in done.groups:
         if not all(int(sid) in planned for sid in rec["shards"]):
             continue
         for table, meta in rec["partials"].items():
-            add(f"{table}{PARTIAL_SUFFIX}", meta, ("partial",))
+            if extraction_kind(f"{table}{PARTIAL_SUFFIX}") == "partial":
+                files.setdefault(f"{table}{PARTIAL_SUFFIX}", []).append(layout.root / meta["path"])
         for entry in rec["shards"].values():  # a shard's own tables: the built-in ones and custom ShardTables
             for table, meta in entry["files"].items():
                 if is_table_name(table) and not table.endswith(PARTIAL_SUFFIX):
                     files.setdefault(table, []).append(layout.root / meta["path"])
-    files.update(_reduced_files(layout, run["plan_hash"]))
+    shard_tables = {t for rec in done.groups for entry in rec["shards"].values() for t in entry["files"]}
+    files.update(_reduced_files(layout, run["plan_hash"], shard_tables))
     return files
 
 
@@ -216,12 +189,12 @@ def committed_files(layout: RunLayout) -> dict[str, list[Path]]:
     ``tables/``, a record naming a link to a file elsewhere) is a StorageError naming it."""
 
     run = read_run(layout)
-    specs = table_specs(run, layout.run_json)
-    record = None if specs is None else published(layout)
-    if specs is None:
+    training = is_training(run, layout.run_json)
+    record = published(layout) if training else None
+    if not training:
         files = _extraction_files(layout, run)
     else:  # a training run: what its publication record names (nothing before its first publication)
-        files = {name: [layout.root / p for p in (record or {}).get(name, [])] for name in specs}
+        files = {name: [layout.root / p for p in paths] for name, paths in (record or {}).items()}
     out = {t: sorted(fs) for t, fs in sorted(files.items()) if fs}
     for fs in out.values():
         for f in fs:

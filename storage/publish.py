@@ -23,6 +23,7 @@ from pathlib import Path
 from actlake.errors import StorageError
 from actlake.fs import read_regular
 from actlake.storage.layout import RunLayout, write_json_atomic
+from actlake.tables import is_table_name
 
 RECORD = "published.json"
 """Under ``_complete/``: ``{"files": {table: [path relative to the run, ...]}}``."""
@@ -48,6 +49,8 @@ def published(layout: RunLayout) -> dict[str, list[str]] | None:
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
         raise StorageError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
     for table, paths in files.items():
+        if not is_table_name(table):
+            raise StorageError(f"{path}: names a table {table!r}, not a table name actlake gives")
         for rel in paths:
             parts = str(rel).split("/")
             if not (parts[:2] == ["tables", table] and len(parts) in (3, 4) and _FILE.fullmatch(parts[-1])

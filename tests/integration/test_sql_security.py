@@ -322,18 +322,15 @@ def test_training_run_tables_are_the_files_its_record_publishes(tmp_path, cwd):
         query(run, "SELECT 1")
 
 
-def test_the_table_registry_covers_what_the_jobs_write():
+def test_record_names_are_classified_and_hostile_ones_refused():
     from actlake.analysis.registry import builtin
-    from actlake.jobs.train.synthetic.analyze import TABLES as SYNTHETIC_TABLES
-    from actlake.jobs.train.synthetic.loop import CURVES_TABLE
-    from actlake.storage.manifest import TRAINING_TABLES, extraction_spec
+    from actlake.storage.manifest import extraction_kind
 
     for cls in builtin().values():
         for t in cls.tables:
-            assert extraction_spec(t).kind == "reduced" and extraction_spec(f"{t}_partial").kind == "partial"
+            assert extraction_kind(t) == "reduced" and extraction_kind(f"{t}_partial") == "partial"
     for hostile in ('x" AS SELECT 1', "Tokens", "../tokens", "", "a" * 64):
-        assert extraction_spec(hostile) is None
-    assert set(SYNTHETIC_TABLES) | {CURVES_TABLE} == set(TRAINING_TABLES["synthetic"])
+        assert extraction_kind(hostile) is None
 
 
 def test_the_read_only_file_system_serves_listed_files_for_reading_only(tmp_path):
