@@ -215,7 +215,8 @@ class ExportConfig(Section):
     scratch: Optional[LocalPath] = None
     """With an object-store ``dir``: the local folder the export is made in (null: the system's temporary folder)."""
     workers: int = Field(1, ge=1)
-    """Store files read at once as Ray tasks on the job's Ray (1: in the driver's process)."""
+    """Store files read at once as Ray tasks (on the job's cluster address, else an embedded Ray of their own; 1: in
+    the driver's process)."""
     shard_rows: Optional[int] = Field(None, ge=1)
     """tokens: rows per shard (null: 65536, or what fits a tenth of ``memory_mb``)."""
     dtype: Optional[Literal["float32", "bfloat16"]] = None
@@ -425,10 +426,11 @@ def _check_exports(cfg: JobConfig, err) -> None:
     dirs = [e.dir for e in cfg.activations.export]
     for i, e in enumerate(cfg.activations.export):
         key = ("activations", "export", i)
-        if e.layer not in cfg.activations.layers:
+        counted_from_end = min([e.layer, *cfg.activations.layers], default=0) < 0  # checked when the model is known
+        if e.layer not in cfg.activations.layers and not counted_from_end:
             err(key + ("layer",), f"hidden state {e.layer} is not stored: activations.layers is {cfg.activations.layers}")
-        other = [k for k in ("shard_rows", "dtype", "file_format", "seed", "memory_mb", "drop_roles", "max_tokens",
-                             "context_size", "hook_name") if getattr(e, k) is not None and k not in EXPORT_OPTIONS[e.format]]
+        options = {k for names in EXPORT_OPTIONS.values() for k in names}
+        other = [k for k in sorted(options) if getattr(e, k) is not None and k not in EXPORT_OPTIONS[e.format]]
         if other:
             err(key + (other[0],), f"belongs to another format than {e.format}")
         if dirs.index(e.dir) != i:

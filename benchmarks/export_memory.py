@@ -30,7 +30,7 @@ from actlake.jobs.export import tokens
 files, rows, d, mb, staging = json.loads(sys.argv[1])
 plan = tokens.Plan.make(rows, d, mb, None)
 next(tokens.batches(files[0], 3, 64))
-pool, got, pass_two = pa.default_memory_pool(), {}, tokens._pass_two
+pool, got, pass_two = pa.default_memory_pool(), {}, tokens._pass_two  # pass 1's peaks taken as pass 2 starts
 rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 got["rss_before"] = rss()
 def traced(*a):
@@ -41,7 +41,7 @@ tokens._pass_two = traced
 tracemalloc.start()
 t0 = time.perf_counter()
 m = tokens.shuffle(files, 3, Path(staging), plan, "float32", "safetensors", 0, rows)
-got.update(pass2=tracemalloc.get_traced_memory()[1], rss2=rss(), t2=time.perf_counter() - t0 - got["t1"], rows=m["rows"],
+got.update(pass2=tracemalloc.get_traced_memory()[1], arrow2=pool.max_memory(), rss2=rss(), t2=time.perf_counter() - t0 - got["t1"], rows=m["rows"],
            buckets=plan.buckets, shard_rows=plan.shard_rows, read_rows=plan.read_rows)
 print(json.dumps(got))
 """
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--memory-mb", type=float, default=100)
     ap.add_argument("--files", type=int, default=8)
+    ap.add_argument("--json", help="write the measurements here")
     a = ap.parse_args()
     row_bytes = 4 * a.d + INDEX_DTYPE.itemsize
     with tempfile.TemporaryDirectory() as t:
@@ -80,6 +81,8 @@ def main() -> None:
     print(f"pass 2: numpy peak {g['pass2'] / mib:.1f} MiB, {g['t2']:.1f} s")
     print(f"process peak RSS {g['rss2'] / mib:.0f} MiB (after imports, before pass 1: {g['rss_before'] / mib:.0f} MiB)")
     print(f"rows {g['rows']:,}; {per * a.files / (g['t1'] + g['t2']):,.0f} rows/s")
+    if a.json:
+        Path(a.json).write_text(json.dumps(g | {"data": per * a.files * row_bytes, "memory_mb": a.memory_mb}))
 
 
 if __name__ == "__main__":

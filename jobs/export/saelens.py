@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from actlake.errors import ActlakeError, ConfigError
-from actlake.jobs.export.store import Staging, Store, batches, check_output, output, run_tasks, write_atomic
+from actlake.fs import write_atomic
+from actlake.jobs.export.store import Staging, Store, batches, check_output, output, run_tasks
 
 log = logging.getLogger("actlake.export")
 
@@ -52,25 +53,30 @@ def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None
     request = {"kind": "saelens", "version": VERSION, "store": store.fingerprint, "layer": store.layer,
                "context_size": T, "hook_name": hook}
     with Staging(out, request, scratch) as staging:
-        n = len(store.files)
-        jobs = [(str(p), i, n, store.layer, T, hook, store.d, str(staging)) for i, (p, _) in enumerate(store.files)]
-        written = [w for w in run_tasks(_saelens_file, jobs, workers, address) if w is not None]
-        _saelens_state(staging, [name for name, _ in written])
-        if sum(k for _, k in written) != counts["rows"]:
-            raise ActlakeError(f"export: {sum(k for _, k in written)} windows written where the store holds "
-                               f"{counts['rows']} of {T}")
+        if (staging / "state.json").exists():  # finished before a stop: only published now
+            names = [f["filename"] for f in json.loads((staging / "state.json").read_text())["_data_files"]]
+        else:
+            n = len(store.files)
+            jobs = [(str(p), i, n, store.layer, T, hook, store.d, str(staging)) for i, (p, _) in enumerate(store.files)]
+            written = [w for w in run_tasks(_saelens_file, jobs, workers, address) if w is not None]
+            if sum(k for _, k in written) != counts["rows"]:
+                raise ActlakeError(f"export: {sum(k for _, k in written)} windows written where the store holds "
+                                   f"{counts['rows']} of {T}")
+            names = [name for name, _ in written]
+            _saelens_state(staging, names)
         for p in staging.glob("done-*.json"):
             p.unlink()
     log.info("wrote %d windows of %d tokens (%s) in %d file(s); left out %d shorter and %d longer window(s)",
-             counts["rows"], T, hook, len(written), counts["shorter"], counts["longer"])
-    return {"rows": counts["rows"], "context_size": T, "d_model": store.d, "hook_name": hook, "files": len(written),
+             counts["rows"], T, hook, len(names), counts["shorter"], counts["longer"])
+    return {"rows": counts["rows"], "context_size": T, "d_model": store.d, "hook_name": hook, "files": len(names),
             "left_out_shorter": counts["shorter"], "left_out_longer": counts["longer"]}
 
 
 def _saelens_file(path: str, i: int, n: int, layer: int, T: int, hook: str, d: int, staging: str):
     """Store file ``i``'s windows of T tokens as ``data-I-of-N.arrow`` in ``staging`` (``save_to_disk``'s own
     writer, through a scratch folder of its own), then ``done-I.json``; (file name, rows), or None when it has none.
-    A file done already is skipped. Holds the file's hidden states twice at most (read, then the windows taken)."""
+    A file done already is skipped. Memory: about 4 times the file's hidden states in numpy arrays and 3.5 times in
+    Arrow's while ``datasets`` converts them (measured on a 50 MiB file), so a store file (one shard's) bounds it."""
     import datasets
 
     staging = Path(staging)
@@ -84,27 +90,30 @@ def _saelens_file(path: str, i: int, n: int, layer: int, T: int, hook: str, d: i
     if parts:
         index = np.concatenate([x for x, _ in parts])
         h = np.concatenate([v for _, v in parts])
-        del parts
+        del parts  # the file's hidden states once from here on, and the windows taken beside them
         order = np.lexsort((index["position"], index["window_index"], index["doc_id"]))
-        index, h = index[order], h[order]
+        index = index[order]
         new = np.r_[True, (index["doc_id"][1:] != index["doc_id"][:-1])
                     | (index["window_index"][1:] != index["window_index"][:-1])]
         lengths = np.diff(np.r_[np.flatnonzero(new), len(index)])
         starts = np.r_[0, np.cumsum(lengths)[:-1]][lengths == T]
         if len(starts):
-            result = _write_arrow(staging, i, n, T, hook, d, h, index, starts)
+            take = (starts[:, None] + np.arange(T)).reshape(-1)  # (rows T,) in the store's order
+            windows, ids = h[order[take]].reshape(-1, T, d), index["token_id"][take].reshape(-1, T)
+            del h
+            result = _write_arrow(staging, i, n, T, hook, d, windows, ids)
     write_atomic(done, json.dumps(result).encode())
     return result
 
 
-def _write_arrow(staging: Path, i: int, n: int, T: int, hook: str, d: int, h, index, starts) -> tuple[str, int]:
+def _write_arrow(staging: Path, i: int, n: int, T: int, hook: str, d: int, windows: np.ndarray,
+                 ids: np.ndarray) -> tuple[str, int]:
+    """``windows`` (N, T, d) and their token ids (N, T) as ``data-I-of-N.arrow``."""
     import datasets
 
-    take = (starts[:, None] + np.arange(T)).reshape(-1)  # (rows T,) in the store's order
     features = datasets.Features({hook: datasets.Array2D((T, d), "float32"),
                                   "token_ids": datasets.Sequence(datasets.Value("int32"), length=T)})
-    ds = datasets.Dataset.from_dict({hook: h[take].reshape(-1, T, d), "token_ids": index["token_id"][take].reshape(-1, T)},
-                                    features=features)
+    ds = datasets.Dataset.from_dict({hook: windows, "token_ids": ids}, features=features)
     scratch = staging / f".task-{i:05d}"
     shutil.rmtree(scratch, ignore_errors=True)  # left by a stopped task
     ds.save_to_disk(str(scratch), num_shards=1)
@@ -113,7 +122,7 @@ def _write_arrow(staging: Path, i: int, n: int, T: int, hook: str, d: int, h, in
     os.rename(arrow, staging / name)
     os.replace(scratch / "dataset_info.json", staging / "dataset_info.json")  # the same in every task's
     shutil.rmtree(scratch)
-    return name, len(starts)
+    return name, len(ids)
 
 
 def _saelens_state(staging: Path, names: list[str]) -> None:

@@ -49,8 +49,8 @@ class Store:
         columns = {r[0] for r in con.sql("DESCRIBE activations").fetchall()}
         if self.drop_roles and "role" not in columns:
             raise ConfigError(f"{run_dir}: the activation store has no role column (written before actlake stored "
-                              "it): export with --drop-roles none, or run the job again to drop "
-                              f"{', '.join(self.drop_roles)} tokens")
+                              "it): export with --drop-roles none, or extract a new run (a new output.run_id) to "
+                              f"leave {', '.join(self.drop_roles)} tokens out")
         self.where = f"layer = {self.layer}" + (f" AND role NOT IN ({', '.join(repr(r) for r in self.drop_roles)})"
                                                 if self.drop_roles else "")
         self.rows = con.sql(f"SELECT count(*) FROM activations WHERE {self.where}").fetchall()[0][0]
@@ -156,22 +156,16 @@ def output(value):
     return location(str(value))
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """``path`` with ``data``, whole or not at all (a file beside it renamed over it)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 class Staging:
     """Where an export is written: ``DIR.partial`` beside a local DIR (the same file system: the last rename never
     copies), or, for an object-store prefix, a folder in ``scratch`` named by it (default the system's temporary
     folder; with ``--workers`` on a cluster, one every node writes to) whose finished files :meth:`put` uploads as
     they come, the last ones (``manifest.json`` / ``state.json``: what readers read first) uploaded at the end.
-    It holds ``request.json``. An export that stops (killed, interrupted, a failed task) leaves it: the same request
-    resumes it (each part of the work says itself what it finished), another request is refused naming what
-    differs. A deterministic refusal (an :class:`ActlakeError`: a NaN in the store, rows that do not add up) removes
-    it. One export at a time holds it (``flock``)."""
+    It holds ``request.json`` until the export is published. An export that stops (killed, interrupted, a failed
+    task) leaves it: the same request resumes it (each part of the work says itself what it finished, and a
+    finished one is only published), another request is refused naming what differs. A deterministic refusal (an
+    :class:`ActlakeError`: a NaN in the store, rows that do not add up) removes it. One export at a time works on
+    it: an ``flock`` on the folder, taken before anything in it is read."""
 
     LAST = ("dataset_info.json", "manifest.json", "state.json")
     """Uploaded last, in this order: a reader sees an export once these are there."""
@@ -187,33 +181,50 @@ class Staging:
         self.resumed, self.fd = False, None
 
     def __enter__(self) -> Path:
+        if self.path.is_dir():
+            self.fd = self._hold(self.path)
+            try:
+                self._check_request()
+            except ConfigError:
+                os.close(self.fd)
+                raise
+            self.resumed = True
+            log.info("resuming the stopped export in %s", printable(str(self.path)))
+            return self.path
+        if self.remote and self.out.files():
+            raise ConfigError(f"-o: {self.out} holds objects, and {self.path.parent} no stopped export to it: resume a "
+                              "stopped export with the --scratch it ran with, or give an empty prefix")
+        fresh = self.path.with_name(f".{self.path.name}.new-{os.getpid()}")
+        shutil.rmtree(fresh, ignore_errors=True)
+        fresh.mkdir()
+        self.fd = self._hold(fresh)  # held before it has a name another export looks for
+        (fresh / "request.json").write_text(json.dumps(self.request | {"out": str(self.out)}, indent=1, sort_keys=True))
+        try:
+            os.rename(fresh, self.path)
+        except OSError:  # another export made it meanwhile
+            os.close(self.fd)
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise ConfigError(f"-o: {self.out} is being written by another export; wait for it to end") from None
+        return self.path
+
+    def _hold(self, folder: Path) -> int:
+        """An ``flock`` on the folder itself (no lock file to leave behind or to delete while another waits on it),
+        checked to be still the folder of that name once held."""
         import fcntl
 
-        if self.path.is_dir():
-            self._check_request()
-            self.resumed = True
-        else:
-            if self.remote and self.out.files():
-                raise ConfigError(f"-o: {self.out} holds objects that no stopped export of this request wrote; give "
-                                  "an empty prefix")
-            fresh = self.path.with_name(f".{self.path.name}.new-{os.getpid()}")
-            fresh.mkdir()
-            (fresh / "request.json").write_text(json.dumps(self.request | {"out": str(self.out)}, indent=1,
-                                                           sort_keys=True))
-            try:
-                os.rename(fresh, self.path)
-            except OSError:  # made meanwhile by another export
-                shutil.rmtree(fresh, ignore_errors=True)
-                self._check_request()
-        self.fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        busy = ConfigError(f"-o: {self.out} is being written by another export; wait for it to end")
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise ConfigError(f"-o: {self.path} is in use by another export to {self.out}; wait for it to end") from None
-        if self.resumed:
-            log.info("resuming the stopped export in %s", printable(str(self.path)))
-        return self.path
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:  # renamed meanwhile: finished by another export
+            raise busy from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not os.path.samestat(os.fstat(fd), os.stat(folder)):
+                raise FileNotFoundError(folder)
+        except (BlockingIOError, FileNotFoundError):
+            os.close(fd)
+            raise busy from None
+        return fd
 
     def put(self, *names: str) -> None:
         """Files of the staging folder that are finished: uploaded (and removed here) for an object store."""
@@ -237,23 +248,25 @@ class Staging:
                               "request to resume it, or delete the folder to start again")
 
     def __exit__(self, kind, value, _tb):
-        os.unlink(self.path / ".lock")
-        os.close(self.fd)
-        if kind is not None:
-            if issubclass(kind, ActlakeError):
-                shutil.rmtree(self.path, ignore_errors=True)
-            else:
-                log.warning("the export stopped; %s is kept: the same command resumes it", printable(str(self.path)))
-            return
-        (self.path / "request.json").unlink()
-        if self.remote:
-            rest = sorted(p.name for p in self.path.iterdir() if p.is_file() and p.name not in self.LAST)
-            self.put(*rest, *[n for n in self.LAST if (self.path / n).exists()])
-            shutil.rmtree(self.path)
-            return
-        if os.path.lexists(self.out):  # made meanwhile: a rename would take over an empty folder
-            raise ConfigError(f"-o: {self.out} appeared while the export ran; the export is left in {self.path}")
-        os.rename(self.path, self.out)
+        try:
+            if kind is not None:
+                if issubclass(kind, ActlakeError):
+                    shutil.rmtree(self.path, ignore_errors=True)
+                else:
+                    log.warning("the export stopped; %s is kept: the same command resumes it", printable(str(self.path)))
+                return
+            if self.remote:  # request.json stays until every file is up: a stop here publishes on the next run
+                rest = sorted(p.name for p in self.path.iterdir() if p.is_file() and p.name not in self.LAST
+                              and p.name != "request.json")
+                self.put(*rest, *[n for n in self.LAST if (self.path / n).exists()])
+                shutil.rmtree(self.path)
+                return
+            if os.path.lexists(self.out):  # made meanwhile: a rename would take over an empty folder
+                raise ConfigError(f"-o: {self.out} appeared while the export ran; the export is left in {self.path}")
+            os.rename(self.path, self.out)
+            (self.out / "request.json").unlink()  # (a stop just before leaves it in the finished folder, harmless)
+        finally:
+            os.close(self.fd)
 
 
 def upload(local: Path, target) -> None:

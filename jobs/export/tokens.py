@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from actlake.errors import ActlakeError, ConfigError
-from actlake.jobs.export.store import (INDEX, INDEX_DTYPE, Staging, Store, batches, check_output, output, run_tasks,
-                                       write_atomic)
+from actlake.fs import remove_tree, write_atomic
+from actlake.jobs.export.store import INDEX, INDEX_DTYPE, Staging, Store, batches, check_output, output, run_tasks
 
 log = logging.getLogger("actlake.export")
 
@@ -41,8 +41,9 @@ SHUFFLE_VERSION = 2
 class Plan:
     """How the export holds at most ``memory_mb`` of arrays at once. Pass 1: a read batch about four times (the
     decoded Arrow columns, the float32 copy, the rows sent to each bucket) and Parquet's read buffer. Pass 2: the
-    largest bucket (the mean and 15 % for the random spread), the rows carried from the last bucket twice (while
-    they grow) and a shard's copy while it is written (each at most ``shard_rows``)."""
+    largest bucket (the mean and six standard deviations of the random spread: :meth:`bucket_mean`), the rows
+    carried from the last bucket twice (while they grow) and a shard's copy while it is written (each at most
+    ``shard_rows``)."""
 
     rows: int
     d: int
@@ -59,23 +60,44 @@ class Plan:
     def make(cls, rows: int, d: int, memory_mb: float, shard_rows: int | None) -> "Plan":
         if not memory_mb > 0:
             raise ConfigError(f"--memory-mb: must be more than 0, got {memory_mb}")
-        row_bytes, budget = 4 * d + INDEX_DTYPE.itemsize, memory_mb * 2**20
-        fit = int(budget / 10 / row_bytes)  # the largest default shard: a tenth of the budget
+        row_bytes, budget, given = 4 * d + INDEX_DTYPE.itemsize, memory_mb * 2**20, shard_rows
+        default_shard = lambda mb: min(65_536, int(mb * 2**20 / 10 / row_bytes))  # noqa: E731 - 65536, or a tenth
         if shard_rows is None:
-            shard_rows = max(1, min(65_536, fit))
+            shard_rows = default_shard(memory_mb)
+            if shard_rows < 1:
+                raise ConfigError(f"--memory-mb: {memory_mb:g} MiB holds no shard of rows of {row_bytes} bytes; give "
+                                  f"at least {math.ceil(100 * 80 * row_bytes / 2**20) / 100:g}")
         if shard_rows < 1:
             raise ConfigError(f"--shard-rows: must be at least 1, got {shard_rows}")
         if 2 * shard_rows * row_bytes > budget / 4:
             raise ConfigError(f"--shard-rows: {shard_rows:,} rows of {row_bytes} bytes are held twice while written "
                               f"({2 * shard_rows * row_bytes / 2**20:.3g} MiB), more than a quarter of --memory-mb "
                               f"{memory_mb:g}; give at most {int(budget / 8 / row_bytes):,} rows or more memory")
+        if 4 * 64 * row_bytes > budget / 2:
+            raise ConfigError(f"--memory-mb: {memory_mb:g} MiB cannot hold pass 1's smallest read batch (64 rows of "
+                              f"{row_bytes} bytes, about four times); give at least {math.ceil(80 * 64 * row_bytes / 2**20) / 10:g}")
         read_rows = max(64, min(65_536, int((budget / 2 - 2**20) / 4 / row_bytes)))
-        bucket_bytes = (budget - 3 * shard_rows * row_bytes) / 1.15
-        buckets = max(10, math.ceil(rows * row_bytes / bucket_bytes))
+        mean = cls.bucket_mean(budget, shard_rows, row_bytes)
+        buckets = max(10, math.ceil(rows / mean))
         if buckets > MAX_BUCKETS:
+            need = memory_mb
+            while need < 2**30 and math.ceil(rows / cls.bucket_mean(need * 2**20, default_shard(need) if given is None
+                                                                     else shard_rows, row_bytes)) > MAX_BUCKETS:
+                need *= 1.02
             raise ConfigError(f"--memory-mb: {memory_mb:g} MiB would need {buckets} buckets for "
-                              f"{rows * row_bytes / 2**20:,.0f} MiB of activations (at most {MAX_BUCKETS}); give more")
+                              f"{rows * row_bytes / 2**20:,.0f} MiB of activations (at most {MAX_BUCKETS}); give at "
+                              f"least {math.ceil(need):,}")
         return cls(rows, d, memory_mb, shard_rows, read_rows, buckets)
+
+    @staticmethod
+    def bucket_mean(budget: float, shard_rows: int, row_bytes: int) -> float:
+        """The most rows a bucket may hold on average: a bucket's rows are binomial, and the mean plus six standard
+        deviations (no bucket of 4096 beyond it but once in about 10^6 exports) must fit beside the carried rows
+        twice and a shard's copy."""
+        cap = (budget - 3 * shard_rows * row_bytes) / row_bytes
+        if cap < 1:
+            return 1.0
+        return ((-6 + math.sqrt(36 + 4 * cap)) / 2) ** 2
 
 
 def export_tokens(run_dir, layer: int, out_dir, shard_rows: int | None = None, dtype: str = "float32",
@@ -109,10 +131,15 @@ def export_tokens(run_dir, layer: int, out_dir, shard_rows: int | None = None, d
                "file_format": file_format, **dataclasses.asdict(plan)}
     stage = Staging(out, request, scratch)
     with stage as staging:
-        manifest = shuffle([p for p, _ in store.files], store.layer, staging, plan, dtype, file_format, seed, want,
-                           store.drop_roles, workers, address, stage.put)
-        manifest.update(run=str(run_dir), layer=store.layer, drop_roles=list(store.drop_roles))
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        if (staging / "manifest.json").exists():  # finished before a stop: only published now
+            manifest = json.loads((staging / "manifest.json").read_text())
+        else:
+            manifest = shuffle([p for p, _ in store.files], store.layer, staging, plan, dtype, file_format, seed,
+                               want, store.drop_roles, workers, address, stage.put)
+            manifest.update(run=str(run_dir), layer=store.layer, drop_roles=list(store.drop_roles))
+            write_atomic(staging / "manifest.json", json.dumps(manifest, indent=1).encode())
+        remove_tree(staging / "buckets")  # once the manifest is written
+        (staging / "pass2.json").unlink(missing_ok=True)
     return manifest
 
 
@@ -129,8 +156,6 @@ def shuffle(files: list, layer: int, staging: Path, plan: Plan, dtype: str, file
     manifest = _pass_two(staging, plan, dtype, file_format, seed, want, put or (lambda *names: None))
     if manifest["rows"] != want:
         raise ActlakeError(f"export: {manifest['rows']} rows written where {want} were asked of the store")
-    for name in ("buckets", "pass2.json"):
-        _remove(staging / name)
     return manifest
 
 
@@ -204,7 +229,7 @@ class _Progress:
         kept = {s["file"] for s in self.shards} | {f"{self.carry_name}-h.npy", f"{self.carry_name}-index.npy"}
         for p in staging.iterdir():  # what a stopped pass wrote after its last record
             if p.is_file() and p.name.startswith(("shard-", "carry-", ".")) and p.name not in kept \
-                    and p.name != ".lock" and not any(p.name == s["file"].replace(".npy", "-index.npy") for s in self.shards):
+                    and not any(p.name == s["file"].replace(".npy", "-index.npy") for s in self.shards):
                 p.unlink()
 
     def add(self, entry: dict) -> None:
@@ -293,12 +318,3 @@ def _write_shard(staging: Path, i: int, h: np.ndarray, index: np.ndarray, dtype:
         save_file(tensors, str(staging / f".{name}"), metadata={"rows": str(len(h))})
         (staging / f".{name}").rename(staging / name)
     return {"file": name, "rows": int(len(h))}
-
-
-def _remove(path: Path) -> None:
-    import shutil
-
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()

@@ -369,26 +369,56 @@ def _execute(job: Job, address, report, on_shard, t0) -> RunResult:
 
 def run_exports(cfg: JobConfig, layout: RunLayout, address: str | None) -> None:
     """``activations.export``, once every shard is committed: each entry written as ``actlake export`` writes it
-    (a stopped one resumed), unless its folder is there already (kept, and said so)."""
+    (a stopped one resumed), unless its folder is there already (kept, and said so; with a warning when its
+    manifest is of other settings). A refusal names the entry."""
     from actlake.analysis.activation_sample import resolve_layers
     from actlake.jobs.export import describe, export_saelens, export_tokens
 
+    depth = None
     for i, e in enumerate(cfg.activations.export):
-        out = location(e.dir)
-        if (out / "manifest.json").exists() or (out / "state.json").exists() if isinstance(out, ObjectPath) \
-                else os.path.lexists(out):
-            log.info("activations.export[%d]: %s exists; kept (delete it to export again)", i, out)
-            continue
-        n_layers = 0
-        if e.layer < 0:  # counted from the end, as activations.layers counts
-            from transformers import AutoConfig
+        key = f"activations.export[{i}] ({e.format}, {e.dir})"
+        if min([e.layer, *cfg.activations.layers]) < 0 and depth is None:  # counted from the end: the model's depth
+            from actlake.architectures import read_model_config, text_config
 
-            n_layers = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), revision=cfg.model.revision,
-                                                  trust_remote_code=cfg.model.trust_remote_code).num_hidden_layers
-        layer = resolve_layers([e.layer], n_layers)[0] if e.layer < 0 else e.layer
+            m = cfg.model
+            depth = text_config(read_model_config(resolve_model_path(m.name_or_path), m.revision,
+                                                  m.trust_remote_code)).num_hidden_layers
+        layer = resolve_layers([e.layer], depth)[0] if e.layer < 0 else e.layer
+        stored = resolve_layers(cfg.activations.layers, depth) if depth is not None else cfg.activations.layers
+        if layer not in stored:
+            raise ConfigError(f"{key}.layer: hidden state {layer} is not stored (activations.layers: "
+                              f"{cfg.activations.layers})")
+        out = location(e.dir)
+        if _exported(out, e, layer, key):
+            continue
         export = export_saelens if e.format == "saelens" else export_tokens
-        m = export(layout.root, layer, out, address=address, **e.options())
+        try:
+            m = export(layout.root, layer, out, address=address, **e.options())
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err} (the entry's keys are those options' names)") from None
         print(printable(describe(out, e.format, m)), flush=True)
+
+
+def _exported(out, e, layer: int, key: str) -> bool:
+    """True when ``out`` holds a finished export already (kept, and said so; a token export's manifest of other
+    settings than the entry's is warned about)."""
+    done = [n for n in ("manifest.json", "state.json") if (out / n).exists()] if isinstance(out, ObjectPath) \
+        else (["folder"] if os.path.lexists(out) else [])
+    if not done:
+        return False
+    log.info("%s: %s exists; kept (delete it to export again)", key, out)
+    if e.format == "tokens" and (out / "manifest.json").exists():
+        import json
+
+        got = json.loads(read_regular(out / "manifest.json"))
+        want = {"layer": layer, "seed": e.seed or 0, "dtype": e.dtype or "float32",
+                "file_format": e.file_format or "safetensors",
+                "drop_roles": sorted(e.drop_roles) if e.drop_roles is not None else ["bos"]}
+        differ = [k for k, v in want.items() if (sorted(got.get(k) or []) if k == "drop_roles" else got.get(k)) != v]
+        if differ:
+            log.warning("%s: %s was exported with other settings (%s); it is kept: delete it to export this entry",
+                        key, out, ", ".join(f"{k} {got.get(k)!r}, the entry {want[k]!r}" for k in differ))
+    return True
 
 
 def warn_if_no_first_token(layout: RunLayout) -> None:

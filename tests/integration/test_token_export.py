@@ -230,7 +230,8 @@ class _Stop(Exception):
 
 
 @pytest.mark.parametrize("where", ["pass 1, inside the second store file", "pass 2, a shard after its bucket's record",
-                                   "pass 2, between the record and removing the bucket"])
+                                   "pass 2, between the record and removing the bucket",
+                                   "the end, the manifest written and the folder not renamed"])
 def test_a_stopped_export_resumes_to_the_same_bytes(store, tmp_path, monkeypatch, where):
     """Stopped at three points (as a kill would: no clean-up runs), the same command carries on and writes the
     bytes of an export that never stopped; another request is refused while the stopped one is there."""
@@ -259,9 +260,14 @@ def test_a_stopped_export_resumes_to_the_same_bytes(store, tmp_path, monkeypatch
         if path.name == "pass2.json" and "between" in where:
             raise _Stop(where)
 
+    def remove_tree(path):
+        if "the end" in where:
+            raise _Stop(where)
+
     monkeypatch.setattr(tokens, "batches", batches)
     monkeypatch.setattr(tokens, "_write_shard", write_shard)
     monkeypatch.setattr(tokens, "write_atomic", atomic)
+    monkeypatch.setattr(tokens, "remove_tree", remove_tree)
     with pytest.raises(_Stop):
         export_tokens(store, 1, tmp_path / "out", **kwargs)
     monkeypatch.undo()
@@ -272,9 +278,13 @@ def test_a_stopped_export_resumes_to_the_same_bytes(store, tmp_path, monkeypatch
         assert list((partial / "buckets").glob("h-*-00001.bin"))  # the second file's rows half spread
     else:
         assert (partial / "pass2.json").exists()
+    if "the end" in where:  # finished: the rerun publishes it and computes nothing
+        assert (partial / "manifest.json").exists()
+        monkeypatch.setattr(tokens, "shuffle", lambda *a: pytest.fail("the finished export was computed again"))
     with pytest.raises(ConfigError, match=r"holds a stopped export of another request \(seed 11 there, 12 now\)"):
         export_tokens(store, 1, tmp_path / "out", **(kwargs | {"seed": 12}))
     again = export_tokens(store, 1, tmp_path / "out", **kwargs)
+    monkeypatch.undo()
     assert again == clean | {"shards": again["shards"]} and again["shards"] == clean["shards"]
     assert not partial.exists()
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
@@ -284,60 +294,23 @@ def test_a_stopped_export_resumes_to_the_same_bytes(store, tmp_path, monkeypatch
             assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
 
 
-MEASURE = """
-import json, sys, tracemalloc
-from pathlib import Path
-import pyarrow as pa, pyarrow.compute, pyarrow.parquet, safetensors.torch, torch  # imported first: libraries, not data
-from actlake.jobs.export import tokens
-files, rows, d, mb, staging = json.loads(sys.argv[1])
-plan = tokens.Plan.make(rows, d, mb, None)
-next(tokens.batches(files[0], 3, 64))  # the readers' imports and first-use set-up (libraries, not data) before tracing
-pool, got, pass_two = pa.default_memory_pool(), {}, tokens._pass_two
-def traced_pass_two(*a):
-    got["pass1"], got["arrow1"] = tracemalloc.get_traced_memory()[1], pool.max_memory()
-    tracemalloc.reset_peak()
-    return pass_two(*a)
-tokens._pass_two = traced_pass_two
-tracemalloc.start()
-m = tokens.shuffle(files, 3, Path(staging), plan, "float32", "safetensors", 0, rows)
-got.update(pass2=tracemalloc.get_traced_memory()[1], arrow2=pool.max_memory(), rows=m["rows"], buckets=plan.buckets)
-print(json.dumps(got))
-"""
-
-
 def test_the_shuffle_holds_at_most_memory_mb_on_data_ten_times_that(tmp_path):
-    """The arrays the shuffle holds at once (numpy's, traced by tracemalloc) stay within ``--memory-mb`` in both
-    passes on store files holding 10 times that, in a process of its own; Parquet's reader adds its page buffers in
-    pass 1 (Arrow's pool), a few MiB whatever the data's size, and pass 2 reads no Parquet."""
+    """benchmarks/export_memory.py at CI size (160,000 rows of width 64, 42 MiB, through --memory-mb 4): the arrays
+    the shuffle holds at once (numpy's, traced by tracemalloc) stay within ``--memory-mb`` in both passes, in a
+    process of its own; Parquet's reader adds its page buffers in pass 1 (Arrow's pool), a few MiB whatever the
+    data's size, and pass 2 reads no Parquet."""
     import subprocess
     import sys
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from actlake.jobs.export.store import INDEX_DTYPE
-
-    d, per_file, mb = 64, 40_000, 4.0  # 42 MiB of rows
-    files, rng = [], np.random.default_rng(0)
-    for f in range(4):
-        n = 2 * per_file  # two layers, hidden state 3 and another
-        h = rng.standard_normal((n, d), dtype=np.float32)
-        table = pa.table({"doc_id": np.repeat(np.arange(f * per_file, (f + 1) * per_file) // 100, 2),
-                          "window_index": np.zeros(n, np.int32), "position": np.arange(n, dtype=np.int32) % 200,
-                          "token_id": np.arange(n, dtype=np.int32), "role": ["other"] * n,
-                          "layer": np.tile(np.array([3, 5], np.int16), per_file)})
-        table = table.append_column("h", pa.FixedSizeListArray.from_arrays(pa.array(h.ravel()), d))
-        files.append(str(tmp_path / f"part-{f}.parquet"))
-        pq.write_table(table, files[-1], compression="zstd")
-    rows = 4 * per_file
-    data = rows * (4 * d + INDEX_DTYPE.itemsize)
-    assert data > 10 * mb * 2**20
-    (tmp_path / "staging").mkdir()
-    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps([files, rows, d, mb, str(tmp_path / "staging")])],
-                         capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["rows"] == rows and got["buckets"] >= 11, got
-    assert got["pass1"] <= mb * 2**20 and got["pass2"] <= mb * 2**20, (got, data / 2**20)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "export_memory.py"), "--rows", "160000", "--d", "64",
+                           "--memory-mb", "4", "--files", "4", "--json", str(tmp_path / "m.json")],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads((tmp_path / "m.json").read_text())
+    mb = got["memory_mb"] * 2**20
+    assert got["data"] > 10 * mb and got["rows"] == 160_000 and got["buckets"] >= 11, got
+    assert got["pass1"] <= mb and got["pass2"] <= mb, got
     assert got["arrow1"] <= 8 * 2**20 and got["arrow2"] == got["arrow1"], got
 
 
@@ -412,8 +385,12 @@ def test_the_job_writes_its_exports_as_the_command_does_and_keeps_them_on_a_reru
     ({"format": "tokens", "layer": 1, "dir": "x", "drop_roles": ["cls"]}, "drop_roles"),
 ])
 def test_a_bad_export_entry_is_one_line_naming_its_key(tiny_models, sample_corpus, tmp_path, entry, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path, **STORE | {"activations.export": [entry]})
+    """(With layers counted from the end in ``activations.layers``, a layer is checked when the job knows the model's
+    depth: the job test's ``layer: -1``.)"""
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path,
+                   **STORE | {"activations.layers": [1, 3], "activations.export": [entry]})
+    assert "\n" not in str(e.value) and "activations.export.0." in str(e.value)
     with pytest.raises(ConfigError, match=re.escape("'activations.export.1.dir': another export writes")):
         job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path,
                    **STORE | {"activations.export": [{"format": "tokens", "layer": 1, "dir": "y"},
@@ -471,8 +448,11 @@ def test_both_exports_to_an_object_store_equal_the_local_ones_and_resume(store, 
     monkeypatch.undo()
     uploaded = location(f"{bucket}/tok").sizes()
     assert uploaded and "manifest.json" not in uploaded  # shards of the first buckets are there; no manifest yet
+    seen = len(s3_server.requests)
     remote = export_tokens(store, 1, f"{bucket}/tok", scratch=tmp_path / "scratch", **kwargs)
     assert remote == local | {"shards": remote["shards"]} and remote["shards"] == local["shards"]
+    writes = [path for method, path in s3_server.requests[seen:] if method in ("PUT", "POST") and "/tok/" in path]
+    assert writes and writes[-1].endswith("/tok/manifest.json")  # the manifest last: readers see all or nothing
     objects = location(f"{bucket}/tok")
     assert sorted(objects.sizes()) == sorted(p.name for p in (tmp_path / "tok").iterdir())
     for p in (tmp_path / "tok").iterdir():
@@ -483,12 +463,28 @@ def test_both_exports_to_an_object_store_equal_the_local_ones_and_resume(store, 
     with pytest.raises(ConfigError, match="holds an export"):
         export_tokens(store, 1, f"{bucket}/tok", **kwargs)
     (location(f"{bucket}/other") / "mine.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="holds objects that no stopped export of this request wrote"):
+    with pytest.raises(ConfigError, match="holds objects, and .* no stopped export to it: resume a stopped export with the --scratch"):
         export_tokens(store, 1, f"{bucket}/other", scratch=tmp_path / "scratch", **kwargs)
     assert (location(f"{bucket}/other") / "mine.txt").read_text() == "mine"
 
     saelens.export_saelens(store, 1, tmp_path / "sae")
+    from actlake.jobs.export import store as staging_module
+
+    real_upload = staging_module.upload
+
+    def upload(local, target):  # a stop while state.json goes up: everything else is there, and no state yet
+        if target.name == "state.json":
+            raise _Stop("uploading state.json")
+        real_upload(local, target)
+
+    monkeypatch.setattr(staging_module, "upload", upload)
+    with pytest.raises(_Stop):
+        saelens.export_saelens(store, 1, f"{bucket}/sae", scratch=tmp_path / "scratch")
+    monkeypatch.undo()
+    assert "state.json" not in location(f"{bucket}/sae").sizes()
+    monkeypatch.setattr(saelens, "run_tasks", lambda *a: pytest.fail("the finished export was computed again"))
     saelens.export_saelens(store, 1, f"{bucket}/sae", scratch=tmp_path / "scratch")
+    monkeypatch.undo()
     got = location(f"{bucket}/sae").sizes()
     assert sorted(got) == sorted(p.name for p in (tmp_path / "sae").iterdir())
     for p in (tmp_path / "sae").iterdir():
@@ -528,3 +524,14 @@ def test_an_export_killed_with_sigkill_resumes_to_the_same_bytes(store, tmp_path
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == names
     for name in names:
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
+
+
+def test_a_second_export_to_the_same_folder_is_refused_while_the_first_works(store, tmp_path):
+    from actlake.jobs.export import tokens
+
+    kwargs = dict(shard_rows=64, seed=1, memory_mb=0.2)
+    request = {"kind": "tokens"}  # whatever the first one asked: the folder is held
+    with tokens.Staging(tmp_path / "out", request):
+        with pytest.raises(ConfigError, match="is being written by another export; wait for it to end"):
+            export_tokens(store, 1, tmp_path / "out", **kwargs)
+        assert (tmp_path / "out.partial" / "request.json").exists()  # the first's folder untouched
