@@ -2,8 +2,11 @@
 
 The common layouts are recognised by module names (blocks at ``layers`` / ``h`` / ``decoder.layers`` /
 ``encoder.layer``, attention at ``self_attn`` / ``attn`` / ``attention``, keys from ``k_proj`` / ``key`` /
-``k_lin`` or a stacked ``qkv_proj`` / ``Wqkv``, a ``k_norm`` or ``k_layernorm``, DeepSeek V3's latent attention), the RoPE layout and the output-logit transforms by
-the modeling module's own source. What is found is announced, and each worker's first batch checks it against
+``k_lin`` or a stacked ``qkv_proj`` / ``Wqkv``, a per-head ``query_key_value``, a ``[k | v]`` ``kv_proj``, a
+``k_norm`` or ``k_layernorm``, DeepSeek V3's latent attention), the RoPE layout, whether the key norm comes after
+RoPE, and the output-logit transforms by the modeling module's own source. Whether the attention goes through the
+transformers attention interface at all is read from the model's modules (every modeling module its classes come
+from, and the attention class's own ``forward``). What is found is announced, and each worker's first batch checks it against
 the model's own numbers (:mod:`actlake.analysis.engine.selfcheck`): a wrong guess stops the job before anything
 is written, so guessing never publishes a wrong number. Anything not recognised is refused, naming what is missing.
 """
