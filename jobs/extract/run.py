@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from actlake.config import JobConfig, resolve_model_path
@@ -486,8 +486,8 @@ def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[di
         key = kept_key(cfg, options, threads, env)
         workers, kept = take_kept(key, n), []
         try:  # from here on every worker held is killed or kept, whatever happens
-            workers += [ShardWorker.options(**options).remote(target.cfg_dict, target.run_dir, phash, threads, files,
-                                                              env, target.read_in_process)
+            made_for = replace(target, counter=None)  # an actor handle is never an argument of its creation
+            workers += [ShardWorker.options(**options).remote(made_for, threads, files, env)
                         for _ in range(n - len(workers))]
             log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus,
                      gpus, f"{cfg.resources.memory_per_worker_gb:g} GiB" if cfg.resources.memory_per_worker_gb

@@ -167,12 +167,11 @@ class ShardWorker:
     Started with ``max_concurrency=2`` (``resources.read_ahead``) it holds two shards: the model runs one
     while the other is read and tokenised, so the device does not wait for the CPU between shards."""
 
-    def __init__(self, cfg_dict: dict, run_dir: str, plan_hash: str, torch_threads: int, code: dict | None = None,
-                 store_env: dict | None = None, read_in_process: bool = False):
-        """``store_env``: the driver's object-store variables (:func:`actlake.jobs.common.ray_env.store_env`), set in
+    def __init__(self, target: Target, torch_threads: int, code: dict | None = None, store_env: dict | None = None):
+        """``target``: the job it is made for (without its progress counter, which each call's target brings).
+        ``store_env``: the driver's object-store variables (:func:`actlake.jobs.common.ray_env.store_env`), set in
         this process before any store is opened. An argument, never a ``runtime_env``: Ray writes a
-        runtime_env's variables in plain text to its agent's log. ``read_in_process``: shards are read by a
-        :class:`~actlake.jobs.extract.read.ReaderProcess` (``resources.read_in_process``).
+        runtime_env's variables in plain text to its agent's log.
 
         Every argument is a plain value sent inline with the actor's creation: no object reference and no
         actor handle, which Ray keeps in its object store and warns it may lose before a restart
@@ -185,14 +184,14 @@ class ShardWorker:
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
         keep_freed_heap()
-        cfg = parse_config(cfg_dict)  # once: _aim takes it, and hands it to the reader process
+        cfg = parse_config(target.cfg_dict)  # once: _aim takes it, and hands it to the reader process
         self.shipped = install_code(code or {}, [str(path) for _, _, path in cfg.code_refs if path])
         self.compute = threading.Lock()  # the model runs one shard at a time, also when two are in hand
         self.aiming = threading.Lock()  # one retarget at a time (two shards may arrive at once)
         self.pid = os.getpid()
         self.extractor = None
         self.load_seconds = 0.0
-        self._aim(Target(cfg_dict, run_dir, plan_hash, None, read_in_process), cfg)
+        self._aim(target, cfg)
 
     def _aim(self, target: Target, cfg=None) -> None:
         """Take on ``target``'s job: its config, run directory, plan and progress counter, and its model, loaded
