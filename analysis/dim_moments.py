@@ -64,7 +64,7 @@ class DimMoments(OneTable, Analysis):
                    GROUP BY source, layer)
         SELECT m.source, m.layer, m.dim, m.mean, m.count,
                (m.mean - s.med) / nullif(1.4826 * d.mad, 0) AS robust_z,
-               row_number() OVER (PARTITION BY m.source, m.layer ORDER BY abs(m.mean - s.med) DESC) AS rank
+               row_number() OVER (PARTITION BY m.source, m.layer ORDER BY abs(m.mean - s.med) DESC, m.dim) AS rank
         FROM m JOIN s USING (source, layer) JOIN d USING (source, layer)""",
              "massive_activations": """
         WITH e AS (SELECT source, layer, dim, scheme, category, count, mean, max_abs,

@@ -114,3 +114,20 @@ def test_nonfinite_tokens_are_counted_and_excluded():
     x = hs[1].reshape(-1, hs[1].shape[-1])
     keep = torch.isfinite(x).all(-1)
     np.testing.assert_allclose(stats.moments.mean[1, 0], x[keep].double().mean(0).numpy(), rtol=1e-12)
+
+
+def test_the_outlier_ranks_break_ties_by_dimension():
+    """Two dimensions equally far from the median (one above, one below) get ranks in the order of their numbers,
+    whatever order the rows come in (the view's ranks were an arbitrary pick between ties: two runs of the same
+    corpus differed in them)."""
+    import duckdb
+
+    from actlake.analysis.dim_moments import DimMoments
+
+    con = duckdb.connect()
+    means = {9: 0.5, 7: -0.5, 5: 0.0, 3: 0.1, 1: -0.1}  # dims 9 and 7 tie; inserted from the highest dimension
+    con.execute("CREATE TABLE dim_moments AS SELECT * FROM (VALUES " + ", ".join(
+        f"('*', 0, 'all', 'all', {d}, 10.0, {m})" for d, m in means.items()) + ") t(source, layer, scheme, category, "
+        "dim, count, mean)")
+    ranks = dict(con.execute(f"SELECT dim, rank FROM ({DimMoments.views['outliers']}) ORDER BY rank").fetchall())
+    assert ranks[7] == 1 and ranks[9] == 2
