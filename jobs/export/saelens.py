@@ -58,7 +58,8 @@ def export_saelens(run_dir, layer: int, out_dir, context_size: int | None = None
         else:
             n = len(store.files)
             jobs = [(str(p), i, n, store.layer, T, hook, store.d, str(staging)) for i, (p, _) in enumerate(store.files)]
-            written = [w for w in run_tasks(_saelens_file, jobs, workers, address) if w is not None]
+            written = [w for w in run_tasks(_saelens_file, jobs, workers, address, "(Arrow files), store files")
+                       if w is not None]
             if sum(k for _, k in written) != counts["rows"]:
                 raise ActlakeError(f"export: {sum(k for _, k in written)} windows written where the store holds "
                                    f"{counts['rows']} of {T}")

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -107,11 +108,39 @@ def batches(path, layer: int, read_rows: int, drop_roles: tuple[str, ...] = ()):
             yield index, h
 
 
-def run_tasks(fn, jobs: list[tuple], workers: int, address: str | None) -> list:
+PROGRESS_S = 10.0
+"""Seconds between two progress lines of a long export."""
+
+
+class Progress:
+    """One log line every :data:`PROGRESS_S` seconds while a part of an export runs (``what``: e.g. "pass 1: store
+    files"), with its share done and the time left at the rate so far, and one when it ends."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.done = what, total, 0
+        self.t0 = self.last = time.monotonic()
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.done >= self.total or now - self.last >= PROGRESS_S:
+            self.last = now
+            left = (now - self.t0) / self.done * (self.total - self.done) if self.done else 0.0
+            log.info("export %s: %d of %d (%.0f %%)%s", self.what, self.done, self.total,
+                     100 * self.done / max(self.total, 1), f", about {left:,.0f} s left" if self.done < self.total else "")
+
+
+def run_tasks(fn, jobs: list[tuple], workers: int, address: str | None, what: str = "store files") -> list:
     """``fn(*job)`` for every job, results in the jobs' order: in this process (``workers`` 1) or as Ray tasks,
-    ``workers`` in flight at a time (a task that fails is retried twice, then the export stops with its error)."""
+    ``workers`` in flight at a time (a task that fails is retried twice, then the export stops with its error);
+    progress as they finish."""
+    progress = Progress(what, len(jobs))
     if workers == 1:
-        return [fn(*job) for job in jobs]
+        out = []
+        for job in jobs:
+            out.append(fn(*job))
+            progress.step()
+        return out
     import ray
 
     from actlake.jobs.common.ray_env import init_ray
@@ -124,9 +153,11 @@ def run_tasks(fn, jobs: list[tuple], workers: int, address: str | None) -> list:
             if len(running) >= workers:
                 (done,), _ = ray.wait(list(running), num_returns=1)
                 results[running.pop(done)] = ray.get(done)
+                progress.step()
             running[task.remote(*job)] = k
         for ref, k in running.items():
             results[k] = ray.get(ref)
+            progress.step()
         return [results[k] for k in range(len(jobs))]
     finally:
         if started:

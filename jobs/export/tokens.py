@@ -26,7 +26,8 @@ import numpy as np
 
 from actlake.errors import ActlakeError, ConfigError
 from actlake.fs import remove_tree, write_atomic
-from actlake.jobs.export.store import INDEX, INDEX_DTYPE, Staging, Store, batches, check_output, output, run_tasks
+from actlake.jobs.export.store import (INDEX, INDEX_DTYPE, Progress, Staging, Store, batches, check_output, output,
+                                       run_tasks)
 
 log = logging.getLogger("actlake.export")
 
@@ -152,7 +153,7 @@ def shuffle(files: list, layer: int, staging: Path, plan: Plan, dtype: str, file
     if not (staging / "pass2.json").exists():
         jobs = [(str(p), i, layer, str(folder), plan.buckets, plan.read_rows, seed, tuple(drop_roles))
                 for i, p in enumerate(files)]
-        run_tasks(_pass_one_file, jobs, workers, address)
+        run_tasks(_pass_one_file, jobs, workers, address, "pass 1 (rows to buckets), store files")
     manifest = _pass_two(staging, plan, dtype, file_format, seed, want, put or (lambda *names: None))
     if manifest["rows"] != want:
         raise ActlakeError(f"export: {manifest['rows']} rows written where {want} were asked of the store")
@@ -260,6 +261,7 @@ def _pass_two(staging: Path, plan: Plan, dtype: str, file_format: str, seed: int
     """The buckets in turn from where the record says, each shuffled in place and cut into shards (rows short of a
     shard carried to the next bucket), until ``want`` rows are written; the manifest."""
     p = _Progress(staging, plan.d, put)
+    progress = Progress("pass 2 (buckets shuffled into shards), buckets", plan.buckets - p.next)
     for b in range(p.next, plan.buckets):
         got = _bucket(staging / "buckets", b, plan.d) if p.rows < want else None
         if got is not None:
@@ -269,6 +271,7 @@ def _pass_two(staging: Path, plan: Plan, dtype: str, file_format: str, seed: int
             p.add(_write_shard(staging, len(p.shards), p.carry_h, p.carry_i, dtype, file_format))
             p.carry_h, p.carry_i = p.carry_h[:0], p.carry_i[:0]
         p.commit(b)
+        progress.step()
     return {"format": "actlake-tokens", "version": MANIFEST_VERSION, "d_model": plan.d, "dtype": dtype,
             "file_format": file_format, "rows": p.rows, "mean_norm": p.norm_sum / max(p.rows, 1), "seed": seed,
             "shards": p.shards}

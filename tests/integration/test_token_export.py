@@ -535,3 +535,22 @@ def test_a_second_export_to_the_same_folder_is_refused_while_the_first_works(sto
         with pytest.raises(ConfigError, match="is being written by another export; wait for it to end"):
             export_tokens(store, 1, tmp_path / "out", **kwargs)
         assert (tmp_path / "out.partial" / "request.json").exists()  # the first's folder untouched
+
+
+def test_a_long_export_says_how_far_it_is(store, tmp_path, monkeypatch, caplog):
+    """Progress lines for each pass (every PROGRESS_S seconds; here every step), with the share done and, before the
+    end, the time left."""
+    import logging
+
+    from actlake.jobs.export import store as staging_module
+
+    monkeypatch.setattr(staging_module, "PROGRESS_S", 0.0)
+    n_files = len(staging_module.Store(store, 1).files)
+    with caplog.at_level(logging.INFO, logger="actlake.export"):
+        m = export_tokens(store, 1, tmp_path / "out", shard_rows=64, memory_mb=0.2)
+    lines = [r.getMessage() for r in caplog.records]
+    pass1 = [ln for ln in lines if ln.startswith("export pass 1 (rows to buckets), store files: ")]
+    pass2 = [ln for ln in lines if ln.startswith("export pass 2 (buckets shuffled into shards), buckets: ")]
+    assert len(pass1) == n_files and pass1[-1].endswith(f"{n_files} of {n_files} (100 %)")
+    assert "s left" in pass1[0] or n_files == 1
+    assert len(pass2) == 10 and pass2[-1].endswith("10 of 10 (100 %)") and m["rows"] > 0  # 10 buckets: the fewest
