@@ -297,6 +297,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     analyses = [cls for cls, _ in enabled(cfg)]
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
     check_model(cfg)  # from the model's config alone: an unsupported model is one line, before Ray
+    export_layers(cfg)  # an export of a layer the job does not store: one line, before Ray
     interventions = ()
     if cfg.interventions:  # a dim beyond the width, a layer beyond the model, means of another model: one line
         from actlake.architectures import read_model_config  # (import_custom_analyses made functions importable)
@@ -367,27 +368,37 @@ def _execute(job: Job, address, report, on_shard, t0) -> RunResult:
     return RunResult(str(layout.root), len(shards), len(pending), totals, wall, report_path)
 
 
+def export_layers(cfg: JobConfig) -> list[int]:
+    """The hidden state each ``activations.export`` entry exports (layers counted from the end resolved with the
+    model's depth, read from its config); a ConfigError naming the entry whose layer the job does not store."""
+    from actlake.analysis.activation_sample import resolve_layers
+
+    depth = None
+    if cfg.activations.export and min([*cfg.activations.layers, *(e.layer for e in cfg.activations.export)]) < 0:
+        from actlake.architectures import read_model_config, text_config
+
+        m = cfg.model
+        depth = text_config(read_model_config(resolve_model_path(m.name_or_path), m.revision,
+                                              m.trust_remote_code)).num_hidden_layers
+    stored = resolve_layers(cfg.activations.layers, depth) if depth is not None else cfg.activations.layers
+    out = []
+    for i, e in enumerate(cfg.activations.export):
+        layer = resolve_layers([e.layer], depth)[0] if e.layer < 0 else e.layer
+        if layer not in stored:
+            raise ConfigError(f"activations.export[{i}].layer: hidden state {layer} is not stored (activations.layers: "
+                              f"{cfg.activations.layers}{'' if depth is None else f', a model of {depth} blocks'})")
+        out.append(layer)
+    return out
+
+
 def run_exports(cfg: JobConfig, layout: RunLayout, address: str | None) -> None:
     """``activations.export``, once every shard is committed: each entry written as ``actlake export`` writes it
     (a stopped one resumed), unless its folder is there already (kept, and said so; with a warning when its
     manifest is of other settings). A refusal names the entry."""
-    from actlake.analysis.activation_sample import resolve_layers
     from actlake.jobs.export import describe, export_saelens, export_tokens
 
-    depth = None
-    for i, e in enumerate(cfg.activations.export):
-        key = f"activations.export[{i}] ({e.format}, {e.dir})"
-        if min([e.layer, *cfg.activations.layers]) < 0 and depth is None:  # counted from the end: the model's depth
-            from actlake.architectures import read_model_config, text_config
-
-            m = cfg.model
-            depth = text_config(read_model_config(resolve_model_path(m.name_or_path), m.revision,
-                                                  m.trust_remote_code)).num_hidden_layers
-        layer = resolve_layers([e.layer], depth)[0] if e.layer < 0 else e.layer
-        stored = resolve_layers(cfg.activations.layers, depth) if depth is not None else cfg.activations.layers
-        if layer not in stored:
-            raise ConfigError(f"{key}.layer: hidden state {layer} is not stored (activations.layers: "
-                              f"{cfg.activations.layers})")
+    for i, (e, layer) in enumerate(zip(cfg.activations.export, export_layers(cfg))):
+        key = f"activations.export[{i}]"
         out = location(e.dir)
         if _exported(out, e, layer, key):
             continue
@@ -395,7 +406,8 @@ def run_exports(cfg: JobConfig, layout: RunLayout, address: str | None) -> None:
         try:
             m = export(layout.root, layer, out, address=address, **e.options())
         except ConfigError as err:
-            raise ConfigError(f"{key}: {err} (the entry's keys are those options' names)") from None
+            raise ConfigError(f"{key} ({e.format} to {e.dir}): {err} (the entry's keys are those options' names)") \
+                from None
         print(printable(describe(out, e.format, m)), flush=True)
 
 
@@ -463,9 +475,9 @@ def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[di
     one line naming the input when one of the job's inputs (fingerprints) changed meanwhile."""
     import ray
 
-    cfg, layout, phash, total, inputs = job.cfg, job.layout, job.plan_hash, len(job.shards), job.inputs
-
     from actlake.jobs.extract.worker import ShardWorker, Target
+
+    cfg, layout, phash, total, inputs = job.cfg, job.layout, job.plan_hash, len(job.shards), job.inputs
 
     t0 = time.perf_counter()
     started = init_ray(address)

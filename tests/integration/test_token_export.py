@@ -377,6 +377,11 @@ def test_the_job_writes_its_exports_as_the_command_does_and_keeps_them_on_a_reru
     before = (tmp_path / "tok" / "manifest.json").stat().st_mtime_ns
     run_job(with_exports)
     assert (tmp_path / "tok" / "manifest.json").stat().st_mtime_ns == before  # kept, not written again
+    unstored = job_config(tiny_models["gpt_neox"], sample_corpus, Path(cfg.output.dir), **STORE | {
+        "activations.export": [{"format": "tokens", "layer": 0, "dir": str(tmp_path / "none")}]})
+    with pytest.raises(ConfigError, match=r"activations.export\[0\].layer: hidden state 0 is not stored \(activations"
+                                          r".layers: \[1, -1\], a model of 2 blocks\)"):
+        run_job(unstored)  # layers counted from the end: checked against the model's depth, before Ray
 
 
 @pytest.mark.parametrize("entry, message", [
