@@ -93,7 +93,7 @@ class Plan:
     @staticmethod
     def bucket_mean(budget: float, shard_rows: int, row_bytes: int) -> float:
         """The most rows a bucket may hold on average: a bucket's rows are binomial, and the mean plus six standard
-        deviations (no bucket of 4096 beyond it but once in about 10^6 exports) must fit beside the carried rows
+        deviations (beyond it: a normal tail of 1e-9 per bucket, 4e-6 for 4096 buckets) must fit beside the carried rows
         twice and a shard's copy."""
         cap = (budget - 3 * shard_rows * row_bytes) / row_bytes
         if cap < 1:
@@ -213,6 +213,12 @@ def _bucket(folder: Path, b: int, d: int) -> tuple[np.ndarray, np.ndarray] | Non
     return h, index
 
 
+def shard_files(entry: dict) -> list[str]:
+    """The files of a shard the manifest lists: the shard, and its index beside a ``.npy`` one."""
+    name = entry["file"]
+    return [name, name[:-4] + "-index.npy"] if name.endswith(".npy") else [name]
+
+
 class _Progress:
     """Pass 2's record (``pass2.json``): the next bucket, the shards written, the float64 norm sum and the rows so far,
     and the rows carried (``carry-B-h.npy`` / ``carry-B-index.npy``, B the bucket that left them)."""
@@ -227,16 +233,15 @@ class _Progress:
             self.carry_i = np.load(staging / f"{self.carry_name}-index.npy")
         else:
             self.carry_h, self.carry_i = np.empty((0, d), np.float32), np.empty(0, INDEX_DTYPE)
-        kept = {s["file"] for s in self.shards} | {f"{self.carry_name}-h.npy", f"{self.carry_name}-index.npy"}
+        kept = {f for s in self.shards for f in shard_files(s)} | {f"{self.carry_name}-{x}.npy" for x in ("h", "index")}
         for p in staging.iterdir():  # what a stopped pass wrote after its last record
-            if p.is_file() and p.name.startswith(("shard-", "carry-", ".")) and p.name not in kept \
-                    and not any(p.name == s["file"].replace(".npy", "-index.npy") for s in self.shards):
+            if p.is_file() and p.name.startswith(("shard-", "carry-", ".")) and p.name not in kept:
                 p.unlink()
 
     def add(self, entry: dict) -> None:
         """A shard written: listed, and its files handed on (uploaded for an object store)."""
         self.shards.append(entry)
-        self.put(entry["file"], *([entry["file"][:-4] + "-index.npy"] if entry["file"].endswith(".npy") else []))
+        self.put(*shard_files(entry))
 
     def commit(self, b: int) -> None:
         """Bucket ``b`` is written: record it (the carried rows first, the record last), then remove its parts."""
@@ -297,8 +302,8 @@ def _add_bucket(staging: Path, p: _Progress, plan: Plan, h: np.ndarray, index: n
             p.add(_write_shard(staging, len(p.shards), p.carry_h, p.carry_i, dtype, file_format))
             p.carry_h, p.carry_i = p.carry_h[:0], p.carry_i[:0]
     while len(h) - at >= plan.shard_rows:
-        p.add(_write_shard(staging, len(p.shards), h[at:at + plan.shard_rows],
-                                     index[at:at + plan.shard_rows], dtype, file_format))
+        p.add(_write_shard(staging, len(p.shards), h[at:at + plan.shard_rows], index[at:at + plan.shard_rows],
+                           dtype, file_format))
         at += plan.shard_rows
     if at < len(h):
         p.carry_h, p.carry_i = h[at:].copy(), index[at:].copy()
@@ -306,9 +311,10 @@ def _add_bucket(staging: Path, p: _Progress, plan: Plan, h: np.ndarray, index: n
 
 def _write_shard(staging: Path, i: int, h: np.ndarray, index: np.ndarray, dtype: str, file_format: str) -> dict:
     """Shard ``i`` (through a dot-file renamed into place: a stopped write leaves no shard)."""
-    name = f"shard-{i:05d}.{file_format}"
+    entry = {"file": f"shard-{i:05d}.{file_format}", "rows": int(len(h))}
+    name = entry["file"]
     if file_format == "npy":
-        for target, a in ((name, h), (f"shard-{i:05d}-index.npy", index)):
+        for target, a in zip(shard_files(entry), (h, index)):
             with open(staging / f".{target}", "wb") as f:
                 np.save(f, a)
             (staging / f".{target}").rename(staging / target)
@@ -320,4 +326,4 @@ def _write_shard(staging: Path, i: int, h: np.ndarray, index: np.ndarray, dtype:
         tensors.update({k: torch.from_numpy(np.ascontiguousarray(index[k])) for k, _ in INDEX})
         save_file(tensors, str(staging / f".{name}"), metadata={"rows": str(len(h))})
         (staging / f".{name}").rename(staging / name)
-    return {"file": name, "rows": int(len(h))}
+    return entry
