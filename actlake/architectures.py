@@ -91,6 +91,10 @@ class Family:
     sets it false; ``attr=value``: one whose attribute reads ``value``."""
     refuse: str | None = None
     """Why no config of this family can be analysed exactly (then nothing else is read)."""
+    decoder_alone: bool = False
+    """The decoder of an encoder-decoder model (:func:`encoder_decoder`), run alone as the type's causal LM (BART's
+    ``BartForCausalLM``): no encoder input, so its cross-attention modules are never called; the statistics are of its
+    self-attention, and the job says so when it starts."""
 
     def qkv_layout(self, config) -> str:
         if "|" not in self.qkv:
@@ -182,8 +186,7 @@ def check_config(config) -> Family:
     that is not modelled (a refused family, a refused config attribute). Sliding windows need no declaring: the
     kernel is handed each layer's window, and the statistics count the pairs it attends."""
     text = text_config(config)
-    if not getattr(config, "is_encoder_decoder", False):  # refused as such (discovery), not for its decoder's heads
-        check_heads(text)
+    check_heads(text)
     check_streams(text)
     if declared(config.model_type) is None:
         from actlake.discovery import discover
@@ -228,13 +231,32 @@ def layer_config(config, block, family: Family):
     return config if i is None else config.per_layer_config[i]
 
 
+def encoder_decoder(config) -> bool:
+    """Whether the model type is an encoder-decoder one: its config says so, or its config class does (a checkpoint of
+    the decoder alone, ``BartForCausalLM``'s, saves ``is_encoder_decoder: false``)."""
+    return bool(getattr(config, "is_encoder_decoder", False) or getattr(type(config), "is_encoder_decoder", False))
+
+
+def query_heads(config) -> int:
+    """Query heads of the attention layers a job records: ``num_attention_heads``, or an encoder-decoder model's
+    ``decoder_attention_heads`` (its decoder runs alone; ``num_attention_heads`` reads the encoder's there)."""
+    for name in ("decoder_attention_heads", "num_decoder_attention_heads"):
+        if encoder_decoder(config) and isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    return global_attr(config, "num_attention_heads")
+
+
 def check_heads(config) -> None:
     """Query heads that differ between layers (a per-layer list of head counts, a count for some layers only, a
-    ``per_layer_config`` override) are refused by name: every attention table has one row per head of every layer."""
-    h = global_attr(config, "num_attention_heads")
+    ``per_layer_config`` override) are refused by name: every attention table has one row per head of every layer.
+    An encoder-decoder model's encoder heads are not looked at (its decoder runs alone)."""
+    h = query_heads(config)
     counts = {}
     for k, v in vars(config).items():
-        if "attention_heads" in k and k != "num_attention_heads":
+        if encoder_decoder(config) and "encoder" in k:
+            continue
+        if "attention_heads" in k and k not in ("num_attention_heads", "decoder_attention_heads",
+                                                "num_decoder_attention_heads"):
             for n in (v if isinstance(v, (list, tuple)) else [v]):
                 if isinstance(n, int) and not isinstance(n, bool) and n != h:
                     counts.setdefault(k, n)
@@ -359,6 +381,32 @@ def check_loaded(loaded, base_model, family: Family, missing_keys, path: str) ->
         raise ModelLoadError(f"model {path}: {len(hit)} weights of its transformer blocks are not in the checkpoint "
                              f"under the names {type(loaded).__name__} reads (e.g. {hit[0]}), so they would be random: "
                              "a checkpoint of another class than the one transformers loads for this model type?")
+    ends = {id(p) for m in _embeddings(loaded, base_model) for p in m.parameters()}
+    hit = [name for name in sorted(missing_keys) if id(_parameter(loaded, name)) in ends]
+    if hit:
+        raise ModelLoadError(f"model {path}: its embeddings or output head ({', '.join(hit[:2])}) are not in the "
+                             f"checkpoint under the names {type(loaded).__name__} reads, so they would be random: a "
+                             "checkpoint of another class than the one transformers loads for this model type?")
+
+
+def _parameter(model, name: str):
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
+
+
+def _embeddings(loaded, base_model) -> list:
+    """The input embeddings of the base model and the output embeddings of the model loaded (where it has them)."""
+    found = []
+    for model, get in ((base_model, "get_input_embeddings"), (loaded, "get_output_embeddings")):
+        try:
+            m = getattr(model, get)()
+        except (AttributeError, NotImplementedError):
+            continue
+        if m is not None:
+            found.append(m)
+    return found
 
 
 def key_weights(block, family: Family, config, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple:
@@ -658,10 +706,18 @@ def check_model(cfg) -> Family:
     config = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
     fam = check_config(config)
     check_chunks(config, cfg.tokenization.max_length)
+    log = logging.getLogger("actlake.run")
     if declared(config.model_type) is None:
         from actlake.discovery import describe
 
-        logging.getLogger("actlake.run").warning(
-            "model_type %r has no declaration; found %s; each worker's first batch checks it against the model's own "
-            "numbers", config.model_type, describe(fam))
+        log.warning("model_type %r has no declaration; found %s; each worker's first batch checks it against the model's "
+                    "own numbers", config.model_type, describe(fam))
+    if fam.decoder_alone:
+        log.warning("model_type %r: %s", config.model_type, DECODER_ALONE)
     return fam
+
+
+DECODER_ALONE = ("an encoder-decoder model: its decoder runs alone (the type's causal LM), without an encoder input "
+                 "and so without its cross-attention; the statistics are of the decoder's self-attention and surprisal "
+                 "is of the causal LM's own logits (without the final_logits_bias a seq2seq class adds)")
+"""What a job on an encoder-decoder model announces (once, before Ray starts)."""

@@ -6,9 +6,11 @@ The common layouts are recognised by module names (blocks at ``layers`` / ``h`` 
 ``k_norm`` or ``k_layernorm``, DeepSeek V3's latent attention), the RoPE layout, whether the key norm comes after
 RoPE, and the output-logit transforms by the modeling module's own source. Whether the attention goes through the
 transformers attention interface at all is read from the model's modules (every modeling module its classes come
-from, and the attention class's own ``forward``). What is found is announced, and each worker's first batch checks it against
-the model's own numbers (:mod:`actlake.analysis.engine.selfcheck`): a wrong guess stops the job before anything
-is written, so guessing never publishes a wrong number. Anything not recognised is refused, naming what is missing.
+from, and the attention class's own ``forward``). An encoder-decoder model is read as its decoder, which a job runs
+alone (the type's causal LM: no encoder input, no cross-attention; announced). What is found is announced, and each
+worker's first batch checks it against the model's own numbers (:mod:`actlake.analysis.engine.selfcheck`): a wrong
+guess stops the job before anything is written, so guessing never publishes a wrong number. Anything not recognised
+is refused, naming what is missing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import inspect
 import re
 import sys
 
-from actlake.architectures import NO_INTERFACE, Family, get_path, text_config
+from actlake.architectures import NO_INTERFACE, Family, encoder_decoder, get_path, text_config
 from actlake.errors import ModelLoadError
 
 LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "transformer.layer", "language_model.layers",
@@ -59,8 +61,11 @@ def _discover(config) -> Family:
     t = config.model_type
     refuse = lambda why: ModelLoadError(f"model_type {t!r} is not supported: it has no declaration, and {why} "
                                         "(docs/models.md)")
-    if getattr(config, "is_encoder_decoder", False):
-        raise refuse("encoder-decoder models (cross-attention) are not modelled")
+    codebooks = _global(getattr(config, "decoder", None) or config, "num_codebooks")
+    if encoder_decoder(config) and isinstance(codebooks, int) and codebooks > 1:
+        raise refuse(f"its decoder reads num_codebooks {codebooks} parallel audio codebook tokens per position (input_ids "
+                     f"of batch x {codebooks} rows) and predicts each, which the per-token statistics and surprisal (one "
+                     "text token per position) do not model")
     if getattr(config, "languages", None) and not getattr(config, "default_language", None):
         raise refuse("its language adapters need a language and the config sets no default_language (set one in "
                      "its config.json)")
@@ -125,6 +130,8 @@ def _discover(config) -> Family:
                      "stream (a bottleneck, or the stream joined with another input), which the contributions (per "
                      "residual dimension) do not model")
     causal = getattr(attn, "is_causal", None)
+    if encoder_decoder(config):  # a decoder's self-attention (BigBird-Pegasus's says is_causal False and is handed a
+        causal = True  # causal mask); the recorder compares the mask the model hands its kernel on every batch
     if causal is None:
         causal = _causal_by_head(config)
     if causal is None:
@@ -150,7 +157,8 @@ def _discover(config) -> Family:
                   key_norm=f"{attention}.{norm}" if norm else None,
                   key_norm_after_rope=after,
                   latent=f"{attention}.{LATENT[1]}" if latent else None, logits=logits,
-                  attention_class=type(attn).__name__ if len(classes) > 1 else None)
+                  attention_class=type(attn).__name__ if len(classes) > 1 else None,
+                  decoder_alone=encoder_decoder(config))
 
 
 def _interface_anywhere(model, refuse) -> None:
@@ -334,4 +342,5 @@ def describe(fam: Family) -> str:
             + (f", latent keys up-projected by {fam.latent!r}" if fam.latent else "")
             + (", RoPE on sliding-window layers only" if fam.rope_layers in ("sliding", "sliding_or_all") else "")
             + (f", attention in the blocks whose module is a {fam.attention_class}" if fam.attention_class else "")
-            + (f", logits {', '.join(fam.logits)}" if fam.logits else ""))
+            + (f", logits {', '.join(fam.logits)}" if fam.logits else "")
+            + (", the decoder of an encoder-decoder model, run alone" if fam.decoder_alone else ""))

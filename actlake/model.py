@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -163,6 +164,7 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         raise ModelLoadError(f"model {path}: surprisal needs a causal LM, and {hf_config.model_type} is not one "
                              "(set analyses.surprisal: false)")
     want_head = family.causal if lm_head is None else lm_head
+    causal = want_head or family.decoder_alone  # an encoder-decoder model: its decoder, the type's causal LM
     device = pick_device(cfg)
     attn = attention_implementation(cfg.attn_implementation, hf_config)
     kwargs = dict(common, attn_implementation=attn, use_safetensors=None if cfg.allow_pickle else True)
@@ -172,8 +174,13 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         with _no_progress_bars():
             tokenizer = AutoTokenizer.from_pretrained(path, **common)
             head = None
-            if want_head:
+            if causal:
                 full, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+                shared = _shared_embeddings(info) if family.decoder_alone else None
+                if shared:  # a seq2seq checkpoint: the decoder's embeddings are its shared ones
+                    del full
+                    full, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, key_mapping=shared,
+                                                                      **kwargs)
                 model, head = base_of(full), output_head(full)
                 if _multimodal_instead(full, model, family, info, hf_config):  # Emu3: its text LM cannot map the keys
                     from transformers import AutoModelForImageTextToText
@@ -186,7 +193,9 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
     except Exception as e:
         hint = " (set model.offload_folder)" if "offload_folder" in str(e) and not cfg.offload_folder else ""
         raise ModelLoadError(f"model {path}: cannot load ({type(e).__name__}: {e}){hint}") from None
-    check_loaded(full if head is not None else model, model, family, info.get("missing_keys"), path)
+    check_loaded(full if causal else model, model, family, info.get("missing_keys"), path)
+    if not want_head:
+        head = None
     placement = None
     if cfg.device_map:
         placement = dict(getattr(model if head is None else full, "hf_device_map", None) or {})
@@ -201,6 +210,21 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return LoadedModel(model, tokenizer, family, device, path, head, placement, kwargs.get("offload_folder"),
                        full if head is not None else None, logit_transform(family, hf_config) if head is not None else None)
+
+
+SHARED = "model.shared.weight"
+"""Where a seq2seq checkpoint (BART's ``BartForConditionalGeneration``) keeps the embeddings its encoder, decoder and
+output head share; the type's causal LM reads the decoder's at ``model.decoder.embed_tokens.weight``."""
+
+
+def _shared_embeddings(info) -> dict | None:
+    """from_pretrained's ``key_mapping`` that reads a seq2seq checkpoint's shared embeddings as the decoder's, where
+    loading its decoder alone left those missing and the checkpoint has them (None otherwise); the output head, where
+    it is tied to them, follows. A head still missing then is refused by :func:`check_loaded`."""
+    missing = [k for k in info.get("missing_keys") or () if k.endswith("decoder.embed_tokens.weight")]
+    if len(missing) != 1 or SHARED not in set(info.get("unexpected_keys") or ()):
+        return None
+    return {f"^{re.escape(SHARED)}$": missing[0]}
 
 
 def _multimodal_instead(full, model, family, info, hf_config) -> bool:

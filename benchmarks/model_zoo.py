@@ -70,7 +70,8 @@ def one(model_type: str, root: Path) -> tuple[str, str]:
         return "caught" + star, caught[0][:200]
     if wrong:
         return "wrong" + star, ", ".join(f"{k} {v:.1e}" for k, v in wrong.items())
-    return "ok" + star, f"largest error {max(err.values()):.1e}"
+    alone = "; the decoder alone (no encoder input, no cross-attention)" if check_config(config).decoder_alone else ""
+    return "ok" + star, f"largest error {max(err.values()):.1e}{alone}"
 
 
 LOAD_REFUSED = "weights of its transformer blocks are not in the checkpoint"

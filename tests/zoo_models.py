@@ -52,7 +52,8 @@ def tiny_config(model_type: str, knobs: bool = True, **overrides):
     except (KeyError, ValueError) as e:
         raise ValueError(f"{model_type}: unknown to this transformers ({e})") from None
     _repair(c)
-    _scale(c, {**SIZES, **(KNOBS if knobs else {})}, {**TYPE_SIZES.get(model_type, {}), **overrides})
+    pairs = ENCODER_DECODER if getattr(type(c), "is_encoder_decoder", False) else {}
+    _scale(c, {**SIZES, **pairs, **(KNOBS if knobs else {})}, {**TYPE_SIZES.get(model_type, {}), **overrides})
     return c
 
 
@@ -182,6 +183,11 @@ def _scaled(k: str, v, default, sizes: dict):
     return v
 
 
+ENCODER_DECODER = dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                       num_encoder_attention_heads=4, num_decoder_attention_heads=4, num_encoder_layers=2,
+                       num_decoder_layers=2, encoder_ffn_dim=128, decoder_ffn_dim=128, d_model=64, max_target_positions=512,
+                       max_source_positions=512)
+"""An encoder-decoder model's sizes per side (BART, Whisper; their decoder runs alone as the type's causal LM)."""
 TYPE_SIZES = {"esmc": {"num_key_value_heads": 4}}
 """The few types whose own validation refuses :data:`SIZES` (ESMC has no grouped-query attention)."""
 SCALED_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",

@@ -13,7 +13,8 @@ from actlake.analysis.engine.capture import LayerInputs, attention_modules
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.engine.layer_replay import LayerReplay
-from actlake.architectures import blocks, key_gain, key_shift, key_weights, latent_scaled_dims, text_config
+from actlake.architectures import (blocks, key_gain, key_shift, key_weights, latent_scaled_dims, query_heads,
+                                  text_config)
 from actlake.errors import AnalysisError, ModelLoadError
 
 
@@ -23,7 +24,7 @@ class ModelQK:
     def __init__(self, model, family):
         self.model, self.family = model, family
         cfg = self.config = text_config(model.config)  # a multimodal model's: its text model's
-        self.n_heads = cfg.num_attention_heads
+        self.n_heads = query_heads(cfg)  # an encoder-decoder model's: its decoder's
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.layer_of = attention_modules(model, family)
         self._blocks = blocks(model, family)

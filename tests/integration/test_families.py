@@ -142,6 +142,8 @@ def test_a_key_layernorm_is_exact(model_type, overrides, zoo):
     ("git", {}, "attention computed outside the transformers attention interface"),  # only its vision tower uses it
     ("fnet", {}, "no attention module was found in the model"),
     ("xlstm", {}, "no attention module was found in the model"),
+    ("musicgen", {}, r"num_codebooks 4 parallel audio codebook tokens per position"),  # an encoder-decoder model's
+    ("prophetnet", {}, "attention computed outside the transformers attention interface"),  # decoder: not exact
 ])
 def test_a_feature_that_is_not_modelled_is_refused_from_the_config(model_type, overrides, why):
     """Refused before Ray, in one line naming the feature (from the config, and a weightless model for undeclared
@@ -426,6 +428,59 @@ def test_an_undeclared_family_is_discovered_and_exact(model_type, zoo):
     assert max(err.values()) < EXACT, err
 
 
+@pytest.mark.parametrize("model_type", ["bart", "whisper", "bigbird_pegasus"])  # bigbird: eager, is_causal False
+def test_an_encoder_decoder_models_decoder_runs_alone_and_exact(model_type, zoo, tmp_path, sample_corpus, caplog):
+    """The type's causal LM (BartForCausalLM): the decoder without an encoder input, its cross-attention never called
+    (not recorded, not expected by the layer check); its own heads (decoder_attention_heads 2, the encoder's 4), read
+    as such; announced before Ray. Loaded without the head (no surprisal) it is still the decoder, not the seq2seq
+    model."""
+    from actlake.architectures import DECODER_ALONE, check_model
+    from actlake.config import ModelConfig
+    from actlake.discovery import discover
+    from actlake.model import load_model
+
+    folder = zoo(model_type, decoder_attention_heads=2)
+    assert discover(tiny_config(model_type)).decoder_alone
+    err = compare(folder)
+    assert err.pop("self_check") == []
+    assert set(err) == set(QUANTITIES) and max(err.values()) < EXACT, err
+    with caplog.at_level("WARNING", logger="actlake.run"):
+        check_model(job_config(folder, sample_corpus, tmp_path / "out"))
+    assert sum(DECODER_ALONE in r.getMessage() for r in caplog.records) == 1
+    lm = load_model(ModelConfig(name_or_path=folder), lm_head=False)
+    assert lm.lm_head is None and type(lm.model).__name__.endswith("DecoderWrapper")
+
+
+@pytest.mark.parametrize("model_type", ["bart", "marian", "whisper", "bigbird_pegasus"])
+def test_a_seq2seq_checkpoint_loads_its_decoder_or_is_refused_by_name(model_type, tmp_path):
+    """A real checkpoint of the seq2seq class (BartForConditionalGeneration's layout: the decoder's embeddings saved as
+    model.shared.weight) loads the decoder with every weight the seq2seq model has: hidden states and logits equal its
+    own decoder's and head's. BigBird-Pegasus's causal LM does not tie its head to those embeddings: refused by name."""
+    from transformers import AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+
+    from actlake.config import ModelConfig
+    from actlake.model import load_model
+    from tests.conftest import _bpe_tokenizer
+
+    torch.manual_seed(0)
+    s2s = (AutoModelForSpeechSeq2Seq if model_type == "whisper" else AutoModelForSeq2SeqLM).from_config(
+        tiny_config(model_type)).eval()
+    s2s.save_pretrained(tmp_path)
+    _bpe_tokenizer(tmp_path, bos_prefix=True)
+    if model_type == "bigbird_pegasus":
+        with pytest.raises(ModelLoadError, match=r"its embeddings or output head \(lm_head.weight\) are not in the "
+                                                 r"checkpoint under the names BigBirdPegasusForCausalLM reads") as e:
+            load_model(ModelConfig(name_or_path=str(tmp_path)), lm_head=True)
+        assert "\n" not in str(e.value)
+        return
+    lm = load_model(ModelConfig(name_or_path=str(tmp_path), dtype="float32"), lm_head=True)
+    ids = torch.randint(2, 500, (2, 12))
+    with torch.no_grad():
+        want = s2s.model.decoder(input_ids=ids).last_hidden_state
+        assert torch.equal(lm.model(input_ids=ids).last_hidden_state, want)
+        assert torch.equal(lm.causal_lm(input_ids=ids).logits, s2s.get_output_embeddings()(want))
+
+
 def test_a_discovered_layout_that_is_wrong_is_caught(zoo, monkeypatch):
     """HunYuan's key norm comes after RoPE (its gain multiplies the rotated k); read as if it came before (the gain
     folded into W_K, as for Qwen 3), the self-check stops it at the key path."""
@@ -454,7 +509,8 @@ def test_the_self_check_catches_a_key_layernorm_bias_left_out(zoo, monkeypatch):
 def test_discovery_refuses_what_it_cannot_read_in_one_line():
     from actlake.discovery import discover
 
-    for model_type, why in [("bart", "encoder-decoder models"), ("gpt_neox_japanese", "outside the transformers attention")]:
+    for model_type, why in [("musicgen", "num_codebooks 4 parallel audio codebook tokens per position"),
+                            ("gpt_neox_japanese", "outside the transformers attention")]:
         with pytest.raises(ModelLoadError, match=rf"model_type '{model_type}' is not supported: it has no declaration, "
                                                  rf"and .*{why}"):
             discover(tiny_config(model_type))
