@@ -25,12 +25,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import ClassVar, Literal, get_args
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from actlake.analysis.engine import grid
 from actlake.analysis.engine.batch import BatchOutputs, HiddenBatch, ModelSpec  # noqa: F401 - part of the protocol
+from actlake.analysis.engine.grid import Column  # noqa: F401 - part of the protocol
 from actlake.deprecation import deprecated
 
 Site = Literal["attention", "layer_inputs", "hidden_states"]
@@ -202,9 +208,44 @@ class Analysis(Producer):
         """The inverse of :meth:`to_tables` (the reduce step reads partials with it)."""
 
 
+def _host(a) -> np.ndarray:
+    """A float64 host array of a tensor on any device, or of an array: ``stats.np64`` (stats imports this module)."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(a, dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class LabelsOf:
+    """An axis whose labels an instance holds in its field ``field`` (one of ``choices``): written as held, read
+    back as the choice whose labels the table's are, which :meth:`OneTable.from_arrow` passes to ``field``."""
+
+    field: str
+    """The instance's field holding the labels (and the keyword its constructor takes them by)."""
+    choices: tuple[tuple[str, ...], ...]
+    """Every labelling a table may have."""
+
+    def pick(self, labels) -> tuple[str, ...]:
+        """The choice whose labels are those of ``labels`` (a table's column)."""
+        found = set(pc.unique(labels).to_pylist())
+        for choice in self.choices:
+            if set(choice) == found:
+                return choice
+        raise ValueError(f"labels {sorted(found)} are none of {self.field}'s {self.choices}")
+
+
 class OneTable:
-    """Mixin for an analysis with one table: ``to_tables`` / ``from_tables`` through the class's own
-    ``to_arrow`` / ``from_arrow`` (list it before the Analysis base)."""
+    """Mixin for an analysis with one table (list it before the Analysis base): ``to_tables`` / ``from_tables``
+    through ``to_arrow`` / ``from_arrow``, which by default write and read the long table (one row per cell)
+    declared by :attr:`AXES` and :attr:`COLUMNS` (:mod:`~actlake.analysis.engine.grid`)."""
+
+    AXES: ClassVar[list] = []
+    """The table's axes, its leading columns in order: (name, labels), (name, length) with length 0 for the
+    arrays' (written) or the table's (read), or (name, :class:`LabelsOf`) for labels an instance holds. A name
+    that is a tuple of column names has tuples of labels: one string column each (``("scheme", "category")``)."""
+    COLUMNS: ClassVar[dict] = {}
+    """Its value columns after the axes, in order: column name -> :class:`~actlake.analysis.engine.grid.Column`
+    (the array attribute it holds, the axes that array spans, the column's type)."""
 
     def to_tables(self) -> dict:
         return {self.tables[0]: self.to_arrow()}
@@ -212,6 +253,35 @@ class OneTable:
     @classmethod
     def from_tables(cls, tables: dict):
         return cls.from_arrow(tables[cls.tables[0]])
+
+    def to_arrow(self) -> pa.Table:
+        """The table of :attr:`COLUMNS` over :attr:`AXES`: each column's array (a tensor on any device, or an array)
+        as float64, transposed to the axes' order and repeated over the axes it does not span."""
+        if not self.COLUMNS:
+            raise NotImplementedError(f"{type(self).__name__}: declare AXES and COLUMNS, or write to_arrow")
+        axes = [(name, getattr(self, spec.field) if isinstance(spec, LabelsOf) else spec) for name, spec in self.AXES]
+        arrays = {c.field: _host(attrgetter(c.field)(self)) for c in self.COLUMNS.values()}
+        return grid.table(axes, self.COLUMNS, arrays)
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table):
+        """The inverse of :meth:`to_arrow`: each field a float64 host tensor, through :meth:`from_fields`."""
+        if not cls.COLUMNS:
+            raise NotImplementedError(f"{cls.__name__}: declare AXES and COLUMNS, or write from_arrow")
+        axes, labels = [], {}
+        for name, spec in cls.AXES:
+            if isinstance(spec, LabelsOf):
+                labels[spec.field] = spec = spec.pick(table[name])
+            axes.append((name, spec))
+        arrays = grid.arrays(table, axes, cls.COLUMNS)
+        fields = {f: torch.from_numpy(np.ascontiguousarray(a)) for f, a in arrays.items()}
+        return cls.from_fields(fields | labels)
+
+    @classmethod
+    def from_fields(cls, fields: dict):
+        """An instance from its fields read back (field -> value; a dotted name as in :attr:`COLUMNS`):
+        ``cls(**fields)``."""
+        return cls(**fields)
 
 
 class ShardTable(Producer):
