@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from actlake.analysis.engine import grid
 from actlake.analysis.engine.layer_qk import LayerQK
-from actlake.analysis.protocol import OneTable, TableDoc
-from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
+from actlake.analysis.protocol import Column, OneTable, TableDoc
+from actlake.analysis.stats import SumStats, accumulate, zeros
 
 SHOWN_DISTANCE = 32
 """The report's chart draws relative positions |m - n| up to this (its title says so); the table holds every one."""
@@ -36,6 +35,9 @@ class AttentionByDistance(OneTable, SumStats):
         SELECT source, layer, head, distance, n_pairs, attn_sum / nullif(n_pairs, 0) AS mean_attention
         FROM attention_by_distance WHERE n_pairs > 0"""}
     view_docs = {"attention_by_distance_mean": "`mean_attention` = attn_sum / n_pairs per relative position"}
+
+    AXES = [("layer", 0), ("head", 0), ("distance_index", 0)]
+    COLUMNS = {"attn_sum": Column("attn"), "n_pairs": Column("pairs", ("layer", "distance_index"))}
 
     attn: torch.Tensor
     """(L, H, 2T-1) summed attention weight at m - n = i - (T - 1)."""
@@ -62,20 +64,17 @@ class AttentionByDistance(OneTable, SumStats):
         accumulate([self.attn[lq.layer, :, off : off + 2 * T - 1], self.pairs[lq.layer]],
                    [lq.product("distance"), lq.batch.pairs_by_distance(self.max_len)])
 
+    # overridden: the table's distance is m - n, centred (index - (max_len - 1)), and its column comes last
     def to_arrow(self) -> pa.Table:
-        L, H, D = self.attn.shape
-        t = grid.to_arrow([("layer", L), ("head", H), ("distance_index", D)],
-                          {"attn_sum": np64(self.attn), "n_pairs": np64(self.pairs)[:, None].repeat(H, 1)})
+        t = super().to_arrow()
         distance = pa.compute.subtract(t["distance_index"], pa.scalar(self.max_len - 1, pa.int32()))
         return t.append_column("distance", distance).drop_columns(["distance_index"])
 
     @classmethod
     def from_arrow(cls, t: pa.Table) -> "AttentionByDistance":
         max_len = -int(pa.compute.min(t["distance"]).as_py()) + 1
-        t = t.append_column("distance_index", pa.compute.add(t["distance"], pa.scalar(max_len - 1, pa.int32())))
-        v = grid.from_arrow(t, [("layer", 0), ("head", 0), ("distance_index", 2 * max_len - 1)], {"attn_sum": 3, "n_pairs": 3})
-        return cls(tensor(v["attn_sum"]), tensor(v["n_pairs"][:, 0]))
-
+        return super().from_arrow(t.append_column(
+            "distance_index", pa.compute.add(t["distance"], pa.scalar(max_len - 1, pa.int32()))))
 
     @classmethod
     def charts(cls, con) -> list:

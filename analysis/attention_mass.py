@@ -21,7 +21,7 @@ import pyarrow as pa
 import torch
 
 from actlake.analysis.engine import grid
-from actlake.analysis.protocol import Headline, OneTable, TableDoc
+from actlake.analysis.protocol import Column, Headline, OneTable, TableDoc
 from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
 from actlake.categories import ROLE
 
@@ -61,6 +61,10 @@ class AttentionMass(OneTable, SumStats):
         "SELECT {series} AS series, layer, avg(mean_mass) AS value FROM attention_mass_by_key{by} WHERE {rows}"
         "key_category = 'bos' GROUP BY ALL ORDER BY ALL", position=2),)
 
+    AXES = [("layer", 0), ("query_category", ROLE), ("head", 0), ("key_category", KEYS)]
+    COLUMNS = {"nonfinite_tokens": Column("nonfinite", 1), "n_queries": Column("n_queries", 2),
+               "mass": Column("mass", ("layer", "head", "query_category", "key_category"))}
+
     mass: torch.Tensor
     """(L, H, Cq, Ck) summed attention weight from queries of category cq to keys of category ck."""
     n_queries: torch.Tensor
@@ -92,22 +96,21 @@ class AttentionMass(OneTable, SumStats):
             sink = torch.einsum("bht,btq->hq", lq.product("sink").double(), lq.query_onehot.double())
             accumulate([self.sink[lq.layer]], [sink])
 
+    # overridden: the learned sink's share is key category 'sink' of column mass, with rows only when it took any
     def to_arrow(self) -> pa.Table:
-        L, H = self.mass.shape[:2]
-        mass, keys = np64(self.mass), ROLE
+        arrays = {"mass": np64(self.mass), "n_queries": np64(self.n_queries), "nonfinite": np64(self.nonfinite)}
+        axes = self.AXES
         if bool((self.sink != 0).any()):
-            mass, keys = np.concatenate([mass, np64(self.sink)[..., None]], axis=-1), KEYS
-        axes = [("layer", L), ("query_category", ROLE), ("head", H), ("key_category", keys)]
-        return grid.to_arrow(axes, {"nonfinite_tokens": np64(self.nonfinite), "n_queries": np64(self.n_queries),
-                                    "mass": mass.transpose(0, 2, 1, 3)})
+            arrays["mass"] = np.concatenate([arrays["mass"], np64(self.sink)[..., None]], axis=-1)
+        else:
+            axes = [(name, ROLE if name == "key_category" else spec) for name, spec in axes]
+        return grid.table(axes, self.COLUMNS, arrays)
 
     @classmethod
     def from_arrow(cls, t: pa.Table) -> "AttentionMass":
-        axes = [("layer", 0), ("query_category", ROLE), ("head", 0), ("key_category", KEYS)]
-        v = grid.from_arrow(t, axes, {"nonfinite_tokens": 1, "n_queries": 2, "mass": 4})
-        mass = v["mass"].transpose(0, 2, 1, 3)  # (L, H, Cq, Ck + 1)
-        return cls(tensor(mass[..., :-1]), tensor(v["n_queries"]), tensor(v["nonfinite_tokens"]), tensor(mass[..., -1]))
-
+        v = grid.arrays(t, cls.AXES, cls.COLUMNS)  # mass (L, H, Cq, Ck + 1): the last key category is the sink
+        return cls(tensor(v["mass"][..., :-1]), tensor(v["n_queries"]), tensor(v["nonfinite"]),
+                   tensor(v["mass"][..., -1]))
 
     @classmethod
     def charts(cls, con) -> list:

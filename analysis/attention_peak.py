@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pyarrow as pa
 import torch
 
-from actlake.analysis.engine import grid
-from actlake.analysis.protocol import OneTable, TableDoc
-from actlake.analysis.stats import SumStats, np64, tensor, zeros
+from actlake.analysis.protocol import Column, OneTable, TableDoc
+from actlake.analysis.stats import SumStats, zeros
 from actlake.categories import ROLE
 
 
@@ -33,6 +31,7 @@ class AttentionPeak(OneTable, SumStats):
                                         "for a head whose queries each look at one key, 1/T for one that spreads "
                                         "evenly"}
     AXES = [("layer", 0), ("query_category", ROLE), ("head", 0)]
+    COLUMNS = {"peak_sum": Column("peak"), "n_queries": Column("n_queries", 2)}  # n_queries: repeated over heads
 
     peak: torch.Tensor
     """(L, C, H) summed max_n alpha_mn over the valid queries m of category c."""
@@ -50,11 +49,3 @@ class AttentionPeak(OneTable, SumStats):
         q_oh = lq.query_onehot.double()  # (B, T, C), zero for padded queries
         self.peak[lq.layer] += torch.einsum("bht,btc->ch", peak, q_oh)
         self.n_queries[lq.layer] += q_oh.sum((0, 1))
-
-    def to_arrow(self) -> pa.Table:  # n_queries spans the first two axes: repeated over heads
-        return grid.to_arrow(self.AXES, {"peak_sum": np64(self.peak), "n_queries": np64(self.n_queries)})
-
-    @classmethod
-    def from_arrow(cls, table: pa.Table) -> "AttentionPeak":
-        v = grid.from_arrow(table, cls.AXES, {"peak_sum": 3, "n_queries": 2})
-        return cls(tensor(v["peak_sum"]), tensor(v["n_queries"]))

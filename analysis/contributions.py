@@ -17,16 +17,13 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-import numpy as np
-import pyarrow as pa
 import torch
 
 from actlake.analysis.dim_moments import top_outlier_dims
-from actlake.analysis.engine import grid
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import LayerQK
-from actlake.analysis.protocol import NoOptions, OneTable, TableDoc
-from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
+from actlake.analysis.protocol import Column, LabelsOf, NoOptions, OneTable, TableDoc
+from actlake.analysis.stats import SumStats, accumulate, zeros
 from actlake.categories import ROLE
 
 QUERY_GROUPS_ALL = ("all",)
@@ -131,6 +128,17 @@ class Contributions(OneTable, SumStats):
                                        "layer = L AND dim = J AND query_category = 'all' GROUP BY 1`), "
                                        "`mean_bias_term`, `weighted_per_query`"}
 
+    AXES = [("layer", 0), ("head", 0), ("key_category", ROLE),
+            ("query_category", LabelsOf("query_groups", (QUERY_GROUPS_ALL, QUERY_GROUPS_BY_ROLE))), ("dim", 0)]
+    COLUMNS = {"n_pairs": Column("n_pairs", ("layer", "query_category", "key_category")),
+               "bias_sum": Column("bias", ("layer", "head", "query_category", "key_category")),
+               # the weighted sums belong to query category 'all' only (0 in the other categories' rows)
+               "weighted_bias_sum": Column("weighted_bias", ("layer", "head", "key_category"),
+                                           first_only=("query_category",)),
+               "contribution_sum": Column("contrib", ("layer", "head", "query_category", "key_category", "dim")),
+               "weighted_sum": Column("weighted", ("layer", "head", "key_category", "dim"), first_only=("query_category",)),
+               "n_queries": Column("n_queries", 1)}
+
     contrib: torch.Tensor
     """(L, H, G, C, d) sum over valid pairs (query in group g, key in category c) of C_j."""
     bias: torch.Tensor
@@ -214,36 +222,6 @@ class Contributions(OneTable, SumStats):
     def merge(self, other: "Contributions") -> "Contributions":
         assert self.query_groups == other.query_groups
         return super().merge(other)
-
-    def _axes(self, L, H, d):
-        return [("layer", L), ("head", H), ("key_category", ROLE), ("query_group", self.query_groups), ("dim", d)]
-
-    def to_arrow(self) -> pa.Table:
-        L, H, G, C, d = self.contrib.shape
-        n = {f: np64(getattr(self, f)) for f in self._tensor_fields()}
-        # weighted values belong to query group 'all' only
-        wq = np.zeros((L, H, C, G, d))
-        wq[:, :, :, 0] = n["weighted"]
-        wb = np.zeros((L, H, C, G))
-        wb[:, :, :, 0] = n["weighted_bias"]
-        t = grid.to_arrow(self._axes(L, H, d), {
-            "n_pairs": n["n_pairs"].transpose(0, 2, 1)[:, None].repeat(H, 1),
-            "bias_sum": n["bias"].transpose(0, 1, 3, 2), "weighted_bias_sum": wb,
-            "contribution_sum": n["contrib"].transpose(0, 1, 3, 2, 4), "weighted_sum": wq,
-            "n_queries": n["n_queries"],
-        })
-        return t.rename_columns(["query_category" if c == "query_group" else c for c in t.column_names])
-
-    @classmethod
-    def from_arrow(cls, t: pa.Table) -> "Contributions":
-        groups = QUERY_GROUPS_BY_ROLE if len(pa.compute.unique(t["query_category"])) > 1 else QUERY_GROUPS_ALL
-        t = t.rename_columns(["query_group" if c == "query_category" else c for c in t.column_names])
-        axes = [("layer", 0), ("head", 0), ("key_category", ROLE), ("query_group", groups), ("dim", 0)]
-        v = grid.from_arrow(t, axes, {"n_pairs": 4, "bias_sum": 4, "weighted_bias_sum": 4,
-                                      "contribution_sum": 5, "weighted_sum": 5, "n_queries": 1})
-        return cls(tensor(v["contribution_sum"].transpose(0, 1, 3, 2, 4)), tensor(v["bias_sum"].transpose(0, 1, 3, 2)),
-                   tensor(v["n_pairs"][:, 0].transpose(0, 2, 1)), tensor(v["weighted_sum"][:, :, :, 0]),
-                   tensor(v["weighted_bias_sum"][:, :, :, 0]), tensor(v["n_queries"]), groups)
 
 
     @classmethod

@@ -10,16 +10,13 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-import numpy as np
-import pyarrow as pa
 import torch
 
-from actlake.analysis.engine import grid
 from actlake.analysis.engine.device import to_device
 from actlake.analysis.engine.moments import GroupSums, Moments
-from actlake.analysis.protocol import Analysis, Headline, OneTable, TableDoc
-from actlake.analysis.stats import np64, tensor
+from actlake.analysis.protocol import Analysis, Column, Headline, OneTable, TableDoc
 from actlake.categories import SCHEMES
+from actlake.deprecation import deprecated
 
 GROUPS: tuple[tuple[str, str], ...] = tuple((s, c) for s, cats in SCHEMES.items() for c in cats)
 """(scheme, category) of each group index."""
@@ -86,6 +83,10 @@ class DimMoments(OneTable, Analysis):
                                "(`scheme = 'role' AND category = 'bos'`) ranks first there, where `outliers` (all "
                                "tokens) never shows it"}
 
+    AXES = [("layer", 0), (("scheme", "category"), GROUPS), ("dim", 0)]
+    COLUMNS = {"count": Column("moments.count", 2), "mean": Column("moments.mean"), "m2": Column("moments.m2"),
+               "max_abs": Column("moments.max_abs"), "nonfinite_tokens": Column("nonfinite", 1)}
+
     moments: Moments
     """Shape (L+1, G, d)."""
     nonfinite: torch.Tensor
@@ -121,28 +122,15 @@ class DimMoments(OneTable, Analysis):
         return DimMoments(self.moments.merge(other.moments), self.nonfinite + other.nonfinite.to(self.nonfinite.device))
 
     def axes(self) -> list:
+        """Deprecated (AXES declares the table's axes): [("layer", L+1), ("group", G), ("dim", d)]."""
+        deprecated("DimMoments.axes() is deprecated: DimMoments.AXES declares the table's axes; axes() goes in the "
+                   "release after 0.2.0")
         L1, G, d = self.moments.mean.shape
         return [("layer", L1), ("group", G), ("dim", d)]
 
-    def to_arrow(self) -> pa.Table:
-        m = self.moments
-        t = grid.to_arrow(self.axes(), {"count": np64(m.count), "mean": np64(m.mean), "m2": np64(m.m2),
-                                        "max_abs": np64(m.max_abs), "nonfinite_tokens": np64(self.nonfinite)})
-        g = t["group"].to_numpy()
-        schemes = np.array([s for s, _ in GROUPS])[g]
-        cats = np.array([c for _, c in GROUPS])[g]
-        return (t.drop_columns(["group"]).add_column(1, "scheme", pa.array(schemes)).add_column(2, "category", pa.array(cats)))
-
     @classmethod
-    def from_arrow(cls, t: pa.Table) -> "DimMoments":
-        keys = [f"{s}/{c}" for s, c in GROUPS]
-        combined = pa.compute.binary_join_element_wise(t["scheme"], t["category"], "/")
-        group = pa.compute.index_in(combined, pa.array(keys)).to_numpy()
-        t = t.append_column("group", pa.array(group, pa.int32()))
-        v = grid.from_arrow(t, [("layer", 0), ("group", len(GROUPS)), ("dim", 0)],
-                            {"count": 2, "mean": 3, "m2": 3, "max_abs": 3, "nonfinite_tokens": 1})
-        return cls(Moments(*(tensor(v[k]) for k in ("count", "mean", "m2", "max_abs"))), tensor(v["nonfinite_tokens"]))
-
+    def from_fields(cls, fields: dict) -> "DimMoments":  # its four moments are one Moments field
+        return cls(Moments(*(fields[f"moments.{k}"] for k in ("count", "mean", "m2", "max_abs"))), fields["nonfinite"])
 
     @classmethod
     def charts(cls, con) -> list:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pyarrow as pa
 import torch
 
-from actlake.analysis.engine import grid
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import LayerQK
-from actlake.analysis.protocol import OneTable, TableDoc
-from actlake.analysis.stats import SumStats, accumulate, np64, tensor, zeros
+from actlake.analysis.protocol import Column, OneTable, TableDoc
+from actlake.analysis.stats import SumStats, accumulate, zeros
 from actlake.categories import ROLE
 
 
@@ -58,6 +56,10 @@ class Geometry(OneTable, SumStats):
                              "that over the layer's weight per key of any category. Which key token draws the most "
                              "attention? (MiniLM on 8 sample documents: [CLS], lift 17-21 in layers 1-4, weight "
                              "0.36-0.43 per query)"}
+    AXES = [("layer", 0), ("head", 0), ("key_category", ROLE)]
+    COLUMNS = {"n_pairs": Column("n_pairs", ("layer", "key_category")), "q_norm_sum": Column("q_norm"),
+               "k_norm_sum": Column("k_norm"), "cos_sum": Column("cos"), "mass": Column("mass"),
+               "mass_keynorm": Column("mass_keynorm"), "n_queries": Column("n_queries", 1)}
 
     n_pairs: torch.Tensor
     """(L, C) valid pairs with the key in category c."""
@@ -105,22 +107,6 @@ class Geometry(OneTable, SumStats):
         mass = [lq.product(p).sum((0, 2), dtype=torch.float64) for p in ("mass", "mass_keynorm")]  # (H, C)
         accumulate([self.n_pairs[l], self.q_norm[l], self.k_norm[l], self.cos[l], self.mass[l], self.mass_keynorm[l],
                     self.n_queries[l]], [b.pairs_by_key_category, *by_cat, *mass, b.n_valid])
-
-    def to_arrow(self) -> pa.Table:
-        L, H, C = self.q_norm.shape
-        n = {f: np64(getattr(self, f)) for f in self._tensor_fields()}
-        return grid.to_arrow([("layer", L), ("head", H), ("key_category", ROLE)], {
-            "n_pairs": n["n_pairs"][:, None].repeat(H, 1), "q_norm_sum": n["q_norm"], "k_norm_sum": n["k_norm"],
-            "cos_sum": n["cos"], "mass": n["mass"], "mass_keynorm": n["mass_keynorm"],
-            "n_queries": n["n_queries"][:, None, None].repeat(H, 1).repeat(C, 2)})
-
-    @classmethod
-    def from_arrow(cls, geo: pa.Table) -> "Geometry":
-        g = grid.from_arrow(geo, [("layer", 0), ("head", 0), ("key_category", ROLE)],
-                            {k: 3 for k in ("n_pairs", "q_norm_sum", "k_norm_sum", "cos_sum", "mass", "mass_keynorm", "n_queries")})
-        return cls(*map(tensor, (g["n_pairs"][:, 0], g["q_norm_sum"], g["k_norm_sum"], g["cos_sum"], g["mass"],
-                                 g["mass_keynorm"], g["n_queries"][:, 0, 0])))
-
 
     @classmethod
     def charts(cls, con) -> list:
