@@ -1,15 +1,13 @@
 """Attention entropy per layer, query category and head: a custom analysis (docs: Writing an analysis).
 
 Tensor fields are float64 sums (SumStats merges them), sized in create, updated per layer in add_layer on
-the model's device, and written as one long table over AXES."""
+the model's device, and written as one long table over AXES with a column per entry of COLUMNS."""
 from dataclasses import dataclass
 
-import pyarrow as pa
 import torch
 
-from actlake.analysis.engine import grid
-from actlake.analysis.protocol import OneTable
-from actlake.analysis.stats import SumStats, np64, tensor, zeros
+from actlake.analysis.protocol import Column, OneTable
+from actlake.analysis.stats import SumStats, zeros
 from actlake.categories import ROLE
 
 
@@ -21,6 +19,8 @@ class AttentionEntropy(OneTable, SumStats):
     views = {"attention_entropy_mean": "SELECT source, layer, query_category, head, "
                                        "entropy_sum / nullif(n_queries, 0) AS mean_entropy FROM attention_entropy"}
     AXES = [("layer", 0), ("query_category", ROLE), ("head", 0)]  # 0: length from the tensors or the table
+    COLUMNS = {"entropy_sum": Column("entropy"),  # column: the field it holds, spanning every axis
+               "n_queries": Column("n_queries", 2)}  # or the first two: repeated over heads
 
     entropy: torch.Tensor  # (L, C, H) summed entropy (nats) of the attention of queries of category c
     n_queries: torch.Tensor  # (L, C) valid queries of category c (the same for every head)
@@ -35,11 +35,3 @@ class AttentionEntropy(OneTable, SumStats):
         entropy = -(w * torch.log(w.clamp(min=1e-30))).sum(-1)  # (B, H, T)
         self.entropy[lq.layer] += torch.einsum("bht,btc->ch", entropy.double(), lq.query_onehot.double())
         self.n_queries[lq.layer] += lq.query_onehot.double().sum((0, 1))
-
-    def to_arrow(self) -> pa.Table:  # n_queries spans the first two axes: repeated over heads
-        return grid.to_arrow(self.AXES, {"entropy_sum": np64(self.entropy), "n_queries": np64(self.n_queries)})
-
-    @classmethod
-    def from_arrow(cls, table: pa.Table) -> "AttentionEntropy":
-        v = grid.from_arrow(table, cls.AXES, {"entropy_sum": 3, "n_queries": 2})
-        return cls(tensor(v["entropy_sum"]), tensor(v["n_queries"]))
