@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ class Family:
     """``config.model_type`` values this family covers."""
     layers: str = "layers"
     """Dotted path from the base model to the list of transformer blocks; ``a|b``: the first that exists (Llama 4's
-    multimodal model loaded whole, or as its causal LM, the text model)."""
+    multimodal model loaded whole, or as its causal LM, the text model); ``a+b``: both lists (HRM's two stacks)."""
     attention: str = "self_attn"
     """Dotted path from a block to the module that calls the attention interface."""
     key: str = "self_attn.k_proj"
@@ -126,6 +127,8 @@ FAMILIES = (
                ("use_bottleneck_attention", "keys from the layer-input bottleneck"),
                ("!key_query_shared_bottleneck", "keys from the layer input beside a bottleneck"),
                ("normalization_type=layer_norm", "a LayerNorm in the key bottleneck (not affine)"))),
+    Family("albert", ("albert",), "encoder.albert_layer_groups", "albert_layers.0.attention",
+           "albert_layers.0.attention.key", causal=False, rope=None),  # a group's block runs once per layer: LOOPS
     Family("modernbert", ("modernbert",), attention="attn", key="attn.Wqkv", qkv="stacked", causal=False),
     Family("gpt2", ("gpt2",), "h", "attn", "attn.c_attn", qkv="conv1d", rope=None),
     Family("gpt_bigcode", ("gpt_bigcode",), "h", "attn", "attn.c_attn", qkv="stacked|per_head:multi_query", rope=None),
@@ -273,13 +276,61 @@ def check_heads(config) -> None:
 
 STREAMS = ("altup_num_inputs", "hc_mult", "hc_count")
 """Config attributes that give each token several residual streams (Gemma 3n's AltUp, hyper-connections)."""
-LOOPS = ("n_recurrent_loops", "H_cycles", "L_cycles")
-"""Config attributes that run layers several times per forward pass (Dory's recurrent depth, HRM's cycles)."""
+def _int(config, attr: str):
+    n = global_attr(config, attr)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _groups(config) -> int | None:
+    """ALBERT: ``num_hidden_layers`` layers run the blocks of ``num_hidden_groups`` groups (one call per layer)."""
+    groups, n = _int(config, "num_hidden_groups"), _int(config, "num_hidden_layers")
+    if groups is None or n is None or groups >= n:
+        return None
+    if (_int(config, "inner_group_num") or 1) > 1:
+        raise ModelLoadError(f"model_type {config.model_type!r} with inner_group_num {config.inner_group_num} is not "
+                             "supported: several blocks per group call (one hidden state per group call, one attention "
+                             "call per block) are not modelled yet")
+    return n
+
+
+def _recurrent(config) -> int | None:
+    """Dory: the input layers, the recurrent ones ``n_recurrent_loops`` times, then the output layers."""
+    loops = _int(config, "n_recurrent_loops")
+    if loops is None or loops <= 1:
+        return None
+    stack = list(range(config.num_hidden_layers))
+    a, b, c = config.n_input_layers, config.n_recurrent_layers, config.n_output_layers
+    return len(stack[:a]) + loops * len(stack[a : a + b]) + len(stack[len(stack) - c :])
+
+
+def _cycles(config) -> int | None:
+    """HRM: per high cycle, the low stack ``L_cycles`` times, then the high stack, ``H_cycles`` times."""
+    high, low, per = _int(config, "H_cycles"), _int(config, "L_cycles"), _int(config, "num_layers_per_stack")
+    if high is None or low is None or per is None or high * (low + 1) <= 1:
+        return None
+    return per * high * (low + 1)
+
+
+LOOPS = (("num_hidden_groups", _groups), ("n_recurrent_loops", _recurrent), ("H_cycles", _cycles))
+"""Config attributes that run blocks several times per forward pass (ALBERT's shared groups, Dory's recurrent depth,
+HRM's cycles), each with the number of attention calls a forward pass makes under it."""
+
+
+def attention_calls(config) -> int | None:
+    """Call-order layers: the number of attention calls one forward pass makes where the config runs blocks several
+    times (:data:`LOOPS`), else None (each attention module is one layer). Layer k is then the k-th attention call of a
+    pass and hidden state k + 1 the k-th block call's output; each pass is checked to make exactly this many calls."""
+    found = [(attr, n) for attr, count in LOOPS if (n := count(config)) is not None]
+    if len(found) > 1:
+        raise ModelLoadError(f"model_type {config.model_type!r} is not supported: {found[0][0]} and {found[1][0]} both "
+                             "repeat its blocks, which is not modelled")
+    return found[0][1] if found else None
 
 
 def check_streams(config) -> None:
     """Refused by name: several residual streams per token (:data:`STREAMS` above 1: the per-token hidden-state
-    statistics assume one vector per token) and clipped q/k/v (``clip_qkv``: k = clamp(x W_K), which the contributions,
+    statistics assume one vector per token), blocks repeated in a way :func:`attention_calls` cannot count, and clipped
+    q/k/v (``clip_qkv``: k = clamp(x W_K), which the contributions,
     a sum over x's dimensions, do not model)."""
     what = f"model_type {config.model_type!r}"
     for attr in STREAMS:
@@ -287,16 +338,7 @@ def check_streams(config) -> None:
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             raise ModelLoadError(f"{what} is not supported: {attr} {n} gives each token {n} residual streams, which "
                                  "the per-token statistics (one hidden state per token) do not model yet")
-    for attr in LOOPS:
-        n = global_attr(config, attr)
-        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-            raise ModelLoadError(f"{what} is not supported: {attr} {n} runs the same layers {n} times per forward "
-                                 "pass, which the per-layer statistics (one call per attention layer) do not model yet")
-    groups, n_layers = global_attr(config, "num_hidden_groups"), global_attr(config, "num_hidden_layers")
-    if isinstance(groups, int) and isinstance(n_layers, int) and groups < n_layers:
-        raise ModelLoadError(f"{what} is not supported: its num_hidden_layers {n_layers} layers share the weights of "
-                             f"num_hidden_groups {groups} group(s) (one attention module for several layers), which the "
-                             "per-layer statistics (one attention module per layer) do not model yet")
+    attention_calls(config)  # refuses a repetition it cannot count
     clip = global_attr(config, "clip_qkv") or getattr(global_attr(config, "attn_config"), "clip_qkv", None)
     if clip:
         raise ModelLoadError(f"{what} with clip_qkv: {clip!r} is not supported: clipped q/k/v (k = clamp(x W_K)) is "
@@ -352,11 +394,12 @@ def get_path(obj, dotted: str):
 
 
 def blocks(base_model, family: Family):
-    """The transformer blocks of a base model (``AutoModel``) or a model with a head."""
+    """The transformer blocks of a base model (``AutoModel``) or a model with a head; ``a+b``: both lists, in order
+    (HRM's two stacks, whose blocks are called in an order of their own: call-order layers)."""
     for candidate in (base_model, getattr(base_model, "base_model", None)):
         for path in family.layers.split("|"):
             try:
-                return list(get_path(candidate, path))
+                return [b for part in path.split("+") for b in get_path(candidate, part)]
             except AttributeError:
                 continue
     raise ModelLoadError(f"{family.name}: cannot find layers at '{family.layers}' in {type(base_model).__name__}")
@@ -606,6 +649,26 @@ def norm_affine_shift(norm, head_dim: int) -> tuple:
     return (b - a) * signs, width, a / rescale  # with a bias: LN(ones) = beta
 
 
+def rms_eps(norm, width: int) -> float:
+    """The ε of an RMS-type key norm as k = g ⊙ y / sqrt(mean(y²) + ε) has it: the norm's own ε where it averages the
+    squares (RMSNorm), ε / width where it sums them (an L2 norm: Dory's x / sqrt(sum(x²) + ε)). Told apart by probing the
+    norm with s·1 and 1 for s² = ε (the ratio of its outputs is sqrt(1 + ε') / (s sqrt(s² + ε')) for its own ε')."""
+    import torch
+
+    eps = norm_eps(norm)
+    if eps <= 0:
+        return eps
+    with onloaded(norm), torch.no_grad():
+        p = next(norm.parameters(), None)
+        kw = {"dtype": p.dtype if p is not None else torch.float32, "device": p.device if p is not None else "cpu"}
+        ones = torch.ones(1, width, **kw)
+        a, b = (norm.forward(v).double() for v in (ones, ones * eps ** 0.5))
+    keep = a.abs() > 0
+    got = float((b[keep] / a[keep]).mean()) / eps ** 0.5
+    ratio = lambda e: ((1 + e) / (eps + e)) ** 0.5
+    return min((eps, eps / width), key=lambda e: abs(math.log(got / ratio(e))))
+
+
 def norm_eps(norm) -> float:
     for attr in ("variance_epsilon", "eps", "epsilon"):
         if getattr(norm, attr, None) is not None:
@@ -706,6 +769,11 @@ def check_model(cfg) -> Family:
     config = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
     fam = check_config(config)
     check_chunks(config, cfg.tokenization.max_length)
+    calls = attention_calls(text_config(config))
+    if calls is not None and getattr(cfg, "interventions", None):
+        raise ModelLoadError(f"model_type {config.model_type!r} with interventions is not supported: its blocks run "
+                             f"several times per forward pass ({calls} attention calls), and editing a hidden state of "
+                             "call-order layers is not modelled yet")
     log = logging.getLogger("actlake.run")
     if declared(config.model_type) is None:
         from actlake.discovery import describe

@@ -19,7 +19,7 @@ import inspect
 import re
 import sys
 
-from actlake.architectures import NO_INTERFACE, Family, encoder_decoder, get_path, text_config
+from actlake.architectures import NO_INTERFACE, Family, attention_calls, encoder_decoder, get_path, text_config
 from actlake.errors import ModelLoadError
 
 LAYERS = ("layers", "h", "decoder.layers", "encoder.layer", "transformer.h", "transformer.layer", "language_model.layers",
@@ -77,10 +77,13 @@ def _discover(config) -> Family:
     layers, blocks = _find(model, LAYERS)
     if not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
         stacks = _stacks(model)
-        if len(stacks) > 1:
+        if len(stacks) > 1 and attention_calls(config) is not None:  # call-order layers: the blocks of every stack
+            layers, blocks = "+".join(stacks), [b for p in stacks for b in get_path(model, p)]
+        elif len(stacks) > 1:
             raise refuse(f"its transformer blocks are in {len(stacks)} stacks ({', '.join(stacks[:3])}), which the "
                          "per-layer statistics (one stack of blocks over the tokens) do not model")
-        raise refuse("no list of transformer blocks was found") from None
+        else:
+            raise refuse("no list of transformer blocks was found") from None
     text_layers = _text_lm_layers(config)
     if text_layers and text_layers != layers:  # a job with surprisal loads the causal LM: the text model's blocks
         layers = f"{layers}|{text_layers}"
@@ -102,10 +105,6 @@ def _discover(config) -> Family:
         raise refuse(NO_INTERFACE)  # its module's other classes may use it (Git's vision tower), not this one
     if "view_as_complex" in source:
         raise refuse("its RoPE is applied through complex numbers, which is not modelled yet")
-    calls = _interface_calls(type(attn))
-    if calls > 1:
-        raise refuse(f"its attention module calls the attention kernel {calls} times per layer (differential or "
-                     "multi-pass attention), which is not modelled")
     key = next(((name, layout) for name, layout in KEYS if hasattr(attn, name)), None)
     latent = all(hasattr(attn, n) for n in LATENT) and _global(config, "kv_lora_rank")
     if latent:
@@ -226,16 +225,6 @@ def _global(config, name: str):
     attribute refuses when layers override it."""
     read = getattr(config, "_getattr_without_heterogeneous_validation", None)
     return read(name, None) if read is not None else getattr(config, name, None)
-
-
-def _interface_calls(attention_class) -> int:
-    """How many times the attention module's ``forward`` calls the attention kernel it took from the interface (its
-    source: ``attention_interface(`` calls); 1 when the source cannot be read."""
-    try:
-        src = inspect.getsource(attention_class.forward)
-    except (OSError, TypeError):
-        return 1
-    return max(1, src.count("attention_interface(") - src.count("def attention_interface("))
 
 
 def _weightless(config):

@@ -15,6 +15,7 @@ from actlake.analysis.attention_distance import AttentionByDistance
 from actlake.analysis.attention_mass import AttentionMass
 from actlake.analysis.contributions import QUERY_GROUPS_ALL, Contributions
 from actlake.analysis.engine import capture
+from actlake.architectures import attention_calls
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.engine.selfcheck import SelfCheck
 from actlake.analysis.geometry import Geometry
@@ -42,12 +43,13 @@ class _Keep:
     with learned sinks its weights brute force: some kernels return weights without the sink's share (Granite
     SWA scales the output instead), so ``output_attentions`` is not the weights the model uses there."""
 
-    def __init__(self, layer_of):
+    def __init__(self, layer_of, calls=None):
         self.layer_of, self.qk, self.sink_weights = layer_of, {}, {}
+        self.calls = calls  # call-order layers: the k-th call is layer k (its own attentions follow the calls)
 
     def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None,
                      sliding_window=None, sinks=None):
-        layer = self.layer_of[id(module)]
+        layer = self.layer_of[id(module)] if self.calls is None else len(self.qk)
         q, k = query.detach().double(), key.detach().double()
         self.qk[layer] = (q, k, sliding_window)
         if sinks is not None:
@@ -68,7 +70,7 @@ def reference(folder: str, ids, valid):
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
         model.set_experts_implementation("eager")  # grouped matrix products have no float64 kernel
     capture.install(model)
-    keep = _Keep(capture.attention_modules(lm.model, lm.family))
+    keep = _Keep(capture.attention_modules(lm.model, lm.family), attention_calls(model.config.get_text_config()))
     with torch.no_grad(), capture.recording(keep):
         out = model(input_ids=ids, attention_mask=valid, output_attentions=True, output_hidden_states=True,
                     use_cache=False)

@@ -188,8 +188,12 @@ ENCODER_DECODER = dict(encoder_layers=2, decoder_layers=2, encoder_attention_hea
                        num_decoder_layers=2, encoder_ffn_dim=128, decoder_ffn_dim=128, d_model=64, max_target_positions=512,
                        max_source_positions=512)
 """An encoder-decoder model's sizes per side (BART, Whisper; their decoder runs alone as the type's causal LM)."""
-TYPE_SIZES = {"esmc": {"num_key_value_heads": 4}}
-"""The few types whose own validation refuses :data:`SIZES` (ESMC has no grouped-query attention)."""
+TYPE_SIZES = {"esmc": {"num_key_value_heads": 4},
+              "dory": {"n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 0,  # 3 calls of 2 blocks
+                       "layer_types": ["sliding_attention", "full_attention"]},  # its to_dict doubles the list
+              "hrm_text": {"num_layers_per_stack": 1, "L_cycles": 1, "num_hidden_layers": 4}}  # 4 calls of 2 blocks
+"""The few types whose own validation refuses :data:`SIZES` (ESMC has no grouped-query attention) or whose repeated
+blocks need a layout of two blocks (Dory's input and recurrent sections, HRM's one block per stack)."""
 SCALED_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim",
                 "vocab_size", "moe_intermediate_size", "kv_lora_rank", "q_lora_rank")
 """Sizes whose variants (another attribute starting or ending with the name) are scaled in proportion."""

@@ -21,7 +21,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from actlake.architectures import blocks, get_path, key_input_module, key_norm_module, norm_affine_shift, norm_eps
+from actlake.architectures import (attention_calls, blocks, get_path, key_input_module, key_norm_module,
+                                  norm_affine_shift, norm_eps, rms_eps, text_config)
 
 _ACTIVE: ContextVar["Recorder | None"] = ContextVar("actlake_recorder", default=None)
 PREFIX = "actlake_"
@@ -186,7 +187,7 @@ class LayerInputs(_Hooks):
         every = blocks(model, family)
         self._targets = [(i, key_input_module(every[i], family), attn, key_norm_module(every[i], family))
                          for i, attn in attention_blocks(model, family)]
-        self._eps = {i: norm_eps(n) for i, _, _, n in self._targets if n is not None}
+        self._eps: dict[int, float] = {}  # per layer: its norm's ε as an RMS over its width has it, found at first use
         self._norms = {i: n for i, _, _, n in self._targets if n is not None}
         self._centred: dict[int, bool] = {}  # per layer: a LayerNorm (r from the centred input), found at first use
 
@@ -218,6 +219,9 @@ class LayerInputs(_Hooks):
             self._centred[layer] = bool(norm_affine_shift(self._norms[layer], kin.shape[-1])[1])
         if self._centred[layer]:  # a LayerNorm: r_n = sqrt(var + eps) (METHODS.md §3 with y - mean(y) for y)
             kin = kin - kin.mean(-1, keepdim=True)
+        if layer not in self._eps:  # an L2 norm's ε over the sum of squares is ε / width over their mean
+            norm = self._norms[layer]
+            self._eps[layer] = norm_eps(norm) if self._centred[layer] else rms_eps(norm, kin.shape[-1])
         r2 = kin.pow(2).mean(-1) + self._eps[layer]  # the norm's own reduction: its last axis
         if r2.dim() == 3 and r2.shape[1] == H and r2.shape[2] == T and r2.shape[1] != T:  # heads first
             return torch.rsqrt(r2)
@@ -266,22 +270,44 @@ class HiddenStream(_Hooks):
     def __init__(self, model, family):
         self._blocks = blocks(model, family)
         self.consume: Callable[[int, torch.Tensor], None] | None = None
+        self.calls = attention_calls(text_config(model.config))
+        """Call-order layers (blocks run several times per pass, :func:`~actlake.architectures.attention_calls`):
+        hidden state 0 is the input of the pass's first block call, k + 1 the output of its k-th (L: as above)."""
+        self._called = -1  # block calls so far in this pass; -1 before the first
 
     @property
     def n_layers(self) -> int:
-        return len(self._blocks)
+        return len(self._blocks) if self.calls is None else self.calls
 
     def __call__(self, consume: Callable[[int, torch.Tensor], None]) -> "HiddenStream":
         self.consume = consume
         return self
 
     def _register(self, handles: list) -> None:
+        if self.calls is not None:
+            for block in dict.fromkeys(self._blocks):
+                handles.append(block.register_forward_pre_hook(self._call_input, with_kwargs=True))
+                handles.append(block.register_forward_hook(self._call_output))
+            return
         handles.append(self._blocks[0].register_forward_pre_hook(self._first, with_kwargs=True))
         for i, block in enumerate(self._blocks[:-1]):  # the last block's output is not hidden state L
             handles.append(block.register_forward_hook(self._output_of(i)))
 
     def _clear(self) -> None:
         self.consume = None  # nor the batch's consumer (its buffers, after an error its half-built sums)
+        self._called = -1
+
+    def _call_input(self, module, args, kwargs):
+        if self._called < 0:
+            self._called = 0
+            self._first(module, args, kwargs)
+
+    def _call_output(self, module, args, output):
+        self._called += 1
+        if self._called >= self.calls:  # the pass's last block call: hidden state L is last_hidden_state
+            self._called = -1
+            return
+        self.consume(self._called, (output[0] if isinstance(output, tuple) else output).detach())
 
     def last(self, last_hidden_state: torch.Tensor) -> None:
         """Hand over hidden state L (the forward pass's ``last_hidden_state``)."""

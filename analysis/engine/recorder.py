@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 
 import torch
@@ -13,8 +14,8 @@ from actlake.analysis.engine.capture import LayerInputs, attention_modules
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.engine.layer_replay import LayerReplay
-from actlake.architectures import (blocks, key_gain, key_shift, key_weights, latent_scaled_dims, query_heads,
-                                  text_config)
+from actlake.architectures import (attention_calls, blocks, key_gain, key_shift, key_weights, latent_scaled_dims,
+                                  query_heads, text_config)
 from actlake.errors import AnalysisError, ModelLoadError
 
 
@@ -27,19 +28,26 @@ class ModelQK:
         self.n_heads = query_heads(cfg)  # an encoder-decoder model's: its decoder's
         self.n_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.layer_of = attention_modules(model, family)
+        """``id(attention module) -> its block's index`` (the block whose weights, inputs and RoPE it reads)."""
         self._blocks = blocks(model, family)
         self.n_layers = len(self._blocks)
         self.attention_layers = sorted(self.layer_of.values())
         """Layers with attention: all of them but a hybrid's linear-attention, recurrent or state-space layers."""
         if not self.attention_layers:
             raise ModelLoadError(f"{family.name}: no block has an attention module at '{family.attention}'")
+        self.calls = attention_calls(cfg)
+        """Call-order layers (blocks run several times per forward pass): the attention calls a pass makes, each one
+        layer (the k-th call is layer k), else None."""
+        if self.calls is not None:
+            self.n_layers, self.attention_layers = self.calls, list(range(self.calls))
         self._weights: dict[int, tuple] = {}
         self._gains: dict[int, torch.Tensor | None] = {}
         self._shifts: dict[int, torch.Tensor | None] = {}
         self._scaled_dims: dict = {}
 
     def weights(self, layer: int, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple:
-        """(W_K (H_kv, d, d_h), b_K) in float32 of one layer, on its device (head counts and width: the kernel's)."""
+        """(W_K (H_kv, d, d_h), b_K) in float32 of one block (``layer``: its index, :attr:`layer_of`), on its device
+        (head counts and width: the kernel's); so are the other per-block reads below."""
         if layer not in self._weights:
             self._weights[layer] = key_weights(self._blocks[layer], self.family, self.config, n_heads, n_kv_heads,
                                                head_dim)
@@ -110,6 +118,9 @@ class AttentionRecorder:
         self.replay = replay
         self._computed_on: set = set()  # devices where a layer of this batch ran as it is
         self.seen: set = set()  # attention layers recorded in this batch
+        self._calls = 0  # attention calls so far in this forward pass (one recorder per pass)
+        self._first: dict = {}  # block -> weak references to the q and k of its first call in this pass
+        self._layer_of_call: dict = {}  # id(module) -> the layer its latest call recorded (kernel_output's)
         self.check = None
         """A :class:`~actlake.analysis.engine.selfcheck.SelfCheck` to feed (a worker's first batch), or None."""
 
@@ -121,12 +132,15 @@ class AttentionRecorder:
 
     def on_attention(self, module, query, key, scaling, attention_mask=None, is_causal=None, value=None, softcap=None,
                      sliding_window=None, sinks=None):
-        layer = self.mqk.layer_of.get(id(module))
-        if layer is None:
+        unit = self.mqk.layer_of.get(id(module))
+        if unit is None:
             raise AnalysisError(f"an attention module of the model ({type(module).__name__}) called the attention "
                                 f"interface outside the layers declared for {self.mqk.family.name!r} (blocks at "
                                 f"{self.mqk.family.layers!r}, attention at {self.mqk.family.attention!r}): its attention "
                                 "would be missing from every statistic; the model type needs a declaration")
+        layer = self._call_layer(unit, module, query, key)
+        if layer is None:  # the same q and k again (DiffLlama's second value): recorded at the first call
+            return None
         dev = query.device  # with device_map, each layer's analyses run where that layer lives
         if dev not in self._batch:
             self._batch[dev] = self.host.to(dev)
@@ -138,13 +152,13 @@ class AttentionRecorder:
              "x": None, "w_key": None, "b_key": None, "key_scale": None, "key_gain": None, "key_shift": None,
              "sinks": sinks.detach().float() if sinks is not None else None}
         rope = None
-        if self.inputs is not None:
-            t["x"] = self.inputs.x.pop(layer).detach()  # not kept past its layer
-            t["w_key"], t["b_key"] = self.mqk.weights(layer, query.shape[1], key.shape[1], key.shape[-1])
-            t["key_scale"] = self.inputs.key_scale(layer, key)
-            t["key_gain"] = self.mqk.key_gain(layer, key.shape[1], key.shape[-1])
-            t["key_shift"] = self.mqk.key_shift(layer, key.shape[1], key.shape[-1])
-            rope = self.inputs.rope.get(layer) if self.mqk.rope_on(layer) else None
+        if self.inputs is not None:  # per block (its weights, its inputs of this call)
+            t["x"] = self.inputs.x.pop(unit).detach()  # not kept past its layer
+            t["w_key"], t["b_key"] = self.mqk.weights(unit, query.shape[1], key.shape[1], key.shape[-1])
+            t["key_scale"] = self.inputs.key_scale(unit, key)
+            t["key_gain"] = self.mqk.key_gain(unit, key.shape[1], key.shape[-1])
+            t["key_shift"] = self.mqk.key_shift(unit, key.shape[1], key.shape[-1])
+            rope = self.inputs.rope.get(unit) if self.mqk.rope_on(unit) else None
         self.seen.add(layer)
         softcap = None if softcap is None else float(softcap)
         if self.replay is None or self.strict or softcap is not None or sinks is not None:
@@ -153,6 +167,30 @@ class AttentionRecorder:
             out = self._replayed(layer, t, float(scaling), rope, window)
         self.replaced_layers += out is not None
         return out
+
+    def _call_layer(self, unit: int, module, query, key) -> int | None:
+        """The layer of this attention call: its block (``unit``), or the call's rank in the pass for call-order layers
+        (raising when a pass makes more calls than the config declares); None for a block's second call with the very
+        q and k of its first (only v differs: the same attention weights); raises for one with other q or k."""
+        mqk, what = self.mqk, f"model_type {self.mqk.config.model_type!r}"
+        if mqk.calls is not None:
+            layer, self._calls = self._calls, self._calls + 1
+            if layer >= mqk.calls:
+                raise AnalysisError(f"{what}: its attention modules were called more than the {mqk.calls} times per "
+                                    "forward pass its config declares (call-order layers: blocks run several times), "
+                                    "so the layers would be misnumbered")
+        elif unit in self._first:
+            q, k = self._first[unit]
+            if q() is query and k() is key:
+                return None
+            raise AnalysisError(f"{what}: attention layer {unit} called the attention kernel again in one forward pass "
+                                "with other q or k, which the per-layer statistics (one attention per layer) do not "
+                                "model (blocks run several times need their config to declare it: call-order layers)")
+        else:
+            layer = unit
+            self._first[unit] = (weakref.ref(query), weakref.ref(key))
+        self._layer_of_call[id(module)] = layer
+        return layer
 
     def _window(self, dev, sliding_window) -> object:
         """The key of this layer's BatchInfo in ``_batch``: the device, or (device, W) for a sliding window W
@@ -255,7 +293,7 @@ class AttentionRecorder:
     def kernel_output(self, module, value: torch.Tensor, output: torch.Tensor) -> None:
         """The attention output (B, T, H, d_h) the model's kernel computed, for the self-check."""
         if self.check is not None:
-            self.check.kernel_output(self.mqk.layer_of[id(module)], value, output)
+            self.check.kernel_output(self._layer_of_call[id(module)], value, output)
 
     def _check_mask(self, layer: int, batch: BatchInfo, attention_mask, is_causal: bool) -> None:
         """The pairs the model attends (on real queries) must be the pairs the statistics count. Strict:

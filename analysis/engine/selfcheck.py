@@ -6,7 +6,8 @@ transform not declared) stops the analyses it would make wrong, before anything 
   RoPE) equals the k the kernel received (what the contributions assume);
 - attention: the engine's weights times V equal the kernel's output on every valid query (softcapping,
   sinks, position biases or masks the engine does not know change it);
-- layers: every attention layer of the model was recorded;
+- layers: every attention layer of the model was recorded (call-order layers: the pass made the declared number of
+  attention calls; more stop the batch at once);
 - surprisal: equals -log softmax of the model's own logits (its full forward pass, one sequence);
 - hidden states: those the block hooks hand the analyses equal the model's ``output_hidden_states`` (the same pass).
 
@@ -72,7 +73,8 @@ class SelfCheck:
         missing = sorted(set(attention_layers) - seen)
         if missing and self.attention:
             self.failures.append(f"attention layers {missing} of {len(attention_layers)} never called the transformers attention "
-                                 f"interface (nothing recorded there); affected: {', '.join(self.attention)}")
+                                 "interface (nothing recorded there; for call-order layers: the pass made fewer attention "
+                                 f"calls than its config declares); affected: {', '.join(self.attention)}")
 
     def surprisal(self, ours: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> None:
         """``ours`` (T,) float32 surprisal of one sequence against -log softmax of the model's ``logits`` (T, V)."""

@@ -124,16 +124,13 @@ def test_a_key_layernorm_is_exact(model_type, overrides, zoo):
     ("hy_v4", {}, r"hc_mult 4 gives each token 4 residual streams"),
     ("laguna", {"num_attention_heads_per_layer": [4, 8]},
      r"different numbers of query heads \(num_attention_heads 4, num_attention_heads_per_layer 8\)"),
-    ("dory", {}, r"n_recurrent_loops 2 runs the same layers 2 times per forward pass"),
     ("olmo", {"clip_qkv": 8.0}, r"clipped q/k/v \(k = clamp\(x W_K\)\)"),
-    ("diffllama", {}, r"calls the attention kernel 2 times per layer"),
     ("inkling_text", {}, r"a convolution over positions \(k_sconv\)"),
     ("mobilebert", {"normalization_type": "layer_norm"},
      r"a LayerNorm in the key bottleneck \(not affine\)"),  # 'mobilebert' with normalization_type: 'layer_norm'
     ("inkling2_text", {}, r"its key projection \(Inkling2KeyValueProjection\) has no single weight matrix"),
     ("gemma4_unified_assistant", {}, r"a drafter \(assistant\) model"),
-    ("albert", {}, r"num_hidden_layers 2 layers share the weights of num_hidden_groups 1 group"),
-    ("hrm_text", {}, r"H_cycles 2 runs the same layers 2 times per forward pass"),
+    ("albert", {"inner_group_num": 2}, r"several blocks per group call"),  # call-order layers: one block per call
     ("blt", {}, r"its transformer blocks are in 6 stacks \(local_encoder.layers"),
     ("zamba2", {}, r"its key projection reads a 128-wide input, not the 64-wide residual stream"),
     # attention by hand, found from the model's modules (no list of blocks to look in) or its attention's forward
@@ -479,6 +476,89 @@ def test_a_seq2seq_checkpoint_loads_its_decoder_or_is_refused_by_name(model_type
         want = s2s.model.decoder(input_ids=ids).last_hidden_state
         assert torch.equal(lm.model(input_ids=ids).last_hidden_state, want)
         assert torch.equal(lm.causal_lm(input_ids=ids).logits, s2s.get_output_embeddings()(want))
+
+
+@pytest.mark.parametrize("model_type, overrides, calls", [
+    ("albert", {}, 2),  # one group's block for both layers
+    ("albert", {"num_hidden_layers": 4, "num_hidden_groups": 2}, 4),  # groups 0, 0, 1, 1
+    ("dory", {}, 3),  # its input block, then its recurrent block twice
+    ("hrm_text", {}, 4),  # per high cycle: the low stack's block, then the high stack's; two stacks of one block
+])
+def test_call_order_layers_are_exact(model_type, overrides, calls, zoo, tmp_path, sample_corpus):
+    """Blocks that run several times per forward pass: layer k is the k-th attention call (its block's weights, the
+    inputs of that call), hidden state k + 1 the k-th block call's output, as the model's own output_hidden_states
+    and attentions have them; the config declares how many calls a pass makes. Interventions are refused by name."""
+    from actlake.analysis.engine.recorder import ModelQK
+    from actlake.architectures import attention_calls, check_model
+    from actlake.config import ModelConfig
+    from actlake.model import load_model
+
+    folder = zoo(model_type, **overrides)
+    lm = load_model(ModelConfig(name_or_path=folder), lm_head=None)
+    mqk = ModelQK(lm.model, lm.family)
+    assert attention_calls(lm.model.config) == mqk.n_layers == calls and mqk.attention_layers == list(range(calls))
+    assert len(mqk.layer_of) < calls
+    err = compare(folder)
+    assert err.pop("self_check") == []
+    assert max(err.values()) < EXACT, err
+    cfg = job_config(folder, sample_corpus, tmp_path / "out", **{"interventions": [
+        {"name": "z", "at": 1, "op": "zero", "dims": [0]}]})
+    with pytest.raises(ModelLoadError, match=rf"'{model_type}' with interventions is not supported: its blocks run "
+                                             rf"several times per forward pass \({calls} attention calls\)"):
+        check_model(cfg)
+
+
+@pytest.mark.parametrize("declared", [-1, 1])
+def test_a_wrong_number_of_calls_is_caught(declared, zoo, monkeypatch):
+    """Dory declared with one call fewer than it makes (its last call would be misnumbered): the batch stops at the
+    extra call, by name; with one more: the self-check finds the last layer never recorded and the hidden states
+    misnumbered."""
+    from actlake import architectures as arch
+    from actlake.analysis.engine import capture, recorder
+    from actlake.errors import AnalysisError
+
+    folder = zoo("dory")
+    wrong = lambda config: arch.attention_calls(config) + declared
+    monkeypatch.setattr(recorder, "attention_calls", wrong)
+    monkeypatch.setattr(capture, "attention_calls", wrong)
+    ids, valid, role = batch(512)
+    if declared < 0:
+        with pytest.raises(AnalysisError, match=r"model_type 'dory': its attention modules were called more than the 2 "
+                                                r"times per forward pass its config declares"):
+            engine(folder, ids, valid, role)
+        return
+    check = engine(folder, ids, valid, role)[5]
+    assert any("attention layers [3] of 4 never called" in f and "contributions" in f for f in check.failures)
+    assert any("hidden state" in f and "residual_norms" in f for f in check.failures), check.failures
+
+
+def test_a_second_kernel_call_with_the_same_q_and_k_is_one_layer(zoo, monkeypatch):
+    """DiffLlama's attention calls the kernel twice per layer with the very q and k (only v differs: the same
+    weights), so each layer is recorded once, exactly, and the self-check compares both outputs. A second call with
+    another k (planted) stops the batch by name."""
+    from transformers.models.diffllama import modeling_diffllama
+
+    from actlake.errors import AnalysisError
+
+    folder = zoo("diffllama")
+    err = compare(folder)
+    assert err.pop("self_check") == []
+    assert max(err.values()) < EXACT, err
+    interface = modeling_diffllama.ALL_ATTENTION_FUNCTIONS
+    real = interface.get_interface
+
+    def other_k(impl, default):
+        kernel, n = real(impl, default), [0]
+
+        def call(module, q, k, *args, **kwargs):
+            n[0] += 1
+            return kernel(module, q, k * 1.5 if n[0] % 2 == 0 else k, *args, **kwargs)
+        return call
+    monkeypatch.setattr(interface, "get_interface", other_k)
+    ids, valid, role = batch(512)
+    with pytest.raises(AnalysisError, match=r"model_type 'diffllama': attention layer 0 called the attention kernel "
+                                            r"again in one forward pass with other q or k"):
+        engine(folder, ids, valid, role)
 
 
 def test_a_discovered_layout_that_is_wrong_is_caught(zoo, monkeypatch):
