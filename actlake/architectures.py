@@ -194,16 +194,26 @@ def check_config(config) -> Family:
     if declared(config.model_type) is None:
         from actlake.discovery import discover
 
-        return discover(config)
+        return check_clip(config, discover(config))
     fam = family_for(config.model_type)
     what = f"model_type {config.model_type!r}"
     if fam.refuse:
         raise ModelLoadError(f"{what} is not supported: {fam.refuse}")
+    check_clip(text, fam)
     for attr, reason in fam.refuse_if:
         name, _, value = attr.lstrip("!").partition("=")
         have = getattr(config, name, None)
         if (str(have) == value if value else (have is not None and not have) if attr.startswith("!") else bool(have)):
             raise ModelLoadError(f"{what} with {name}: {have!r} is not supported: {reason} is not modelled yet")
+    return fam
+
+
+def check_clip(config, fam: Family) -> Family:
+    """Clipped keys are modelled on a plain key path only (no key norm, latent or map before the projection)."""
+    clip = clip_qkv(text_config(config))
+    if clip and (fam.key_norm or fam.latent or fam.key_input):
+        raise ModelLoadError(f"model_type {config.model_type!r} with clip_qkv: {clip!r} is not supported: clipped keys "
+                             "with a key norm, latent keys or a map before the key projection are not modelled")
     return fam
 
 
@@ -329,9 +339,7 @@ def attention_calls(config) -> int | None:
 
 def check_streams(config) -> None:
     """Refused by name: several residual streams per token (:data:`STREAMS` above 1: the per-token hidden-state
-    statistics assume one vector per token), blocks repeated in a way :func:`attention_calls` cannot count, and clipped
-    q/k/v (``clip_qkv``: k = clamp(x W_K), which the contributions,
-    a sum over x's dimensions, do not model)."""
+    statistics assume one vector per token) and blocks repeated in a way :func:`attention_calls` cannot count."""
     what = f"model_type {config.model_type!r}"
     for attr in STREAMS:
         n = global_attr(config, attr)
@@ -339,10 +347,13 @@ def check_streams(config) -> None:
             raise ModelLoadError(f"{what} is not supported: {attr} {n} gives each token {n} residual streams, which "
                                  "the per-token statistics (one hidden state per token) do not model yet")
     attention_calls(config)  # refuses a repetition it cannot count
+
+
+def clip_qkv(config) -> float | None:
+    """The bound of clipped q/k/v (``clip_qkv``: k = clamp(x W_K + b_K, -c, c), OLMo, DBRX), or None. Modelled: the
+    clip's correction clamp(y_n) - y_n joins the bias term (the recorder's ``clip_shift``, METHODS.md §3)."""
     clip = global_attr(config, "clip_qkv") or getattr(global_attr(config, "attn_config"), "clip_qkv", None)
-    if clip:
-        raise ModelLoadError(f"{what} with clip_qkv: {clip!r} is not supported: clipped q/k/v (k = clamp(x W_K)) is "
-                             "not modelled by the contributions yet")
+    return float(clip) if clip else None
 
 
 INDEXERS = ("index_topk", "indexer_budget")

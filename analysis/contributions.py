@@ -71,7 +71,12 @@ def contributions_by_category(lq: LayerQK, *qsums: torch.Tensor) -> list[tuple[t
             q_by_cat = torch.mm(keys.member, qs)
         bk = _kv_expanded(lq, lq.b_key)  # (H, d_h)
         bias = torch.einsum("chik,hk->ihc", q_by_cat.view(C, H, k, dh).double(), bk.double())
-    if lq.key_shift is not None:  # a key LayerNorm's bias: R_n beta, not scaled by 1 / r_n
+    if lq.shift_per_token:  # clipped keys' correction, one per key: R_n delta_n
+        qu = lq.unrotate(torch.stack(qsums, dim=3)).permute(0, 2, 1, 3, 4)[keys.seq, keys.pos]  # (n, H, k, d_h)
+        shift = _kv_expanded(lq, lq.key_shift.transpose(0, 1)).transpose(0, 1).permute(0, 2, 1, 3)[keys.seq, keys.pos]
+        per_key = torch.einsum("nhid,nhd->nhi", qu.double(), shift.double()).reshape(qu.shape[0], -1)
+        bias = bias + torch.mm(keys.member.double(), per_key).view(C, H, k).permute(2, 1, 0)
+    elif lq.key_shift is not None:  # a key LayerNorm's bias: R_n beta, not scaled by 1 / r_n
         qu = lq.unrotate(torch.stack(qsums, dim=3)).permute(0, 2, 1, 3, 4)[keys.seq, keys.pos].reshape(-1, H * k * dh)
         with tf32(False):
             q_by_cat = torch.mm(keys.member, qu)
@@ -96,7 +101,10 @@ def bias_term(lq: LayerQK, qsum: torch.Tensor) -> torch.Tensor:
     out = qsum.new_zeros(qsum.shape[:3])
     if lq.b_key is not None:
         out = torch.einsum("bhtk,hk->bht", lq.scale_keys(lq.unrotate(qsum)), _kv_expanded(lq, lq.b_key))
-    if lq.key_shift is not None:  # a key LayerNorm's bias (not scaled by 1 / r_n)
+    if lq.shift_per_token:  # clipped keys' correction, one per key
+        shift = _kv_expanded(lq, lq.key_shift.transpose(0, 1)).transpose(0, 1)  # (B, H, T, d_h)
+        out = out + torch.einsum("bhtk,bhtk->bht", lq.unrotate(qsum), shift.to(qsum.dtype))
+    elif lq.key_shift is not None:  # a key LayerNorm's bias (not scaled by 1 / r_n)
         out = out + torch.einsum("bhtk,hk->bht", lq.unrotate(qsum), _kv_expanded(lq, lq.key_shift))
     return out
 

@@ -305,7 +305,8 @@ class LayerQK:
     to q' before the un-rotation (:meth:`unrotate`); None: any gain is folded into ``w_key``."""
     key_shift: torch.Tensor | None = None
     """(H_kv, d_h) float32 bias beta of a key LayerNorm (k = R_n(g ⊙ (y P) / r_n + beta)), added after the norm's
-    1 / r_n: a term of the score no dimension of x owns, part of the bias term (not scaled by ``key_scale``); or None."""
+    1 / r_n: a term of the score no dimension of x owns, part of the bias term (not scaled by ``key_scale``); or
+    (B, H_kv, T, d_h), one per key: clipped keys' correction clamp(y) - y (``clip_qkv``); or None."""
     softcap: float | None = None
     """Attention logit softcapping: weights from cap * tanh(score / cap) (contributions are of the score)."""
     sinks: torch.Tensor | None = None
@@ -439,10 +440,16 @@ class LayerQK:
                        None if self.unrotation is None else (cut(self.unrotation[0]), cut(self.unrotation[1]), *self.unrotation[2:]),
                        self.needs,
                        "explicit" if self.method in ("flash", "padded") else self.method, cut(self.value),
-                       self.max_elements, key_scale=cut(self.key_scale), key_gain=self.key_gain, key_shift=self.key_shift,
+                       self.max_elements, key_scale=cut(self.key_scale), key_gain=self.key_gain,
+                       key_shift=cut(self.key_shift) if self.shift_per_token else self.key_shift,
                        softcap=self.softcap,
                        sinks=self.sinks,
                        key_scale_dims=self.key_scale_dims)
+
+    @property
+    def shift_per_token(self) -> bool:
+        """:attr:`key_shift` is (B, H_kv, T, d_h), one per key (clipped keys' correction), not (H_kv, d_h)."""
+        return self.key_shift is not None and self.key_shift.dim() == 4
 
     @property
     def key_scale_per_query_head(self) -> torch.Tensor | None:

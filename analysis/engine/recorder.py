@@ -14,8 +14,8 @@ from actlake.analysis.engine.capture import LayerInputs, attention_modules
 from actlake.analysis.engine.device import tf32
 from actlake.analysis.engine.layer_qk import BatchInfo, LayerQK
 from actlake.analysis.engine.layer_replay import LayerReplay
-from actlake.architectures import (attention_calls, blocks, key_gain, key_shift, key_weights, latent_scaled_dims,
-                                  query_heads, text_config)
+from actlake.architectures import (attention_calls, blocks, clip_qkv, key_gain, key_shift, key_weights,
+                                  latent_scaled_dims, query_heads, text_config)
 from actlake.errors import AnalysisError, ModelLoadError
 
 
@@ -40,6 +40,8 @@ class ModelQK:
         layer (the k-th call is layer k), else None."""
         if self.calls is not None:
             self.n_layers, self.attention_layers = self.calls, list(range(self.calls))
+        self.clip = clip_qkv(cfg)
+        """Clipped keys (``clip_qkv``): each call's correction clamp(y) - y joins the bias term (:meth:`clip_shift`)."""
         self._weights: dict[int, tuple] = {}
         self._gains: dict[int, torch.Tensor | None] = {}
         self._shifts: dict[int, torch.Tensor | None] = {}
@@ -71,6 +73,14 @@ class ModelQK:
             dims = latent_scaled_dims(self.family, self.config, head_dim)
             self._scaled_dims[head_dim, device] = None if dims is None else dims.to(device)
         return self._scaled_dims[head_dim, device]
+
+    def clip_shift(self, x: torch.Tensor, w_key: torch.Tensor, b_key) -> torch.Tensor:
+        """(B, H_kv, T, d_h) float32 clamp(y, -c, c) - y for y = x W_K + b_K (k before RoPE is y plus it, exactly): the
+        part of a clipped key no dimension of x owns."""
+        y = torch.einsum("btd,hdk->bhtk", x.float(), w_key.to(x.device))
+        if b_key is not None:
+            y = y + b_key.to(x.device)[None, :, None]
+        return y.clamp(-self.clip, self.clip) - y
 
     def rope_on(self, layer: int) -> bool:
         return self.family.rope_on(self.config, layer)
@@ -158,10 +168,13 @@ class AttentionRecorder:
             t["key_scale"] = self.inputs.key_scale(unit, key)
             t["key_gain"] = self.mqk.key_gain(unit, key.shape[1], key.shape[-1])
             t["key_shift"] = self.mqk.key_shift(unit, key.shape[1], key.shape[-1])
+            if self.mqk.clip is not None:  # a plain key path (check_clip): no shift of a norm to add it to
+                t["key_shift"] = self.mqk.clip_shift(t["x"], t["w_key"], t["b_key"])
             rope = self.inputs.rope.get(unit) if self.mqk.rope_on(unit) else None
         self.seen.add(layer)
         softcap = None if softcap is None else float(softcap)
-        if self.replay is None or self.strict or softcap is not None or sinks is not None:
+        if (self.replay is None or self.strict or softcap is not None or sinks is not None
+                or self.mqk.clip is not None):  # a clip's correction is per call: no replay
             out = self._layer(layer, t, float(scaling), rope, self.consumers, softcap, window)
         else:
             out = self._replayed(layer, t, float(scaling), rope, window)

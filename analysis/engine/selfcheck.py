@@ -51,8 +51,8 @@ class SelfCheck:
         if lq.b_key is not None:
             k = k + lq.b_key[None, :, None]
         k = lq.scale_keys(k, per_query_head=False)
-        if lq.key_shift is not None:  # a key LayerNorm's bias, after its 1 / r_n
-            k = k + lq.key_shift[None, :, None].to(k.dtype)
+        if lq.key_shift is not None:  # a key LayerNorm's bias, after its 1 / r_n; clipped keys' correction per key
+            k = k + (lq.key_shift if lq.shift_per_token else lq.key_shift[None, :, None]).to(k.dtype)
         if lq.cos is not None:
             k = rope.apply(k, rope.factors(lq.cos, lq.sin, 1.0, *lq.unrotation[2:]))
         if lq.key_gain is not None:  # a key norm after RoPE: its gain multiplies the rotated k

@@ -124,7 +124,7 @@ def test_a_key_layernorm_is_exact(model_type, overrides, zoo):
     ("hy_v4", {}, r"hc_mult 4 gives each token 4 residual streams"),
     ("laguna", {"num_attention_heads_per_layer": [4, 8]},
      r"different numbers of query heads \(num_attention_heads 4, num_attention_heads_per_layer 8\)"),
-    ("olmo", {"clip_qkv": 8.0}, r"clipped q/k/v \(k = clamp\(x W_K\)\)"),
+    ("olmoe", {"clip_qkv": 8.0}, r"clipped keys with a key norm"),  # clipped keys on a plain key path: exact
     ("inkling_text", {}, r"a convolution over positions \(k_sconv\)"),
     ("mobilebert", {"normalization_type": "layer_norm"},
      r"a LayerNorm in the key bottleneck \(not affine\)"),  # 'mobilebert' with normalization_type: 'layer_norm'
@@ -559,6 +559,30 @@ def test_a_second_kernel_call_with_the_same_q_and_k_is_one_layer(zoo, monkeypatc
     with pytest.raises(AnalysisError, match=r"model_type 'diffllama': attention layer 0 called the attention kernel "
                                             r"again in one forward pass with other q or k"):
         engine(folder, ids, valid, role)
+
+
+@pytest.mark.parametrize("model_type", ["olmo", "dbrx"])
+def test_clipped_keys_are_exact(model_type, zoo, monkeypatch):
+    """clip_qkv 1.0 (about 40 % of the key entries clamped): k = clamp(x W_K + b_K) = x W_K + b_K + delta_n, the
+    clip's correction delta_n in the bias term, so the sum rule holds exactly. Left out (planted), the self-check stops
+    the contributions at the key path."""
+    import json
+
+    from actlake.analysis.engine.recorder import ModelQK
+
+    folder = zoo(model_type, **({"clip_qkv": 1.0} if model_type == "olmo" else {}))
+    if model_type == "dbrx":  # its clip is in attn_config
+        path = os.path.join(folder, "config.json")
+        config = json.loads(open(path).read())
+        config["attn_config"]["clip_qkv"] = 1.0
+        open(path, "w").write(json.dumps(config))
+    err = compare(folder)
+    assert err.pop("self_check") == []
+    assert max(err.values()) < EXACT, err
+    monkeypatch.setattr(ModelQK, "clip_shift", lambda self, x, w, b: None)
+    ids, valid, role = batch(512)
+    check = engine(folder, ids, valid, role)[5]
+    assert check.failures and all("the key path" in f and "contributions" in f for f in check.failures), check.failures
 
 
 def test_a_discovered_layout_that_is_wrong_is_caught(zoo, monkeypatch):
