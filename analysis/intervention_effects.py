@@ -90,6 +90,8 @@ class InterventionEffects(OneTable, Analysis):
         return InterventionEffects(self.names, self.cells, n, self.clean + other.clean, self.edited + other.edited,
                                    mean, m2)
 
+    # its own pair, not AXES/COLUMNS: rows are (intervention, cell) pairs, not a grid, and the interval columns are
+    # derived from the merged sums, not stored ones
     def to_arrow(self) -> pa.Table:
         from scipy import stats
 
