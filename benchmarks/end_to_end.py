@@ -6,12 +6,14 @@ CONFIG defaults to the embedded default job (the quick start: MiniLM over the 40
 runs the job (a real ``actlake run`` through :func:`~actlake.jobs.extract.run.run_job`: embedded Ray, workers,
 commits, reduce; the report off) under a new run id, then the plain forward pass in this process: the model
 loaded as the job loads it (same dtype and attention), ``torch.no_grad()``, with the job's worker thread count,
-over the job's own windows rebuilt from its ``tokens`` table and batched as the job batches them. Rounds
-alternate job and plain, so a busy machine slows both.
+over the job's own windows rebuilt from its ``tokens`` table and batched as the job batches them; then the job's
+forward pass with its analyses over the same batches in this process (the shard's compute without Ray, reading or
+writing). Rounds alternate the three, so a busy machine slows all of them.
 
-Prints, per round and as the median: the job's wall time, the plain pass's (model load excluded), their ratio;
-the job's time breakdown (``summary.json``'s ``seconds``: the driver's phases and the workers' time per phase);
-"inside the shards" (read + compute + write + commit) against plain; and what the per-token tables (``tokens``,
+Prints, per round and as the median: the job's wall time, the plain pass's and the in-process analyses' (model
+loads excluded), their ratios; the OpenMP wait policy the workers got; the job's time breakdown (``summary.json``'s
+``seconds``: the driver's phases and the workers' time per phase); "inside the shards" (read + compute + write +
+commit) against plain and against the in-process analyses; and what the per-token tables (``tokens``,
 ``residual_norms``) store per token and cost in the shards' write time. On a GPU machine without Ray or DuckDB
 (the lent device) it cannot run: ``benchmarks/gpu_session.sh`` measures the forward pass and one shard there.
 """
@@ -67,6 +69,17 @@ def plain_forward(lm, batches, pad_id: int) -> float:
     return time.perf_counter() - t0
 
 
+def suite_forward(extractor, batches) -> float:
+    """Seconds for the job's forward pass with its analyses over ``batches`` in this process (what a shard computes,
+    without Ray, reading or writing; the first call includes the worker's first-batch self-check, as a job does)."""
+    t0 = time.perf_counter()
+    acc = extractor.shard_results(None, 1.0)
+    for result in extractor.forward.run(batches):
+        acc.add(result)
+    acc.finish()
+    return time.perf_counter() - t0
+
+
 def worker_threads(cfg) -> int:
     """The torch threads of the job's workers (from a Ray started and stopped here: each job starts its own)."""
     import ray
@@ -79,6 +92,13 @@ def worker_threads(cfg) -> int:
         return _worker_shape(cfg)[3]
     finally:
         ray.shutdown()
+
+
+def wait_policy(env: dict) -> str:
+    """What the job's workers did between OpenMP regions: libgomp's spinning, unless told otherwise."""
+    if "OMP_WAIT_POLICY" in env:
+        return env["OMP_WAIT_POLICY"]
+    return f"GOMP_SPINCOUNT={env['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in env else "spin"
 
 
 def per_token_bytes(run_dir: str, tokens: int) -> dict:
@@ -98,6 +118,8 @@ def main(argv=None) -> int:
     import torch
 
     from actlake.config import load_config
+    from actlake.jobs.common import ray_env
+    from actlake.jobs.extract.driver import Extractor
     from actlake.model import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,18 +132,21 @@ def main(argv=None) -> int:
         lm = batches = None
         for i in range(args.repeats):
             job = run_once(cfg, f"end-to-end-{int(time.time())}-{i}")
-            if lm is None:  # the plain pass's model, loaded once (its load is not timed)
+            if lm is None:  # the in-process models, loaded once (their load is not timed)
                 if threads > 0:
                     torch.set_num_threads(threads)
                 lm = load_model(cfg.model)
+                extractor = Extractor(cfg, load_model(cfg.model, lm_head=cfg.analyses.surprisal))
                 batches = job_windows(job["run_dir"], cfg)
             plain = plain_forward(lm, batches, lm.tokenizer.pad_token_id or 0)
+            suite = suite_forward(extractor, batches)
             s = job["summary"]
-            rounds.append({"job_s": job["wall"], "plain_s": plain, "ratio": job["wall"] / plain,
+            rounds.append({"job_s": job["wall"], "plain_s": plain, "suite_s": suite, "ratio": job["wall"] / plain,
+                           "omp_wait_policy": wait_policy(ray_env.workers_env),
                            "tokens": s["tokens"], "seconds": s["seconds"],
                            "bytes_per_token": per_token_bytes(job["run_dir"], s["tokens"])})
-            print(f"round {i + 1}: job {job['wall']:.1f}s, plain forward {plain:.1f}s: {job['wall'] / plain:.2f}x",
-                  flush=True)
+            print(f"round {i + 1}: job {job['wall']:.1f}s, plain forward {plain:.1f}s: {job['wall'] / plain:.2f}x; "
+                  f"the job's analyses in this process {suite:.1f}s", flush=True)
     _print(rounds)
     if args.json:
         Path(args.json).write_text(json.dumps(rounds, indent=1))
@@ -130,19 +155,26 @@ def main(argv=None) -> int:
 
 def _print(rounds: list[dict]) -> None:
     med = lambda f: statistics.median(f(r) for r in rounds)
-    job, plain = med(lambda r: r["job_s"]), med(lambda r: r["plain_s"])
-    sec = {k: med(lambda r, k=k: r["seconds"][k]) for k in rounds[0]["seconds"]}
+    job, plain, suite = med(lambda r: r["job_s"]), med(lambda r: r["plain_s"]), med(lambda r: r["suite_s"])
+    sec = {k: med(lambda r, k=k: r["seconds"].get(k, 0.0)) for k in rounds[0]["seconds"]}
     inside = sec["read"] + sec["compute"] + sec["write"] + sec["commit"]
-    workers_other = sec["dispatch"] - sec["ray_start"] - sec["model_load"] - inside
+    started = sec.get("worker_start", 0.0)
+    workers_other = sec["dispatch"] - sec["ray_start"] - started - sec["model_load"] - inside
+    stop = sec.get("ray_stop", 0.0)
     print(f"\n{rounds[0]['tokens']:,} tokens; medians of {len(rounds)} round(s)")
     print(f"{'job wall':<34}{job:8.1f} s   {job / plain:5.2f}x plain")
     print(f"{'plain forward (same windows)':<34}{plain:8.1f} s")
-    print(f"{'inside the shards':<34}{inside:8.1f} s   {inside / plain:5.2f}x plain")
+    print(f"{'workers OpenMP wait policy':<34}{', '.join(sorted({r['omp_wait_policy'] for r in rounds})):>8}")
+    print(f"{'analyses in process (same windows)':<34}{suite:8.1f} s   {suite / plain:5.2f}x plain")
+    print(f"{'inside the shards':<34}{inside:8.1f} s   {inside / plain:5.2f}x plain, {inside / suite:5.2f}x in process")
+    startup = sec["before_dispatch"] + sec["ray_start"] + started + sec["model_load"]
+    print(f"{'start-up + reduce + Ray stop':<34}{startup + sec['reduce'] + stop:8.1f} s")
     rows = [("before dispatch (checks, plan)", sec["before_dispatch"]), ("Ray start", sec["ray_start"]),
-            ("model load (workers)", sec["model_load"]), ("read + tokenise", sec["read"]),
-            ("forward + analyses", sec["compute"]), ("write tables", sec["write"]), ("commits", sec["commit"]),
-            ("workers: start, last commit, idle", workers_other), ("reduce", sec["reduce"]),
-            ("rest of the driver", job - sec["before_dispatch"] - sec["dispatch"] - sec["reduce"])]
+            ("workers: start (process, imports)", started), ("model load (workers)", sec["model_load"]),
+            ("read + tokenise", sec["read"]), ("forward + analyses", sec["compute"]), ("write tables", sec["write"]),
+            ("commits", sec["commit"]), ("workers: last commit, idle", workers_other), ("reduce", sec["reduce"]),
+            ("Ray stop (beyond the reduce)", stop),
+            ("rest of the driver", job - sec["before_dispatch"] - sec["dispatch"] - sec["reduce"] - stop)]
     print("breakdown (worker time summed over workers):")
     for name, v in rows:
         if v < 0:  # several workers, or read-ahead overlapping reading with compute: worker-seconds exceed the wall

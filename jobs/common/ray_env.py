@@ -6,10 +6,15 @@ import contextlib
 import logging
 import os
 import re
+import threading
 
 from actlake.errors import ActlakeError, printable
 
 log = logging.getLogger("actlake.run")
+
+
+workers_env: dict[str, str] = {}
+"""The variables the last embedded Ray started here gave its workers (:func:`local_worker_env`)."""
 
 
 def init_ray(address: str | None, dashboard: bool = False) -> bool:
@@ -21,6 +26,7 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
     controller polls (without it, Ray Train logs a warning every second)."""
     import ray
 
+    ray_released()  # a Ray still shutting down reads as initialized
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
@@ -28,12 +34,14 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
         ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
         quiet_forwarded_logs()
         return True
+    global workers_env
+    workers_env = local_worker_env()
     with _single_machine_ray(), _quiet(TOKEN_AUTH_LOGGER):
         # address="local": always a new Ray. With None, Ray would join the last cluster that `ray start` or a
         # crashed test recorded in <ray temp dir>/ray_current_cluster, live or long dead.
         ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1",
                  _node_ip_address="127.0.0.1", log_to_driver=True, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": local_worker_env()})
+                 runtime_env={"env_vars": workers_env})
     quiet_forwarded_logs()
     node_ip = ray.util.get_node_ip_address()
     if node_ip not in ("127.0.0.1", "::1"):
@@ -44,34 +52,66 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
 
 
 def local_worker_env() -> dict[str, str]:
-    """Variables of an embedded Ray's workers. ``OMP_WAIT_POLICY=PASSIVE`` unless the driver's environment sets
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (then those): torch's OpenMP threads sleep at the end of each parallel
-    region instead of spinning for the next one. A trade-off, measured 2026-11-29 on 2 cores with the 40-document
-    job of docs/benchmarks.md: alone, spinning computes 1.2-1.4x faster (compute 9.1-9.4 s with ``OMP_WAIT_POLICY=ACTIVE``
-    against 11.5-13.2 s passive; in one process, a shard of the quick start 4.4-4.6 s with libgomp's default
-    spinning against 5.8-6.0 s); two jobs side by
-    side, passive is 1.4-1.5x faster (17 s each against 23-27 s with ``GOMP_SPINCOUNT=10000``; the quick start's
-    pair earlier: 92-95 s against 189-195 s), since spinning threads take the cores the other job's threads wait
-    for. Passive is the default because a slower job alone beats two stalled ones; a machine running one job may
-    set ``OMP_WAIT_POLICY=ACTIVE`` (or a ``GOMP_SPINCOUNT``) before ``actlake run``."""
-    if "GOMP_SPINCOUNT" in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-        return {"TOKENIZERS_PARALLELISM": "false", "GOMP_SPINCOUNT": os.environ["GOMP_SPINCOUNT"]}
-    return {"TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    """Variables of an embedded Ray's workers: the driver's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` when set;
+    otherwise torch's OpenMP threads spin between parallel regions (libgomp's default, as on a cluster's
+    workers and in a plain forward pass) unless another Ray already runs on this machine, when they sleep
+    (``OMP_WAIT_POLICY=PASSIVE``) and a line says so. Spinning computes 1.2-1.4x faster alone; beside another
+    CPU job it stalls both (docs/benchmarks.md)."""
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if "OMP_WAIT_POLICY" in os.environ:
+        env["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
+    elif "GOMP_SPINCOUNT" in os.environ:
+        env["GOMP_SPINCOUNT"] = os.environ["GOMP_SPINCOUNT"]
+    elif others := other_rays():
+        log.info("another Ray runs on this machine (raylet pid %d): the workers' threads sleep between operations "
+                 "(OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY to choose)", others[0])
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
 
+
+def other_rays() -> list[int]:
+    """The pids of the raylets running on this machine (any user's: they share its cores)."""
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"]
+
+
+_stopping: threading.Thread | None = None
+"""A shutdown of Ray under way in the background (:func:`release_ray`)."""
 
 _held: list[bool] | None = None
 """Inside :func:`holding_ray`: whether a job in the block started Ray (it is shut down when the block ends)."""
 
 
-def release_ray() -> None:
+def release_ray(background: bool = False) -> None:
     """What a job that started Ray calls when it is done: ``ray.shutdown()``, or inside :func:`holding_ray`, at
-    the block's end."""
+    the block's end. ``background``: in a thread, while the caller goes on (Ray's graceful shutdown waits up to a
+    second for each of its processes); :func:`init_ray` and :func:`ray_released` wait for it."""
     import ray
 
+    global _stopping
     if _held is not None:
         _held[0] = True
+    elif background:
+        _stopping = threading.Thread(target=_shutdown, args=(ray,), name="ray-shutdown")
+        _stopping.start()
     else:
         ray.shutdown()
+
+
+def _shutdown(ray) -> None:
+    try:
+        ray.shutdown()
+    except Exception as e:  # noqa: BLE001 - the job's result stands; the next init_ray starts a new Ray
+        log.warning("Ray's shutdown failed: %s", e)
+
+
+def ray_released() -> None:
+    """Return once a shutdown :func:`release_ray` started in the background is over."""
+    global _stopping
+    if _stopping is not None:
+        _stopping.join()
+        _stopping = None
 
 
 @contextlib.contextmanager

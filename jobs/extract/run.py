@@ -18,7 +18,7 @@ from actlake.corpus.fingerprint import current_fingerprints, first_change
 from actlake.corpus.readers import HF_STREAM
 from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError, printable
 from actlake.fs import ObjectPath, location, read_regular, remove_tree
-from actlake.jobs.common.ray_env import init_ray, release_ray, store_env
+from actlake.jobs.common.ray_env import init_ray, ray_released, release_ray, store_env
 from actlake.jobs.extract.dispatch import Dispatcher
 from actlake.jobs.extract.identity import identity_change, run_identity
 from actlake.jobs.extract.kept_workers import keep, kept_key, take_kept
@@ -335,21 +335,26 @@ def _execute(job: Job, address, report, on_shard, t0) -> RunResult:
     ran: list[dict] = []
     todo = pending
     phases = {"before_dispatch": time.perf_counter() - t0, "ray_start": 0.0, "dispatch": 0.0}
-    for _ in range(REDISPATCH):
-        if not todo:
-            break
+    try:  # Ray started here shuts down in the background, while the statistics are reduced
+        for _ in range(REDISPATCH):
+            if not todo:
+                break
+            t1 = time.perf_counter()
+            ran += _dispatch(job, todo, address or cfg.resources.address, on_shard, phases)
+            phases["dispatch"] += time.perf_counter() - t1
+            record = committed(layout, phash)
+            todo = [s for s in shards if s.shard_id not in record.shards]  # a skipped duplicate record lost its shards
+            if todo:
+                log.warning("%d shard(s) not committed after dispatch (a commit record was skipped); running them "
+                            "again", len(todo))
         t1 = time.perf_counter()
-        ran += _dispatch(job, todo, address or cfg.resources.address, on_shard, phases)
-        phases["dispatch"] += time.perf_counter() - t1
-        record = committed(layout, phash)
-        todo = [s for s in shards if s.shard_id not in record.shards]  # a record skipped as a duplicate lost its shards
-        if todo:
-            log.warning("%d shard(s) not committed after dispatch (a commit record was skipped); running them again",
-                        len(todo))
-    t1 = time.perf_counter()
-    totals = reduce_run(layout, [s.shard_id for s in shards], phash, analyses, max_sources=cfg.analyses.max_sources,
-                        done=record)
-    phases["reduce"] = time.perf_counter() - t1
+        totals = reduce_run(layout, [s.shard_id for s in shards], phash, analyses,
+                            max_sources=cfg.analyses.max_sources, done=record)
+        phases["reduce"] = time.perf_counter() - t1
+    finally:
+        t1 = time.perf_counter()
+        ray_released()
+        phases["ray_stop"] = time.perf_counter() - t1  # the part of Ray's shutdown the reduce did not hide
     wall = time.perf_counter() - t0
     tokens_run = sum(r["tokens"] for r in ran)
     totals.update(wall_seconds=wall, shards_run=len(pending), tokens_run=tokens_run,
@@ -458,6 +463,13 @@ def _close_workers(workers) -> None:
             log.warning("a worker could not remove its offload folder: %s", e)
 
 
+def worker_start(summaries: list[dict], created_at: float) -> float:
+    """Seconds from the workers' creation to the first one's constructor (Ray placing it, its process starting,
+    the worker module's imports), by the workers' clocks (0 when every worker was kept from a previous job)."""
+    started = [s["started_at"] for s in summaries if s.get("started_at")]
+    return max(0.0, min(started) - created_at) if started else 0.0
+
+
 def time_breakdown(phases: dict, ran: list[dict]) -> dict:
     """Where a job's wall time went, in seconds (``summary.json``'s ``seconds``; benchmarks/end_to_end.py prints
     it). The driver's phases: ``before_dispatch`` (checks, plan, run folder), ``ray_start`` (inside ``dispatch``),
@@ -499,6 +511,7 @@ def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[di
         workers, kept = take_kept(key, n), []
         try:  # from here on every worker held is killed or kept, whatever happens
             made_for = replace(target, counter=None)  # an actor handle is never an argument of its creation
+            created_at = time.time()  # the workers' own clocks say when each started (the breakdown's worker_start)
             workers += [ShardWorker.options(**options).remote(made_for, threads, files, env)
                         for _ in range(n - len(workers))]
             log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus,
@@ -516,6 +529,8 @@ def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[di
                                     on_ran=progress.shard_ran, target=target,
                                     on_tick=lambda: progress.tick(counter.totals()))
             summaries, failures = dispatcher.run(pending)
+            if phases is not None:
+                phases["worker_start"] = phases.get("worker_start", 0.0) + worker_start(summaries, created_at)
             progress.tick(counter.totals())
             if cfg.model.offload_folder:
                 _close_workers(workers)
@@ -532,4 +547,4 @@ def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[di
         return summaries
     finally:
         if started:
-            release_ray()
+            release_ray(background=True)  # _execute waits for it after the reduce

@@ -62,6 +62,14 @@ def release_free_memory() -> None:
         pass
 
 
+def freeze_loaded_objects() -> None:
+    """Leave what is alive now (modules, the model, its tokenizer: some 450,000 objects with MiniLM) out of every
+    later garbage collection (``gc.freeze``), so that :func:`release_free_memory`'s collection between shards
+    looks at the shard's objects only: 0.3 s a shard before, a few milliseconds after (2 cores)."""
+    gc.collect()
+    gc.freeze()
+
+
 def install_code(files: dict, origins: list[str] = ()) -> dict[str, str]:
     """Put the custom analyses' code (``{relative path: bytes}``) on sys.path, in :func:`code_folder`. Returns
     {path written: the driver's path of that file} for ``origins`` (``analyses.custom[].path``), so errors
@@ -178,6 +186,7 @@ class ShardWorker:
         (ray-project/ray#53727). The job's progress counter comes with each call's ``target``. Custom code over
         Ray's inline limit (100 KiB; ``CUSTOM_CODE_LIMIT`` allows 16 MiB) still goes by reference: Ray then warns,
         and a restart after the reference is lost fails."""
+        self.started_at = time.time()  # reported with the first shard: the job's time breakdown (worker start)
         os.environ.update(store_env or {})
         import torch
 
@@ -204,6 +213,7 @@ class ShardWorker:
         if self.extractor is not None:
             self.close()
             self.extractor = None
+            gc.unfreeze()  # the previous job's objects may be collected again
             release_free_memory()
             import torch
 
@@ -227,6 +237,7 @@ class ShardWorker:
             self.extractor.reader = ReaderProcess(self.cfg, self.extractor.lm.tokenizer)
         self.counter = target.counter
         self.target = target.key
+        freeze_loaded_objects()
         self.load_seconds = time.perf_counter() - t0  # reported with the next shard (the job's time breakdown)
 
     def _on(self, target: Target | None) -> None:
@@ -262,10 +273,12 @@ class ShardWorker:
             commit_s = time.perf_counter() - t0
         release_free_memory()
         rss_mb = psutil.Process().memory_info().rss / 2**20
-        with self.aiming:  # the other slot's shard (read-ahead) must not report the load again
+        with self.aiming:  # the other slot's shard (read-ahead) must not report the load (or the start) again
             load_s, self.load_seconds = self.load_seconds, 0.0
+            started_at, self.started_at = self.started_at, None
         return dict(summary, shard_id=shard.shard_id, pid=self.pid, worker_rss_mb=rss_mb, committed=committed,
-                    node_id=ray.get_runtime_context().get_node_id(), commit_seconds=commit_s, load_seconds=load_s)
+                    node_id=ray.get_runtime_context().get_node_id(), commit_seconds=commit_s, load_seconds=load_s,
+                    started_at=started_at)
 
     def flush(self, target: Target | None = None) -> list[int]:
         """Commit the open group now; the shard ids committed."""

@@ -245,6 +245,7 @@ def test_a_streamed_hugging_face_dataset_runs_one_shard_per_file(minilm_path, sa
 LISTENERS = r"""
 import json, sys, time
 import psutil, ray
+from actlake.jobs.common import ray_env
 from actlake.jobs.common.ray_env import init_ray
 
 def listeners():
@@ -267,7 +268,8 @@ for dashboard in (False, True):
     if dashboard:
         os.environ["OMP_WAIT_POLICY"] = "ACTIVE"  # a user's own setting reaches the workers
     assert init_ray(None, dashboard=dashboard)
-    waits[str(dashboard)] = ray.get(ray.remote(lambda: os.environ.get("OMP_WAIT_POLICY")).remote())  # a worker is up
+    chosen = ray_env.workers_env.get("OMP_WAIT_POLICY")  # spinning (None), or passive beside another Ray
+    waits[str(dashboard)] = [chosen, ray.get(ray.remote(lambda: os.environ.get("OMP_WAIT_POLICY")).remote())]
     time.sleep(8)  # agents and monitors open their ports after start-up
     result[str(dashboard)] = listeners()
     ray.shutdown()
@@ -286,8 +288,8 @@ def test_the_embedded_ray_is_new_and_listens_on_loopback_only(own_ray_env):
     """``init_ray(None)`` (and with the dashboard, as the training jobs start it) starts its own Ray even
     where Ray's temp folder names a cluster (``ray start``'s record, here a dead one, as a killed test
     leaves it), and every TCP listener and bound UDP socket of the driver and every process Ray started is
-    on 127.0.0.1 / ::1. Its workers' OpenMP threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE)
-    unless the user set the variable."""
+    on 127.0.0.1 / ::1. Its workers get the OpenMP wait policy the driver chose (spinning, or passive beside
+    another Ray), and the user's own OMP_WAIT_POLICY when set."""
     own_ray_env = {k: v for k, v in own_ray_env.items() if k != "OMP_WAIT_POLICY"}  # tests/conftest.py sets it
     record = Path(own_ray_env["RAY_TMPDIR"], "ray", "ray_current_cluster")
     record.parent.mkdir()
@@ -296,7 +298,9 @@ def test_the_embedded_ray_is_new_and_listens_on_loopback_only(own_ray_env):
                           env=own_ray_env, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1].split("\n", 1)[0])
-    assert json.loads(proc.stdout.split("WAITS ", 1)[1]) == {"False": "PASSIVE", "True": "ACTIVE"}
+    waits = json.loads(proc.stdout.split("WAITS ", 1)[1])
+    assert waits["True"] == ["ACTIVE", "ACTIVE"] and waits["False"][0] in (None, "PASSIVE"), waits
+    assert waits["False"][1] == waits["False"][0], waits  # what the driver chose is what the worker has
     for dashboard, socks in result.items():
         names = " ".join(s["process"] for s in socks)
         assert "gcs_server" in names and "raylet" in names, (dashboard, socks)

@@ -76,18 +76,42 @@ def test_the_training_pace_gives_the_loss_since_the_last_line_and_the_time_left(
     assert pace.eta() == ""  # none left
 
 
-def test_an_embedded_ray_s_workers_wait_passively_unless_the_driver_says_otherwise(monkeypatch):
-    """OpenMP's wait policy of the workers: passive by default (docs/benchmarks.md: two jobs side by side), the
-    driver's OMP_WAIT_POLICY or GOMP_SPINCOUNT when set (one job alone computes faster spinning)."""
-    from actlake.jobs.common.ray_env import local_worker_env
+def test_an_embedded_ray_s_workers_spin_unless_another_ray_runs_or_the_driver_says_otherwise(monkeypatch):
+    """OpenMP's wait policy of the workers: libgomp's spinning by default (one job alone computes faster), passive
+    when another Ray runs on the machine (docs/benchmarks.md: two jobs side by side), the driver's
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT when set."""
+    from actlake.jobs.common import ray_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    assert local_worker_env()["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in local_worker_env()
+    monkeypatch.setattr(ray_env, "other_rays", lambda: [])
+    assert ray_env.local_worker_env() == {"TOKENIZERS_PARALLELISM": "false"}
+    monkeypatch.setattr(ray_env, "other_rays", lambda: [4242])
+    assert ray_env.local_worker_env()["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
-    assert local_worker_env()["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in local_worker_env()
+    assert ray_env.local_worker_env()["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in ray_env.local_worker_env()
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert local_worker_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert ray_env.local_worker_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_another_ray_on_the_machine_is_seen_by_its_raylet():
+    """other_rays names the raylet of a real Ray started here in another process."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from actlake.jobs.common.ray_env import other_rays
+
+    proc = subprocess.Popen([sys.executable, "-c", "import ray, sys; ray.init(address='local', include_dashboard=False);"
+                             " print('up', flush=True); sys.stdin.read(); ray.shutdown()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        raylets = {c.pid for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "raylet"}
+        assert raylets and raylets <= set(other_rays())
+    finally:
+        proc.communicate("", timeout=120)
 
 
 def test_durations_past_a_day_keep_their_hours():
