@@ -12,7 +12,7 @@ writing). Rounds alternate the three, so a busy machine slows all of them.
 
 Prints, per round and as the median: the job's wall time, the plain pass's and the in-process analyses' (model
 loads excluded), their ratios; the OpenMP wait policy the workers got; the job's time breakdown (``summary.json``'s
-``seconds``: the driver's phases and the workers' time per phase); "inside the shards" (read + compute + write +
+``seconds``: the driver's phases and the workers' time per phase); "inside the shards" (read + compute + write + merge +
 commit) against plain and against the in-process analyses; and what the per-token tables (``tokens``,
 ``residual_norms``) store per token and cost in the shards' write time. On a GPU machine without Ray or DuckDB
 (the lent device) it cannot run: ``benchmarks/gpu_session.sh`` measures the forward pass and one shard there.
@@ -157,7 +157,7 @@ def _print(rounds: list[dict]) -> None:
     med = lambda f: statistics.median(f(r) for r in rounds)
     job, plain, suite = med(lambda r: r["job_s"]), med(lambda r: r["plain_s"]), med(lambda r: r["suite_s"])
     sec = {k: med(lambda r, k=k: r["seconds"].get(k, 0.0)) for k in rounds[0]["seconds"]}
-    inside = sec["read"] + sec["compute"] + sec["write"] + sec["commit"]
+    inside = sec["read"] + sec["compute"] + sec["write"] + sec.get("merge", 0.0) + sec["commit"]
     started = sec.get("worker_start", 0.0)
     workers_other = sec["dispatch"] - sec["ray_start"] - started - sec["model_load"] - inside
     stop = sec.get("ray_stop", 0.0)
@@ -172,15 +172,16 @@ def _print(rounds: list[dict]) -> None:
     rows = [("before dispatch (checks, plan)", sec["before_dispatch"]), ("Ray start", sec["ray_start"]),
             ("workers: start (process, imports)", started), ("model load (workers)", sec["model_load"]),
             ("read + tokenise", sec["read"]), ("forward + analyses", sec["compute"]), ("write tables", sec["write"]),
-            ("commits", sec["commit"]), ("workers: last commit, idle", workers_other), ("reduce", sec["reduce"]),
+            ("publish + merge into the group", sec.get("merge", 0.0)), ("commits", sec["commit"]),
+            ("workers: between shards, idle", workers_other), ("reduce", sec["reduce"]),
             ("Ray stop (beyond the reduce)", stop),
             ("rest of the driver", job - sec["before_dispatch"] - sec["dispatch"] - sec["reduce"] - stop)]
     print("breakdown (worker time summed over workers):")
     for name, v in rows:
         if v < 0:  # several workers, or read-ahead overlapping reading with compute: worker-seconds exceed the wall
-            print(f"  {name:<32}     n/a  (worker-seconds exceed dispatch's wall: several workers or read-ahead)")
+            print(f"  {name:<34}     n/a  (worker-seconds exceed dispatch's wall: several workers or read-ahead)")
         else:
-            print(f"  {name:<32}{v:8.2f} s  {100 * v / job:5.1f} %")
+            print(f"  {name:<34}{v:8.2f} s  {100 * v / job:5.1f} %")
     write_share = sec["write"] / inside if inside else 0.0
     for t in PER_TOKEN:
         print(f"{t:<34}{med(lambda r, t=t: r['bytes_per_token'][t]):8.1f} bytes/token")

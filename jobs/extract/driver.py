@@ -111,7 +111,9 @@ class Extractor:
                        "read_seconds": read_s, "compute_seconds": compute_s, "write_seconds": write_s}
             if self.forward.spec.hybrid:
                 summary["attention_layers"] = list(self.forward.spec.attention_layers)
+            t3 = time.perf_counter()
             group.add(shard.shard_id, files.publish(), summary, acc.stats)
+            summary["merge_seconds"] = time.perf_counter() - t3  # publishing its files, merging into the open group
         except BaseException:
             files.abort()
             raise

@@ -475,11 +475,14 @@ def time_breakdown(phases: dict, ran: list[dict]) -> dict:
     it). The driver's phases: ``before_dispatch`` (checks, plan, run folder), ``ray_start`` (inside ``dispatch``),
     ``dispatch`` (Ray, the workers and every shard until the last commits), ``reduce``. The workers' time summed
     over shards: ``model_load``, ``read`` (reading and tokenising), ``compute`` (forward pass and analyses),
-    ``write`` (the shard's tables), ``commit`` (commit groups; the last group's, at the flush, is not counted)."""
+    ``write`` (the shard's tables), ``merge`` (its files published, its statistics merged into the open group),
+    ``commit`` (commit groups; the last group's, at the flush, is not counted). ``worker_start`` (the first worker's
+    start, inside ``dispatch``) and ``ray_stop`` (Ray's shutdown beyond the reduce) are the driver's."""
     total = lambda key: sum(r.get(key, 0.0) for r in ran)
     return {k: round(v, 3) for k, v in {
         **phases, "model_load": total("load_seconds"), "read": total("read_seconds"),
-        "compute": total("compute_seconds"), "write": total("write_seconds"), "commit": total("commit_seconds")}.items()}
+        "compute": total("compute_seconds"), "write": total("write_seconds"), "merge": total("merge_seconds"),
+        "commit": total("commit_seconds")}.items()}
 
 
 def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[dict]:

@@ -34,7 +34,7 @@ def test_the_end_to_end_benchmark_runs_and_its_breakdown_adds_up(sample_corpus, 
     assert r["tokens"] == query(run, "SELECT count(*) AS n FROM tokens").to_pylist()[0]["n"] > 0
     s = r["seconds"]
     assert all(v >= 0 for v in s.values()), s
-    inside = s["read"] + s["compute"] + s["write"] + s["commit"]
+    inside = s["read"] + s["compute"] + s["write"] + s["merge"] + s["commit"]
     assert 0 < s["worker_start"] and 0 < s["model_load"], s
     assert s["ray_start"] + s["worker_start"] + s["model_load"] + inside <= s["dispatch"] + 0.05, s  # nothing twice
     assert s["before_dispatch"] + s["dispatch"] + s["reduce"] + s["ray_stop"] <= r["job_s"] + 0.05, (s, r["job_s"])
