@@ -70,10 +70,12 @@ def local_worker_env() -> dict[str, str]:
 
 
 def other_rays() -> list[int]:
-    """The pids of the raylets running on this machine (any user's: they share its cores)."""
+    """The pids of the raylets running on this machine (any user's: they share its cores), but for those this
+    process started (a Ray it shut down may still be exiting)."""
     import psutil
 
-    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet"]
+    ours = {c.pid for c in psutil.Process().children()}  # ray.init starts the raylet itself
+    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet" and p.pid not in ours]
 
 
 _stopping: threading.Thread | None = None

@@ -306,3 +306,33 @@ def test_the_embedded_ray_is_new_and_listens_on_loopback_only(own_ray_env):
         assert "gcs_server" in names and "raylet" in names, (dashboard, socks)
         exposed = [s for s in socks if not _is_loopback(s["ip"])]
         assert exposed == [], (dashboard, exposed)
+
+
+def test_another_ray_on_the_machine_is_seen_by_its_raylet():
+    """other_rays names the raylet of a real Ray started here in another process."""
+    import psutil
+
+    from actlake.jobs.common.ray_env import other_rays
+
+    proc = subprocess.Popen([sys.executable, "-c", "import ray, sys; ray.init(address='local', include_dashboard=False);"
+                             " print('up', flush=True); sys.stdin.read(); ray.shutdown()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        raylets = {c.pid for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "raylet"}
+        assert raylets and raylets <= set(other_rays())
+    finally:
+        proc.communicate("", timeout=120)
+
+
+def test_a_ray_this_process_started_is_not_another_ray():
+    """A job's second Ray in one process (a redispatch, the exports after a job) may start while the first is still
+    exiting: the raylet this process started is never 'another Ray' (which would make the workers passive)."""
+    code = ("import psutil\n"
+            "from actlake.jobs.common import ray_env\n"
+            "ray_env.init_ray(None)\n"
+            "mine = [c.pid for c in psutil.Process().children() if c.name() == 'raylet']\n"
+            "print(len(mine) == 1 and not set(mine) & set(ray_env.other_rays()))\n"
+            "ray_env.release_ray()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().splitlines()[-1:] == ["True"], done.stdout + done.stderr[-3000:]

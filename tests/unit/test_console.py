@@ -94,26 +94,6 @@ def test_an_embedded_ray_s_workers_spin_unless_another_ray_runs_or_the_driver_sa
     assert ray_env.local_worker_env()["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
-def test_another_ray_on_the_machine_is_seen_by_its_raylet():
-    """other_rays names the raylet of a real Ray started here in another process."""
-    import subprocess
-    import sys
-
-    import psutil
-
-    from actlake.jobs.common.ray_env import other_rays
-
-    proc = subprocess.Popen([sys.executable, "-c", "import ray, sys; ray.init(address='local', include_dashboard=False);"
-                             " print('up', flush=True); sys.stdin.read(); ray.shutdown()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "up"
-        raylets = {c.pid for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "raylet"}
-        assert raylets and raylets <= set(other_rays())
-    finally:
-        proc.communicate("", timeout=120)
-
-
 def test_durations_past_a_day_keep_their_hours():
     """The ETA of a long job: 100,000 s is 27:46:40, not 03:46:40 (a clock's hours wrap at 24)."""
     from actlake.jobs.common.clock import hms
