@@ -661,9 +661,10 @@ def norm_affine_shift(norm, head_dim: int) -> tuple:
 
 
 def rms_eps(norm, width: int) -> float:
-    """The ε of an RMS-type key norm as k = g ⊙ y / sqrt(mean(y²) + ε) has it: the norm's own ε where it averages the
-    squares (RMSNorm), ε / width where it sums them (an L2 norm: Dory's x / sqrt(sum(x²) + ε)). Told apart by probing the
-    norm with s·1 and 1 for s² = ε (the ratio of its outputs is sqrt(1 + ε') / (s sqrt(s² + ε')) for its own ε')."""
+    """The ε of an RMS-type key norm as k = g ⊙ y / sqrt(mean(y²) + ε) has it: the norm's own ε where it averages
+    the squares (RMSNorm), ε / width where it sums them (an L2 norm: Dory's x / sqrt(sum(x²) + ε)). Told apart by
+    probing the norm with s·1 and 1 for s² = ε (the ratio of its outputs is sqrt(1 + ε') / (s sqrt(s² + ε')) for its
+    own ε')."""
     import torch
 
     eps = norm_eps(norm)
@@ -789,8 +790,8 @@ def check_model(cfg) -> Family:
     if declared(config.model_type) is None:
         from actlake.discovery import describe
 
-        log.warning("model_type %r has no declaration; found %s; each worker's first batch checks it against the model's "
-                    "own numbers", config.model_type, describe(fam))
+        log.warning("model_type %r has no declaration; found %s; each worker's first batch checks it against the "
+                    "model's own numbers", config.model_type, describe(fam))
     if fam.decoder_alone:
         log.warning("model_type %r: %s", config.model_type, DECODER_ALONE)
     return fam

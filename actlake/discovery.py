@@ -63,9 +63,9 @@ def _discover(config) -> Family:
                                         "(docs/models.md)")
     codebooks = _global(getattr(config, "decoder", None) or config, "num_codebooks")
     if encoder_decoder(config) and isinstance(codebooks, int) and codebooks > 1:
-        raise refuse(f"its decoder reads num_codebooks {codebooks} parallel audio codebook tokens per position (input_ids "
-                     f"of batch x {codebooks} rows) and predicts each, which the per-token statistics and surprisal (one "
-                     "text token per position) do not model")
+        raise refuse(f"its decoder reads num_codebooks {codebooks} parallel audio codebook tokens per position "
+                     f"(input_ids of batch x {codebooks} rows) and predicts each, which the per-token statistics and "
+                     "surprisal (one text token per position) do not model")
     if getattr(config, "languages", None) and not getattr(config, "default_language", None):
         raise refuse("its language adapters need a language and the config sets no default_language (set one in "
                      "its config.json)")

@@ -179,8 +179,8 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
                 shared = _shared_embeddings(info) if family.decoder_alone else None
                 if shared:  # a seq2seq checkpoint: the decoder's embeddings are its shared ones
                     del full
-                    full, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, key_mapping=shared,
-                                                                      **kwargs)
+                    full, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
+                                                                      key_mapping=shared, **kwargs)
                 model, head = base_of(full), output_head(full)
                 if _multimodal_instead(full, model, family, info, hf_config):  # Emu3: its text LM cannot map the keys
                     from transformers import AutoModelForImageTextToText

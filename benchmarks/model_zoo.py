@@ -154,7 +154,10 @@ stops the job (nothing written), naming the layer and the analyses. A `*` marks 
 starts; only the self-check vouches for it). **not built**: the tiny model could not be made (a default config
 transformers' own validation rejects, or one the zoo's scaling down breaks); no verdict. **error**: the engine failed on
 it (a job stops with the error). The tiny config keeps two layers of the full stack, one of each kind where it mixes
-kinds (sliding and full attention, recurrent and attention layers), with their per-layer settings.
+kinds (sliding and full attention, recurrent and attention layers), with their per-layer settings. An encoder-decoder
+type runs as its decoder alone (the type's causal LM: no encoder input, so no cross-attention; its detail says so, and
+so does a job when it starts). Where blocks run several times per forward pass (ALBERT's shared groups, Dory's loops,
+HRM's cycles), layer k is the k-th attention call of the pass (call-order layers, METHODS.md §3).
 Counts: {", ".join(f"{k} {v}" for k, v in counts.most_common())}. Of the {judged} types whose attention goes
 through the transformers attention interface (all but those refused for attention outside it or none, and those not
 built), {exact} are exact ({100 * exact / max(judged, 1):.0f} %); the others are refused by name (a feature not

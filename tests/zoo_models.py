@@ -185,8 +185,8 @@ def _scaled(k: str, v, default, sizes: dict):
 
 ENCODER_DECODER = dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                        num_encoder_attention_heads=4, num_decoder_attention_heads=4, num_encoder_layers=2,
-                       num_decoder_layers=2, encoder_ffn_dim=128, decoder_ffn_dim=128, d_model=64, max_target_positions=512,
-                       max_source_positions=512)
+                       num_decoder_layers=2, encoder_ffn_dim=128, decoder_ffn_dim=128, d_model=64,
+                       max_target_positions=512, max_source_positions=512)
 """An encoder-decoder model's sizes per side (BART, Whisper; their decoder runs alone as the type's causal LM)."""
 TYPE_SIZES = {"esmc": {"num_key_value_heads": 4},
               "dory": {"n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 0,  # 3 calls of 2 blocks

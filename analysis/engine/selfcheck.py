@@ -72,9 +72,10 @@ class SelfCheck:
     def layers(self, attention_layers: list[int], seen: set) -> None:
         missing = sorted(set(attention_layers) - seen)
         if missing and self.attention:
-            self.failures.append(f"attention layers {missing} of {len(attention_layers)} never called the transformers attention "
-                                 "interface (nothing recorded there; for call-order layers: the pass made fewer attention "
-                                 f"calls than its config declares); affected: {', '.join(self.attention)}")
+            self.failures.append(f"attention layers {missing} of {len(attention_layers)} never called the transformers "
+                                 "attention interface (nothing recorded there; for call-order layers: the pass made "
+                                 "fewer attention calls than its config declares); affected: "
+                                 + ", ".join(self.attention))
 
     def surprisal(self, ours: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> None:
         """``ours`` (T,) float32 surprisal of one sequence against -log softmax of the model's ``logits`` (T, V)."""
