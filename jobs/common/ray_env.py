@@ -7,6 +7,8 @@ import logging
 import os
 import re
 import threading
+import time
+from pathlib import Path
 
 from actlake.errors import ActlakeError, printable
 
@@ -53,20 +55,44 @@ def init_ray(address: str | None, dashboard: bool = False) -> bool:
 
 def local_worker_env() -> dict[str, str]:
     """Variables of an embedded Ray's workers: the driver's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` when set;
-    otherwise torch's OpenMP threads spin between parallel regions (libgomp's default, as on a cluster's
-    workers and in a plain forward pass) unless another Ray already runs on this machine, when they sleep
-    (``OMP_WAIT_POLICY=PASSIVE``) and a line says so. Spinning computes 1.2-1.4x faster alone; beside another
-    CPU job it stalls both (docs/benchmarks.md)."""
+    otherwise torch's OpenMP threads spin between parallel regions (libgomp's default, as on a cluster's workers
+    and in a plain forward pass) on an idle machine, and sleep (``OMP_WAIT_POLICY=PASSIVE``, said in a line) where
+    another Ray runs or other processes are running (:func:`busy`). Spinning computes 1.2-1.4x faster alone; beside
+    other CPU work it stalls (2-3x slower: docs/benchmarks.md)."""
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if "OMP_WAIT_POLICY" in os.environ:
         env["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
     elif "GOMP_SPINCOUNT" in os.environ:
         env["GOMP_SPINCOUNT"] = os.environ["GOMP_SPINCOUNT"]
-    elif others := other_rays():
-        log.info("another Ray runs on this machine (raylet pid %d): the workers' threads sleep between operations "
-                 "(OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY to choose)", others[0])
+    elif why := busy():
+        log.info("%s: the workers' threads sleep between operations (OMP_WAIT_POLICY=PASSIVE; set OMP_WAIT_POLICY "
+                 "to choose)", why)
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     return env
+
+
+def busy() -> str:
+    """Why this machine's cores are not the job's alone ('' when they look free): another Ray, or other processes
+    running now (:func:`running_elsewhere`; a load average would count the job just before this one)."""
+    others = other_rays()
+    if others:
+        return f"another Ray runs on this machine (raylet pid {others[0]})"
+    n = running_elsewhere()
+    return f"{n} other process{'es' if n > 1 else ''} running on this machine" if n else ""
+
+
+def running_elsewhere(samples: int = 5, every_s: float = 0.01) -> int:
+    """The threads running or ready to run on this machine besides the one asking, now: the median over
+    ``samples`` reads of the kernel's count (``/proc/loadavg``'s fourth field, Linux); 0 where there is none."""
+    counts = []
+    for i in range(samples):
+        try:
+            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+        except (OSError, IndexError, ValueError):
+            return 0
+        if i + 1 < samples:
+            time.sleep(every_s)
+    return max(0, sorted(counts)[len(counts) // 2])
 
 
 def other_rays() -> list[int]:

@@ -3,6 +3,8 @@ consoles are checked whole in tests/integration/test_documented_commands.py; her
 objects (no cluster started)."""
 
 import logging
+import time
+from pathlib import Path
 
 from actlake.jobs.common import ray_env
 from actlake.jobs.train.loop import Pace
@@ -76,22 +78,48 @@ def test_the_training_pace_gives_the_loss_since_the_last_line_and_the_time_left(
     assert pace.eta() == ""  # none left
 
 
-def test_an_embedded_ray_s_workers_spin_unless_another_ray_runs_or_the_driver_says_otherwise(monkeypatch):
-    """OpenMP's wait policy of the workers: libgomp's spinning by default (one job alone computes faster), passive
-    when another Ray runs on the machine (docs/benchmarks.md: two jobs side by side), the driver's
-    OMP_WAIT_POLICY or GOMP_SPINCOUNT when set."""
+def test_an_embedded_ray_s_workers_spin_on_an_idle_machine_unless_the_driver_says_otherwise(monkeypatch):
+    """OpenMP's wait policy of the workers: libgomp's spinning on an idle machine (one job alone computes faster),
+    passive when another Ray runs or other processes are running (docs/benchmarks.md: spinning stalls beside other
+    CPU work), the driver's OMP_WAIT_POLICY or GOMP_SPINCOUNT when set."""
     from actlake.jobs.common import ray_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(ray_env, "other_rays", lambda: [])
+    monkeypatch.setattr(ray_env, "running_elsewhere", lambda: 0)
     assert ray_env.local_worker_env() == {"TOKENIZERS_PARALLELISM": "false"}
-    monkeypatch.setattr(ray_env, "other_rays", lambda: [4242])
+    monkeypatch.setattr(ray_env, "running_elsewhere", lambda: 2)
+    assert ray_env.busy() == "2 other processes running on this machine"
     assert ray_env.local_worker_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setattr(ray_env, "running_elsewhere", lambda: 0)
+    monkeypatch.setattr(ray_env, "other_rays", lambda: [4242])
+    assert ray_env.local_worker_env()["OMP_WAIT_POLICY"] == "PASSIVE" and "4242" in ray_env.busy()
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
     assert ray_env.local_worker_env()["GOMP_SPINCOUNT"] == "10000" and "OMP_WAIT_POLICY" not in ray_env.local_worker_env()
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert ray_env.local_worker_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_processes_running_elsewhere_are_counted():
+    """Three busy loops in other processes are at least three threads running or ready to run (Linux's count)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from actlake.jobs.common.ray_env import running_elsewhere
+
+    if not Path("/proc/loadavg").exists():
+        pytest.skip("no /proc/loadavg here")
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        time.sleep(0.5)
+        assert running_elsewhere(samples=9) >= 3
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
 
 
 def test_durations_past_a_day_keep_their_hours():
