@@ -10,12 +10,17 @@ Two kinds of producer share it (:class:`Producer`):
 - a :class:`ShardTable` writes rows per token, window or document (``per_token``) with each shard and is
   never reduced: ``tokens``, ``residual_norms``, ``activations``, ``documents``, ``rejects``.
 
+A third kind, built in only, gives values per token that the others read and writes no table of its own
+(:class:`TokenValues`: ``surprisal``, the ``tokens`` and ``activations`` tables' column and the interventions'
+effect on it).
+
 A producer reads from *sites* (:data:`Site`): each layer's attention (a
 :class:`~actlake.analysis.engine.layer_qk.LayerQK`: q and k as the kernel receives them, the batch's masks
-and categories), that layer's key-projection input x and RoPE angles, or the hidden states of every layer;
+and categories), that layer's key-projection input x and RoPE angles, the hidden states of every layer, or
+the final hidden state with the LM head that turns it into next-token logits;
 an analysis may also read *products* of the attention weights (:data:`Product`), computed once per layer
 for every analysis that wants them (:mod:`~actlake.analysis.engine.attention_weights`). Device work
-(:meth:`Producer.add_layer`, :meth:`Producer.add_hidden`) reads nothing back to the host.
+(:meth:`Producer.add_layer`, :meth:`Producer.add_hidden`, :meth:`Producer.add_logits`) reads nothing back to the host.
 
 Extraction, the reduce step, the SQL views and the report loop over the enabled producers
 (:mod:`~actlake.analysis.registry`); no other module names a particular one.
@@ -35,15 +40,17 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from actlake.analysis.engine import grid
-from actlake.analysis.engine.batch import BatchOutputs, HiddenBatch, ModelSpec  # noqa: F401 - part of the protocol
+from actlake.analysis.engine.batch import BatchOutputs, HiddenBatch, LogitsBatch, ModelSpec  # noqa: F401 - protocol
 from actlake.analysis.engine.grid import Column  # noqa: F401 - part of the protocol
 from actlake.deprecation import deprecated
 
-Site = Literal["attention", "layer_inputs", "hidden_states"]
+Site = Literal["attention", "layer_inputs", "hidden_states", "logits"]
 """Where a producer reads. ``attention``: :meth:`Producer.add_layer` is called with each layer's LayerQK.
 ``layer_inputs``: that LayerQK also carries x, W_K, b_K and RoPE angles. ``hidden_states``:
 :meth:`Producer.add_hidden` is called with each hidden state of a batch as the model produces it,
-layer 0 to n_layers in order (none is kept after its call)."""
+layer 0 to n_layers in order (none is kept after its call). ``logits``: :meth:`Producer.add_logits` is called
+once per pass, after the model returns, with its final hidden state and LM head (a model loaded with its head:
+a causal LM, ``analyses.surprisal`` not false)."""
 Product = Literal["mass", "mass_keynorm", "weighted_qsum", "distance"]
 """Products of a layer's attention weights, computed before ``add_layer`` and read with ``lq.product(name)``
 (METHODS.md §2-4; :mod:`~actlake.analysis.engine.attention_weights`)."""
@@ -170,6 +177,11 @@ class Producer(ABC):
         its final norm where it has one: Hugging Face's ``hidden_states`` order); calls come in that order
         while the model runs, so the call for layer ``n_layers`` is the batch's last. Keep what you need:
         the model frees ``h`` once it is no longer its input."""
+
+    def add_logits(self, out: LogitsBatch) -> None:
+        """The pass's final hidden state and the LM head that makes its next-token logits (``logits`` in
+        :attr:`sites`), once the model has returned; for an edited pass, with the clean pass's final hidden
+        state too. The pass's :meth:`problems` were gathered before this call."""
 
     def nonfinite_excluded(self, layer: int, count: torch.Tensor) -> None:
         """``count`` tokens of ``layer`` left every attention statistic of this batch (their q, k or x held
@@ -315,3 +327,33 @@ class ShardTable(Producer):
     @abstractmethod
     def to_table(cls, parts: list["ShardTable"], **options):
         """The shard's table from its parts (``options`` as given to :meth:`create`; ``parts`` may be empty)."""
+
+
+class TokenValues(Producer):
+    """Values per token of a batch that other producers read, written into no table of its own (``surprisal``:
+    the ``tokens`` and ``activations`` tables' column, and the interventions' effect on it). One instance per pass
+    of a batch (the clean one and each edited one), filled by its device hooks; :meth:`values` gives them on the
+    device, the engine copies the clean pass's to the host as the :class:`BatchOutputs` fields of the same names
+    (what the shard tables read) and hands every pass's to the interventions' per-window sums
+    (:mod:`~actlake.analysis.engine.window_summary`). Built in only: ``analyses.custom`` takes an
+    :class:`Analysis` or a :class:`ShardTable`."""
+
+    per_token = True
+    value_docs: ClassVar[dict[str, str]] = {}
+    """Each value it gives, by name (a :class:`BatchOutputs` field): what it is, with units (the tables that carry
+    it document their column with this text)."""
+
+    @classmethod
+    def create(cls, spec: ModelSpec, **options) -> "TokenValues":
+        out = cls()
+        out.spec, out.options = spec, options
+        return out
+
+    @abstractmethod
+    def values(self) -> dict[str, torch.Tensor]:
+        """This pass's (B, T) values on the device, NaN where undefined, by the names of :attr:`value_docs`."""
+
+    def check(self, check, values: dict, logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """The first batch's self-check (:class:`~actlake.analysis.engine.selfcheck.SelfCheck`), for a reader of
+        ``logits``: its ``values`` (the clean pass's host copies, by name) against the model's own ``logits``
+        (T, V) of the batch's first sequence (``ids``, ``mask``: its (T,) real tokens)."""

@@ -11,29 +11,42 @@ import traceback
 from pydantic import ValidationError
 
 from actlake.analysis.activation_sample import ActivationSample
-from actlake.analysis.attention_distance import AttentionByDistance
-from actlake.analysis.attention_mass import AttentionMass
-from actlake.analysis.attention_peak import AttentionPeak
-from actlake.analysis.contributions import Contributions
-from actlake.analysis.dim_moments import DimMoments
 from actlake.analysis.documents import Documents, Rejects
-from actlake.analysis.geometry import Geometry
 from actlake.analysis.intervention_effects import InterventionEffects
-from actlake.analysis.protocol import PRODUCTS, SITES, Analysis, Producer, ShardTable
+from actlake.analysis.protocol import PRODUCTS, SITES, Analysis, Producer, ShardTable, TokenValues
 from actlake.analysis.residual_norms import ResidualNorms
+from actlake.analysis.token_surprisal import Surprisal
 from actlake.analysis.tokens import Tokens
 from actlake.errors import ActlakeError, AnalysisError, AnalysisFailed, ConfigError
 from actlake.tables import BY_SOURCE_SUFFIX, PARTIAL_SUFFIX, is_table_name
 
 
+ANALYSES = (
+    "dim_moments:DimMoments",
+    "attention_mass:AttentionMass",
+    "contributions:Contributions",
+    "geometry:Geometry",
+    "attention_distance:AttentionByDistance",
+    "attention_peak:AttentionPeak",
+)
+"""The built-in analyses, ``module:Class`` in ``actlake.analysis``, in the order their tables, charts and reference
+rows come: a new built-in statistic is its module and one line here."""
+
+
 def builtin() -> dict[str, type[Analysis]]:
     """The built-in analyses by config key (``analyses.<name>: true/false``)."""
-    return {c.name: c for c in (DimMoments, AttentionMass, Contributions, Geometry, AttentionByDistance, AttentionPeak)}
+    return {c.name: c for c in map(_builtin_class, ANALYSES)}
+
+
+def _builtin_class(target: str) -> type[Analysis]:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
 
 
 def builtin_producers() -> list[type[Producer]]:
     """Every built-in producer class, analyses first: what the report reads headlines and charts from."""
-    return list(builtin().values()) + [InterventionEffects, Documents, Rejects, Tokens, ResidualNorms, ActivationSample]
+    return list(builtin().values()) + [InterventionEffects, Documents, Rejects, Tokens, ResidualNorms,
+                                       ActivationSample] + list(TOKEN_VALUES)
 
 
 TOGGLED_TABLES = (Tokens, ResidualNorms)
@@ -51,6 +64,19 @@ def builtin_tables(cfg) -> list[type[ShardTable]]:
     """The built-in shard tables a job's config turns on, in the order a shard writes them."""
     return [Documents, Rejects] + [cls for cls in TOGGLED_TABLES if is_on(cls, cfg)] \
         + [ActivationSample] * bool(cfg.activations.layers)
+
+
+TOKEN_VALUES = (Surprisal,)
+"""Built-in producers of values per token (:class:`~actlake.analysis.protocol.TokenValues`), which the tables that
+carry them read."""
+
+
+def token_values(cfg, lm_head: bool) -> list[tuple[type[TokenValues], dict]]:
+    """(class, options) of the per-token values a worker computes: where its model was loaded with its LM head
+    (``lm_head``; a job's worker loads it as ``analyses.surprisal`` says: null, a causal LM's), those that read the
+    ``logits`` and whose ``analyses.<name>`` is not false."""
+    return [(cls, cls.options_from(cfg)) for cls in TOKEN_VALUES
+            if ("logits" not in cls.sites or lm_head) and getattr(cfg.analyses, cls.name, None) is not False]
 
 
 WEIGHTS_PRODUCTS = frozenset({"weighted_qsum", "distance"})

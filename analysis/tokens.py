@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from actlake.analysis.protocol import BatchOutputs, ShardTable, TableDoc
+from actlake.analysis.token_surprisal import Surprisal
 from actlake.categories import ROLE, TYPE8
 
 TOKENS_SCHEMA = pa.schema([("doc_id", pa.int64()), ("window_index", pa.int32()), ("position", pa.int32()),
@@ -20,7 +21,8 @@ def _names(ids: np.ndarray, values) -> pa.Array:
 
 class Tokens(ShardTable):
     """Per batch, the real tokens' columns as arrays; one table per shard (category names from ids, token
-    texts from the categorizer, surprisal NaN (no context) or absent (no LM head) as null)."""
+    texts from the categorizer, surprisal (:class:`~actlake.analysis.token_surprisal.Surprisal`'s) NaN (no context)
+    or absent (no LM head) as null)."""
 
     name = "tokens"
     about = 'The `tokens` table: one row per token (id, text, categories, surprisal).'
@@ -33,8 +35,7 @@ class Tokens(ShardTable):
         "type8": "`newline`, `whitespace`, `letters`, `digits`, `punct_symbol`, `open_bracket`, `close_bracket`, "
                  "`other`",
         "source": "e.g. `pile_set_name`",
-        "surprisal": "−log p(token | earlier tokens of its window), nats, `analyses.surprisal`; NULL for a window's "
-                     "first token and when off"})}
+        "surprisal": Surprisal.value_docs["surprisal"]})}
 
     def collect(self, out: BatchOutputs) -> None:
         doc_id, window, position, lengths = out.token_keys()

@@ -19,8 +19,9 @@ FOLDERS = {"actlake": "actlake", "jobs": "actlake/jobs", "analysis": "actlake/an
 PAGE = [
     ("The protocol", ["analysis.protocol.Producer", "analysis.protocol.Analysis", "analysis.protocol.ShardTable",
                       "analysis.protocol.OneTable", "analysis.protocol.LabelsOf",
-                      "analysis.protocol.ModelSpec", "analysis.protocol.HiddenBatch",
-                      "analysis.protocol.BatchOutputs", "analysis.protocol.Site", "analysis.protocol.Product"]),
+                      "analysis.protocol.TokenValues", "analysis.protocol.ModelSpec", "analysis.protocol.HiddenBatch",
+                      "analysis.protocol.LogitsBatch", "analysis.protocol.BatchOutputs", "analysis.protocol.Site",
+                      "analysis.protocol.Product"]),
     ("What `add_layer` receives", ["analysis.engine.layer_qk.LayerQK", "analysis.engine.layer_qk.BatchInfo"]),
     ("Table helpers", ["analysis.stats", "analysis.engine.grid"]),
     ("Reading a run from Python", ["open_run", "query"]),

@@ -60,6 +60,25 @@ class HiddenBatch:
 
 
 @dataclass
+class LogitsBatch:
+    """A pass's output as :meth:`Producer.add_logits` sees it. Masks and ids are the host's (B, T) tensors."""
+
+    head: torch.nn.Module
+    """The causal LM's output head: (n, d) final hidden states -> (n, V) next-token logits (with ``device_map`` it
+    may live on another device than the hidden states)."""
+    transform: object
+    """The model's own transform of its logits (scaling, softcapping), to apply in float32, or None."""
+    last_hidden: torch.Tensor
+    """(B, T, d) the pass's final hidden state (after the final norm), on the model's device."""
+    ids: torch.Tensor
+    """(B, T) token ids."""
+    mask: torch.Tensor
+    """(B, T) 1 for real tokens."""
+    clean: torch.Tensor | None = None
+    """An edited pass: the clean pass's (B, T, d) final hidden state; None for the clean pass."""
+
+
+@dataclass
 class BatchOutputs:
     """A finished batch on the host, as :meth:`ShardTable.collect` sees it (padding included; ``mask`` says
     which tokens are real; windows are right-padded, so a row's real tokens are a prefix)."""

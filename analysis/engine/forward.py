@@ -26,6 +26,7 @@ from actlake.analysis.engine.batch import (
     HiddenBatch,
     HiddenSink,
     Launched,
+    LogitsBatch,
     ModelSpec,
 )
 from actlake.analysis.engine.device import to_device, to_host
@@ -34,8 +35,7 @@ from actlake.analysis.engine.layer_replay import LayerReplay
 from actlake.analysis.engine.recorder import AttentionRecorder, ModelQK
 from actlake.analysis.engine.resume import FromLayer, Skipping, Snapshot, Snapshots, same_statistics
 from actlake.analysis.engine.selfcheck import SelfCheck
-from actlake.analysis.engine.surprisal import token_surprisal
-from actlake.analysis.engine.window_summary import WindowSums, token_kl
+from actlake.analysis.engine.window_summary import WindowSums
 from actlake.architectures import blocks, text_config
 from actlake.batching import Window, collate
 from actlake.categories import ROLE, Categorizer, one_hot
@@ -69,6 +69,8 @@ class Pass(NamedTuple):
     """With interventions: the per-window sums of :mod:`.window_summary`."""
     snapshots: dict
     """{hidden state a: Snapshot} the clean pass left for the edited passes that start at a (:mod:`.resume`)."""
+    values: dict
+    """{name: TokenValues} of this pass (per-token values: surprisal), filled by :meth:`ForwardPass._logits`."""
 
 
 class _Tables:
@@ -85,11 +87,12 @@ class _Tables:
 
 
 class ForwardPass:
-    """A worker's model with every enabled producer hooked in. ``analyses`` and ``token_tables``: (class,
-    options) of the statistics and of the shard tables made batch by batch; each batch gets fresh instances."""
+    """A worker's model with every enabled producer hooked in. ``analyses``, ``token_tables`` and ``token_values``:
+    (class, options) of the statistics, of the shard tables made batch by batch and of the per-token values
+    (:class:`~actlake.analysis.protocol.TokenValues`) the others read; each batch gets fresh instances."""
 
     def __init__(self, cfg: JobConfig, lm: LoadedModel, analyses: list, token_tables: list,
-                 interventions: tuple[Intervention, ...] = ()):
+                 interventions: tuple[Intervention, ...] = (), token_values: list = ()):
         self.cfg, self.lm = cfg, lm
         self.interventions = tuple(interventions)
         """Each batch runs again under each of them (:mod:`.intervene`), after the clean pass."""
@@ -98,7 +101,7 @@ class ForwardPass:
         """Edited passes start at their first edited hidden state (:mod:`.resume`), until the first batch's check
         finds that this model's blocks cannot be skipped."""
         self.resume_checked = False
-        self.analyses, self.token_tables = analyses, token_tables
+        self.analyses, self.token_tables, self.token_values = analyses, token_tables, list(token_values)
         self.cats = Categorizer(lm.tokenizer)
         capture.install(lm.model)
         self.mqk = m = ModelQK(lm.model, lm.family)
@@ -111,7 +114,11 @@ class ForwardPass:
             log.warning("model_type %r is a hybrid: layers %s have no attention (linear attention, recurrent or "
                         "state-space blocks), so the attention tables have rows for layers %s only",
                         lm.model.config.model_type, others, list(m.attention_layers))
-        self.producers = [c for c, _ in analyses + token_tables]
+        self.producers = [c for c, _ in analyses + token_tables + self.token_values]
+        logits = [c.name for c in self.producers if "logits" in c.sites]
+        if logits and lm.lm_head is None:
+            raise ConfigError(f"{logits} read the LM head's logits, and model {lm.path} was loaded without one (it is "
+                              "not a causal LM, or analyses.surprisal is false)")
         self.oom_splits = 0
         self.checked = False
         """Whether the first batch's self-check (:mod:`~actlake.analysis.engine.selfcheck`) has passed."""
@@ -178,16 +185,12 @@ class ForwardPass:
         ids, mask = collate(batch, self.lm.tokenizer.pad_token_id)  # (B, T)
         role, type8 = self.cats.batch(ids.numpy(), mask.sum(1).numpy())  # (B, T) category ids, 0 on padding
         clean = self._pass(batch, ids, mask, role, type8, strict, tables=True)
-        surprisal = None
-        if self.lm.lm_head is not None:
-            surprisal = to_host(token_surprisal(self.lm.lm_head, clean.out.last_hidden_state, ids, mask,
-                                                transform=self.lm.logit_transform))
+        values = {k: to_host(v) for k, v in self._logits(clean, ids, mask).items()}  # the clean pass's, on the host
         if clean.check is not None:
-            self._finish_check(clean.check, clean.recorder, surprisal, ids, mask)
+            self._finish_check(clean.check, clean.recorder, clean.values, values, ids, mask)
         checks, devices, keep, edited, window_sums = clean.checks, clean.devices, [], {}, {}
         if self.interventions:
-            window_sums[CLEAN] = clean.sums.sums(surprisal, None)
-            scored = None if surprisal is None else torch.isfinite(surprisal)  # the clean pass's scored tokens
+            window_sums[CLEAN] = clean.sums.sums(values)
         for iv in self.interventions:
             valid, roles = to_device(mask.bool(), self.lm.device), to_device(role, self.lm.device)
             select = iv.selected(valid, roles)
@@ -198,17 +201,24 @@ class ForwardPass:
                     p = self._check_resume(p, self._pass(batch, ids, mask, role, type8, strict), iv)
             edited[iv.name], checks, devices = p.stats, checks + p.checks, devices | p.devices
             keep.append(p.recorder)
-            e_surprisal = kl = None
-            if self.lm.lm_head is not None:
-                h, t = p.out.last_hidden_state, self.lm.logit_transform
-                e_surprisal = token_surprisal(self.lm.lm_head, h, ids, mask, transform=t)
-                kl = token_kl(self.lm.lm_head, clean.out.last_hidden_state, h, mask, transform=t)
-            window_sums[iv.name] = p.sums.sums(e_surprisal, kl, scored)
+            window_sums[iv.name] = p.sums.sums(self._logits(p, ids, mask, clean.out.last_hidden_state), values)
         self.resume_checked = self.resume_checked or bool(clean.snapshots)
-        result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, surprisal), clean.stats,
+        result = BatchResult(BatchOutputs(batch, ids, mask, role, type8, self.cats, **values), clean.stats,
                              clean.parts, edited, window_sums)
         # the recorders (their layer graphs, the buffers replays read) live until the batch is waited for
         return Launched(batch, result, DeviceChecks(self.lm.device, checks, devices), clean.recorder, keep)
+
+    def _logits(self, p: Pass, ids, mask, clean=None) -> dict:
+        """Every producer of pass ``p`` that reads the ``logits`` gets the pass's final hidden state and the LM head
+        (``clean``: an edited pass's clean final hidden state); returns the pass's per-token values on the device,
+        by name (none without an LM head)."""
+        if self.lm.lm_head is None:
+            return {}
+        out = LogitsBatch(self.lm.lm_head, self.lm.logit_transform, p.out.last_hidden_state, ids, mask, clean)
+        for x in [*p.stats.values(), *p.parts.values(), *p.values.values(), p.sums]:
+            if x is not None and "logits" in x.sites:
+                x.add_logits(out)
+        return {k: v for x in p.values.values() for k, v in x.values().items()}
 
     def _check_resume(self, resumed: Pass, full: Pass, iv) -> Pass:
         """The first batch's edited pass, resumed from the clean pass's snapshot, against the full edited pass: the
@@ -232,8 +242,9 @@ class ForwardPass:
         a = self.cfg.analyses
         stats, sums = start.fresh() if start is not None else (self.new_stats(), None)
         parts = {cls.tables[0]: cls.create(self.spec, **options) for cls, options in self.token_tables} if tables else {}
+        values = {cls.name: cls.create(self.spec, **options) for cls, options in self.token_values}
         dev = self.lm.device
-        producers = list(stats.values()) + list(parts.values())
+        producers = list(stats.values()) + list(parts.values()) + list(values.values())
         attention = [x for x in producers if "attention" in x.sites]
         check = self._self_check(attention) if tables else None
         if self.interventions and sums is None:
@@ -267,7 +278,7 @@ class ForwardPass:
             if sink.readers:
                 self.stream.last(out.last_hidden_state)
         checks = [] if strict else recorder.problems() + [t for x in producers for t in x.problems()]
-        return Pass(stats, parts, recorder, out, checks, set(sink.devices), check, sums, snapshots.taken)
+        return Pass(stats, parts, recorder, out, checks, set(sink.devices), check, sums, snapshots.taken, values)
 
     def _self_check(self, attention: list):
         """A :class:`SelfCheck` for this worker's first batch (``analyses.self_check``), else None."""
@@ -277,21 +288,24 @@ class ForwardPass:
         hidden = [c.name for c in self.producers if "hidden_states" in c.sites]
         return SelfCheck(self.lm.dtype, names, [x.name for x in attention if "layer_inputs" in x.sites], hidden)
 
-    def _finish_check(self, check, recorder, surprisal, ids, mask) -> None:
-        """The first batch's self-check: every attention layer recorded, surprisal against the model's own logits
-        (its full forward pass on the batch's first sequence); raises AnalysisError naming what failed."""
+    def _finish_check(self, check, recorder, producers: dict, values: dict, ids, mask) -> None:
+        """The first batch's self-check: every attention layer recorded, the per-token values of ``producers`` that
+        read the logits (``values``: the clean pass's on the host) against the model's own logits (its full forward
+        pass on the batch's first sequence); raises AnalysisError naming what failed."""
         if check.attention:
             check.layers(self.mqk.attention_layers, recorder.seen)
-        if check.hidden or surprisal is not None:  # the model's own pass on the first sequence, the hooks on
+        readers = [x for x in producers.values() if "logits" in x.sites]
+        if check.hidden or readers:  # the model's own pass on the first sequence, the hooks on
             n = int(mask[0].sum())
             hooked: dict = {}
-            model = self.lm.causal_lm if surprisal is not None and self.lm.causal_lm is not None else self.lm.model
+            model = self.lm.causal_lm if readers and self.lm.causal_lm is not None else self.lm.model
             with self.stream(lambda layer, h: hooked.__setitem__(layer, h[0])):
                 out = model(input_ids=to_device(ids[:1, :n], self.lm.device), output_hidden_states=True, use_cache=False)
                 self.stream.last(getattr(out, "last_hidden_state", None) if model is self.lm.model else out.hidden_states[-1])
             check.hidden_states(hooked, out.hidden_states)
             if model is self.lm.causal_lm:
-                check.surprisal(surprisal[0, :n], out.logits[0], ids[0, :n], mask[0, :n])
+                for x in readers:
+                    x.check(check, values, out.logits[0], ids[0, :n], mask[0, :n])
         check.raise_if_failed(self.lm.model.config.model_type)
         self.checked = True
 

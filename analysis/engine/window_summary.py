@@ -29,11 +29,12 @@ def cells(attention_layers: tuple[int, ...], n_heads: int, n_hidden: int, causal
 
 
 class WindowSums:
-    """A pass's per-window sums, filled by the recorder (attention layers) and the hidden-state stream; a
-    producer to both (``sites``), never reduced itself."""
+    """A pass's per-window sums, filled by the recorder (attention layers), the hidden-state stream and, for an
+    edited pass of a causal LM, the LM head (the KL from the clean pass's next-token distributions); a producer to
+    all three (``sites``), never reduced itself. Its surprisal is the pass's per-token ``surprisal`` value."""
 
     name = "window_sums"
-    sites = frozenset({"attention", "hidden_states"})
+    sites = frozenset({"attention", "hidden_states", "logits"})
     products = frozenset({"mass"})
     graph_safe = False
 
@@ -44,6 +45,7 @@ class WindowSums:
         self.mass = z(B, len(self.layers), spec.n_heads, len(ROLE))  # (B, L_att, H, C)
         self.norm = z(B, spec.n_layers + 1)  # (B, L+1)
         self.valid = to_device(mask, spec.device).double()  # (B, T)
+        self.kl = None  # (B, T) an edited pass's KL from the clean pass (add_logits)
 
     def add_layer(self, lq) -> None:
         self.mass[:, self.layers[lq.layer]] = lq.product("mass").double().sum(2)  # (B, H, C): over valid queries
@@ -58,12 +60,20 @@ class WindowSums:
         norms = torch.linalg.vector_norm(h, dim=-1, dtype=torch.float64).to(self.valid.device)  # (B, T)
         self.norm[:, layer] = (norms * self.valid).sum(1)
 
-    def sums(self, surprisal: torch.Tensor | None, kl: torch.Tensor | None,
-             scored: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(B, K) sums and (B, K) counts on the host, in :func:`cells`' order; ``surprisal``/``kl``: (B, T) per
-        token, NaN where not scored (None for an encoder; ``kl`` zeros for the clean pass). ``scored``: an edited
-        pass's tokens are the clean pass's scored ones, so both means are over the same tokens (an edit that makes
-        a scored token's surprisal inf/NaN makes the window's sum NaN: the document leaves that quantity's pairs)."""
+    def add_logits(self, out) -> None:
+        """An edited pass (``out.clean`` set): KL(p_clean || p_edited) per scored token (:func:`token_kl`)."""
+        if out.clean is not None:
+            self.kl = token_kl(out.head, out.clean, out.last_hidden, out.mask, transform=out.transform)
+
+    def sums(self, values: dict, clean: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(B, K) sums and (B, K) counts on the host, in :func:`cells`' order. ``values``: the pass's per-token values
+        by name, (B, T) each, whose ``surprisal`` is NaN where not scored (absent for an encoder: no surprisal or KL
+        columns); the KL is this pass's (:meth:`add_logits`; zeros for the clean pass). ``clean``: for an edited
+        pass, the clean pass's values: its tokens are the clean pass's scored ones, so both means are over the same
+        tokens (an edit that makes a scored token's surprisal inf/NaN makes the window's sum NaN: the document
+        leaves that quantity's pairs)."""
+        surprisal, kl = values.get(SURPRISAL), self.kl
+        scored = None if clean is None or clean.get(SURPRISAL) is None else torch.isfinite(clean[SURPRISAL])
         B = self.mass.shape[0]
         n_valid = self.valid.sum(1, keepdim=True)  # (B, 1)
         mass = torch.cat([self.mass, self.mass.mean(2, keepdim=True)], 2)  # (B, L_att, H + 1, C): and over heads

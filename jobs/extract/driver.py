@@ -2,9 +2,9 @@
 
 Every table comes from a producer (:mod:`actlake.analysis.protocol`): the analyses' mergeable statistics,
 committed in the shard's group, and the shard tables (tokens, residual norms, activations, documents,
-rejects, and custom ones), written with the shard. This module owns the order of the stages; the forward
-pass (the batches' queue on the device, out-of-memory splits, device checks) is the engine's
-(:mod:`actlake.analysis.engine.forward`).
+rejects, and custom ones), written with the shard, which read the per-token values (surprisal). This module
+owns the order of the stages; the forward pass (the batches' queue on the device, out-of-memory splits, device
+checks) is the engine's (:mod:`actlake.analysis.engine.forward`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from actlake.analysis.by_source import BySource, check_labels
 from actlake.analysis.engine.batch import BatchResult
 from actlake.analysis.engine.forward import ForwardPass
 from actlake.analysis.intervention_effects import InterventionEffects
-from actlake.analysis.registry import custom_views, enabled, producer_views, shard_tables
+from actlake.analysis.registry import custom_views, enabled, producer_views, shard_tables, token_values
 from actlake.batching import make_batches
 from actlake.config import JobConfig
 from actlake.jobs.extract.interventions import resolve_interventions
@@ -45,7 +45,8 @@ class Extractor:
         self.token_tables = [(c, o) for c, o in tables if not c.of_reading]  # made batch by batch
         self.interventions = resolve_interventions(cfg, lm.model.config)
         passes = [(c, o) for c, o in enabled(cfg) if c is not InterventionEffects]  # it reads the passes' sums
-        self.forward = ForwardPass(cfg, lm, passes, self.token_tables, self.interventions)
+        values = token_values(cfg, lm.lm_head is not None)  # surprisal: where the model has its LM head
+        self.forward = ForwardPass(cfg, lm, passes, self.token_tables, self.interventions, values)
         self.producers = self.forward.producers + [c for c, _ in self.reading]
         self.views_to_check = [c for c in self.producers if getattr(c, "views", None)] if custom_views(self.producers) else []
         """Every producer's views, while a custom one declares views none has run: they run over the first shard."""

@@ -48,7 +48,8 @@ def try_analysis(target: str, texts: list[str], model: str = DEFAULT_MODEL, path
     cfg = job_config(target, model, path, args, max_length)
     import_custom_analyses(cfg)
     producers = [cls for cls, _ in enabled(cfg) + shard_tables(cfg)]
-    ex = Extractor(cfg, load_model(cfg.model))
+    logits = any("logits" in cls.sites for cls in producers)  # the LM head, where the model is a causal LM
+    ex = Extractor(cfg, load_model(cfg.model, lm_head=None if logits else False))
     windows = [Window(i, w, ids, "text") for i, text in enumerate(texts)
                for w, ids in enumerate(document_windows(ex.lm.tokenizer, text, cfg.tokenization)[0])]
     if not windows:
