@@ -337,6 +337,22 @@ def attention_calls(config) -> int | None:
     return found[0][1] if found else None
 
 
+def layers_of(config) -> int:
+    """The layers a job counts for a model of ``config`` (hidden states 0..n; the layer axis of its statistics), as
+    the engine counts them on the loaded model: the attention calls of a pass for call-order layers
+    (:func:`attention_calls`), an encoder-decoder model's decoder layers (its decoder runs alone), else
+    ``num_hidden_layers``; a multimodal config's text model's."""
+    text = text_config(config)
+    calls = attention_calls(text)
+    if calls is not None:
+        return calls
+    if encoder_decoder(text):
+        for name in ("decoder_layers", "num_decoder_layers"):
+            if isinstance(getattr(text, name, None), int):
+                return getattr(text, name)
+    return global_attr(text, "num_hidden_layers")
+
+
 def check_streams(config) -> None:
     """Refused by name: several residual streams per token (:data:`STREAMS` above 1: the per-token hidden-state
     statistics assume one vector per token) and blocks repeated in a way :func:`attention_calls` cannot count."""

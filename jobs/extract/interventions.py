@@ -8,17 +8,18 @@ from __future__ import annotations
 import numpy as np
 
 from actlake.analysis.engine.intervene import Intervention, load_function
-from actlake.architectures import text_config
+from actlake.architectures import layers_of, text_config
 from actlake.config import JobConfig
 from actlake.errors import ConfigError
 from actlake.fs import location, read_regular
 
 
 def resolve_interventions(cfg: JobConfig, model_config) -> tuple[Intervention, ...]:
-    """Every intervention of ``cfg`` for a model of ``model_config`` (its ``hidden_size`` and
-    ``num_hidden_layers``); ConfigError naming ``interventions[i].<key>`` where it does not fit."""
+    """Every intervention of ``cfg`` for a model of ``model_config`` (its width and its layers as the engine counts
+    them, :func:`~actlake.architectures.layers_of`); ConfigError naming ``interventions[i].<key>`` where it does not
+    fit."""
     text = text_config(model_config)  # a multimodal model's: its text model's
-    width, depth = text.hidden_size, text.num_hidden_layers
+    width, depth = text.hidden_size, layers_of(model_config)
     out = []
     for i, iv in enumerate(cfg.interventions):
         key = f"interventions[{i}] ({iv.name})"

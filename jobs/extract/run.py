@@ -191,18 +191,18 @@ def check_inputs_after_failure(layout: RunLayout, inputs: dict, n_failed: int) -
 
 def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
     """Print the store's size per token and an upper bound for the documents about to run."""
-    from transformers import AutoConfig
-
     from actlake.analysis.activation_sample import bytes_per_token, resolve_layers
+    from actlake.architectures import layers_of, read_model_config, text_config
 
-    hf = AutoConfig.from_pretrained(resolve_model_path(cfg.model.name_or_path), revision=cfg.model.revision,
-                                    trust_remote_code=cfg.model.trust_remote_code)
+    m = cfg.model
+    hf = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
     a, t = cfg.activations, cfg.tokenization
-    layers = resolve_layers(a.layers, hf.num_hidden_layers)
-    per_token = bytes_per_token(len(layers), hf.hidden_size, a.dtype)
+    layers = resolve_layers(a.layers, layers_of(hf))
+    width = text_config(hf).hidden_size
+    per_token = bytes_per_token(len(layers), width, a.dtype)
     windows = 1 if t.overflow == "truncate" else t.max_windows_per_doc
     bound = n_docs * windows * t.max_length * a.fraction * per_token
-    print(f"activation store: hidden states {layers}, d = {hf.hidden_size}, {a.dtype}: {per_token:,} bytes per token "
+    print(f"activation store: hidden states {layers}, d = {width}, {a.dtype}: {per_token:,} bytes per token "
           f"before compression; at most {bound / 2**30:,.2f} GiB for {n_docs:,} documents "
           f"(fraction {a.fraction:g} of windows)", flush=True)
 
@@ -380,11 +380,10 @@ def export_layers(cfg: JobConfig) -> list[int]:
 
     depth = None
     if cfg.activations.export and min([*cfg.activations.layers, *(e.layer for e in cfg.activations.export)]) < 0:
-        from actlake.architectures import read_model_config, text_config
+        from actlake.architectures import layers_of, read_model_config
 
         m = cfg.model
-        depth = text_config(read_model_config(resolve_model_path(m.name_or_path), m.revision,
-                                              m.trust_remote_code)).num_hidden_layers
+        depth = layers_of(read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code))
     stored = resolve_layers(cfg.activations.layers, depth) if depth is not None else cfg.activations.layers
     out = []
     for i, e in enumerate(cfg.activations.export):

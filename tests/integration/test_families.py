@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from actlake import architectures
 from actlake.architectures import Family, check_config, family_for
-from actlake.errors import ModelLoadError
+from actlake.errors import ConfigError, ModelLoadError
 from tests.conftest import job_config
 from tests.zoo_check import QUANTITIES, batch, compare, engine
 from tests.zoo_models import CAUSAL, ENCODERS, REFUSED, build, tiny_config
@@ -476,6 +476,36 @@ def test_a_seq2seq_checkpoint_loads_its_decoder_or_is_refused_by_name(model_type
         want = s2s.model.decoder(input_ids=ids).last_hidden_state
         assert torch.equal(lm.model(input_ids=ids).last_hidden_state, want)
         assert torch.equal(lm.causal_lm(input_ids=ids).logits, s2s.get_output_embeddings()(want))
+
+
+@pytest.mark.parametrize("model_type, overrides, layers", [
+    ("gpt2", {}, 2),
+    ("bart", {"encoder_layers": 3, "decoder_layers": 2}, 2),  # num_hidden_layers reads the encoder's 3
+    ("albert", {"num_hidden_layers": 4, "num_hidden_groups": 2}, 4),  # call-order layers: 4 calls of 2 blocks
+    ("dory", {}, 3),  # its config counts 2 blocks
+])
+def test_the_driver_counts_the_layers_the_engine_counts(model_type, overrides, layers, zoo, tmp_path):
+    """What the driver checks before Ray (interventions' hidden states, activation layers counted from the end, the
+    store's announcement) counts the layers the engine records on the loaded model (architectures.layers_of); an
+    intervention at a hidden state beyond the decoder's blocks is one line, not a worker's failure."""
+    from transformers import AutoConfig
+
+    from actlake.analysis.engine.recorder import ModelQK
+    from actlake.architectures import layers_of
+    from actlake.config import ModelConfig
+    from actlake.model import load_model
+
+    folder = zoo(model_type, **overrides)
+    lm = load_model(ModelConfig(name_or_path=folder), lm_head=None)
+    assert layers_of(AutoConfig.from_pretrained(folder)) == ModelQK(lm.model, lm.family).n_layers == layers
+    if model_type == "bart":
+        from actlake.jobs.extract.interventions import resolve_interventions
+        from tests.conftest import job_config
+
+        cfg = job_config(folder, tmp_path, tmp_path / "out",
+                         interventions=[{"name": "z", "at": 2, "op": "zero", "dims": [0]}])
+        with pytest.raises(ConfigError, match=r"interventions\[0\] \(z\)\.at: hidden state 2 .* 2 blocks"):
+            resolve_interventions(cfg, AutoConfig.from_pretrained(folder))
 
 
 @pytest.mark.parametrize("model_type, overrides, calls", [
