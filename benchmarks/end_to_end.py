@@ -6,7 +6,8 @@ CONFIG defaults to the embedded default job (the quick start: MiniLM over the 40
 runs the job (a real ``actlake run`` through :func:`~actlake.jobs.extract.run.run_job`: embedded Ray, workers,
 commits, reduce; the report off) under a new run id, then the plain forward pass in this process: the model
 loaded as the job loads it (same dtype and attention), ``torch.no_grad()``, with the job's worker thread count,
-over the job's own windows rebuilt from its ``tokens`` table and batched as the job batches them; then the job's
+over the job's own windows rebuilt from its ``tokens`` table and batched as the job batches them (shard by
+shard); then the job's
 forward pass with its analyses over the same batches in this process (the shard's compute without Ray, reading or
 writing). Rounds alternate the three, so a busy machine slows all of them.
 
@@ -42,14 +43,17 @@ def run_once(cfg, run_id: str) -> dict:
 
 
 def job_windows(run_dir: str, cfg) -> list:
-    """The job's windows, rebuilt from its ``tokens`` table, in the job's batches."""
+    """The job's windows, rebuilt from its ``tokens`` table, in the job's batches (each shard's windows batched
+    apart, as its worker batches them)."""
     from actlake.batching import Window, make_batches
     from actlake.storage.sql import query
 
-    rows = query(run_dir, "SELECT doc_id, window_index, source, list(token_id ORDER BY position) AS ids FROM tokens "
-                          "GROUP BY ALL ORDER BY doc_id, window_index").to_pylist()
-    windows = [Window(r["doc_id"], r["window_index"], r["ids"], r["source"]) for r in rows]
-    return make_batches(windows, cfg.batching, cfg.analyses.by_source)
+    rows = query(run_dir, "SELECT shard, doc_id, window_index, source, list(token_id ORDER BY position) AS ids "
+                          "FROM tokens GROUP BY ALL ORDER BY shard, doc_id, window_index").to_pylist()
+    by_shard: dict = {}
+    for r in rows:
+        by_shard.setdefault(r["shard"], []).append(Window(r["doc_id"], r["window_index"], r["ids"], r["source"]))
+    return [b for ws in by_shard.values() for b in make_batches(ws, cfg.batching, cfg.analyses.by_source)]
 
 
 def plain_forward(lm, batches, pad_id: int) -> float:
@@ -143,7 +147,8 @@ def main(argv=None) -> int:
             s = job["summary"]
             rounds.append({"job_s": job["wall"], "plain_s": plain, "suite_s": suite, "ratio": job["wall"] / plain,
                            "omp_wait_policy": wait_policy(ray_env.workers_env),
-                           "tokens": s["tokens"], "seconds": s["seconds"],
+                           "tokens": s["tokens"], "seconds": s["seconds"], "batches": len(batches),
+                           "job_batches": s.get("batches"),
                            "bytes_per_token": per_token_bytes(job["run_dir"], s["tokens"])})
             print(f"round {i + 1}: job {job['wall']:.1f}s, plain forward {plain:.1f}s: {job['wall'] / plain:.2f}x; "
                   f"the job's analyses in this process {suite:.1f}s", flush=True)

@@ -68,7 +68,7 @@ def previous_aggregates(layout: RunLayout) -> set:
         return set()  # nothing, or nothing we wrote: leave it
 
 
-COUNTS = ("docs", "windows", "tokens", "padded_tokens", "oom_splits", "cut_docs")
+COUNTS = ("docs", "windows", "tokens", "padded_tokens", "batches", "oom_splits", "cut_docs")
 """The counts a shard's summary holds and a job's totals add up."""
 
 

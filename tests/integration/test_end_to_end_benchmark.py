@@ -32,6 +32,7 @@ def test_the_end_to_end_benchmark_runs_and_its_breakdown_adds_up(sample_corpus, 
     (r,) = json.loads(out.read_text())
     (run,) = [p.parent for p in (tmp_path / "runs").glob("*/summary.json")]
     assert r["tokens"] == query(run, "SELECT count(*) AS n FROM tokens").to_pylist()[0]["n"] > 0
+    assert r["batches"] == r["job_batches"] > 0  # the in-process passes run the job's own batches
     s = r["seconds"]
     assert all(v >= 0 for v in s.values()), s
     inside = s["read"] + s["compute"] + s["write"] + s["merge"] + s["commit"]
