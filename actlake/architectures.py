@@ -294,13 +294,13 @@ def _int(config, attr: str):
 def _groups(config) -> int | None:
     """ALBERT: ``num_hidden_layers`` layers run the blocks of ``num_hidden_groups`` groups (one call per layer)."""
     groups, n = _int(config, "num_hidden_groups"), _int(config, "num_hidden_layers")
-    if groups is None or n is None or groups >= n:
+    if groups is None or n is None:
         return None
-    if (_int(config, "inner_group_num") or 1) > 1:
+    if (_int(config, "inner_group_num") or 1) > 1:  # also with a group per layer: still several blocks per call
         raise ModelLoadError(f"model_type {config.model_type!r} with inner_group_num {config.inner_group_num} is not "
                              "supported: several blocks per group call (one hidden state per group call, one attention "
                              "call per block) are not modelled yet")
-    return n
+    return n if groups < n else None
 
 
 def _recurrent(config) -> int | None:
@@ -432,10 +432,11 @@ def blocks(base_model, family: Family):
     raise ModelLoadError(f"{family.name}: cannot find layers at '{family.layers}' in {type(base_model).__name__}")
 
 
-def check_loaded(loaded, base_model, family: Family, missing_keys, path: str) -> None:
+def check_loaded(loaded, base_model, family: Family, missing_keys, path: str, head: bool = True) -> None:
     """Refused by name: a checkpoint that leaves weights of the transformer blocks to random initialisation
     (``missing_keys`` of ``from_pretrained``, named as in ``loaded``): a multimodal checkpoint whose type's causal LM
-    does not map its keys (Emu3) would otherwise be analysed as a random model, with every check passing."""
+    does not map its keys (Emu3) would otherwise be analysed as a random model, with every check passing. Likewise
+    its input embeddings and, where ``head`` (the job reads the logits), its output head."""
     if not missing_keys:
         return
     ours = {id(p) for b in blocks(base_model, family) for p in b.parameters()}
@@ -451,7 +452,7 @@ def check_loaded(loaded, base_model, family: Family, missing_keys, path: str) ->
         raise ModelLoadError(f"model {path}: {len(hit)} weights of its transformer blocks are not in the checkpoint "
                              f"under the names {type(loaded).__name__} reads (e.g. {hit[0]}), so they would be random: "
                              "a checkpoint of another class than the one transformers loads for this model type?")
-    ends = {id(p) for m in _embeddings(loaded, base_model) for p in m.parameters()}
+    ends = {id(p) for m in _embeddings(loaded if head else None, base_model) for p in m.parameters()}
     hit = [name for name in sorted(missing_keys) if id(_parameter(loaded, name)) in ends]
     if hit:
         raise ModelLoadError(f"model {path}: its embeddings or output head ({', '.join(hit[:2])}) are not in the "
@@ -470,6 +471,8 @@ def _embeddings(loaded, base_model) -> list:
     """The input embeddings of the base model and the output embeddings of the model loaded (where it has them)."""
     found = []
     for model, get in ((base_model, "get_input_embeddings"), (loaded, "get_output_embeddings")):
+        if model is None:
+            continue
         try:
             m = getattr(model, get)()
         except (AttributeError, NotImplementedError):

@@ -193,7 +193,7 @@ def load_model(cfg: ModelConfig, lm_head: bool | None = False) -> LoadedModel:
     except Exception as e:
         hint = " (set model.offload_folder)" if "offload_folder" in str(e) and not cfg.offload_folder else ""
         raise ModelLoadError(f"model {path}: cannot load ({type(e).__name__}: {e}){hint}") from None
-    check_loaded(full if causal else model, model, family, info.get("missing_keys"), path)
+    check_loaded(full if causal else model, model, family, info.get("missing_keys"), path, head=bool(want_head))
     if not want_head:
         head = None
     placement = None

@@ -79,6 +79,12 @@ def token_values(cfg, lm_head: bool) -> list[tuple[type[TokenValues], dict]]:
             if ("logits" not in cls.sites or lm_head) and getattr(cfg.analyses, cls.name, None) is not False]
 
 
+def logits_readers(cfg) -> list[str]:
+    """The names of the job's analyses and shard tables that read the LM head's ``logits`` (custom ones: Surprisal
+    is a token value, :func:`token_values`); a worker loads the head for them whatever ``analyses.surprisal`` says."""
+    return [cls.name for cls, _ in enabled(cfg) + shard_tables(cfg) if "logits" in cls.sites]
+
+
 WEIGHTS_PRODUCTS = frozenset({"weighted_qsum", "distance"})
 """Products that need the attention weights, which ``attention_weights: fused`` never builds."""
 

@@ -57,7 +57,7 @@ def local_worker_env() -> dict[str, str]:
     """Variables of an embedded Ray's workers: the driver's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` when set;
     otherwise torch's OpenMP threads spin between parallel regions (libgomp's default, as on a cluster's workers
     and in a plain forward pass) on an idle machine, and sleep (``OMP_WAIT_POLICY=PASSIVE``, said in a line) where
-    another Ray runs or other processes are running (:func:`busy`). Spinning computes 1.2-1.4x faster alone; beside
+    another Ray runs or other threads are running (:func:`busy`). Spinning computes 1.2-1.4x faster alone; beside
     other CPU work it stalls (2-3x slower: docs/benchmarks.md)."""
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if "OMP_WAIT_POLICY" in os.environ:
@@ -72,13 +72,15 @@ def local_worker_env() -> dict[str, str]:
 
 
 def busy() -> str:
-    """Why this machine's cores are not the job's alone ('' when they look free): another Ray, or other processes
-    running now (:func:`running_elsewhere`; a load average would count the job just before this one)."""
+    """Why this machine's cores are not the job's alone ('' when they look free): another Ray, or other threads
+    running now (:func:`running_elsewhere`; a load average would count the job just before this one) on an eighth
+    of the cores this process may use or more (at least one: on 2 cores, any)."""
     others = other_rays()
     if others:
         return f"another Ray runs on this machine (raylet pid {others[0]})"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     n = running_elsewhere()
-    return f"{n} other process{'es' if n > 1 else ''} running on this machine" if n else ""
+    return f"{n} other thread{'s' if n > 1 else ''} running on {cores} cores" if n >= max(1, cores // 8) else ""
 
 
 def running_elsewhere(samples: int = 5, every_s: float = 0.01) -> int:

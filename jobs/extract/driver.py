@@ -113,7 +113,7 @@ class Extractor:
             if self.forward.spec.hybrid:
                 summary["attention_layers"] = list(self.forward.spec.attention_layers)
             t3 = time.perf_counter()
-            group.add(shard.shard_id, files.publish(), summary, acc.stats)
+            group.add(shard.shard_id, files.publish(), dict(summary), acc.stats)  # the record's copy, as it is now
             summary["merge_seconds"] = time.perf_counter() - t3  # publishing its files, merging into the open group
         except BaseException:
             files.abort()

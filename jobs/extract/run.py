@@ -286,7 +286,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
         )
 
         return run_sweep(cfg, address, report, on_shard)
-    from actlake.analysis.registry import check_table_names, enabled
+    from actlake.analysis.registry import check_table_names, enabled, logits_readers
     from actlake.architectures import check_model
     from actlake.model import require_accelerate
 
@@ -296,7 +296,9 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
     check_custom_views(cfg)
     analyses = [cls for cls, _ in enabled(cfg)]
     require_accelerate(cfg.model)  # before Ray: a worker without it would die at every restart
-    check_model(cfg)  # from the model's config alone: an unsupported model is one line, before Ray
+    family = check_model(cfg)  # from the model's config alone: an unsupported model is one line, before Ray
+    if (readers := logits_readers(cfg)) and not family.causal:
+        raise ConfigError(f"{readers} read the LM head's logits, and model {cfg.model.name_or_path} is not a causal LM")
     export_layers(cfg)  # an export of a layer the job does not store: one line, before Ray
     interventions = ()
     if cfg.interventions:  # a dim beyond the width, a layer beyond the model, means of another model: one line
@@ -462,11 +464,11 @@ def _close_workers(workers) -> None:
             log.warning("a worker could not remove its offload folder: %s", e)
 
 
-def worker_start(summaries: list[dict], created_at: float) -> float:
+def worker_start(summaries: list[dict], created_at: float | None) -> float:
     """Seconds from the workers' creation to the first one's constructor (Ray placing it, its process starting,
     the worker module's imports), by the workers' clocks (0 when every worker was kept from a previous job)."""
     started = [s["started_at"] for s in summaries if s.get("started_at")]
-    return max(0.0, min(started) - created_at) if started else 0.0
+    return max(0.0, min(started) - created_at) if started and created_at is not None else 0.0
 
 
 def time_breakdown(phases: dict, ran: list[dict]) -> dict:
@@ -493,6 +495,7 @@ def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[di
 
     cfg, layout, phash, total, inputs = job.cfg, job.layout, job.plan_hash, len(job.shards), job.inputs
 
+    ray_released()  # a redispatch: the previous Ray's shutdown is not this one's start
     t0 = time.perf_counter()
     started = init_ray(address)
     if phases is not None:
@@ -513,7 +516,7 @@ def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[di
         workers, kept = take_kept(key, n), []
         try:  # from here on every worker held is killed or kept, whatever happens
             made_for = replace(target, counter=None)  # an actor handle is never an argument of its creation
-            created_at = time.time()  # the workers' own clocks say when each started (the breakdown's worker_start)
+            created_at = time.time() if n > len(workers) else None  # the breakdown's worker_start, by their clocks
             workers += [ShardWorker.options(**options).remote(made_for, threads, files, env)
                         for _ in range(n - len(workers))]
             log.info("dispatching %d shards to %d worker(s) (%g CPU, %g GPU, %s memory each)", len(pending), n, cpus,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import ray
 
-from actlake.analysis.registry import failure
+from actlake.analysis.registry import failure, logits_readers
 from actlake.config import parse_config
 from actlake.errors import AnalysisFailed
 from actlake.fs import location
@@ -224,7 +224,10 @@ class ShardWorker:
         self.cfg = cfg or parse_config(target.cfg_dict)  # ``cfg``: the constructor's parse of the same dict
         self.layout = RunLayout(location(target.run_dir))
         self.group = OpenGroup(self.layout, target.plan_hash, CommitPolicy(max_seconds=self.cfg.sharding.commit_seconds))
-        self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=self.cfg.analyses.surprisal))
+        head = self.cfg.analyses.surprisal  # null: a causal LM's
+        if head is False and logits_readers(self.cfg):  # a custom analysis reads the logits
+            head = None
+        self.extractor = Extractor(self.cfg, load_model(self.cfg.model, lm_head=head))
         if self.extractor.interventions:  # read here: the same values the run recorded, or no shard runs
             from actlake.jobs.extract.identity import check_interventions
 

@@ -131,6 +131,7 @@ def test_a_key_layernorm_is_exact(model_type, overrides, zoo):
     ("inkling2_text", {}, r"its key projection \(Inkling2KeyValueProjection\) has no single weight matrix"),
     ("gemma4_unified_assistant", {}, r"a drafter \(assistant\) model"),
     ("albert", {"inner_group_num": 2}, r"several blocks per group call"),  # call-order layers: one block per call
+    ("albert", {"inner_group_num": 2, "num_hidden_groups": 2, "num_hidden_layers": 2}, r"several blocks per group"),
     ("blt", {}, r"its transformer blocks are in 6 stacks \(local_encoder.layers"),
     ("zamba2", {}, r"its key projection reads a 128-wide input, not the 64-wide residual stream"),
     # attention by hand, found from the model's modules (no list of blocks to look in) or its attention's forward
@@ -469,6 +470,10 @@ def test_a_seq2seq_checkpoint_loads_its_decoder_or_is_refused_by_name(model_type
                                                  r"checkpoint under the names BigBirdPegasusForCausalLM reads") as e:
             load_model(ModelConfig(name_or_path=str(tmp_path)), lm_head=True)
         assert "\n" not in str(e.value)
+        lm = load_model(ModelConfig(name_or_path=str(tmp_path), dtype="float32"), lm_head=False)  # the head unread
+        ids = torch.randint(2, 500, (2, 12))
+        with torch.no_grad():
+            assert torch.equal(lm.model(input_ids=ids).last_hidden_state, s2s.model.decoder(input_ids=ids).last_hidden_state)
         return
     lm = load_model(ModelConfig(name_or_path=str(tmp_path), dtype="float32"), lm_head=True)
     ids = torch.randint(2, 500, (2, 12))

@@ -104,3 +104,30 @@ def test_the_first_batch_checks_the_surprisal_producer_against_the_models_logits
         ex.forward.run_batch(_windows(ex.lm))
     off = job_config(tmp_path / "gpt2", tmp_path, tmp_path / "out2", **{"analyses.surprisal": False})
     assert Extractor(off, load_model(off.model, lm_head=off.analyses.surprisal)).forward.token_values == []
+
+
+def test_a_job_loads_the_head_for_a_custom_logits_reader_and_refuses_one_before_ray(tmp_path, sample_corpus, minilm_path):
+    """In a job: with analyses.surprisal false, a custom analysis that reads the logits still gets the head (its sum
+    equals the same analysis run with surprisal on); on a model that is not a causal LM it is refused when the job is
+    checked, before any worker starts."""
+    import ray
+
+    from actlake.jobs.extract.run import run_job
+    from actlake.storage.sql import query
+    from tests.conftest import job_config, make_tiny_model
+
+    model = make_tiny_model("gpt2", tmp_path / "gpt2")
+    module = tmp_path / "nll_site.py"
+    module.write_text(NLL)
+    custom = {"analyses.custom": [{"analysis": "nll_site:NextTokenNLL", "path": str(module)}], "corpus.max_docs": 8}
+    totals = []
+    for surprisal in (False, None):
+        cfg = job_config(model, sample_corpus, tmp_path / f"out-{surprisal}", **custom, **{"analyses.surprisal": surprisal})
+        run = run_job(cfg).run_dir
+        totals.append(query(run, "SELECT nll FROM next_token_nll WHERE source = '*'").to_pylist()[0]["nll"])
+    assert totals[0] == pytest.approx(totals[1], rel=1e-9) and totals[0] > 0
+    cfg = job_config(minilm_path, sample_corpus, tmp_path / "out-minilm", **custom)
+    before = ray.is_initialized()  # a session's shared Ray may be up; a job refused here starts none
+    with pytest.raises(ConfigError, match=r"\['next_token_nll'\] read the LM head's logits, and model .* is not a causal"):
+        run_job(cfg)
+    assert ray.is_initialized() == before

@@ -89,8 +89,12 @@ def test_an_embedded_ray_s_workers_spin_on_an_idle_machine_unless_the_driver_say
     monkeypatch.setattr(ray_env, "other_rays", lambda: [])
     monkeypatch.setattr(ray_env, "running_elsewhere", lambda: 0)
     assert ray_env.local_worker_env() == {"TOKENIZERS_PARALLELISM": "false"}
+    monkeypatch.setattr(ray_env.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.setattr(ray_env, "running_elsewhere", lambda: 3)  # 3 threads on 32 cores: still the job's
+    assert ray_env.busy() == "" and ray_env.local_worker_env() == {"TOKENIZERS_PARALLELISM": "false"}
+    monkeypatch.setattr(ray_env.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(ray_env, "running_elsewhere", lambda: 2)
-    assert ray_env.busy() == "2 other processes running on this machine"
+    assert ray_env.busy() == "2 other threads running on 2 cores"
     assert ray_env.local_worker_env()["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setattr(ray_env, "running_elsewhere", lambda: 0)
     monkeypatch.setattr(ray_env, "other_rays", lambda: [4242])
