@@ -327,18 +327,16 @@ def test_another_ray_on_the_machine_is_seen_by_its_raylet():
 
 def test_a_ray_this_process_started_is_not_another_ray():
     """A job's second Ray in one process (a redispatch, the exports after a job) starts while the first may still be
-    exiting: the raylet this process started is never 'another Ray' (which would make the workers passive)."""
-    code = ("import os, psutil\n"
-            "os.environ.pop('OMP_WAIT_POLICY', None)\n"
+    exiting: the raylet this process started is never 'another Ray' (which would make the workers passive), before
+    its shutdown nor after it, when the next Ray starts."""
+    code = ("import psutil\n"
             "from actlake.jobs.common import ray_env\n"
-            "ray_env.running_elsewhere = lambda: 0  # what other tests run beside this one is not the question\n"
-            "seen = set(ray_env.other_rays())\n"
             "ray_env.init_ray(None)\n"
             "mine = [c.pid for c in psutil.Process().children() if c.name() == 'raylet']\n"
             "alive = not set(mine) & set(ray_env.other_rays())\n"
             "ray_env.release_ray(background=True)\n"
-            "ray_env.init_ray(None)  # joins the shutdown, which does not wait for the raylet to exit\n"
-            "again = 'OMP_WAIT_POLICY' not in ray_env.workers_env or bool(set(ray_env.other_rays()) - seen - set(mine))\n"
+            "ray_env.init_ray(None)  # joins the shutdown, which does not wait for every process to exit\n"
+            "again = not set(mine) & set(ray_env.other_rays())\n"
             "print(len(mine) == 1 and alive and again)\n"
             "ray_env.release_ray()\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
