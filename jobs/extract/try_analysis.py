@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from actlake.analysis.registry import builtin, enabled, failure, producer_views, shard_tables
+from actlake.analysis.registry import builtin, enabled, failure, logits_readers, producer_views, shard_tables
 from actlake.batching import Window, document_windows, make_batches
 from actlake.config import parse_config, resolve_custom_paths
 from actlake.errors import ConfigError
@@ -48,8 +48,8 @@ def try_analysis(target: str, texts: list[str], model: str = DEFAULT_MODEL, path
     cfg = job_config(target, model, path, args, max_length)
     import_custom_analyses(cfg)
     producers = [cls for cls, _ in enabled(cfg) + shard_tables(cfg)]
-    logits = any("logits" in cls.sites for cls in producers)  # the LM head, where the model is a causal LM
-    ex = Extractor(cfg, load_model(cfg.model, lm_head=None if logits else False))
+    # the LM head, where the model is a causal LM, for an analysis that reads its logits
+    ex = Extractor(cfg, load_model(cfg.model, lm_head=None if logits_readers(cfg) else False))
     windows = [Window(i, w, ids, "text") for i, text in enumerate(texts)
                for w, ids in enumerate(document_windows(ex.lm.tokenizer, text, cfg.tokenization)[0])]
     if not windows:
