@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--address", help="Ray cluster address (ray://HOST:10001 or HOST:6379); default RAY_ADDRESS")
     r.add_argument("--run-id", help="override output.run_id")
     r.add_argument("--no-report", action="store_true", help="skip the report at the end")
+    r.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("submit", help="submit a job through the Ray Jobs API")
     s.add_argument("config")
@@ -49,11 +50,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="Ray dashboard / Jobs API address (default http://127.0.0.1:8265)")
     s.add_argument("--run-id")
     s.add_argument("--submission-id")
+    s.set_defaults(func=_cmd_submit)
     for name, helptext in (("status", "status of a submitted job"), ("logs", "logs of a submitted job"),
                            ("stop", "stop a submitted job (resubmit with the same run id to finish it)")):
         q = sub.add_parser(name, help=helptext)
         q.add_argument("submission_id")
         q.add_argument("--address", default=os.environ.get("RAY_JOB_ADDRESS", "http://127.0.0.1:8265"))
+        q.set_defaults(func=_cmd_submitted)
 
     q = sub.add_parser("sql", help="one read-only SQL statement over a run's tables (several runs: side by side)",
                        usage="actlake sql RUN_DIR [RUN_DIR ...] [SQL] [options]")
@@ -67,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                                            "(a DuckDB size; default 4GB)")
     q.add_argument("--memory-limit", default="2GB", help="DuckDB's memory limit (default 2GB); the query's process "
                                                         "is stopped beyond it plus 1 GiB")
+    q.set_defaults(func=_cmd_sql)
 
     rp = sub.add_parser("report", help="(re)build report/report.html and PNGs of a run, or compare runs",
                         usage="actlake report RUN_DIR | actlake report --compare RUN_DIR RUN_DIR [...] [--out DIR]")
@@ -75,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="the runs' headline statistics side by side, one colour per run")
     rp.add_argument("--out", help="with --compare: the folder for report/report.html "
                                   "(default compare-A-vs-B-... in the current folder)")
+    rp.set_defaults(func=_cmd_report)
 
     ex = sub.add_parser("export", help="a run's activation store as token-level shuffled shards for SAE training",
                         usage="actlake export RUN_DIR --format tokens --layer L -o DIR [options]")
@@ -104,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
                                                 "the same output either way); -o must then be a folder every node "
                                                 "writes to")
     ex.add_argument("--address", help="with --workers, the Ray cluster (default: an embedded Ray)")
+    ex.set_defaults(func=_cmd_export)
 
     c = sub.add_parser("corpus", help="corpus tools")
     csub = c.add_subparsers(dest="corpus_command", required=True)
@@ -112,9 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("out_dir")
     cs.add_argument("--docs", type=int, default=400, help="number of documents, at most 1,000 (default 400)")
     cs.add_argument("--files", type=int, default=2, help="number of files (default 2)")
+    cs.set_defaults(func=_cmd_corpus_sample)
     ci = csub.add_parser("index", help="count a job's corpus files and build their entry points now (in parallel), "
                                         "as its first run would")
     ci.add_argument("config", help="job YAML")
+    ci.set_defaults(func=_cmd_corpus_index)
 
     ts = sub.add_parser("train-synthetic", help="train on a factored process (Ray Train), analyse checkpoints, report")
     ts.add_argument("config", help="synthetic job YAML (see configs/synthetic_quick.yaml)")
@@ -123,17 +131,20 @@ def _parser() -> argparse.ArgumentParser:
     ts.add_argument("--no-analysis", action="store_true", help="train only")
     ts.add_argument("--analysis-only", action="store_true", help="skip training; analyse the existing checkpoints")
     ts.add_argument("--no-report", action="store_true")
+    ts.set_defaults(func=_cmd_train_synthetic)
 
     tl = sub.add_parser("train-lm", help="train a small Pythia-architecture causal LM on a corpus (Ray Train)")
     tl.add_argument("config", help="train-lm YAML (see configs/lm_quick.yaml)")
     tl.add_argument("--address", help="Ray cluster address; default RAY_ADDRESS or an embedded local Ray")
     tl.add_argument("--run-id", help="override output.run_id")
+    tl.set_defaults(func=_cmd_train_lm)
 
     tp = sub.add_parser("train-predictor", help="train next-hidden-state predictors per layer of an activation store, fit probes, report")
     tp.add_argument("config", help="train-predictor YAML (see configs/predictor_quick.yaml)")
     tp.add_argument("--address", help="Ray cluster address; default RAY_ADDRESS or an embedded local Ray")
     tp.add_argument("--run-id", help="override output.run_id")
     tp.add_argument("--no-report", action="store_true")
+    tp.set_defaults(func=_cmd_train_predictor)
 
     ta = sub.add_parser("try-analysis", help="run one analysis on a few texts in this process (no Ray) and print "
                                              "its tables and views")
@@ -147,9 +158,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="a keyword argument of the class's create() (a YAML value); repeat for more")
     ta.add_argument("--max-length", type=int, default=128, help="tokens per window (default 128)")
     ta.add_argument("--rows", type=int, default=20, help="rows shown per table (default 20)")
+    ta.set_defaults(func=_cmd_try_analysis)
 
     qs = sub.add_parser("quickstart", help="build the sample corpus if needed, then run the embedded default job")
     qs.add_argument("--docs", type=int, default=400)
+    qs.set_defaults(func=_cmd_quickstart)
     return p
 
 
@@ -397,6 +410,61 @@ def _cmd_corpus_index(args) -> int:
     return 0
 
 
+def _cmd_train_lm(args) -> int:
+    from actlake.config import load_config  # per command (start-up)
+    from actlake.jobs.train.lm.config import LMConfig  # per command (start-up)
+    from actlake.jobs.train.lm.job import train_lm  # per command (start-up)
+
+    cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None, root=LMConfig)
+    res = train_lm(cfg, address=args.address)
+    last = res["last"] or {}
+    print(printable(f"model:   {res['model']}  (step {res['step']}, held-out loss "
+                    f"{last.get('eval_loss', float('nan')):.3f}, wall {res['wall_seconds']:.0f}s)"))
+    return 0
+
+
+def _cmd_quickstart(args) -> int:
+    from actlake.corpus.sample import ensure_sample  # per command (start-up)
+
+    ensure_sample("data/sample", args.docs)  # the shipped sample, or refused when another folder is there
+    args.config, args.address, args.run_id, args.no_report = None, None, None, False
+    return _cmd_run(args)
+
+
+def _cmd_submit(args) -> int:
+    from actlake.config import load_config  # per command (start-up)
+    from actlake.jobs.extract.submit import submit  # per command (start-up)
+
+    cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None)
+    from actlake.analysis.registry import check_analysis_entries  # loads torch; per command (start-up)
+
+    check_analysis_entries(cfg)  # a wrong analyses entry is one line here, not a failed job on the cluster
+    sid = submit(cfg, args.address, args.submission_id)
+    print(sid)
+    print(f"follow it with: {command_prefix()} status {sid} --address {shlex.quote(args.address)}", file=sys.stderr)
+    return 0
+
+
+def _cmd_submitted(args) -> int:
+    """``status``, ``logs`` and ``stop`` of a submitted job: the function of jobs.extract.submit by that name."""
+    from actlake.jobs.extract import submit as js  # per command (start-up)
+
+    print(getattr(js, args.command)(args.address, args.submission_id))
+    return 0
+
+
+def _cmd_corpus_sample(args) -> int:
+    from actlake.corpus.sample import ensure_sample  # per command (start-up)
+
+    for flag, n in (("--docs", args.docs), ("--files", args.files)):
+        if n < 1:
+            raise ActlakeError(f"{flag}: must be at least 1, got {n}")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise ActlakeError(f"{args.out_dir} exists and is not a folder")
+    ensure_sample(args.out_dir, args.docs, args.files)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command.startswith("train-"):  # parallel trials log alike; Ray's dedup would hide all but one
@@ -409,73 +477,13 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("default", ActlakeDeprecationWarning)  # an old name in a config or a custom analysis
     warnings.showwarning = _show_warning
     try:
-        if args.command == "run":
-            return _cmd_run(args)
-        if args.command == "train-lm":
-            from actlake.config import load_config  # per command (start-up)
-            from actlake.jobs.train.lm.config import LMConfig  # per command (start-up)
-            from actlake.jobs.train.lm.job import train_lm  # per command (start-up)
-
-            cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None, root=LMConfig)
-            res = train_lm(cfg, address=args.address)
-            last = res["last"] or {}
-            print(printable(f"model:   {res['model']}  (step {res['step']}, held-out loss "
-                            f"{last.get('eval_loss', float('nan')):.3f}, wall {res['wall_seconds']:.0f}s)"))
-            return 0
-        if args.command == "train-synthetic":
-            return _cmd_train_synthetic(args)
-        if args.command == "train-predictor":
-            return _cmd_train_predictor(args)
-        if args.command == "try-analysis":
-            return _cmd_try_analysis(args)
-        if args.command == "quickstart":
-            from actlake.corpus.sample import ensure_sample  # per command (start-up)
-
-            ensure_sample("data/sample", args.docs)  # the shipped sample, or refused when another folder is there
-            args.config, args.address, args.run_id, args.no_report = None, None, None, False
-            return _cmd_run(args)
-        if args.command == "submit":
-            from actlake.config import load_config  # per command (start-up)
-            from actlake.jobs.extract.submit import submit  # per command (start-up)
-
-            cfg = load_config(args.config, overrides={"output.run_id": args.run_id} if args.run_id else None)
-            from actlake.analysis.registry import check_analysis_entries  # loads torch; per command (start-up)
-
-            check_analysis_entries(cfg)  # a wrong analyses entry is one line here, not a failed job on the cluster
-            sid = submit(cfg, args.address, args.submission_id)
-            print(sid)
-            print(f"follow it with: {command_prefix()} status {sid} --address {shlex.quote(args.address)}", file=sys.stderr)
-            return 0
-        if args.command in ("status", "logs", "stop"):
-            from actlake.jobs.extract import submit as js  # per command (start-up)
-
-            print(getattr(js, args.command)(args.address, args.submission_id))
-            return 0
-        if args.command == "sql":
-            return _cmd_sql(args)
-        if args.command == "report":
-            return _cmd_report(args)
-        if args.command == "export":
-            return _cmd_export(args)
-        if args.command == "corpus" and args.corpus_command == "index":
-            return _cmd_corpus_index(args)
-        if args.command == "corpus":
-            from actlake.corpus.sample import ensure_sample  # per command (start-up)
-
-            for flag, n in (("--docs", args.docs), ("--files", args.files)):
-                if n < 1:
-                    raise ActlakeError(f"{flag}: must be at least 1, got {n}")
-            if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-                raise ActlakeError(f"{args.out_dir} exists and is not a folder")
-            ensure_sample(args.out_dir, args.docs, args.files)
-            return 0
+        return args.func(args)
     except KeyboardInterrupt:
         print("actlake: interrupted; committed shards and checkpoints are kept (rerun to resume)", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the one error path of the command line
         print(f"actlake: error: {printable_lines(error_line(e))}", file=sys.stderr)
         return 2
-    return 1
 
 
 _python_show_warning = warnings.showwarning
