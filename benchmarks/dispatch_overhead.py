@@ -52,11 +52,11 @@ class TrivialWorker:
 
 
 def ours(workers: list, shards: list) -> float:
-    from actlake.jobs.extract.dispatch import Dispatcher
+    from actlake.jobs.extract.dispatch import Dispatcher, Events
 
     done = []
     t = time.perf_counter()
-    summaries, failures = Dispatcher(workers, max_retries=0, on_done=done.append).run(shards)
+    summaries, failures = Dispatcher(workers, max_retries=0, events=Events(done=done.append)).run(shards)
     wall = time.perf_counter() - t
     assert not failures and len(done) == len(shards) == len(summaries)
     return wall

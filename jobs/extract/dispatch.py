@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 from actlake.errors import ActlakeError
 
@@ -118,24 +119,31 @@ def reason(cause: BaseException) -> str:
     return " ".join(text.split())[:1000]
 
 
+@dataclass(frozen=True)
+class Events:
+    """What the dispatcher tells its job, and asks it. ``done(summary)``: a shard is committed; ``ran(summary)``: a
+    shard's work is done (its group may commit later); ``tick()``: called every ``tick_s`` seconds while shards run
+    (progress); ``committed()``: {shard id: summary} of the shards the store's records hold now (asked when a worker
+    dies: it may have committed its group and died before saying so)."""
+
+    done: Callable[[dict], None] = lambda summary: None
+    ran: Callable[[dict], None] = lambda summary: None
+    tick: Callable[[], None] = lambda: None
+    committed: Callable[[], dict] = dict
+
+
 class Dispatcher:
-    def __init__(self, workers: list, max_retries: int, on_done=lambda summary: None, slots: int = 1,
-                 committed=lambda: {}, on_ran=lambda summary: None, on_tick=lambda: None, tick_s: float | None = None,
-                 target=None):
+    def __init__(self, workers: list, max_retries: int, events: Events = Events(), slots: int = 1,
+                 tick_s: float | None = None, target=None):
         """``slots``: shards each worker holds at once (2: it reads one while the model runs the other).
-        ``committed()``: {shard id: summary} of the shards the store's records hold now (asked when a
-        worker dies: it may have committed its group and died before saying so). ``on_done(summary)``:
-        a shard is committed; ``on_ran(summary)``: a shard's work is done (its group may commit later);
-        ``on_tick()``: called every ``tick_s`` seconds while shards run (progress). ``target``: sent with every
-        call (:class:`~actlake.jobs.extract.worker.Target`: the job a worker kept from another job, or restarted, takes on)."""
+        ``target``: sent with every call (:class:`~actlake.jobs.extract.worker.Target`: the job a worker kept from
+        another job, or restarted, takes on)."""
         self.extra = () if target is None else (target,)
         self.deaths = 0  # workers that died during the run
-        self.on_ran, self.on_tick, self.tick_s = on_ran, on_tick, TICK_S if tick_s is None else tick_s
+        self.events, self.tick_s = events, TICK_S if tick_s is None else tick_s
         self.workers = list(workers)
         self.max_retries = max_retries
-        self.on_done = on_done
         self.slots = slots
-        self.committed = committed
 
     def run(self, shards: list) -> tuple[list[dict], list[str]]:
         """Run and commit every shard; return (summaries, failure messages)."""
@@ -174,7 +182,7 @@ class Dispatcher:
             if self.queue and self.idle:
                 continue  # shards it took back: handed out now
             ready = ray.wait(list(self.in_flight), num_returns=1, timeout=self.tick_s)[0]
-            self.on_tick()
+            self.events.tick()
             if not ready:
                 continue
             ref = ready[0]
@@ -194,7 +202,7 @@ class Dispatcher:
             self.answered.add(w)
             if kind == "shard":
                 self.summaries[s.shard_id] = result
-                self.on_ran(result)
+                self.events.ran(result)
                 if s.shard_id in self.early:  # its group is already committed
                     self.early.discard(s.shard_id)
                     self._done(result)
@@ -242,7 +250,7 @@ class Dispatcher:
         where it was sent and commit too, in a record readers refuse)."""
         if summary["shard_id"] not in self.finished:
             self.finished.add(summary["shard_id"])
-            self.on_done(summary)
+            self.events.done(summary)
 
     def _ping(self, w) -> None:
         self.in_flight[w.get_pid.remote()] = ("ping", w, None)
@@ -314,7 +322,7 @@ class Dispatcher:
         """Shards a worker held uncommitted and no longer holds: done if the store has them (committed just
         before), else back to the front of the queue (up to ``max_retries`` times each; ``count``: this time
         counts as one)."""
-        stored = self.committed() if lost else {}
+        stored = self.events.committed() if lost else {}
         for shard in [x for x in lost if x.shard_id in stored]:
             self.early.discard(shard.shard_id)
             self.summaries.setdefault(shard.shard_id, stored[shard.shard_id])

@@ -19,7 +19,7 @@ from actlake.corpus.readers import HF_STREAM
 from actlake.errors import ActlakeError, ConfigError, CorpusError, StorageError, printable
 from actlake.fs import ObjectPath, location, read_regular, remove_tree
 from actlake.jobs.common.ray_env import init_ray, ray_released, release_ray, store_env
-from actlake.jobs.extract.dispatch import Dispatcher
+from actlake.jobs.extract.dispatch import Dispatcher, Events
 from actlake.jobs.extract.identity import identity_change, run_identity
 from actlake.jobs.extract.kept_workers import keep, kept_key, take_kept
 from actlake.jobs.extract.plan import plan_hash, plan_with_inputs, planned_labels
@@ -530,9 +530,9 @@ def _dispatch(job: Job, pending, address, on_shard=None, phases=None) -> list[di
             def stored() -> dict:
                 return {sid: dict(e["summary"], shard_id=sid) for sid, e in committed(layout, phash).shards.items()}
 
-            dispatcher = Dispatcher(workers, retries, done, 2 if read_ahead(cfg, gpus) else 1, stored,
-                                    on_ran=progress.shard_ran, target=target,
-                                    on_tick=lambda: progress.tick(counter.totals()))
+            events = Events(done=done, ran=progress.shard_ran, tick=lambda: progress.tick(counter.totals()),
+                            committed=stored)
+            dispatcher = Dispatcher(workers, retries, events, 2 if read_ahead(cfg, gpus) else 1, target=target)
             summaries, failures = dispatcher.run(pending)
             if phases is not None:
                 phases["worker_start"] = phases.get("worker_start", 0.0) + worker_start(summaries, created_at)

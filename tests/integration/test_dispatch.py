@@ -14,7 +14,7 @@ import time
 import pytest
 import ray
 
-from actlake.jobs.extract.dispatch import Dispatcher
+from actlake.jobs.extract.dispatch import Dispatcher, Events
 from actlake.jobs.extract.plan import Shard
 
 pytestmark = pytest.mark.integration
@@ -71,7 +71,7 @@ def _shards(n: int) -> list[Shard]:
 def test_shards_of_a_group_lost_to_a_failed_commit_run_again(ray_local):
     done = []
     worker = ScriptedWorker.remote(fail_at=3)
-    summaries, failures = Dispatcher([worker], max_retries=2, on_done=done.append).run(_shards(5))
+    summaries, failures = Dispatcher([worker], max_retries=2, events=Events(done=done.append)).run(_shards(5))
     assert len(failures) == 1 and "shard 00002" in failures[0] and "refused" in failures[0]
     assert sorted(s["shard_id"] for s in done) == [0, 1, 3, 4]  # 0 and 1 ran again, each counted once
     assert sorted(s["shard_id"] for s in summaries) == [0, 1, 3, 4]
@@ -81,12 +81,12 @@ def test_shards_of_a_group_lost_to_a_failed_commit_run_again(ray_local):
 def test_a_group_whose_commit_fails_runs_again_until_retries_run_out(ray_local):
     done = []
     worker = ScriptedWorker.remote(fail_flushes=1)
-    dispatcher = Dispatcher([worker], max_retries=2, on_done=done.append)
+    dispatcher = Dispatcher([worker], max_retries=2, events=Events(done=done.append))
     _, failures = dispatcher.run(_shards(3))
     assert failures == [] and sorted(s["shard_id"] for s in done) == [0, 1, 2]  # each counted once, after the rerun
     ray.kill(worker)
     worker = ScriptedWorker.remote(fail_flushes=10)
-    _, failures = Dispatcher([worker], max_retries=1, on_done=done.append).run(_shards(3))
+    _, failures = Dispatcher([worker], max_retries=1, events=Events(done=done.append)).run(_shards(3))
     assert len(failures) == 3 and all("could not be committed" in f and "2 times" in f for f in failures)
     ray.kill(worker)
 
@@ -94,7 +94,7 @@ def test_a_group_whose_commit_fails_runs_again_until_retries_run_out(ray_local):
 def test_a_commit_that_arrives_before_the_shards_own_result_counts_it_once(ray_local):
     done = []
     worker = ScriptedWorker.options(max_concurrency=2).remote(hold_first=True)
-    summaries, failures = Dispatcher([worker], max_retries=2, on_done=done.append, slots=2).run(_shards(2))
+    summaries, failures = Dispatcher([worker], max_retries=2, events=Events(done=done.append), slots=2).run(_shards(2))
     assert failures == [] and sorted(s["shard_id"] for s in done) == [0, 1]
     ray.kill(worker)
 
@@ -108,7 +108,7 @@ def test_shards_waiting_on_a_worker_that_never_comes_up_run_on_the_free_one(ray_
     never = ScriptedWorker.options(resources={"no-such-node": 1}).remote()
     out = []
     run = threading.Thread(target=lambda: out.append(
-        Dispatcher([never, up], max_retries=2, on_done=done.append, tick_s=0.2).run(_shards(4))), daemon=True)
+        Dispatcher([never, up], max_retries=2, events=Events(done=done.append), tick_s=0.2).run(_shards(4))), daemon=True)
     run.start()
     run.join(300)  # a hang fails the test instead of the suite
     assert not run.is_alive(), "the dispatcher still waits on the worker that is not up"
@@ -150,7 +150,7 @@ def test_a_worker_dying_at_the_tail_with_another_free_is_counted_once(ray_local,
     done = []
     up, dying = ScriptedWorker.remote(), DyingWorker.remote()
     ray.get([up.get_pid.remote(), dying.get_pid.remote()])
-    dispatcher = Dispatcher([dying, up], max_retries=2, on_done=done.append, tick_s=0.1)
+    dispatcher = Dispatcher([dying, up], max_retries=2, events=Events(done=done.append), tick_s=0.1)
     summaries, failures = dispatcher.run(_shards(2))
     assert failures == [] and sorted(s["shard_id"] for s in done) == [0, 1] and dispatcher.deaths == 1
     assert sorted(s["shard_id"] for s in summaries) == [0, 1]
