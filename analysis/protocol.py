@@ -23,7 +23,11 @@ for every analysis that wants them (:mod:`~actlake.analysis.engine.attention_wei
 (:meth:`Producer.add_layer`, :meth:`Producer.add_hidden`, :meth:`Producer.add_logits`) reads nothing back to the host.
 
 Extraction, the reduce step, the SQL views and the report loop over the enabled producers
-(:mod:`~actlake.analysis.registry`); no other module names a particular one.
+(:mod:`~actlake.analysis.registry`). A particular one is named only by a producer that reads its output (``tokens``
+reads :class:`~actlake.analysis.token_surprisal.Surprisal`'s values, ``contributions``' charts ``dim_moments``'
+outlier dimensions) and by the jobs where they treat one apart (e.g. the extraction driver makes
+``intervention_effects`` from the passes' per-window sums; ``actlake run`` sizes the activation store with
+``activation_sample`` and notes empty first-token statistics with ``attention_mass``).
 """
 
 from __future__ import annotations

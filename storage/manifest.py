@@ -16,8 +16,9 @@ this manifest instead of globbing:
 
 Only tables a record names are listed: per-shard tables (built in or custom, as the commit records' shard
 entries name them), the analyses' partials (``<table>_partial``, one file per commit group) and reduced tables
-as the records name them, and a training run's tables as its publication record names them. Storage knows no
-table by name; a name must be a plain identifier (:func:`is_table_name`). Other folders under ``tables/`` are
+as the records name them, and a training run's tables as its publication record names them. The manifest knows no
+table by name (in storage only the activation store's reader, :mod:`actlake.storage.activations`, names one:
+``activations``); a name must be a plain identifier (:func:`is_table_name`). Other folders under ``tables/`` are
 ignored.
 """
 

@@ -2,7 +2,7 @@
 
 On CUDA, host -> device copies go through pinned memory with ``non_blocking=True`` and device ->
 host copies land in pinned buffers, also without blocking: the host reads them only after the one
-synchronisation point of a batch (see :meth:`actlake.jobs.extract.driver.Extractor.run_batch`). On a CPU
+synchronisation point of a batch (see :meth:`actlake.analysis.engine.forward.ForwardPass.run_batch`). On a CPU
 every function here is the identity (or a plain copy), so CPU code paths are unchanged.
 """
 

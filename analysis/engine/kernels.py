@@ -26,7 +26,7 @@ for a product with the membership matrix.
 
 CPU tests run the same kernels through Triton's interpreter (``TRITON_INTERPRET=1`` before triton is
 imported), on small shapes, against the PyTorch way. In a job, the first use of each kernel on a device
-is also compared with the PyTorch way (:func:`layer_products`, ``DimMoments._from_kernel``;
+is also compared with the PyTorch way (:func:`layer_products`, ``BatchMoments._verify``;
 :func:`check_agreement`).
 """
 

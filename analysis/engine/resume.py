@@ -21,7 +21,7 @@ from actlake.analysis.engine.capture import _Hooks
 
 @dataclass
 class Snapshot:
-    """The clean pass's state at hidden state ``a`` (taken by :meth:`Snapshots.hook`)."""
+    """The clean pass's state at hidden state ``a`` (taken by the hooks of :class:`Snapshots`)."""
 
     a: int
     stats: dict

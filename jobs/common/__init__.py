@@ -1,1 +1,1 @@
-"""What the extraction and training jobs both use: the Ray session and the report page writer."""
+"""What every job uses: the Ray session, the report page writer and the progress lines' clock."""

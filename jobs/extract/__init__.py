@@ -1,1 +1,1 @@
-"""The extraction job: plan, dispatch, workers, reduce, report, sweeps and cluster submission."""
+"""The extraction job: plan, dispatch, workers, reduce, report, sweeps, cluster submission and try-analysis."""
