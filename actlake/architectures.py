@@ -353,6 +353,19 @@ def layers_of(config) -> int:
     return global_attr(text, "num_hidden_layers")
 
 
+def resolve_layers(layers: list[int], n_layers: int, key=lambda i: f"activations.layers[{i}]") -> list[int]:
+    """Config layer numbers (negative from the end) -> hidden-state indices 0..n_layers, sorted, each once; a
+    ConfigError naming the entry (``key(i)``) out of range."""
+    out = []
+    for i, layer in enumerate(layers):
+        idx = layer if layer >= 0 else n_layers + 1 + layer
+        if not 0 <= idx <= n_layers:
+            raise ConfigError(f"{key(i)}: layer {layer} out of range for a model with {n_layers} layers "
+                              f"(hidden states 0..{n_layers})")
+        out.append(idx)
+    return sorted(set(out))
+
+
 def check_streams(config) -> None:
     """Refused by name: several residual streams per token (:data:`STREAMS` above 1: the per-token hidden-state
     statistics assume one vector per token) and blocks repeated in a way :func:`attention_calls` cannot count."""

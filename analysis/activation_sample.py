@@ -14,24 +14,12 @@ import torch
 
 from actlake.analysis.engine.device import to_device, to_host
 from actlake.analysis.protocol import BatchOutputs, HiddenBatch, ShardTable, TableDoc
+from actlake.architectures import resolve_layers
 from actlake.categories import ROLE, TYPE8
-from actlake.errors import ConfigError
 from actlake.hashing import unit_hash
 
 META_BYTES = 48
 """Approximate bytes per row besides the vector (ids, token text, labels; before compression)."""
-
-
-def resolve_layers(layers: list[int], n_layers: int) -> list[int]:
-    """Config layer numbers (negative from the end) -> hidden-state indices 0..n_layers."""
-    out = []
-    for i, layer in enumerate(layers):
-        idx = layer if layer >= 0 else n_layers + 1 + layer
-        if not 0 <= idx <= n_layers:
-            raise ConfigError(f"activations.layers[{i}]: layer {layer} out of range for a model with {n_layers} "
-                              f"layers (hidden states 0..{n_layers})")
-        out.append(idx)
-    return sorted(set(out))
 
 
 def window_sampled(cfg, doc_id: int, window: int) -> bool:
@@ -98,6 +86,26 @@ class ActivationSample(ShardTable):
     def options_from(cls, cfg) -> dict:
         a = cfg.activations
         return {"layers": list(a.layers), "fraction": a.fraction, "seed": a.seed, "dtype": a.dtype}
+
+    @classmethod
+    def plan_note(cls, cfg, n_records: int | None) -> str | None:
+        """The store's size per token and an upper bound for the documents about to run."""
+        if n_records is None:
+            return None
+        from actlake.architectures import layers_of, read_model_config, text_config
+        from actlake.config import resolve_model_path
+
+        m = cfg.model
+        hf = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
+        a, t = cfg.activations, cfg.tokenization
+        layers = resolve_layers(a.layers, layers_of(hf))
+        width = text_config(hf).hidden_size
+        per_token = bytes_per_token(len(layers), width, a.dtype)
+        windows = 1 if t.overflow == "truncate" else t.max_windows_per_doc
+        bound = n_records * windows * t.max_length * a.fraction * per_token
+        return (f"activation store: hidden states {layers}, d = {width}, {a.dtype}: {per_token:,} bytes per token "
+                f"before compression; at most {bound / 2**30:,.2f} GiB for {n_records:,} documents "
+                f"(fraction {a.fraction:g} of windows)")
 
     @classmethod
     def create(cls, spec, layers=(), fraction=1.0, seed=0, dtype="float32") -> "ActivationSample":

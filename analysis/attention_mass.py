@@ -140,6 +140,10 @@ class AttentionMass(OneTable, SumStats):
                                                      "per layer and head: the sink, head by head", h)))
         return blocks
 
+    @classmethod
+    def run_notes(cls, con) -> list[str]:
+        return [NO_FIRST_TOKEN] if no_first_token(con) else []
+
 
 NO_FIRST_TOKEN = ("No first-token chart: no key of category 'bos' took any attention, because no window starts with "
                   "a special token (this tokenizer puts none first). The attention-sink statistics of the first "

@@ -25,9 +25,8 @@ for every analysis that wants them (:mod:`~actlake.analysis.engine.attention_wei
 Extraction, the reduce step, the SQL views and the report loop over the enabled producers
 (:mod:`~actlake.analysis.registry`). A particular one is named only by a producer that reads its output (``tokens``
 reads :class:`~actlake.analysis.token_surprisal.Surprisal`'s values, ``contributions``' charts ``dim_moments``'
-outlier dimensions) and by the jobs where they treat one apart (e.g. the extraction driver makes
-``intervention_effects`` from the passes' per-window sums; ``actlake run`` sizes the activation store with
-``activation_sample`` and notes empty first-token statistics with ``attention_mass``).
+outlier dimensions) and by the extraction driver, which makes ``intervention_effects`` from the passes' per-window
+sums (the ``interventions`` section's table, not an ``analyses`` entry).
 """
 
 from __future__ import annotations
@@ -152,6 +151,17 @@ class Producer(ABC):
     def charts(cls, con) -> list[tuple[float, object]]:
         """Report blocks as (position, block): a block is (slug, title, Altair chart) or an HTML string;
         ``con`` is the run's read-only DuckDB connection. Positions order the report's sections."""
+        return []
+
+    @classmethod
+    def plan_note(cls, cfg, n_records: int | None) -> str | None:
+        """A line the job prints before it hands out shards (the activation store: its size), or None;
+        ``n_records``: the corpus records about to run (None: not counted, a streamed dataset)."""
+        return None
+
+    @classmethod
+    def run_notes(cls, con) -> list[str]:
+        """Warnings the job logs about its finished run, read from the run's views (``con``, as for :meth:`charts`)."""
         return []
 
     @classmethod

@@ -61,6 +61,13 @@ class Job:
     """The enabled producers' classes."""
     interventions: tuple = ()
     """The resolved interventions (directions' and means' values read once), () without any."""
+    tables: tuple = ()
+    """The shard tables' classes (documents, rejects, tokens, ...)."""
+
+    @property
+    def producers(self) -> list:
+        """Every producer of the job: the analyses, then the shard tables."""
+        return [*self.analyses, *self.tables]
 
 
 def _worker_shape(cfg: JobConfig) -> tuple[int, float, float, int]:
@@ -189,24 +196,6 @@ def check_inputs_after_failure(layout: RunLayout, inputs: dict, n_failed: int) -
                           f"failed; pick a new output.run_id (--run-id) or delete {layout.root}")
 
 
-def announce_activation_store(cfg: JobConfig, n_docs: int) -> None:
-    """Print the store's size per token and an upper bound for the documents about to run."""
-    from actlake.analysis.activation_sample import bytes_per_token, resolve_layers
-    from actlake.architectures import layers_of, read_model_config, text_config
-
-    m = cfg.model
-    hf = read_model_config(resolve_model_path(m.name_or_path), m.revision, m.trust_remote_code)
-    a, t = cfg.activations, cfg.tokenization
-    layers = resolve_layers(a.layers, layers_of(hf))
-    width = text_config(hf).hidden_size
-    per_token = bytes_per_token(len(layers), width, a.dtype)
-    windows = 1 if t.overflow == "truncate" else t.max_windows_per_doc
-    bound = n_docs * windows * t.max_length * a.fraction * per_token
-    print(f"activation store: hidden states {layers}, d = {width}, {a.dtype}: {per_token:,} bytes per token "
-          f"before compression; at most {bound / 2**30:,.2f} GiB for {n_docs:,} documents "
-          f"(fraction {a.fraction:g} of windows)", flush=True)
-
-
 class _CustomCode(importlib.abc.MetaPathFinder):
     """Finds the custom analyses' own top-level modules in their folders, and nothing else: the folder is not put
     on sys.path, so a file there named like a module the driver imports later (psutil, duckdb, ray) never runs."""
@@ -286,7 +275,7 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
         )
 
         return run_sweep(cfg, address, report, on_shard)
-    from actlake.analysis.registry import check_table_names, enabled, logits_readers
+    from actlake.analysis.registry import check_table_names, enabled, logits_readers, shard_tables
     from actlake.architectures import check_model
     from actlake.model import require_accelerate
 
@@ -318,7 +307,8 @@ def run_job(cfg: JobConfig, address: str | None = None, report: bool | None = No
         from actlake.analysis.by_source import check_labels
 
         check_labels(planned_labels(cfg, shards), cfg.analyses.max_sources)
-    job = Job(cfg, layout, shards, inputs, plan_hash(cfg, shards), analyses, interventions)
+    job = Job(cfg, layout, shards, inputs, plan_hash(cfg, shards), analyses, interventions,
+              tuple(cls for cls, _ in shard_tables(cfg)))
     with run_lock(layout.root):  # from here on, one job at a time per run directory
         return _execute(job, address, report, on_shard, t0)
 
@@ -331,8 +321,11 @@ def _execute(job: Job, address, report, on_shard, t0) -> RunResult:
     remove_tree(layout.staging)  # leftovers of attempts that died mid-write
     record = committed(layout, phash)  # read once per round, and handed to the reduce step
     pending = [s for s in shards if s.shard_id not in record.shards]
-    if cfg.activations.layers and pending and not cfg.corpus.hf_streaming:  # a streamed dataset's rows are not counted
-        announce_activation_store(cfg, sum(s.end - s.start for s in pending))
+    if pending:
+        n_records = None if cfg.corpus.hf_streaming else sum(s.end - s.start for s in pending)  # streamed: not counted
+        for cls in job.producers:
+            if note := cls.plan_note(cfg, n_records):
+                print(note, flush=True)
     log.info("run %s: %d shards, %d to run, %d already complete", layout.root, len(shards), len(pending), len(shards) - len(pending))
     ran: list[dict] = []
     todo = pending
@@ -366,8 +359,7 @@ def _execute(job: Job, address, report, on_shard, t0) -> RunResult:
         write_json_atomic(layout.summary_json, totals)
     else:  # a rerun that ran nothing keeps the record of the run that did (its wall time, its throughput)
         log.info("run %s: every shard was already complete; summary.json keeps the run that computed them", layout.root)
-    if any(cls.name == "attention_mass" for cls in analyses):
-        warn_if_no_first_token(layout)
+    warn_about(layout, job.producers)
     run_exports(cfg, layout, address or cfg.resources.address)
     report_path = None
     if cfg.output.report if report is None else report:
@@ -378,7 +370,7 @@ def _execute(job: Job, address, report, on_shard, t0) -> RunResult:
 def export_layers(cfg: JobConfig) -> list[int]:
     """The hidden state each ``activations.export`` entry exports (layers counted from the end resolved with the
     model's depth, read from its config); a ConfigError naming the entry whose layer the job does not store."""
-    from actlake.analysis.activation_sample import resolve_layers
+    from actlake.architectures import resolve_layers
 
     depth = None
     if cfg.activations.export and min([*cfg.activations.layers, *(e.layer for e in cfg.activations.export)]) < 0:
@@ -389,7 +381,8 @@ def export_layers(cfg: JobConfig) -> list[int]:
     stored = resolve_layers(cfg.activations.layers, depth) if depth is not None else cfg.activations.layers
     out = []
     for i, e in enumerate(cfg.activations.export):
-        layer = resolve_layers([e.layer], depth)[0] if e.layer < 0 else e.layer
+        layer = resolve_layers([e.layer], depth, lambda _, i=i: f"activations.export[{i}].layer")[0] if e.layer < 0 \
+            else e.layer
         if layer not in stored:
             raise ConfigError(f"activations.export[{i}].layer: hidden state {layer} is not stored (activations.layers: "
                               f"{cfg.activations.layers}{'' if depth is None else f', a model of {depth} blocks'})")
@@ -439,16 +432,16 @@ def _exported(out, e, layer: int, key: str) -> bool:
     return True
 
 
-def warn_if_no_first_token(layout: RunLayout) -> None:
-    """Say so when no window began with a special token (a decoder whose tokenizer adds no BOS): the first-token
-    statistics are empty, and the report has no first-token chart."""
-    from actlake.analysis.attention_mass import NO_FIRST_TOKEN, no_first_token
+def warn_about(layout: RunLayout, producers: list) -> None:
+    """Log each producer's warnings about the finished run (:meth:`~actlake.analysis.protocol.Producer.run_notes`:
+    empty first-token statistics, say)."""
     from actlake.storage.sql import open_run
 
     con = open_run(layout.root)
     try:
-        if no_first_token(con):
-            log.warning("%s", NO_FIRST_TOKEN)
+        for cls in producers:
+            for note in cls.run_notes(con):
+                log.warning("%s", note)
     finally:
         con.close()
 

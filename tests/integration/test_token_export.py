@@ -559,3 +559,28 @@ def test_a_long_export_says_how_far_it_is(store, tmp_path, monkeypatch, caplog):
     assert len(pass1) == n_files and pass1[-1].endswith(f"{n_files} of {n_files} (100 %)")
     assert "s left" in pass1[0] or n_files == 1
     assert len(pass2) == 10 and pass2[-1].endswith("10 of 10 (100 %)") and m["rows"] > 0  # 10 buckets: the fewest
+
+
+def test_the_store_is_announced_with_its_size_and_a_layer_from_the_end_is_checked_naming_its_entry(
+        tiny_models, sample_corpus, tmp_path):
+    """ActivationSample.plan_note: the stored hidden states, bytes per token and the bound, from the model's own
+    config.json (worked out here); none for a streamed dataset. An export's layer counted from the end beyond the
+    model is refused naming activations.export[i].layer (not activations.layers)."""
+    from actlake.analysis.activation_sample import META_BYTES, ActivationSample
+    from actlake.jobs.extract.run import export_layers
+
+    hf = json.loads((Path(tiny_models["gpt_neox"]) / "config.json").read_text())
+    n, d = hf["num_hidden_layers"], hf["hidden_size"]
+    cfg = job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path, **STORE | {"activations.fraction": 0.25})
+    per_token = 2 * (d * 2 + META_BYTES)  # two float16 hidden states and each row's ids
+    bound = 7 * cfg.tokenization.max_windows_per_doc * 200 * 0.25 * per_token
+    assert ActivationSample.plan_note(cfg, 7) == (
+        f"activation store: hidden states {[1, n]}, d = {d}, float16: {per_token:,} bytes per token before "
+        f"compression; at most {bound / 2**30:,.2f} GiB for 7 documents (fraction 0.25 of windows)")
+    assert ActivationSample.plan_note(cfg, None) is None
+    far = job_config(tiny_models["gpt_neox"], sample_corpus, tmp_path, **STORE | {
+        "activations.export": [{"format": "tokens", "layer": 1, "dir": str(tmp_path / "a")},
+                               {"format": "tokens", "layer": -n - 2, "dir": str(tmp_path / "b")}]})
+    with pytest.raises(ConfigError, match=re.escape(f"activations.export[1].layer: layer {-n - 2} out of range for a "
+                                                    f"model with {n} layers (hidden states 0..{n})")):
+        export_layers(far)
